@@ -1,0 +1,1 @@
+"""pdspec decode_worker package."""

@@ -1,0 +1,1 @@
+"""pdspec engine package."""

@@ -1,0 +1,1 @@
+"""pdspec prefill_worker package."""
