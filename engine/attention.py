@@ -1,0 +1,184 @@
+"""Paged attention over the block-major KV cache, torch implementation (the CPU path and the
+reference the Triton kernel is tested against).
+
+A forward's sequences fall in two groups:
+- *short* queries (decode steps and speculative verification spans, <= SHORT_QUERY tokens):
+  padded into one [B, Q] batch, so a whole running batch costs a handful of torch ops per layer
+  instead of a Python loop over sequences;
+- *long* queries (prefill chunks): one SDPA call each, with their cached prefix gathered by
+  their block table.
+Keys and values of the new tokens are written into the cache first, then read back through
+the block tables, so a sequence attends to its cached prefix and to itself the same way.
+"""
+
+from dataclasses import dataclass
+
+import torch
+import torch.nn.functional as F
+
+# Query spans up to this length go through the padded batch; longer ones through SDPA alone.
+SHORT_QUERY = 16
+
+
+@dataclass
+class ShortGroup:
+    rows: torch.Tensor | None  # [B*Q] flat token rows gathered into the padded batch; None = dense
+    valid: torch.Tensor | None  # [n] positions in the padded batch that are real tokens; None = all
+    out_rows: torch.Tensor | None  # [n] flat token rows the valid outputs go back to
+    block_tables: torch.Tensor  # [B, max_blocks]
+    mask: torch.Tensor  # [B, 1, 1, Q, S] additive (0 / -inf)
+    batch: int
+    query_len: int
+
+
+@dataclass
+class LongQuery:
+    start: int
+    end: int
+    block_table: torch.Tensor  # [blocks]
+    mask: torch.Tensor | None  # [Lq, S] bool, None when the query is the whole context (plain causal)
+
+
+@dataclass
+class AttentionMetadata:
+    """Everything attention needs about one flat batch, built once and shared by all layers."""
+
+    slot_blocks: torch.Tensor  # [T] cache block of each new token
+    slot_offsets: torch.Tensor  # [T] offset inside that block
+    query_start_loc: torch.Tensor  # [B+1] generic description, used by the Triton kernel
+    context_lens: torch.Tensor  # [B] KV length per sequence after this forward's writes
+    block_tables: torch.Tensor  # [B, max_blocks] padded with 0
+    short: ShortGroup | None
+    long: list[LongQuery]
+
+    @classmethod
+    def build(
+        cls,
+        query_lens: list[int],
+        context_lens: list[int],
+        block_tables: list[list[int]],
+        slot_mapping: torch.Tensor,
+        block_size: int,
+        device: torch.device,
+    ) -> "AttentionMetadata":
+        starts = [0]
+        for n in query_lens:
+            starts.append(starts[-1] + n)
+        short_ids = [i for i, n in enumerate(query_lens) if n <= SHORT_QUERY]
+        long = [
+            LongQuery(starts[i], starts[i + 1], _table(block_tables[i], context_lens[i], block_size, device),
+                      _causal_mask(query_lens[i], context_lens[i], device))
+            for i, n in enumerate(query_lens) if n > SHORT_QUERY
+        ]
+        return cls(
+            slot_blocks=torch.div(slot_mapping, block_size, rounding_mode="floor"),
+            slot_offsets=slot_mapping % block_size,
+            query_start_loc=torch.tensor(starts, dtype=torch.int32, device=device),
+            context_lens=torch.tensor(context_lens, dtype=torch.int32, device=device),
+            block_tables=_pad_tables(block_tables, device),
+            short=_short_group(short_ids, starts, query_lens, context_lens, block_tables, block_size, device)
+            if short_ids else None,
+            long=long,
+        )
+
+
+def _pad_tables(tables: list[list[int]], device: torch.device) -> torch.Tensor:
+    width = max((len(t) for t in tables), default=0) or 1
+    return torch.tensor([t + [0] * (width - len(t)) for t in tables], dtype=torch.long, device=device)
+
+
+def _table(table: list[int], context_len: int, block_size: int, device: torch.device) -> torch.Tensor:
+    return torch.tensor(table[: -(-context_len // block_size)], dtype=torch.long, device=device)
+
+
+def _causal_mask(query_len: int, context_len: int, device: torch.device) -> torch.Tensor | None:
+    if query_len == context_len:
+        return None
+    # Query i sits at position context_len - query_len + i and sees keys up to it.
+    first = context_len - query_len
+    q_pos = torch.arange(first, context_len, device=device).unsqueeze(1)
+    return torch.arange(context_len, device=device).unsqueeze(0) <= q_pos
+
+
+def _short_group(ids, starts, query_lens, context_lens, block_tables, block_size, device) -> ShortGroup:
+    q = max(query_lens[i] for i in ids)
+    max_ctx = max(context_lens[i] for i in ids)
+    blocks = -(-max_ctx // block_size)
+    s = blocks * block_size
+    tables = [block_tables[i][:blocks] + [0] * (blocks - len(block_tables[i][:blocks])) for i in ids]
+    key_pos = torch.arange(s, device=device)
+    q_lens = torch.tensor([query_lens[i] for i in ids], device=device)
+    ctx = torch.tensor([context_lens[i] for i in ids], device=device)
+    # Query j of sequence b is at position ctx_b - q_len_b + j; padded queries (j >= q_len_b) are
+    # given position 0 so their softmax row stays finite; their outputs are dropped.
+    q_pos = ctx[:, None] - q_lens[:, None] + torch.arange(q, device=device)[None, :]
+    q_pos = torch.where(q_pos >= ctx[:, None], torch.zeros_like(q_pos), q_pos)
+    allowed = key_pos[None, None, :] <= q_pos[:, :, None]
+    mask = torch.zeros(allowed.shape, device=device).masked_fill_(~allowed, float("-inf"))
+    dense = all(query_lens[i] == q for i in ids) and ids == list(range(len(query_lens))) and starts[-1] == len(ids) * q
+    if dense:
+        rows = valid = out_rows = None
+    else:
+        flat = [starts[i] + min(j, query_lens[i] - 1) for i in ids for j in range(q)]
+        keep = [b * q + j for b, i in enumerate(ids) for j in range(query_lens[i])]
+        rows = torch.tensor(flat, dtype=torch.long, device=device)
+        valid = torch.tensor(keep, dtype=torch.long, device=device)
+        out_rows = rows[valid]
+    return ShortGroup(rows, valid, out_rows, torch.tensor(tables, dtype=torch.long, device=device),
+                      mask.view(len(ids), 1, 1, q, s), len(ids), q)
+
+
+def write_kv(layer_cache: torch.Tensor, meta: AttentionMetadata, k: torch.Tensor, v: torch.Tensor) -> None:
+    """layer_cache: [num_blocks, 2, block_size, kv_heads, D]; k, v: [T, kv_heads, D]."""
+    layer_cache[meta.slot_blocks, 0, meta.slot_offsets] = k
+    layer_cache[meta.slot_blocks, 1, meta.slot_offsets] = v
+
+
+def paged_attention(q: torch.Tensor, layer_cache: torch.Tensor, meta: AttentionMetadata, scale: float) -> torch.Tensor:
+    """q: [T, heads, D] -> [T, heads * D], attending over each sequence's cached keys/values."""
+    t, heads, d = q.shape
+    out = q.new_empty(t, heads * d)
+    if meta.short is not None:
+        _short_attention(q, layer_cache, meta.short, scale, out)
+    for lq in meta.long:
+        _long_attention(q, layer_cache, lq, scale, out)
+    return out
+
+
+def _gather_kv(layer_cache: torch.Tensor, tables: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """[..., blocks] tables -> keys, values [..., kv_heads, blocks*block_size, D]."""
+    kv = layer_cache[tables]  # [..., blocks, 2, bs, kv_heads, D]
+    *lead, blocks, _, bs, kv_heads, d = kv.shape
+    kv = kv.movedim(-4, 0).reshape(2, *lead, blocks * bs, kv_heads, d).transpose(-3, -2)
+    return kv[0], kv[1]
+
+
+def _short_attention(q, layer_cache, group: ShortGroup, scale, out) -> None:
+    heads, d = q.shape[1:]
+    b, ql = group.batch, group.query_len
+    keys, values = _gather_kv(layer_cache, group.block_tables)  # [B, kvh, S, D]
+    kv_heads = keys.shape[1]
+    rep = heads // kv_heads
+    qb = q if group.rows is None else q.index_select(0, group.rows)
+    # [B*Q, heads, D] -> [B, kvh, rep*Q, D]: each kv head's query heads batched together (GQA
+    # without repeating K/V).
+    qb = qb.view(b, ql, kv_heads, rep, d).permute(0, 2, 3, 1, 4).reshape(b, kv_heads, rep * ql, d)
+    scores = torch.matmul(qb * scale, keys.transpose(-1, -2)).view(b, kv_heads, rep, ql, -1)
+    probs = torch.softmax(scores + group.mask, dim=-1).view(b, kv_heads, rep * ql, -1)
+    o = torch.matmul(probs, values).view(b, kv_heads, rep, ql, d).permute(0, 3, 1, 2, 4).reshape(b * ql, heads * d)
+    if group.rows is None:
+        out.copy_(o)
+    else:
+        out.index_copy_(0, group.out_rows, o.index_select(0, group.valid))
+
+
+def _long_attention(q, layer_cache, lq: LongQuery, scale, out) -> None:
+    keys, values = _gather_kv(layer_cache, lq.block_table)  # [kvh, S_pad, D]
+    context = lq.mask.shape[1] if lq.mask is not None else lq.end - lq.start
+    keys, values = keys[:, :context], values[:, :context]
+    qs = q[lq.start : lq.end].transpose(0, 1).unsqueeze(0)  # [1, heads, Lq, D]
+    o = F.scaled_dot_product_attention(
+        qs, keys.unsqueeze(0), values.unsqueeze(0), attn_mask=lq.mask, is_causal=lq.mask is None,
+        scale=scale, enable_gqa=True,
+    )
+    out[lq.start : lq.end] = o[0].transpose(0, 1).reshape(lq.end - lq.start, -1)

@@ -1,0 +1,125 @@
+"""Configuration: the model's architecture (read from an HF config.json) and the engine's knobs.
+
+`EngineConfig` is a pydantic model because it is part of the one deployment schema that YAML,
+the CLI and Helm values all map onto (see deploy/); errors name the field and allowed values.
+"""
+
+import json
+import math
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Literal
+
+import torch
+from pydantic import BaseModel, ConfigDict, Field
+
+SUPPORTED_ARCHITECTURES = ("LlamaForCausalLM", "MistralForCausalLM", "Qwen2ForCausalLM", "Qwen3ForCausalLM")
+
+
+class ModelConfigError(ValueError):
+    """A model directory or config.json that pdspec cannot serve."""
+
+
+@dataclass(frozen=True)
+class ModelConfig:
+    """The Llama-family architecture facts the forward pass needs."""
+
+    architecture: str
+    vocab_size: int
+    hidden_size: int
+    intermediate_size: int
+    num_layers: int
+    num_heads: int
+    num_kv_heads: int
+    head_dim: int
+    rms_norm_eps: float
+    rope_theta: float
+    rope_scaling: dict | None
+    max_position_embeddings: int
+    tie_word_embeddings: bool
+    attention_bias: bool  # Qwen2 has q/k/v biases
+    qk_norm: bool  # Qwen3 normalises q and k per head before RoPE
+
+    @property
+    def aux_layer_ids(self) -> tuple[int, int, int]:
+        """Layers whose *input* hidden states are EAGLE3's auxiliary features (low, mid, high)."""
+        return (2, self.num_layers // 2, self.num_layers - 3)
+
+    @classmethod
+    def from_dir(cls, model_dir: Path) -> "ModelConfig":
+        path = Path(model_dir) / "config.json"
+        if not path.is_file():
+            raise ModelConfigError(f"{model_dir}: no config.json found; expected an HF model directory")
+        return cls.from_dict(json.loads(path.read_text()), source=str(path))
+
+    @classmethod
+    def from_dict(cls, raw: dict, source: str = "config") -> "ModelConfig":
+        archs = raw.get("architectures") or []
+        arch = next((a for a in archs if a in SUPPORTED_ARCHITECTURES), None)
+        if arch is None:
+            raise ModelConfigError(
+                f"{source}: architectures {archs or '(missing)'} not supported; "
+                f"supported: {', '.join(SUPPORTED_ARCHITECTURES)}"
+            )
+        num_heads = raw["num_attention_heads"]
+        rope_scaling = raw.get("rope_scaling") or raw.get("rope_parameters")
+        return cls(
+            architecture=arch,
+            vocab_size=raw["vocab_size"],
+            hidden_size=raw["hidden_size"],
+            intermediate_size=raw["intermediate_size"],
+            num_layers=raw["num_hidden_layers"],
+            num_heads=num_heads,
+            num_kv_heads=raw.get("num_key_value_heads") or num_heads,
+            head_dim=raw.get("head_dim") or raw["hidden_size"] // num_heads,
+            rms_norm_eps=raw.get("rms_norm_eps", 1e-6),
+            rope_theta=raw.get("rope_theta") or (rope_scaling or {}).get("rope_theta", 10000.0),
+            rope_scaling=rope_scaling if (rope_scaling or {}).get("rope_type", "default") != "default" else None,
+            max_position_embeddings=raw.get("max_position_embeddings", 4096),
+            tie_word_embeddings=raw.get("tie_word_embeddings", False),
+            attention_bias=raw.get("attention_bias", arch == "Qwen2ForCausalLM"),
+            qk_norm=arch == "Qwen3ForCausalLM",
+        )
+
+
+def rope_inv_freq(config: ModelConfig) -> torch.Tensor:
+    """Inverse RoPE frequencies [head_dim/2], with Llama-3.1-style scaling when configured."""
+    dim = config.head_dim
+    inv_freq = 1.0 / (config.rope_theta ** (torch.arange(0, dim, 2, dtype=torch.float64) / dim))
+    scaling = config.rope_scaling
+    if scaling is None:
+        return inv_freq.float()
+    kind = scaling.get("rope_type", scaling.get("type"))
+    if kind != "llama3":
+        raise ModelConfigError(f"rope_scaling type {kind!r} not supported; supported: default, llama3")
+    factor = scaling["factor"]
+    low, high = scaling["low_freq_factor"], scaling["high_freq_factor"]
+    original = scaling["original_max_position_embeddings"]
+    wavelen = 2 * math.pi / inv_freq
+    smooth = (original / wavelen - low) / (high - low)
+    scaled = torch.where(wavelen > original / low, inv_freq / factor, inv_freq)
+    medium = (wavelen >= original / high) & (wavelen <= original / low)
+    return torch.where(medium, (1 - smooth) * inv_freq / factor + smooth * inv_freq, scaled).float()
+
+
+DType = Literal["float32", "bfloat16", "float16"]
+
+
+class EngineConfig(BaseModel):
+    """The knobs of one engine instance (one worker process)."""
+
+    model_config = ConfigDict(extra="forbid")
+
+    model: str | None = Field(None, description="HF model directory; None = the embedded SmolLM2-135M-Instruct")
+    dtype: DType = Field("float32", description="weights and activations dtype")
+    device: Literal["cpu", "cuda"] = "cpu"
+    block_size: int = Field(16, ge=1, le=256, description="tokens per KV block")
+    num_kv_blocks: int = Field(2048, ge=2, description="KV blocks in the pool (target and draft share block ids)")
+    max_num_seqs: int = Field(16, ge=1, description="sequences in one running batch")
+    max_num_batched_tokens: int = Field(2048, ge=16, description="token budget of one forward (prefill chunks)")
+    enable_prefix_caching: bool = True
+    max_model_len: int | None = Field(None, ge=1, description="context limit; default: the model's own")
+
+    @property
+    def torch_dtype(self) -> torch.dtype:
+        return getattr(torch, self.dtype)

@@ -1,0 +1,65 @@
+"""The small building blocks of the Llama-family forward: linear, RMSNorm, RoPE.
+
+`Linear` is where the CPU speed comes from: on CPU with fp32 weights it multiplies through
+the packed small-M GEMM (engine/csrc/packed_gemm.c), whose cost stays flat from 1 to 8 rows,
+so verifying K+1 speculative tokens costs about one decode step. Elsewhere (CUDA, or a
+16-bit dtype) it is torch's own `F.linear`.
+"""
+
+import torch
+import torch.nn.functional as F
+
+from engine import cpu_kernels
+from engine.config import ModelConfig, rope_inv_freq
+
+
+def uses_packed_gemm(device: torch.device, dtype: torch.dtype) -> bool:
+    return device.type == "cpu" and dtype == torch.float32
+
+
+class Linear:
+    """y = x @ W^T + b, with W stored in the layout the device's fastest GEMM reads."""
+
+    def __init__(self, weight: torch.Tensor, bias: torch.Tensor | None = None):
+        self.out_features, self.in_features = weight.shape
+        self.packed = uses_packed_gemm(weight.device, weight.dtype)
+        self.weight = cpu_kernels.pack_weight(weight) if self.packed else weight.contiguous()
+        self.bias = bias.contiguous() if bias is not None else None
+
+    def __call__(self, x: torch.Tensor) -> torch.Tensor:
+        if self.packed:
+            return cpu_kernels.packed_gemm(x, self.weight, self.out_features, self.bias)
+        return F.linear(x, self.weight, self.bias)
+
+    def rows(self, ids: torch.Tensor) -> torch.Tensor:
+        """Rows of W (an embedding lookup when the head is tied to the embeddings)."""
+        if self.packed:
+            return cpu_kernels.unpack_rows(self.weight, ids)
+        return self.weight[ids]
+
+
+def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
+    return F.rms_norm(x, (x.shape[-1],), weight, eps)
+
+
+class Rotary:
+    """Rotate-half RoPE (HF convention) from a precomputed cos/sin table."""
+
+    def __init__(self, config: ModelConfig, max_positions: int, device: torch.device, dtype: torch.dtype):
+        inv_freq = rope_inv_freq(config)
+        angles = torch.outer(torch.arange(max_positions, dtype=torch.float32), inv_freq)
+        angles = torch.cat([angles, angles], dim=-1)
+        self.cos = angles.cos().to(device=device, dtype=dtype)
+        self.sin = angles.sin().to(device=device, dtype=dtype)
+        self.max_positions = max_positions
+
+    def tables(self, positions: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """cos, sin for `positions`, shaped [T, 1, D] to broadcast over heads; gathered once per forward."""
+        return self.cos[positions].unsqueeze(1), self.sin[positions].unsqueeze(1)
+
+    @staticmethod
+    def apply(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+        """x: [T, heads, D]."""
+        half = x.shape[-1] // 2
+        rotated = torch.cat([-x[..., half:], x[..., :half]], dim=-1)
+        return x * cos + rotated * sin

@@ -1,0 +1,118 @@
+"""The Llama-family forward pass (Llama, Mistral, Qwen2, Qwen3) over a flat, paged batch.
+
+One forward handles any mix of prefill chunks, single-token decodes and multi-token
+speculative verification spans: tokens of all sequences are concatenated into one [T, H]
+activation, every projection runs once over all T rows, and only attention looks at sequence
+boundaries (through `AttentionMetadata`). Logits are computed only at the requested rows,
+and on request the residual stream entering the EAGLE3 auxiliary layers is returned.
+"""
+
+from collections.abc import Callable
+from dataclasses import dataclass
+
+import torch
+
+from engine.attention import AttentionMetadata, paged_attention, write_kv
+from engine.config import ModelConfig
+from engine.layers import Linear, Rotary, rms_norm
+
+
+AttentionFn = Callable[[torch.Tensor, torch.Tensor, AttentionMetadata, float], torch.Tensor]
+
+
+def attention_for(device: torch.device) -> AttentionFn:
+    """The torch path on CPU; the Triton paged-attention kernel on CUDA."""
+    if device.type == "cuda":
+        from engine.triton_attention import triton_paged_attention
+
+        return triton_paged_attention
+    return paged_attention
+
+
+@dataclass
+class ForwardBatch:
+    input_ids: torch.Tensor  # [T]
+    positions: torch.Tensor  # [T]
+    attention: AttentionMetadata
+    logits_indices: torch.Tensor  # [n] rows whose logits are wanted
+    return_aux: bool = False  # also return the EAGLE3 auxiliary hidden states of every row
+
+
+@dataclass
+class ForwardOutput:
+    logits: torch.Tensor  # [n, vocab] fp32
+    aux_hidden: torch.Tensor | None  # [T, 3 * hidden]: inputs of layers aux_layer_ids, concatenated
+
+
+class DecoderLayer:
+    def __init__(self, config: ModelConfig, w: dict[str, torch.Tensor], attend: AttentionFn):
+        self.config = config
+        self.attend = attend
+        q, k, v = w["self_attn.q_proj.weight"], w["self_attn.k_proj.weight"], w["self_attn.v_proj.weight"]
+        bias = None
+        if config.attention_bias:
+            bias = torch.cat([w["self_attn.q_proj.bias"], w["self_attn.k_proj.bias"], w["self_attn.v_proj.bias"]])
+        # Fused projections: one GEMM reads all of q/k/v (and gate/up) weights in one pass.
+        self.qkv = Linear(torch.cat([q, k, v]), bias)
+        self.o = Linear(w["self_attn.o_proj.weight"])
+        self.gate_up = Linear(torch.cat([w["mlp.gate_proj.weight"], w["mlp.up_proj.weight"]]))
+        self.down = Linear(w["mlp.down_proj.weight"])
+        self.input_norm = w["input_layernorm.weight"]
+        self.post_norm = w["post_attention_layernorm.weight"]
+        self.q_norm = w.get("self_attn.q_norm.weight")
+        self.k_norm = w.get("self_attn.k_norm.weight")
+        self.q_size = config.num_heads * config.head_dim
+        self.kv_size = config.num_kv_heads * config.head_dim
+        self.scale = config.head_dim**-0.5
+
+    def __call__(self, x, cos, sin, layer_cache, meta: AttentionMetadata) -> torch.Tensor:
+        c = self.config
+        t = x.shape[0]
+        qkv = self.qkv(rms_norm(x, self.input_norm, c.rms_norm_eps))
+        q, k, v = qkv.split([self.q_size, self.kv_size, self.kv_size], dim=-1)
+        q = q.view(t, c.num_heads, c.head_dim)
+        k = k.view(t, c.num_kv_heads, c.head_dim)
+        if self.q_norm is not None:
+            q = rms_norm(q, self.q_norm, c.rms_norm_eps)
+            k = rms_norm(k, self.k_norm, c.rms_norm_eps)
+        q, k = Rotary.apply(q, cos, sin), Rotary.apply(k, cos, sin)
+        write_kv(layer_cache, meta, k, v.view(t, c.num_kv_heads, c.head_dim))
+        x = x + self.o(self.attend(q, layer_cache, meta, self.scale))
+        gate, up = self.gate_up(rms_norm(x, self.post_norm, c.rms_norm_eps)).chunk(2, dim=-1)
+        return x + self.down(torch.nn.functional.silu(gate) * up)
+
+
+class CausalLM:
+    """Weights are given HF-named (`model.layers.0.self_attn.q_proj.weight`, ...)."""
+
+    def __init__(self, config: ModelConfig, weights: dict[str, torch.Tensor], max_positions: int):
+        self.config = config
+        embed = weights["model.embed_tokens.weight"]
+        attend = attention_for(embed.device)
+        self.layers = [
+            DecoderLayer(config, {k.removeprefix(f"model.layers.{i}."): v for k, v in weights.items()
+                                  if k.startswith(f"model.layers.{i}.")}, attend)
+            for i in range(config.num_layers)
+        ]
+        self.norm = weights["model.norm.weight"]
+        tied = config.tie_word_embeddings or "lm_head.weight" not in weights
+        self.lm_head = Linear(embed if tied else weights["lm_head.weight"])
+        # A tied head is also the embedding table (read through the head's layout, stored once).
+        self.embed = None if tied else embed
+        self.rotary = Rotary(config, max_positions, embed.device, embed.dtype)
+        self.aux_layer_ids = config.aux_layer_ids
+
+    def embed_tokens(self, ids: torch.Tensor) -> torch.Tensor:
+        return self.lm_head.rows(ids) if self.embed is None else self.embed[ids]
+
+    def forward(self, batch: ForwardBatch, kv_cache: torch.Tensor) -> ForwardOutput:
+        """kv_cache: [num_blocks, num_layers, 2, block_size, kv_heads, head_dim]."""
+        x = self.embed_tokens(batch.input_ids)
+        cos, sin = self.rotary.tables(batch.positions)
+        aux = []
+        for i, layer in enumerate(self.layers):
+            if batch.return_aux and i in self.aux_layer_ids:
+                aux.append(x)
+            x = layer(x, cos, sin, kv_cache[:, i], batch.attention)
+        h = rms_norm(x.index_select(0, batch.logits_indices), self.norm, self.config.rms_norm_eps)
+        return ForwardOutput(self.lm_head(h).float(), torch.cat(aux, dim=-1) if aux else None)

@@ -1,0 +1,107 @@
+"""Triton paged attention against the torch reference, run on CPU by the Triton interpreter.
+
+TRITON_INTERPRET must be set before triton is first imported, and other tests in the session may
+already have imported it, so the comparison runs in a subprocess: this file executed as a script
+(`python -m tests.test_triton_attention`) runs every case and prints the errors as JSON; the
+pytest side runs it once and asserts per case.
+"""
+
+import json
+import os
+import random
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+ROOT = Path(__file__).resolve().parent.parent
+
+# (name, heads, kv_heads, head_dim, block_size, dtype, batch)
+# batch: (query_len, context_len) per sequence. "mixed": a 20-token chunk after a 20-token cached
+# prefix, a fresh 17-token prefill, three decodes (one at context 1), and a 6-token verification
+# span at positions 13..18 that crosses a block boundary for block sizes 8 and 16.
+MIXED = [(20, 40), (17, 17), (1, 1), (1, 9), (1, 33), (6, 19)]
+DECODE = [(1, 5), (1, 16), (1, 17), (1, 30)]
+CASES = [
+    ("gqa-d32-bs16-fp32", 6, 2, 32, 16, "float32", MIXED),
+    ("gqa-d64-bs8-fp32", 6, 2, 64, 8, "float32", MIXED),
+    ("mha-d32-bs8-fp32-decode", 4, 4, 32, 8, "float32", DECODE),
+    ("gqa-d32-bs8-fp16", 6, 2, 32, 8, "float16", MIXED),
+    ("gqa-d64-bs16-fp16", 6, 2, 64, 16, "float16", MIXED),
+]
+# fp16: outputs (|x| < 8, half an ulp <= 2e-3) and the probabilities fed to P @ V are rounded to fp16.
+TOLERANCE = {"float32": 1e-4, "float16": 5e-3}
+
+
+def _run_case(heads: int, kv_heads: int, head_dim: int, block_size: int, dtype: str,
+              batch: list[tuple[int, int]], seed: int) -> float:
+    import torch
+
+    from engine.attention import AttentionMetadata, paged_attention
+    from engine.triton_attention import triton_paged_attention
+
+    rng = random.Random(seed)
+    torch.manual_seed(seed)
+    needed = [-(-ctx // block_size) + 1 for _, ctx in batch]  # one spare block past the context
+    num_blocks = sum(needed) + 3
+    ids = list(range(num_blocks))
+    rng.shuffle(ids)  # non-contiguous, unordered block tables
+    tables = []
+    for n in needed:
+        tables.append(ids[:n])
+        ids = ids[n:]
+
+    # The whole cache is random, so reading any slot past a context or outside a table shows up.
+    num_layers, layer = 2, 1
+    cache = torch.randn(num_blocks, num_layers, 2, block_size, kv_heads, head_dim).to(getattr(torch, dtype))
+    layer_cache = cache[:, layer]
+    assert not layer_cache.is_contiguous()
+
+    query_lens = [n for n, _ in batch]
+    context_lens = [ctx for _, ctx in batch]
+    slots = [tables[b][pos // block_size] * block_size + pos % block_size
+             for b, (n, ctx) in enumerate(batch) for pos in range(ctx - n, ctx)]
+    meta = AttentionMetadata.build(query_lens, context_lens, tables, torch.tensor(slots), block_size,
+                                   torch.device("cpu"))
+    q = torch.randn(sum(query_lens), heads, head_dim).to(cache.dtype)
+    scale = head_dim ** -0.5
+
+    # Reference in fp32 on the same (possibly fp16-rounded) inputs.
+    expected = paged_attention(q.float(), layer_cache.float(), meta, scale)
+    got = triton_paged_attention(q, layer_cache, meta, scale)
+    assert got.shape == expected.shape and got.dtype == q.dtype
+    return (got.float() - expected).abs().max().item()
+
+
+def _main() -> None:
+    assert os.environ.get("TRITON_INTERPRET") == "1", "run with TRITON_INTERPRET=1"
+    results = {}
+    for i, (name, *args) in enumerate(CASES):
+        try:
+            results[name] = {"max_err": _run_case(*args, seed=i)}
+        except Exception as e:  # report per case so one failure does not hide the others
+            results[name] = {"error": f"{type(e).__name__}: {e}"}
+    print(json.dumps(results))
+
+
+@pytest.fixture(scope="module")
+def results() -> dict:
+    proc = subprocess.run(
+        [sys.executable, "-m", "tests.test_triton_attention"],
+        cwd=ROOT, env={**os.environ, "TRITON_INTERPRET": "1"}, capture_output=True, text=True, timeout=300,
+    )
+    assert proc.returncode == 0, proc.stderr[-4000:]
+    return json.loads(proc.stdout.strip().splitlines()[-1])
+
+
+@pytest.mark.parametrize("case", CASES, ids=[c[0] for c in CASES])
+def test_matches_torch_reference(results: dict, case) -> None:
+    name, dtype = case[0], case[5]
+    result = results[name]
+    assert "error" not in result, result.get("error")
+    assert result["max_err"] < TOLERANCE[dtype], f"{name}: max abs error {result['max_err']:.2e}"
+
+
+if __name__ == "__main__":
+    _main()
