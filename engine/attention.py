@@ -11,10 +11,13 @@ Keys and values of the new tokens are written into the cache first, then read ba
 the block tables, so a sequence attends to its cached prefix and to itself the same way.
 """
 
+import functools
 from dataclasses import dataclass
 
 import torch
 import torch.nn.functional as F
+
+from engine import cpu_kernels
 
 # Query spans up to this length go through the padded batch; longer ones through SDPA alone.
 SHORT_QUERY = 16
@@ -45,11 +48,11 @@ class AttentionMetadata:
 
     slot_blocks: torch.Tensor  # [T] cache block of each new token
     slot_offsets: torch.Tensor  # [T] offset inside that block
-    query_start_loc: torch.Tensor  # [B+1] generic description, used by the Triton kernel
-    context_lens: torch.Tensor  # [B] KV length per sequence after this forward's writes
-    block_tables: torch.Tensor  # [B, max_blocks] padded with 0
-    short: ShortGroup | None
-    long: list[LongQuery]
+    query_start_loc: torch.Tensor  # [B+1] int32: rows of sequence b are [qsl[b], qsl[b+1])
+    context_lens: torch.Tensor  # [B] int32: KV length per sequence after this forward's writes
+    block_tables: torch.Tensor  # [B, max_blocks] int64, padded with 0
+    long: list[LongQuery]  # the sequences with more than SHORT_QUERY query tokens
+    lists: tuple[list[int], list[int], list[list[int]], int]  # query lens, context lens, tables, block size
 
     @classmethod
     def build(
@@ -64,7 +67,6 @@ class AttentionMetadata:
         starts = [0]
         for n in query_lens:
             starts.append(starts[-1] + n)
-        short_ids = [i for i, n in enumerate(query_lens) if n <= SHORT_QUERY]
         long = [
             LongQuery(starts[i], starts[i + 1], _table(block_tables[i], context_lens[i], block_size, device),
                       _causal_mask(query_lens[i], context_lens[i], device))
@@ -76,10 +78,19 @@ class AttentionMetadata:
             query_start_loc=torch.tensor(starts, dtype=torch.int32, device=device),
             context_lens=torch.tensor(context_lens, dtype=torch.int32, device=device),
             block_tables=_pad_tables(block_tables, device),
-            short=_short_group(short_ids, starts, query_lens, context_lens, block_tables, block_size, device)
-            if short_ids else None,
             long=long,
+            lists=(query_lens, context_lens, block_tables, block_size),
         )
+
+    @functools.cached_property
+    def short(self) -> "ShortGroup | None":
+        """The padded batch of short queries, for the torch path (built on first use only)."""
+        query_lens, context_lens, tables, block_size = self.lists
+        ids = [i for i, n in enumerate(query_lens) if n <= SHORT_QUERY]
+        if not ids:
+            return None
+        starts = self.query_start_loc.tolist()
+        return _short_group(ids, starts, query_lens, context_lens, tables, block_size, self.block_tables.device)
 
 
 def _pad_tables(tables: list[list[int]], device: torch.device) -> torch.Tensor:
@@ -140,6 +151,18 @@ def paged_attention(q: torch.Tensor, layer_cache: torch.Tensor, meta: AttentionM
     out = q.new_empty(t, heads * d)
     if meta.short is not None:
         _short_attention(q, layer_cache, meta.short, scale, out)
+    for lq in meta.long:
+        _long_attention(q, layer_cache, lq, scale, out)
+    return out
+
+
+def native_paged_attention(q: torch.Tensor, layer_cache: torch.Tensor, meta: AttentionMetadata, scale: float) -> torch.Tensor:
+    """`paged_attention` with short queries computed by the C kernel (CPU, fp32): one call per
+    layer reads K/V straight from the cache instead of ~10 torch ops and two context copies."""
+    t, heads, d = q.shape
+    out = q.new_empty(t, heads * d)
+    cpu_kernels.paged_attention(q, layer_cache, meta.block_tables, meta.query_start_loc, meta.context_lens,
+                                SHORT_QUERY, scale, out)
     for lq in meta.long:
         _long_attention(q, layer_cache, lq, scale, out)
     return out

@@ -119,6 +119,10 @@ class EngineConfig(BaseModel):
     max_num_batched_tokens: int = Field(2048, ge=16, description="token budget of one forward (prefill chunks)")
     enable_prefix_caching: bool = True
     max_model_len: int | None = Field(None, ge=1, description="context limit; default: the model's own")
+    num_threads: int | None = Field(
+        None, ge=1, description="CPU threads for this engine; default: all cores. Processes sharing cores "
+        "should split them: spinning OpenMP threads of two processes on one core stall each other"
+    )
 
     @property
     def torch_dtype(self) -> torch.dtype:

@@ -20,8 +20,10 @@ import torch
 
 from engine.home import pdspec_home
 
-_SOURCE = Path(__file__).parent / "csrc" / "packed_gemm.c"
+_SOURCES = [Path(__file__).parent / "csrc" / name for name in ("packed_gemm.c", "paged_attention.c")]
 _FLAGS = ["-O3", "-march=native", "-fopenmp", "-shared", "-fPIC", "-std=gnu11"]
+# Limits of paged_attention.c (checked here so callers can pick another path up front).
+ATTENTION_MAX_HEAD_DIM, ATTENTION_MAX_GROUP = 256, 64
 
 
 def _cpu_signature() -> str:
@@ -38,25 +40,31 @@ def load_library() -> ctypes.CDLL:
     compiler = os.environ.get("CC") or shutil.which("gcc") or shutil.which("cc")
     if compiler is None:
         raise RuntimeError(
-            "pdspec's CPU kernels need a C compiler (gcc) to build engine/csrc/packed_gemm.c; "
+            "pdspec's CPU kernels need a C compiler (gcc) to build engine/csrc/*.c; "
             "install gcc or set CC, or run with device 'cuda'"
         )
-    source = _SOURCE.read_bytes()
+    source = b"".join(src.read_bytes() for src in _SOURCES)
     key = hashlib.sha256(source + " ".join(_FLAGS).encode() + _cpu_signature().encode()).hexdigest()[:16]
-    target = pdspec_home() / "kernels" / f"packed_gemm-{key}.so"
+    target = pdspec_home() / "kernels" / f"pdspec_cpu-{key}.so"
     if not target.exists():
         target.parent.mkdir(parents=True, exist_ok=True)
         # Build beside the target and rename: processes that start together never see half a file.
         with tempfile.TemporaryDirectory(dir=target.parent) as tmp:
             built = Path(tmp) / target.name
-            result = subprocess.run([compiler, *_FLAGS, str(_SOURCE), "-o", str(built)], capture_output=True, text=True)
+            cmd = [compiler, *_FLAGS, *map(str, _SOURCES), "-o", str(built), "-lm"]
+            result = subprocess.run(cmd, capture_output=True, text=True)
             if result.returncode != 0:
-                raise RuntimeError(f"building {_SOURCE.name} with {compiler} failed:\n{result.stderr}")
+                raise RuntimeError(f"building pdspec's CPU kernels with {compiler} failed:\n{result.stderr}")
             os.replace(built, target)
     lib = ctypes.CDLL(str(target))
     lib.pd_pack_width.restype = ctypes.c_int
     lib.pd_packed_gemm.restype = None
     lib.pd_packed_gemm.argtypes = [ctypes.c_void_p] * 4 + [ctypes.c_int] * 4
+    lib.pd_paged_attention.restype = ctypes.c_int
+    lib.pd_paged_attention.argtypes = (
+        [ctypes.c_void_p] * 2 + [ctypes.c_long] * 3 + [ctypes.c_void_p, ctypes.c_int] + [ctypes.c_void_p] * 2
+        + [ctypes.c_int] * 6 + [ctypes.c_float, ctypes.c_void_p, ctypes.c_int]
+    )
     return lib
 
 
@@ -100,3 +108,31 @@ def packed_gemm(x: torch.Tensor, packed: torch.Tensor, out_features: int, bias: 
         torch.get_num_threads(),
     )
     return y
+
+
+def attention_supported(heads: int, kv_heads: int, head_dim: int, block_size: int) -> bool:
+    return (head_dim % 16 == 0 and head_dim <= ATTENTION_MAX_HEAD_DIM
+            and heads // kv_heads <= ATTENTION_MAX_GROUP)
+
+
+def paged_attention(q: torch.Tensor, layer_cache: torch.Tensor, block_tables: torch.Tensor,
+                    query_start_loc: torch.Tensor, context_lens: torch.Tensor, max_query_len: int,
+                    scale: float, out: torch.Tensor) -> None:
+    """Fill out[T, heads*D] for every sequence with at most max_query_len query tokens.
+
+    q: [T, heads, D] fp32; layer_cache: [blocks, 2, block_size, kv_heads, D] (any block/kv/offset
+    strides, heads and D contiguous); block_tables int64 [B, max_blocks]; query_start_loc and
+    context_lens int32."""
+    q = q.contiguous()
+    _, heads, dim = q.shape
+    s_block, s_kv, s_offset, s_head, s_dim = layer_cache.stride()
+    if s_dim != 1 or s_head != dim:
+        raise ValueError("paged_attention: the cache's kv-head and head-dim axes must be contiguous")
+    rc = load_library().pd_paged_attention(
+        q.data_ptr(), layer_cache.data_ptr(), s_block, s_kv, s_offset,
+        block_tables.data_ptr(), block_tables.shape[1], query_start_loc.data_ptr(), context_lens.data_ptr(),
+        context_lens.shape[0], max_query_len, heads, layer_cache.shape[3], dim, layer_cache.shape[2], scale,
+        out.data_ptr(), torch.get_num_threads(),
+    )
+    if rc != 0:
+        raise ValueError(f"paged_attention: shapes outside the kernel's limits (heads={heads}, head_dim={dim})")

@@ -12,7 +12,8 @@ from dataclasses import dataclass
 
 import torch
 
-from engine.attention import AttentionMetadata, paged_attention, write_kv
+from engine import cpu_kernels
+from engine.attention import AttentionMetadata, native_paged_attention, paged_attention, write_kv
 from engine.config import ModelConfig
 from engine.layers import Linear, Rotary, rms_norm
 
@@ -20,12 +21,17 @@ from engine.layers import Linear, Rotary, rms_norm
 AttentionFn = Callable[[torch.Tensor, torch.Tensor, AttentionMetadata, float], torch.Tensor]
 
 
-def attention_for(device: torch.device) -> AttentionFn:
-    """The torch path on CPU; the Triton paged-attention kernel on CUDA."""
+def attention_for(config: ModelConfig, device: torch.device, dtype: torch.dtype, block_size: int) -> AttentionFn:
+    """The Triton kernel on CUDA; on CPU the C kernel for short queries where it applies (fp32,
+    head_dim a multiple of 16), else the torch path."""
     if device.type == "cuda":
         from engine.triton_attention import triton_paged_attention
 
         return triton_paged_attention
+    if dtype == torch.float32 and cpu_kernels.attention_supported(
+        config.num_heads, config.num_kv_heads, config.head_dim, block_size
+    ):
+        return native_paged_attention
     return paged_attention
 
 
@@ -45,6 +51,9 @@ class ForwardOutput:
 
 
 class DecoderLayer:
+    """Attention + SwiGLU MLP with residuals. The caller normalises the attention input: the
+    target feeds rms_norm(x); the EAGLE3 midlayer feeds its 2H-wide [embedding, hidden] input."""
+
     def __init__(self, config: ModelConfig, w: dict[str, torch.Tensor], attend: AttentionFn):
         self.config = config
         self.attend = attend
@@ -57,7 +66,6 @@ class DecoderLayer:
         self.o = Linear(w["self_attn.o_proj.weight"])
         self.gate_up = Linear(torch.cat([w["mlp.gate_proj.weight"], w["mlp.up_proj.weight"]]))
         self.down = Linear(w["mlp.down_proj.weight"])
-        self.input_norm = w["input_layernorm.weight"]
         self.post_norm = w["post_attention_layernorm.weight"]
         self.q_norm = w.get("self_attn.q_norm.weight")
         self.k_norm = w.get("self_attn.k_norm.weight")
@@ -65,11 +73,10 @@ class DecoderLayer:
         self.kv_size = config.num_kv_heads * config.head_dim
         self.scale = config.head_dim**-0.5
 
-    def __call__(self, x, cos, sin, layer_cache, meta: AttentionMetadata) -> torch.Tensor:
+    def __call__(self, residual, attn_input, cos, sin, layer_cache, meta: AttentionMetadata) -> torch.Tensor:
         c = self.config
-        t = x.shape[0]
-        qkv = self.qkv(rms_norm(x, self.input_norm, c.rms_norm_eps))
-        q, k, v = qkv.split([self.q_size, self.kv_size, self.kv_size], dim=-1)
+        t = residual.shape[0]
+        q, k, v = self.qkv(attn_input).split([self.q_size, self.kv_size, self.kv_size], dim=-1)
         q = q.view(t, c.num_heads, c.head_dim)
         k = k.view(t, c.num_kv_heads, c.head_dim)
         if self.q_norm is not None:
@@ -77,7 +84,7 @@ class DecoderLayer:
             k = rms_norm(k, self.k_norm, c.rms_norm_eps)
         q, k = Rotary.apply(q, cos, sin), Rotary.apply(k, cos, sin)
         write_kv(layer_cache, meta, k, v.view(t, c.num_kv_heads, c.head_dim))
-        x = x + self.o(self.attend(q, layer_cache, meta, self.scale))
+        x = residual + self.o(self.attend(q, layer_cache, meta, self.scale))
         gate, up = self.gate_up(rms_norm(x, self.post_norm, c.rms_norm_eps)).chunk(2, dim=-1)
         return x + self.down(torch.nn.functional.silu(gate) * up)
 
@@ -85,15 +92,14 @@ class DecoderLayer:
 class CausalLM:
     """Weights are given HF-named (`model.layers.0.self_attn.q_proj.weight`, ...)."""
 
-    def __init__(self, config: ModelConfig, weights: dict[str, torch.Tensor], max_positions: int):
+    def __init__(self, config: ModelConfig, weights: dict[str, torch.Tensor], max_positions: int, block_size: int):
         self.config = config
         embed = weights["model.embed_tokens.weight"]
-        attend = attention_for(embed.device)
-        self.layers = [
-            DecoderLayer(config, {k.removeprefix(f"model.layers.{i}."): v for k, v in weights.items()
-                                  if k.startswith(f"model.layers.{i}.")}, attend)
-            for i in range(config.num_layers)
-        ]
+        attend = attention_for(config, embed.device, embed.dtype, block_size)
+        layer_weights = [{k.removeprefix(f"model.layers.{i}."): v for k, v in weights.items()
+                          if k.startswith(f"model.layers.{i}.")} for i in range(config.num_layers)]
+        self.layers = [DecoderLayer(config, w, attend) for w in layer_weights]
+        self.input_norms = [w["input_layernorm.weight"] for w in layer_weights]
         self.norm = weights["model.norm.weight"]
         tied = config.tie_word_embeddings or "lm_head.weight" not in weights
         self.lm_head = Linear(embed if tied else weights["lm_head.weight"])
@@ -113,6 +119,7 @@ class CausalLM:
         for i, layer in enumerate(self.layers):
             if batch.return_aux and i in self.aux_layer_ids:
                 aux.append(x)
-            x = layer(x, cos, sin, kv_cache[:, i], batch.attention)
+            attn_input = rms_norm(x, self.input_norms[i], self.config.rms_norm_eps)
+            x = layer(x, attn_input, cos, sin, kv_cache[:, i], batch.attention)
         h = rms_norm(x.index_select(0, batch.logits_indices), self.norm, self.config.rms_norm_eps)
         return ForwardOutput(self.lm_head(h).float(), torch.cat(aux, dim=-1) if aux else None)
