@@ -1,0 +1,13 @@
+"""Request errors the serving layer maps to gRPC status codes."""
+
+
+class InvalidRequest(ValueError):
+    """The request itself is wrong (INVALID_ARGUMENT); `field` names the offending field."""
+
+    def __init__(self, field: str, message: str):
+        super().__init__(f"{field}: {message}")
+        self.field = field
+
+
+class CapacityExceeded(RuntimeError):
+    """The request is valid but cannot fit this worker's resources (RESOURCE_EXHAUSTED)."""

@@ -1,0 +1,58 @@
+"""Per-request output: new token ids become text deltas; stop tokens and stop strings end it.
+
+Text that might be the start of a stop string is held back until it is clear it is not, so a
+client never sees part of a stop string; the stop string itself is never emitted.
+"""
+
+from dataclasses import dataclass
+
+from engine.sampling import SamplingParams
+from engine.tokenizer import IncrementalDetokenizer, Tokenizer
+
+
+@dataclass
+class RequestOutput:
+    request_id: str
+    token_ids: list[int]  # new token ids since the previous output
+    text: str  # new text since the previous output
+    finished: bool = False
+    finish_reason: str | None = None  # "stop" | "length" | "abort"
+
+
+class OutputStream:
+    """Tracks one request's text; `push` returns what the client may see and whether to stop."""
+
+    def __init__(self, tokenizer: Tokenizer, params: SamplingParams):
+        self.detokenizer = IncrementalDetokenizer(tokenizer)
+        self.params = params
+        self.stop_ids = frozenset(params.stop_token_ids) | (frozenset() if params.ignore_eos else tokenizer.stop_token_ids)
+        self.held = ""  # decoded text not yet released (a possible stop-string prefix)
+        self.hold_back = max((len(s) for s in params.stop), default=1) - 1
+
+    def push(self, token_ids: list[int]) -> tuple[list[int], str, str | None]:
+        """Feed newly generated tokens: (token ids to report, text delta, finish reason or None).
+
+        Tokens after a stop token are dropped; the stop token itself is reported but not detokenized.
+        """
+        for i, token in enumerate(token_ids):
+            if token in self.stop_ids:
+                text, _ = self._release(self.detokenizer.add(token_ids[:i]) + self.detokenizer.flush(), final=True)
+                return token_ids[: i + 1], text, "stop"
+        text, stopped = self._release(self.detokenizer.add(token_ids), final=False)
+        return token_ids, text, "stop" if stopped else None
+
+    def finish(self) -> str:
+        """Release everything held back when generation ends for another reason (length, abort)."""
+        text, _ = self._release(self.detokenizer.flush(), final=True)
+        return text
+
+    def _release(self, delta: str, final: bool) -> tuple[str, bool]:
+        self.held += delta
+        hits = [at for stop in self.params.stop if (at := self.held.find(stop)) >= 0]
+        if hits:
+            text, self.held = self.held[: min(hits)], ""
+            return text, True
+        keep = 0 if final else min(self.hold_back, len(self.held))
+        cut = len(self.held) - keep
+        text, self.held = self.held[:cut], self.held[cut:]
+        return text, False

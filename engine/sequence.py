@@ -1,0 +1,46 @@
+"""A request's state inside one engine."""
+
+import enum
+from dataclasses import dataclass, field
+
+import torch
+
+from engine.sampling import SamplingParams
+
+
+class SeqStatus(enum.Enum):
+    WAITING = "waiting"
+    RUNNING = "running"
+    FINISHED = "finished"
+
+
+@dataclass
+class Sequence:
+    seq_id: str
+    token_ids: list[int]  # prompt followed by generated tokens
+    num_prompt_tokens: int
+    params: SamplingParams
+    generator: torch.Generator
+    status: SeqStatus = SeqStatus.WAITING
+    num_computed: int = 0  # tokens whose KV is in the cache (committed in the block manager)
+    num_cached_prompt: int = 0  # prompt tokens served by the prefix cache at admission
+    finish_reason: str | None = None
+    stats: dict = field(default_factory=dict)
+
+    @classmethod
+    def new(cls, seq_id: str, prompt_token_ids: list[int], params: SamplingParams) -> "Sequence":
+        return cls(seq_id, list(prompt_token_ids), len(prompt_token_ids), params, params.make_generator())
+
+    @property
+    def num_generated(self) -> int:
+        return len(self.token_ids) - self.num_prompt_tokens
+
+    @property
+    def num_pending(self) -> int:
+        """Tokens still to run through the model before the next one can be sampled."""
+        return len(self.token_ids) - self.num_computed
+
+    @property
+    def output_ids(self) -> list[int]:
+        return self.token_ids[self.num_prompt_tokens :]
+

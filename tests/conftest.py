@@ -1,0 +1,47 @@
+"""Shared fixtures: the real embedded model, our engine on it, and transformers as the reference."""
+
+import os
+from pathlib import Path
+
+import pytest
+import torch
+
+# Tests share 2 cores with each other's subprocesses; one OpenMP thread per process avoids
+# spin-waiting threads starving each other. (Speed is measured in bench/, never here.)
+torch.set_num_threads(1)
+os.environ.setdefault("OMP_NUM_THREADS", "1")
+
+
+@pytest.fixture(scope="session")
+def model_dir() -> Path:
+    from engine.gguf_convert import default_model_dir
+
+    return default_model_dir()
+
+
+@pytest.fixture(scope="session")
+def engine():
+    from engine.config import EngineConfig
+    from engine.engine import Engine
+
+    return Engine(EngineConfig(num_kv_blocks=512, max_num_seqs=16))
+
+
+@pytest.fixture(scope="session")
+def hf_model(model_dir: Path):
+    """transformers' Llama on the same weights (our converted directory); fp32, eval mode."""
+    from transformers import AutoModelForCausalLM
+
+    return AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32).eval()
+
+
+@pytest.fixture(scope="session")
+def chat_prompts(engine) -> list[list[int]]:
+    questions = [
+        "What is the capital of France?",
+        "Write a short poem about autumn leaves.",
+        "Explain what a hash table is in two sentences.",
+        "Natalia sold clips to 48 of her friends in April, and then she sold half as many clips in May. "
+        "How many clips did Natalia sell altogether in April and May?",
+    ]
+    return [engine.tokenizer.encode_chat([{"role": "user", "content": q}]) for q in questions]

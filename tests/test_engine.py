@@ -1,0 +1,92 @@
+"""The engine loop: continuous batching, block accounting, preemption, stops and bad input."""
+
+import pytest
+
+from engine.config import EngineConfig
+from engine.engine import Engine
+from engine.errors import CapacityExceeded, InvalidRequest
+from engine.sampling import SamplingParams
+
+
+def _run_all(engine: Engine, prompts: list[list[int]], params: SamplingParams) -> dict[str, list[int]]:
+    ids = [engine.add_request(p, params) for p in prompts]
+    tokens: dict[str, list[int]] = {i: [] for i in ids}
+    while engine.has_unfinished():
+        for out in engine.step():
+            tokens[out.request_id].extend(out.token_ids)
+    return [tokens[i] for i in ids]
+
+
+def _solo(engine: Engine, prompt: list[int], params: SamplingParams) -> list[int]:
+    return [t for out in engine.generate(prompt, params) for t in out.token_ids]
+
+
+@pytest.fixture(scope="module")
+def prompts(engine, chat_prompts) -> list[list[int]]:
+    extra = [engine.tokenizer.encode_chat([{"role": "user", "content": q}])
+             for q in ("Count from one to five.", "Say hello in French.", "What is 7 times 8?", "Name three fruits.")]
+    return chat_prompts + extra
+
+
+def test_concurrent_requests_match_solo_runs(engine, prompts):
+    params = SamplingParams(max_tokens=24)
+    free_before = engine.blocks.num_free_blocks
+    batched = _run_all(engine, prompts, params)
+    assert batched == [_solo(engine, p, params) for p in prompts]
+    assert engine.blocks.num_free_blocks == free_before
+    assert engine.blocks.num_used_blocks == 0
+
+
+def test_preemption_under_a_tiny_pool_keeps_outputs(engine, prompts):
+    small = Engine(EngineConfig(num_kv_blocks=12, max_num_seqs=8))
+    params = SamplingParams(max_tokens=20)
+    assert _run_all(small, prompts[:4], params) == [_solo(engine, p, params) for p in prompts[:4]]
+    assert small.blocks.num_used_blocks == 0
+
+
+def test_chunked_prefill_matches(engine, prompts):
+    chunked = Engine(EngineConfig(num_kv_blocks=128, max_num_batched_tokens=16))
+    params = SamplingParams(max_tokens=12)
+    assert _run_all(chunked, prompts[:3], params) == [_solo(engine, p, params) for p in prompts[:3]]
+
+
+def test_finish_reasons(engine, prompts):
+    outs = list(engine.generate(prompts[0], SamplingParams(max_tokens=3)))
+    assert outs[-1].finish_reason == "length" and sum(len(o.token_ids) for o in outs) == 3
+    outs = list(engine.generate(prompts[0], SamplingParams(max_tokens=64)))
+    assert outs[-1].finish_reason == "stop" and outs[-1].token_ids[-1] in engine.tokenizer.stop_token_ids
+
+
+def test_stop_string_ends_generation_and_is_not_emitted(engine, prompts):
+    full = "".join(o.text for o in engine.generate(prompts[0], SamplingParams(max_tokens=40)))
+    assert "Paris" in full
+    outs = list(engine.generate(prompts[0], SamplingParams(max_tokens=40, stop=("Paris",))))
+    text = "".join(o.text for o in outs)
+    assert outs[-1].finish_reason == "stop"
+    assert text == full[: full.index("Paris")]
+
+
+def test_abort_frees_blocks(engine, prompts):
+    free_before = engine.blocks.num_free_blocks
+    rid = engine.add_request(prompts[1], SamplingParams(max_tokens=100))
+    for _ in range(3):
+        engine.step()
+    out = engine.abort(rid)
+    assert out.finished and out.finish_reason == "abort"
+    assert engine.blocks.num_free_blocks == free_before and not engine.has_unfinished()
+
+
+@pytest.mark.parametrize(
+    "prompt, field",
+    [([], "prompt"), ([1, -5], "token_ids"), ([1, 10**6], "token_ids"), ([1] * 9000, "prompt")],
+)
+def test_invalid_requests_name_the_field(engine, prompt, field):
+    with pytest.raises(InvalidRequest) as e:
+        engine.add_request(prompt, SamplingParams())
+    assert e.value.field == field
+
+
+def test_prompt_larger_than_the_pool_is_rejected():
+    tiny = Engine(EngineConfig(num_kv_blocks=2, block_size=16))
+    with pytest.raises(CapacityExceeded, match="KV blocks"):
+        tiny.add_request(list(range(100, 150)), SamplingParams())

@@ -1,0 +1,65 @@
+"""Sampler: greedy, temperature, top-k, top-p and per-request seeds."""
+
+import pytest
+import torch
+from pydantic import ValidationError
+
+from engine.sampling import SamplingParams, probabilities, sample
+
+
+def _draw(logits: torch.Tensor, params: SamplingParams, n: int) -> torch.Tensor:
+    gen = params.make_generator()
+    return torch.tensor([sample(logits[None], [params], [gen])[0] for _ in range(n)])
+
+
+def test_greedy_is_argmax():
+    logits = torch.randn(5, 100)
+    gens = [torch.Generator() for _ in range(5)]
+    assert sample(logits, [SamplingParams()] * 5, gens) == logits.argmax(-1).tolist()
+
+
+def test_top_k_one_is_greedy():
+    logits = torch.randn(100)
+    draws = _draw(logits, SamplingParams(temperature=1.5, top_k=1, seed=3), 50)
+    assert (draws == logits.argmax()).all()
+
+
+def test_same_seed_same_tokens_whatever_the_batch():
+    logits = torch.randn(3, 1000)
+    p = SamplingParams(temperature=1.0, seed=1234)
+    alone = [sample(logits[1:2], [p], [p.make_generator()])[0] for _ in range(1)]
+    others = SamplingParams(temperature=0.7, seed=99)
+    batched = sample(logits, [others, p, others], [others.make_generator(), p.make_generator(), others.make_generator()])
+    assert batched[1] == alone[0]
+    assert (_draw(logits[0], p, 20) == _draw(logits[0], p, 20)).all()
+
+
+def test_temperature_sampling_follows_the_distribution():
+    logits = torch.tensor([2.0, 1.0, 0.0, -1.0])
+    params = SamplingParams(temperature=0.8, seed=0)
+    expected = torch.softmax(logits / 0.8, dim=0)
+    counts = torch.bincount(_draw(logits, params, 4000), minlength=4).float() / 4000
+    assert (counts - expected).abs().max() < 0.03
+
+
+def test_top_p_keeps_the_nucleus_only():
+    probs = torch.tensor([0.5, 0.3, 0.15, 0.05])
+    logits = probs.log()
+    p = probabilities(logits, SamplingParams(temperature=1.0, top_p=0.75))
+    assert torch.allclose(p, torch.tensor([0.5, 0.3, 0.0, 0.0]) / 0.8)
+    draws = _draw(logits, SamplingParams(temperature=1.0, top_p=0.75, seed=5), 500)
+    assert set(draws.tolist()) == {0, 1}
+
+
+def test_top_k_keeps_k_tokens():
+    logits = torch.tensor([3.0, 2.0, 1.0, 0.0, -1.0])
+    p = probabilities(logits, SamplingParams(temperature=1.0, top_k=2))
+    assert (p[2:] == 0).all() and torch.isclose(p.sum(), torch.tensor(1.0))
+
+
+@pytest.mark.parametrize("field, value", [("temperature", -0.1), ("top_p", 0.0), ("top_p", 1.5),
+                                          ("top_k", -1), ("max_tokens", 0), ("max_tokens", -3)])
+def test_bad_params_name_the_field(field, value):
+    with pytest.raises(ValidationError) as e:
+        SamplingParams(**{field: value})
+    assert e.value.errors()[0]["loc"] == (field,)
