@@ -1,0 +1,78 @@
+"""The `pdspec` command line."""
+
+import argparse
+import json
+import logging
+import sys
+import time
+
+from engine.config import EngineConfig
+from engine.sampling import SamplingParams
+
+
+def _generate(args: argparse.Namespace) -> int:
+    from engine.engine import Engine
+
+    engine = Engine(EngineConfig(model=args.model, dtype=args.dtype, max_model_len=args.max_model_len))
+    messages = ([{"role": "system", "content": args.system}] if args.system is not None else [])
+    messages.append({"role": "user", "content": args.prompt})
+    prompt_ids = engine.tokenizer.encode_chat(messages) if not args.raw else engine.tokenizer.encode(args.prompt)
+    params = SamplingParams(max_tokens=args.max_tokens, temperature=args.temperature, top_k=args.top_k,
+                            top_p=args.top_p, seed=args.seed)
+    text, token_ids, reason = [], [], None
+    start = time.perf_counter()
+    for out in engine.generate(prompt_ids, params):
+        text.append(out.text)
+        token_ids.extend(out.token_ids)
+        reason = out.finish_reason
+        if not args.json:
+            print(out.text, end="", flush=True)
+    elapsed = time.perf_counter() - start
+    if args.json:
+        print(json.dumps({
+            "text": "".join(text),
+            "token_ids": token_ids,
+            "num_prompt_tokens": len(prompt_ids),
+            "num_generated_tokens": len(token_ids),
+            "finish_reason": reason,
+            "elapsed_s": round(elapsed, 3),
+            "tokens_per_s": round(len(token_ids) / elapsed, 2) if elapsed > 0 else None,
+        }))
+    else:
+        print()
+    return 0
+
+
+def _add_generate(sub: argparse._SubParsersAction) -> None:
+    p = sub.add_parser("generate", help="answer one chat prompt with the local engine, streaming the text")
+    p.add_argument("--prompt", required=True, help="the user message")
+    p.add_argument("--system", default=None, help="system message (default: the model's own template default)")
+    p.add_argument("--raw", action="store_true", help="feed --prompt as plain text, without the chat template")
+    p.add_argument("--max-tokens", type=int, default=256)
+    p.add_argument("--temperature", type=float, default=0.0, help="0 = greedy")
+    p.add_argument("--top-k", type=int, default=0)
+    p.add_argument("--top-p", type=float, default=1.0)
+    p.add_argument("--seed", type=int, default=None)
+    p.add_argument("--model", default=None, help="HF model directory (default: embedded SmolLM2-135M-Instruct)")
+    p.add_argument("--dtype", default="float32", choices=["float32", "bfloat16", "float16"])
+    p.add_argument("--max-model-len", type=int, default=None)
+    p.add_argument("--json", action="store_true", help="print one JSON object at the end instead of streaming")
+    p.set_defaults(func=_generate)
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(prog="pdspec", description="disaggregated prefill/decode serving with EAGLE3")
+    parser.add_argument("--log-level", default="WARNING", help="DEBUG, INFO, WARNING (default), ERROR")
+    sub = parser.add_subparsers(dest="command", required=True)
+    _add_generate(sub)
+    args = parser.parse_args(argv)
+    logging.basicConfig(level=args.log_level.upper(), format="%(asctime)s %(levelname)s %(name)s %(message)s")
+    try:
+        return args.func(args)
+    except (ValueError, RuntimeError, FileNotFoundError) as e:
+        print(f"pdspec: error: {e}", file=sys.stderr)
+        return 2
+
+
+if __name__ == "__main__":
+    sys.exit(main())
