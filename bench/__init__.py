@@ -1,0 +1,1 @@
+"""Benchmarks: run as modules from the repo root, e.g. `python -m bench.engine`."""

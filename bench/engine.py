@@ -1,0 +1,149 @@
+"""Engine benchmark: decode throughput and multi-token forward cost, ours vs transformers.
+
+Runs on the embedded default model (or --model), fp32, same weights, same process:
+- decode tokens/s at batch 1, 4, 16: 128 new tokens after a 256-token prompt (EOS ignored);
+- the cost of one forward over n = 1, 2, 4, 6, 8 new tokens after a 256-token context,
+  relative to n = 1 (what a speculative verification step costs against a decode step).
+Prints one JSON object, then a table.
+
+    python -m bench.engine [--threads 2] [--batches 1 4 16] [--skip-hf]
+
+(Run as a module: a script named engine.py would shadow the engine package.)
+"""
+
+import argparse
+import json
+import random
+import statistics
+import time
+
+import torch
+from tqdm import tqdm
+
+from engine.batch import SeqChunk
+from engine.config import EngineConfig
+from engine.engine import Engine
+from engine.sampling import SamplingParams
+
+PROMPT_LEN, NEW_TOKENS, SPANS = 256, 128, (1, 2, 4, 6, 8)
+
+
+def _prompts(n: int, vocab: int) -> list[list[int]]:
+    rng = random.Random(0)
+    return [[rng.randrange(100, vocab) for _ in range(PROMPT_LEN)] for _ in range(n)]
+
+
+def ours_decode(engine: Engine, batch: int) -> float:
+    """Decode tokens/s: time from every request's first token to the last token."""
+    params = SamplingParams(max_tokens=NEW_TOKENS, ignore_eos=True)
+    for p in _prompts(batch, 40000):
+        engine.add_request(p, params)
+    generated = 0
+    while generated < batch:  # prefill steps: until every request has its first token
+        generated += len(engine.step())
+    start, decoded = time.perf_counter(), 0
+    while engine.has_unfinished():
+        decoded += sum(len(o.token_ids) for o in engine.step())
+    return decoded / (time.perf_counter() - start)
+
+
+def ours_span_costs(engine: Engine, reps: int) -> dict[int, float]:
+    """Median ms of a forward over n new tokens after a 256-token cached context."""
+    prompt = _prompts(1, 40000)[0]
+    blocks = engine.blocks
+    cached = blocks.allocate("span", prompt)
+    engine.runner.forward([SeqChunk(prompt[cached:], cached, blocks.block_table("span"), 1)])
+    blocks.commit("span", prompt[cached:])
+    blocks.reserve("span", max(SPANS))
+    table = blocks.block_table("span")
+    chunks = {n: SeqChunk(list(range(1000, 1000 + n)), PROMPT_LEN, table, n) for n in SPANS}
+    costs = _interleaved_median_ms({n: (lambda c=c: engine.runner.forward([c])) for n, c in chunks.items()}, reps)
+    blocks.rollback("span")
+    blocks.free("span")
+    return costs
+
+
+def hf_decode(model, batch: int) -> float:
+    ids = torch.tensor(_prompts(batch, 40000))
+    kwargs = dict(do_sample=False, pad_token_id=0, eos_token_id=None)
+    with torch.no_grad():
+        start = time.perf_counter()
+        model.generate(ids, max_new_tokens=1, min_new_tokens=1, **kwargs)
+        prefill = time.perf_counter() - start
+        start = time.perf_counter()
+        model.generate(ids, max_new_tokens=NEW_TOKENS, min_new_tokens=NEW_TOKENS, **kwargs)
+        total = time.perf_counter() - start
+    return batch * (NEW_TOKENS - 1) / (total - prefill)
+
+
+def hf_span_costs(model, reps: int) -> dict[int, float]:
+    from transformers import DynamicCache
+
+    ids = torch.tensor(_prompts(1, 40000))
+    cache = DynamicCache()
+    with torch.no_grad():
+        model(ids, past_key_values=cache, use_cache=True)
+
+    def step(n: int) -> None:
+        with torch.no_grad():
+            model(torch.arange(1000, 1000 + n)[None], past_key_values=cache, use_cache=True)
+        cache.crop(-n)  # drop the n new tokens again
+
+    return _interleaved_median_ms({n: (lambda n=n: step(n)) for n in SPANS}, reps)
+
+
+def _interleaved_median_ms(fns: dict, reps: int) -> dict:
+    """Median ms of each fn, measured round-robin so drift (other load, clocks) hits all alike."""
+    times = {key: [] for key in fns}
+    for rep in range(reps + 1):
+        for key, fn in fns.items():
+            start = time.perf_counter()
+            fn()
+            if rep:  # the first round warms up
+                times[key].append((time.perf_counter() - start) * 1e3)
+    return {key: statistics.median(t) for key, t in times.items()}
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--model", default=None)
+    ap.add_argument("--threads", type=int, default=2)
+    ap.add_argument("--batches", type=int, nargs="+", default=[1, 4, 16])
+    ap.add_argument("--reps", type=int, default=30)
+    ap.add_argument("--skip-hf", action="store_true", help="ours only")
+    args = ap.parse_args()
+    torch.set_num_threads(args.threads)
+    engine = Engine(EngineConfig(model=args.model, num_kv_blocks=1024, max_num_seqs=max(args.batches)))
+    result = {"threads": args.threads, "prompt_len": PROMPT_LEN, "new_tokens": NEW_TOKENS, "ours": {}, "transformers": {}}
+    hf = None
+    if not args.skip_hf:
+        from transformers import AutoModelForCausalLM
+
+        hf = AutoModelForCausalLM.from_pretrained(engine.runner.model_dir, dtype=torch.float32).eval()
+    for b in tqdm(args.batches, desc="decode"):
+        result["ours"][f"decode_tok_s_b{b}"] = round(ours_decode(engine, b), 2)
+        if hf is not None:
+            result["transformers"][f"decode_tok_s_b{b}"] = round(hf_decode(hf, b), 2)
+    spans = {"ours": ours_span_costs(engine, args.reps)}
+    if hf is not None:
+        spans["transformers"] = hf_span_costs(hf, args.reps)
+    for who, costs in spans.items():
+        result[who]["span_ms"] = {n: round(ms, 2) for n, ms in costs.items()}
+        result[who]["span_rel"] = {n: round(ms / costs[1], 3) for n, ms in costs.items()}
+    print(json.dumps(result))
+    _table(result, args.batches)
+
+
+def _table(result: dict, batches: list[int]) -> None:
+    who = [w for w in ("ours", "transformers") if result[w]]
+    print(f"\n{'metric':<28}" + "".join(f"{w:>14}" for w in who))
+    for b in batches:
+        key = f"decode_tok_s_b{b}"
+        print(f"{'decode tok/s batch ' + str(b):<28}" + "".join(f"{result[w].get(key, float('nan')):>14.2f}" for w in who))
+    for n in SPANS:
+        print(f"{f'forward {n} tok ms (x1)':<28}" + "".join(
+            f"{result[w]['span_ms'][n]:>8.2f} ({result[w]['span_rel'][n]:.2f})" for w in who))
+
+
+if __name__ == "__main__":
+    main()
