@@ -187,7 +187,8 @@ def _short_attention(q, layer_cache, group: ShortGroup, scale, out) -> None:
     # without repeating K/V).
     qb = qb.view(b, ql, kv_heads, rep, d).permute(0, 2, 3, 1, 4).reshape(b, kv_heads, rep * ql, d)
     scores = torch.matmul(qb * scale, keys.transpose(-1, -2)).view(b, kv_heads, rep, ql, -1)
-    probs = torch.softmax(scores + group.mask, dim=-1).view(b, kv_heads, rep * ql, -1)
+    # Softmax in fp32 whatever the activations' dtype; the fp32 mask then adds exactly.
+    probs = torch.softmax(scores.float() + group.mask, dim=-1).to(values.dtype).view(b, kv_heads, rep * ql, -1)
     o = torch.matmul(probs, values).view(b, kv_heads, rep, ql, d).permute(0, 3, 1, 2, 4).reshape(b * ql, heads * d)
     if group.rows is None:
         out.copy_(o)

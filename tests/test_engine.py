@@ -90,3 +90,10 @@ def test_prompt_larger_than_the_pool_is_rejected():
     tiny = Engine(EngineConfig(num_kv_blocks=2, block_size=16))
     with pytest.raises(CapacityExceeded, match="KV blocks"):
         tiny.add_request(list(range(100, 150)), SamplingParams())
+
+
+def test_bfloat16_engine_answers(prompts):
+    """dtype is configurable: bf16 weights take the torch linear and attention paths on CPU."""
+    bf16 = Engine(EngineConfig(dtype="bfloat16", num_kv_blocks=64))
+    text = "".join(o.text for o in bf16.generate(prompts[0], SamplingParams(max_tokens=16)))
+    assert "Paris" in text
