@@ -11,7 +11,7 @@ from pathlib import Path
 from typing import Literal
 
 import torch
-from pydantic import BaseModel, ConfigDict, Field
+from pydantic import BaseModel, ConfigDict, Field, model_validator
 
 SUPPORTED_ARCHITECTURES = ("LlamaForCausalLM", "MistralForCausalLM", "Qwen2ForCausalLM", "Qwen3ForCausalLM")
 
@@ -105,6 +105,29 @@ def rope_inv_freq(config: ModelConfig) -> torch.Tensor:
 DType = Literal["float32", "bfloat16", "float16"]
 
 
+class SpeculativeConfig(BaseModel):
+    """Speculative decoding; field names follow vLLM's `speculative_config`."""
+
+    model_config = ConfigDict(extra="forbid")
+
+    method: Literal["none", "eagle3", "ngram"] = "none"
+    num_speculative_tokens: int = Field(5, ge=0, le=16, description="draft tokens per step (K)")
+    model: str | None = Field(None, description="EAGLE3 draft directory; None = the head shipped for the embedded model")
+    draft_tensor_parallel_size: Literal[1] = Field(1, description="the draft runs unsharded beside the target")
+    prompt_lookup_min: int = Field(1, ge=1, description="ngram: shortest suffix to look up")
+    prompt_lookup_max: int = Field(4, ge=1, description="ngram: longest suffix to look up")
+
+    @model_validator(mode="after")
+    def _check(self) -> "SpeculativeConfig":
+        if self.method != "none" and self.num_speculative_tokens == 0:
+            raise ValueError(f"num_speculative_tokens must be >= 1 with method {self.method!r} (got 0)")
+        if self.prompt_lookup_min > self.prompt_lookup_max:
+            raise ValueError(
+                f"prompt_lookup_min ({self.prompt_lookup_min}) must not exceed prompt_lookup_max ({self.prompt_lookup_max})"
+            )
+        return self
+
+
 class EngineConfig(BaseModel):
     """The knobs of one engine instance (one worker process)."""
 
@@ -119,6 +142,7 @@ class EngineConfig(BaseModel):
     max_num_batched_tokens: int = Field(2048, ge=16, description="token budget of one forward (prefill chunks)")
     enable_prefix_caching: bool = True
     max_model_len: int | None = Field(None, ge=1, description="context limit; default: the model's own")
+    speculative: SpeculativeConfig = Field(default_factory=SpeculativeConfig)
     num_threads: int | None = Field(
         None, ge=1, description="CPU threads for this engine; default: all cores. Processes sharing cores "
         "should split them: spinning OpenMP threads of two processes on one core stall each other"

@@ -1,9 +1,16 @@
-"""One engine: scheduler + model runner + sampler + output streams, driven by `step()`.
+"""One engine: scheduler + model runner + proposer + verifier + output streams, driven by `step()`.
 
-Each step runs one forward over everything the scheduler picked (prefill chunks and decode
-tokens together), samples one token for every sequence whose chunk reached its end, commits
-the computed tokens' KV in the block manager (which makes full blocks prefix-cacheable) and
-returns the new tokens and text per request.
+Each step:
+1. the scheduler picks prefill chunks and decoding sequences, reserving K draft slots for the
+   latter when speculation is on (fewer, or none, when the pool is short);
+2. the proposer drafts up to K tokens per decoding sequence;
+3. one target forward runs over everything: prefill chunks, and [last token + drafts] spans;
+4. the verifier accepts a prefix of each span's drafts and adds one token (plain sampling is
+   the zero-draft case);
+5. the KV of the chunk's tokens and accepted drafts is committed (full blocks become
+   prefix-cacheable), the rejected slots are rolled back, and the proposer sees the target's
+   features for the committed positions;
+6. new tokens become text deltas; stop tokens, stop strings and limits end requests.
 """
 
 import itertools
@@ -15,9 +22,11 @@ from engine.config import EngineConfig
 from engine.errors import CapacityExceeded, InvalidRequest
 from engine.output import OutputStream, RequestOutput
 from engine.runner import ModelRunner
-from engine.sampling import SamplingParams, sample
+from engine.sampling import SamplingParams
 from engine.scheduler import ScheduledSeq, Scheduler
 from engine.sequence import Sequence
+from engine.spec.factory import make_proposer
+from engine.spec.rejection import make_verify_input, verify
 from engine.tokenizer import Tokenizer
 
 
@@ -28,6 +37,7 @@ class Engine:
         self.tokenizer = Tokenizer.from_dir(self.runner.model_dir)
         self.blocks = BlockManager(config.num_kv_blocks, config.block_size, config.enable_prefix_caching)
         self.scheduler = Scheduler(config, self.blocks)
+        self.proposer = make_proposer(config.speculative, self.runner, self.blocks.block_table)
         self.max_model_len = self.runner.max_model_len
         self.seqs: dict[str, Sequence] = {}
         self.streams: dict[str, OutputStream] = {}
@@ -35,7 +45,7 @@ class Engine:
 
     def add_request(self, prompt_token_ids: Seq[int], params: SamplingParams, request_id: str | None = None) -> str:
         request_id = request_id if request_id is not None else f"req-{next(self._ids)}"
-        self._validate(request_id, prompt_token_ids)
+        self._validate(request_id, prompt_token_ids, params)
         seq = Sequence.new(request_id, prompt_token_ids, params)
         self.seqs[request_id] = seq
         self.streams[request_id] = OutputStream(self.tokenizer, params)
@@ -50,17 +60,35 @@ class Engine:
         return self.scheduler.has_unfinished()
 
     def step(self) -> list[RequestOutput]:
-        scheduled = self.scheduler.schedule()
+        scheduled = self.scheduler.schedule(self._lookahead)
         if not scheduled:
             return []
-        chunks = [self._chunk(s) for s in scheduled]
-        out = self.runner.forward(chunks)
-        sampling = [s.seq for s in scheduled if s.samples]
-        tokens = sample(out.logits, [s.params for s in sampling], [s.generator for s in sampling])
-        for s, chunk in zip(scheduled, chunks):
-            self.blocks.commit(s.seq.seq_id, chunk.token_ids)
-            s.seq.num_computed += len(chunk.token_ids)
-        return [self._append(seq, [token]) for seq, token in zip(sampling, tokens)]
+        drafts = self._propose(scheduled)
+        chunks = [self._chunk(s, d) for s, d in zip(scheduled, drafts)]
+        out = self.runner.forward(chunks, return_aux=self.proposer.needs_aux)
+        sampling = [i for i, s in enumerate(scheduled) if s.samples]
+        seqs = [scheduled[i].seq for i in sampling]
+        verdict = verify(make_verify_input([s.params for s in seqs], [s.generator for s in seqs],
+                                           [drafts[i] for i in sampling], out.logits))
+        accepted = dict(zip(sampling, verdict.num_accepted.tolist()))
+        row = 0
+        for i, (s, chunk) in enumerate(zip(scheduled, chunks)):
+            # KV stays for the chunk's real tokens and the accepted drafts; the rest rolls back.
+            keep = len(chunk.token_ids) - len(drafts[i]) + accepted.get(i, 0)
+            self.blocks.commit(s.seq.seq_id, chunk.token_ids[:keep])
+            if s.num_lookahead:
+                self.blocks.rollback(s.seq.seq_id)
+            aux = out.aux_hidden[row : row + keep] if out.aux_hidden is not None else None
+            self.proposer.observe(s.seq, chunk.start, aux)
+            s.seq.num_computed += keep
+            row += len(chunk.token_ids)
+        outputs = []
+        for j, i in enumerate(sampling):
+            seq, a = scheduled[i].seq, accepted[i]
+            if scheduled[i].num_lookahead:
+                seq.acceptance.record(len(drafts[i]), a)
+            outputs.append(self._append(seq, verdict.tokens[j, : a + 1].tolist()))
+        return outputs
 
     def generate(self, prompt_token_ids: Seq[int], params: SamplingParams) -> Iterator[RequestOutput]:
         """Run one request to completion, yielding its outputs as they come."""
@@ -72,10 +100,30 @@ class Engine:
                     if out.finished:
                         return
 
-    def _chunk(self, s: ScheduledSeq) -> SeqChunk:
+    def _lookahead(self, seq: Sequence) -> int:
+        """Draft tokens to reserve for a decoding sequence: never more than it may still emit - 1."""
+        k = seq.params.num_speculative_tokens
+        k = self.num_speculative_tokens if k is None else min(k, self.num_speculative_tokens)
+        room = min(seq.params.max_tokens - seq.num_generated, self.max_model_len - len(seq.token_ids)) - 1
+        return max(0, min(k, room))
+
+    @property
+    def num_speculative_tokens(self) -> int:
+        spec = self.config.speculative
+        return spec.num_speculative_tokens if spec.method != "none" else 0
+
+    def _propose(self, scheduled: list[ScheduledSeq]) -> list[list[int]]:
+        drafting = [s for s in scheduled if s.num_lookahead]
+        if not drafting:
+            return [[] for _ in scheduled]
+        proposals = self.proposer.propose([s.seq for s in drafting], [s.num_lookahead for s in drafting])
+        by_seq = {s.seq.seq_id: p.token_ids for s, p in zip(drafting, proposals)}
+        return [by_seq.get(s.seq.seq_id, []) for s in scheduled]
+
+    def _chunk(self, s: ScheduledSeq, drafts: list[int]) -> SeqChunk:
         start = s.seq.num_computed
-        return SeqChunk(s.seq.token_ids[start : start + s.num_tokens], start,
-                        self.blocks.block_table(s.seq.seq_id), 1 if s.samples else 0)
+        tokens = s.seq.token_ids[start : start + s.num_tokens] + drafts
+        return SeqChunk(tokens, start, self.blocks.block_table(s.seq.seq_id), 1 + len(drafts) if s.samples else 0)
 
     def _append(self, seq: Sequence, new_tokens: list[int]) -> RequestOutput:
         room = min(seq.params.max_tokens - seq.num_generated, self.max_model_len - len(seq.token_ids))
@@ -90,14 +138,16 @@ class Engine:
 
     def _finish(self, seq: Sequence, reason: str, ids: list[int], text: str) -> RequestOutput:
         self.scheduler.remove(seq)
+        self.proposer.release(seq.seq_id)
         seq.finish_reason = reason
         stream = self.streams.pop(seq.seq_id)
         if reason != "stop":
             text += stream.finish()
         del self.seqs[seq.seq_id]
-        return RequestOutput(seq.seq_id, ids, text, finished=True, finish_reason=reason)
+        return RequestOutput(seq.seq_id, ids, text, finished=True, finish_reason=reason,
+                             acceptance=seq.acceptance if self.num_speculative_tokens else None)
 
-    def _validate(self, request_id: str, prompt: Seq[int]) -> None:
+    def _validate(self, request_id: str, prompt: Seq[int], params: SamplingParams) -> None:
         if request_id in self.seqs:
             raise InvalidRequest("request_id", f"{request_id!r} is already running")
         if not prompt:

@@ -49,12 +49,13 @@ def model_fingerprint(model_dir: Path) -> str:
 
 
 def load_weights(model_dir: Path, dtype: torch.dtype, device: torch.device, prefix: str = "") -> dict[str, torch.Tensor]:
-    """All tensors whose name starts with `prefix`, cast to dtype on device."""
+    """All tensors whose name starts with `prefix` on device; floating-point ones cast to dtype."""
     weights = {}
     for f in weight_files(model_dir):
         with safe_open(str(f), framework="pt") as fh:
             for name in fh.keys():
                 if name.startswith(prefix):
-                    weights[name] = fh.get_tensor(name).to(device=device, dtype=dtype)
+                    tensor = fh.get_tensor(name)
+                    weights[name] = tensor.to(device=device, dtype=dtype if tensor.is_floating_point() else None)
     return weights
 

@@ -7,6 +7,7 @@ client never sees part of a stop string; the stop string itself is never emitted
 from dataclasses import dataclass
 
 from engine.sampling import SamplingParams
+from engine.sequence import AcceptanceStats
 from engine.tokenizer import IncrementalDetokenizer, Tokenizer
 
 
@@ -17,6 +18,7 @@ class RequestOutput:
     text: str  # new text since the previous output
     finished: bool = False
     finish_reason: str | None = None  # "stop" | "length" | "abort"
+    acceptance: AcceptanceStats | None = None  # on the final output, when speculation is on
 
 
 class OutputStream:

@@ -1,16 +1,19 @@
-"""The model runner: owns the weights and the KV cache tensors of one engine, runs forwards."""
+"""The model runner: owns the weights and KV cache tensors of one engine (target, and the EAGLE3
+draft when configured), and runs their forwards."""
 
-import logging
+from pathlib import Path
 
 import torch
 
 from engine.batch import SeqChunk, build_batch
-from engine.config import EngineConfig, ModelConfig
+from engine.config import EngineConfig, ModelConfig, ModelConfigError
+from engine.eagle3 import DraftOutput, Eagle3Config, Eagle3Draft
 from engine.kv_layout import CacheShape, KVLayout, allocate_cache
 from engine.loader import load_weights, model_fingerprint, resolve_model_dir
 from engine.model import CausalLM, ForwardOutput
 
-log = logging.getLogger(__name__)
+# The EAGLE3 head this project trained for the embedded default model (see its MODEL_CARD.md).
+EMBEDDED_DRAFT_DIR = Path(__file__).parent / "spec" / "heads" / "SmolLM2-135M-Instruct-eagle3"
 
 
 class ModelRunner:
@@ -25,17 +28,49 @@ class ModelRunner:
                                  self.model_config.max_position_embeddings)
         weights = load_weights(self.model_dir, config.torch_dtype, self.device)
         self.model = CausalLM(self.model_config, weights, self.max_model_len, config.block_size)
+        self.draft = self._load_draft() if config.speculative.method == "eagle3" else None
         mc = self.model_config
         self.layout = KVLayout(
             model=model_fingerprint(self.model_dir),
             dtype=config.dtype,
             block_size=config.block_size,
             target=CacheShape(mc.num_layers, mc.num_kv_heads, mc.head_dim),
-            draft=None,
+            draft=CacheShape(1, self.draft.config.layer.num_kv_heads, self.draft.config.layer.head_dim)
+            if self.draft else None,
         )
         self.kv_cache = allocate_cache(self.layout, self.layout.target, config.num_kv_blocks, self.device)
+        self.draft_cache = (allocate_cache(self.layout, self.layout.draft, config.num_kv_blocks, self.device)
+                            if self.draft else None)
 
     @torch.inference_mode()
     def forward(self, chunks: list[SeqChunk], return_aux: bool = False) -> ForwardOutput:
         batch = build_batch(chunks, self.config.block_size, self.device, return_aux)
         return self.model.forward(batch, self.kv_cache)
+
+    @torch.inference_mode()
+    def forward_draft(self, chunks: list[SeqChunk], hidden: torch.Tensor) -> DraftOutput:
+        """chunks carry the token *after* each position (see Eagle3Draft.forward)."""
+        batch = build_batch(chunks, self.config.block_size, self.device)
+        return self.draft.forward(batch, hidden, self.draft_cache)
+
+    def _load_draft(self) -> Eagle3Draft:
+        spec = self.config.speculative
+        if spec.model is None and self.config.model is not None:
+            raise ModelConfigError(
+                "speculative.model: an EAGLE3 draft directory is required for target "
+                f"{self.config.model} (the shipped head only fits the embedded default model)"
+            )
+        draft_dir = Path(spec.model) if spec.model else EMBEDDED_DRAFT_DIR
+        if not draft_dir.is_dir():
+            raise ModelConfigError(f"speculative.model: EAGLE3 draft directory {draft_dir} does not exist")
+        draft_config = Eagle3Config.from_dir(draft_dir)
+        mc = self.model_config
+        if draft_config.target_hidden_size != mc.hidden_size:
+            raise ModelConfigError(
+                f"speculative.model: draft {draft_dir} expects a target hidden size of "
+                f"{draft_config.target_hidden_size}, the target has {mc.hidden_size}"
+            )
+        if draft_config.aux_layer_ids is not None:
+            self.model.aux_layer_ids = draft_config.aux_layer_ids
+        weights = load_weights(draft_dir, self.config.torch_dtype, self.device)
+        return Eagle3Draft(draft_config, weights, self.model.embed_tokens, self.max_model_len, self.config.block_size)

@@ -1,14 +1,13 @@
-"""Sampling parameters and the sampler: greedy, temperature, top-k, top-p, per-request seed.
+"""Sampling parameters and the distribution a request samples from.
 
 Each request owns a `torch.Generator` seeded from its `seed` (or from fresh entropy when none
 is given), so a seeded request draws the same tokens whatever else shares its batch.
-`probabilities` is the single definition of the distribution a request samples from; the
-speculative rejection sampler uses it too, which is what keeps stochastic speculation exact.
+`probabilities` is the single definition of the (temperature, top-k, top-p) distribution; the
+draws themselves happen in `engine.spec.rejection.verify`, for which plain sampling is the
+zero-draft case -- so speculative and plain decoding sample from exactly the same p.
 """
 
 import secrets
-from collections.abc import Sequence
-
 import torch
 from pydantic import BaseModel, ConfigDict, Field
 
@@ -24,6 +23,7 @@ class SamplingParams(BaseModel):
     stop: tuple[str, ...] = Field((), description="strings that end generation (not included in the text)")
     stop_token_ids: tuple[int, ...] = ()
     ignore_eos: bool = False
+    num_speculative_tokens: int | None = Field(None, ge=0, le=16, description="per-request override of K; 0 = no speculation")
 
     @property
     def greedy(self) -> bool:
@@ -54,12 +54,3 @@ def probabilities(logits: torch.Tensor, params: SamplingParams) -> torch.Tensor:
         probs = probs / probs.sum(dim=-1, keepdim=True)
     return probs
 
-
-def sample(logits: torch.Tensor, params: Sequence[SamplingParams], generators: Sequence[torch.Generator]) -> list[int]:
-    """One token per row of logits [n, vocab], row i drawn with params[i] and generators[i]."""
-    tokens = logits.argmax(dim=-1).tolist()
-    for i, p in enumerate(params):
-        if not p.greedy:
-            probs = probabilities(logits[i].float(), p)
-            tokens[i] = int(torch.multinomial(probs.cpu(), 1, generator=generators[i]))
-    return tokens

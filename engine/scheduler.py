@@ -10,6 +10,7 @@ speculative reservation that does not fit degrades to no speculation for that st
 """
 
 from collections import deque
+from collections.abc import Callable
 from dataclasses import dataclass
 
 from engine.block_manager import BlockManager
@@ -51,7 +52,8 @@ class Scheduler:
             self.waiting.remove(seq)
         seq.status = SeqStatus.FINISHED
 
-    def schedule(self, lookahead: int = 0) -> list[ScheduledSeq]:
+    def schedule(self, lookahead: Callable[[Sequence], int]) -> list[ScheduledSeq]:
+        """lookahead(seq): draft slots wanted by a decoding sequence this step."""
         budget = self.config.max_num_batched_tokens
         scheduled: list[ScheduledSeq] = []
         for seq in list(self.running):
@@ -59,7 +61,7 @@ class Scheduler:
                 break
             if seq.status is not SeqStatus.RUNNING:  # preempted by an older sequence in this loop
                 continue
-            item = self._reserve(seq, min(seq.num_pending, budget), lookahead if seq.num_pending == 1 else 0)
+            item = self._reserve(seq, min(seq.num_pending, budget), lookahead(seq) if seq.num_pending == 1 else 0)
             if item is not None:
                 scheduled.append(item)
                 budget -= item.num_tokens

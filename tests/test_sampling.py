@@ -4,7 +4,14 @@ import pytest
 import torch
 from pydantic import ValidationError
 
-from engine.sampling import SamplingParams, probabilities, sample
+from engine.sampling import SamplingParams, probabilities
+from engine.spec.rejection import make_verify_input, verify
+
+
+def sample(logits: torch.Tensor, params: list[SamplingParams], generators: list[torch.Generator]) -> list[int]:
+    """One token per row: verification with no drafts is the engine's sampling path."""
+    out = verify(make_verify_input(params, generators, [[] for _ in params], logits))
+    return out.tokens[:, 0].tolist()
 
 
 def _draw(logits: torch.Tensor, params: SamplingParams, n: int) -> torch.Tensor:

@@ -1,0 +1,103 @@
+"""The EAGLE3 draft head, in the checkpoint format vLLM and SGLang load.
+
+Checkpoint (e.g. yuhuili/EAGLE3-LLaMA3.1-Instruct-8B): `config.json` with
+`architectures: ["LlamaForCausalLMEagle3"]`, `draft_vocab_size`, optionally `target_hidden_size`
+and `eagle_config.eagle_aux_hidden_state_layer_ids`; weights `fc.weight [H, 3*H_target]`,
+`midlayer.{input_layernorm,hidden_norm,post_attention_layernorm}.weight`,
+`midlayer.self_attn.{q,k,v,o}_proj.weight` (q/k/v read 2H inputs), `midlayer.mlp.{gate,up,down}_proj.weight`,
+`norm.weight`, `lm_head.weight [draft_vocab, H]`, `d2t [draft_vocab]` (target id = draft id +
+d2t[draft id]) and `t2d [vocab]`; token embeddings are the target's unless the checkpoint has
+its own `embed_tokens.weight`.
+
+One draft step at position p reads the token at p+1 and a hidden state: the target's auxiliary
+features at p projected by `fc` (for positions the target has verified), or the draft's own
+output hidden state from position p-1 (while drafting ahead). It writes its K/V into the draft
+cache (same block tables as the target) and predicts the token at p+2.
+"""
+
+import json
+from dataclasses import dataclass
+from pathlib import Path
+
+import torch
+
+from engine.config import ModelConfig, ModelConfigError
+from engine.layers import Linear, Rotary, rms_norm
+from engine.model import DecoderLayer, ForwardBatch, attention_for
+
+EAGLE3_ARCHITECTURES = ("LlamaForCausalLMEagle3", "Eagle3LlamaForCausalLM")
+
+
+@dataclass(frozen=True)
+class Eagle3Config:
+    layer: ModelConfig  # shapes of the single decoder layer (num_layers = 1)
+    draft_vocab_size: int
+    target_hidden_size: int
+    aux_layer_ids: tuple[int, ...] | None  # None: the target's default (2, L//2, L-3)
+
+    @classmethod
+    def from_dir(cls, path: Path) -> "Eagle3Config":
+        file = Path(path) / "config.json"
+        if not file.is_file():
+            raise ModelConfigError(f"EAGLE3 draft {path}: no config.json found")
+        raw = json.loads(file.read_text())
+        archs = raw.get("architectures") or []
+        if not any(a in EAGLE3_ARCHITECTURES for a in archs):
+            raise ModelConfigError(
+                f"EAGLE3 draft {path}: architectures {archs or '(missing)'} not supported; "
+                f"supported: {', '.join(EAGLE3_ARCHITECTURES)}"
+            )
+        layer = ModelConfig.from_dict({**raw, "architectures": ["LlamaForCausalLM"], "num_hidden_layers": 1})
+        aux = raw.get("eagle_aux_hidden_state_layer_ids") or (raw.get("eagle_config") or {}).get(
+            "eagle_aux_hidden_state_layer_ids")
+        return cls(
+            layer=layer,
+            draft_vocab_size=raw.get("draft_vocab_size") or raw["vocab_size"],
+            target_hidden_size=raw.get("target_hidden_size") or raw["hidden_size"],
+            aux_layer_ids=tuple(aux) if aux else None,
+        )
+
+
+@dataclass
+class DraftOutput:
+    hidden: torch.Tensor  # [T, H] pre-norm output hidden states (inputs of the next draft step)
+    logits: torch.Tensor  # [n, draft_vocab] at batch.logits_indices
+
+
+class Eagle3Draft:
+    def __init__(self, config: Eagle3Config, weights: dict[str, torch.Tensor], target_embed, max_positions: int,
+                 block_size: int):
+        c = config.layer
+        self.config = config
+        w = {k.removeprefix("model."): v for k, v in weights.items()}
+        self.fc = Linear(w["fc.weight"])
+        self.input_norm = w["midlayer.input_layernorm.weight"]
+        self.hidden_norm = w["midlayer.hidden_norm.weight"]
+        self.norm = w["norm.weight"]
+        device, dtype = self.norm.device, self.norm.dtype
+        mid = {k.removeprefix("midlayer."): v for k, v in w.items() if k.startswith("midlayer.")}
+        self.midlayer = DecoderLayer(c, mid, attention_for(c, device, dtype, block_size))
+        self.lm_head = Linear(w["lm_head.weight"])
+        self.d2t = w["d2t"].long() if "d2t" in w else None
+        own_embed = w.get("embed_tokens.weight")
+        self.embed = (lambda ids: own_embed[ids]) if own_embed is not None else target_embed
+        self.rotary = Rotary(c, max_positions, device, dtype)
+
+    def project(self, aux_hidden: torch.Tensor) -> torch.Tensor:
+        """Target auxiliary features [T, 3*H_target] -> draft hidden inputs [T, H]."""
+        return self.fc(aux_hidden)
+
+    def to_target_ids(self, draft_ids: torch.Tensor) -> torch.Tensor:
+        return draft_ids if self.d2t is None else draft_ids + self.d2t[draft_ids]
+
+    def forward(self, batch: ForwardBatch, hidden: torch.Tensor, kv_cache: torch.Tensor) -> DraftOutput:
+        """batch.input_ids hold the token *after* each position; hidden: [T, H] inputs (see project).
+
+        kv_cache: the draft cache [num_blocks, 1, 2, block_size, kv_heads, head_dim]."""
+        eps = self.config.layer.rms_norm_eps
+        attn_input = torch.cat([rms_norm(self.embed(batch.input_ids), self.input_norm, eps),
+                                rms_norm(hidden, self.hidden_norm, eps)], dim=-1)
+        cos, sin = self.rotary.tables(batch.positions)
+        h = self.midlayer(hidden, attn_input, cos, sin, kv_cache[:, 0], batch.attention)
+        out = rms_norm(h.index_select(0, batch.logits_indices), self.norm, eps)
+        return DraftOutput(hidden=h, logits=self.lm_head(out).float())

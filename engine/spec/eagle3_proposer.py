@@ -1,0 +1,72 @@
+"""EAGLE3 chain drafting on the paged draft cache.
+
+Per sequence the proposer keeps the target's auxiliary features (projected by `fc`) for the
+positions the draft has not yet seen with *target* features: after a prefill, the prompt; after
+a verification, the last token and the accepted drafts (the draft's own KV written while
+drafting them came from its own hidden states and is overwritten here). Proposing K tokens is:
+1. one draft forward over all pending positions p (input: token p+1, hidden: target features
+   at p), whose last row predicts the first draft token;
+2. K-1 single-row forwards, each at the next position with the previous draft token and the
+   draft's own output hidden state.
+All sequences of the batch go through each forward together.
+"""
+
+import torch
+
+from engine.batch import SeqChunk
+from engine.sequence import Sequence
+from engine.spec.proposer import Proposal
+
+
+class Eagle3Proposer:
+    needs_aux = True
+
+    def __init__(self, runner, block_table):
+        """runner: the ModelRunner holding the draft and its cache; block_table(seq_id) -> block ids."""
+        self.runner = runner
+        self.draft = runner.draft
+        self.block_table = block_table
+        self.pending: dict[str, tuple[int, torch.Tensor]] = {}  # seq -> (first position, hidden [n, H])
+
+    def observe(self, seq: Sequence, start: int, aux: torch.Tensor | None) -> None:
+        hidden = self.draft.project(aux)
+        first, old = self.pending.get(seq.seq_id, (start, hidden[:0]))
+        if first + old.shape[0] != start:  # not contiguous (e.g. recomputed after preemption): restart
+            first, old = start, hidden[:0]
+        self.pending[seq.seq_id] = (first, torch.cat([old, hidden]))
+
+    def release(self, seq_id: str) -> None:
+        self.pending.pop(seq_id, None)
+
+    @torch.inference_mode()
+    def propose(self, seqs: list[Sequence], num_tokens: list[int]) -> list[Proposal]:
+        active = [(s, k) for s, k in zip(seqs, num_tokens) if k > 0 and s.seq_id in self.pending]
+        drafts: dict[str, list[int]] = {s.seq_id: [] for s, _ in active}
+        if active:
+            self._draft(active, drafts)
+        return [Proposal(drafts.get(s.seq_id, [])) for s in seqs]
+
+    def _draft(self, active: list[tuple[Sequence, int]], drafts: dict[str, list[int]]) -> None:
+        seqs, limits = [s for s, _ in active], [k for _, k in active]
+        chunks, hidden = [], []
+        for seq in seqs:
+            first, h = self.pending.pop(seq.seq_id)
+            # Position p reads token p+1; the last pending position reads the newest token.
+            chunks.append(SeqChunk(seq.token_ids[first + 1 : first + 1 + h.shape[0]], first,
+                                   self.block_table(seq.seq_id), num_logits=1))
+            hidden.append(h)
+        hidden = torch.cat(hidden)
+        while True:
+            out = self.runner.forward_draft(chunks, hidden)
+            tokens = self.draft.to_target_ids(out.logits.argmax(dim=-1)).tolist()
+            last_rows = torch.tensor([len(c.token_ids) for c in chunks]).cumsum(0) - 1
+            last_hidden = out.hidden.index_select(0, last_rows)
+            for seq, token in zip(seqs, tokens):
+                drafts[seq.seq_id].append(token)
+            keep = [i for i, seq in enumerate(seqs) if len(drafts[seq.seq_id]) < limits[i]]
+            if not keep:
+                return
+            # Next step: one row per sequence at the next position, fed its own last hidden state.
+            chunks = [SeqChunk([tokens[i]], chunks[i].end, chunks[i].block_table, num_logits=1) for i in keep]
+            hidden = last_hidden[keep]
+            seqs, limits = [seqs[i] for i in keep], [limits[i] for i in keep]

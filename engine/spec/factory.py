@@ -1,0 +1,18 @@
+"""Build the proposer a speculative config asks for."""
+
+from collections.abc import Callable
+
+from engine.config import SpeculativeConfig
+from engine.spec.proposer import NoProposer, Proposer
+
+
+def make_proposer(config: SpeculativeConfig, runner, block_table: Callable[[str], list[int]]) -> Proposer:
+    if config.method == "eagle3":
+        from engine.spec.eagle3_proposer import Eagle3Proposer
+
+        return Eagle3Proposer(runner, block_table)
+    if config.method == "ngram":
+        from engine.spec.ngram import NgramProposer
+
+        return NgramProposer(config.prompt_lookup_min, config.prompt_lookup_max)
+    return NoProposer()

@@ -1,0 +1,48 @@
+"""The interface every draft proposer implements, and the trivial one.
+
+The engine calls, per step: `propose` for the running sequences that reserved draft slots;
+after the target forward, `observe` with the span of positions whose KV became final (the
+prefill chunk, or the last token plus the accepted drafts) and the target's auxiliary hidden
+states for them (when `needs_aux`); `release` when a sequence leaves the batch.
+
+A `Proposal` is a chain of draft tokens. `parents` is reserved for tree drafting (token i
+continues token parents[i]); the verifier accepts chains only, so proposers leave it None.
+"""
+
+from dataclasses import dataclass
+from typing import Protocol
+
+import torch
+
+from engine.sequence import Sequence
+
+
+@dataclass
+class Proposal:
+    token_ids: list[int]  # target-vocabulary ids, at most the requested count
+    parents: list[int] | None = None
+
+
+class Proposer(Protocol):
+    needs_aux: bool
+
+    def propose(self, seqs: list[Sequence], num_tokens: list[int]) -> list[Proposal]: ...
+
+    def observe(self, seq: Sequence, start: int, aux: torch.Tensor | None) -> None: ...
+
+    def release(self, seq_id: str) -> None: ...
+
+
+class NoProposer:
+    """Plain decoding."""
+
+    needs_aux = False
+
+    def propose(self, seqs: list[Sequence], num_tokens: list[int]) -> list[Proposal]:
+        return [Proposal([]) for _ in seqs]
+
+    def observe(self, seq: Sequence, start: int, aux: torch.Tensor | None) -> None:
+        pass
+
+    def release(self, seq_id: str) -> None:
+        pass

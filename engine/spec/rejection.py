@@ -1,0 +1,111 @@
+"""Verification: which draft tokens the target accepts, and the token that follows them.
+
+Inputs are ragged: sequence b owns rows [start_b, start_b + num_drafts_b + 1) of the target's
+logits (one row per draft position plus the bonus position), with start_b the running sum of
+num_drafts + 1. Per sequence:
+- greedy: accept the longest prefix where draft == target argmax, then emit the target's argmax
+  at the first mismatch (or the bonus token after a full acceptance) -- token-identical to plain
+  greedy decoding;
+- sampled: accept draft d at step i with probability min(1, p_i(d) / q_i(d)); on rejection emit
+  a sample of normalize(max(0, p_i - q_i)); after full acceptance a bonus sample of p_K. This
+  reproduces the target distribution p exactly (Leviathan et al.; Chen et al., 2023).
+With no drafts this is plain sampling, so the engine has one sampling path. Randomness comes
+in as uniforms drawn from each request's own generator (two per row: the accept test and the
+inverse-CDF sample), so a seeded request is reproducible. The Triton kernel in
+triton_rejection.py computes the same from the same inputs on CUDA.
+"""
+
+from dataclasses import dataclass
+
+import torch
+
+from engine.sampling import SamplingParams, probabilities
+
+
+@dataclass
+class VerifyInput:
+    draft_ids: torch.Tensor  # [D] int64 target-vocabulary ids, all sequences' drafts concatenated
+    num_drafts: torch.Tensor  # [B] int64
+    target_logits: torch.Tensor  # [D + B, V]
+    target_probs: torch.Tensor | None  # [D + B, V] sampling distribution p (rows of greedy sequences unused)
+    draft_probs: torch.Tensor | None  # [D, V] proposal distribution q; None = one-hot at the draft token
+    greedy: torch.Tensor  # [B] bool
+    uniforms: torch.Tensor  # [D + B, 2] fp32 in [0, 1)
+
+
+@dataclass
+class VerifyOutput:
+    tokens: torch.Tensor  # [B, max_drafts + 1]: accepted drafts then one more token, padded with -1
+    num_accepted: torch.Tensor  # [B] int64; sequence b emits num_accepted[b] + 1 tokens
+
+
+def make_verify_input(params: list[SamplingParams], generators: list[torch.Generator], drafts: list[list[int]],
+                      logits: torch.Tensor) -> VerifyInput:
+    """Inputs for sequences with these params and drafts; logits: [sum(len(d) + 1), V] in order.
+
+    Drafts are greedy (argmax of the draft model, or n-gram lookups), so q is one-hot."""
+    probs = None
+    if not all(p.greedy for p in params):
+        probs = torch.empty_like(logits)
+        row = 0
+        for p, d in zip(params, drafts):
+            if not p.greedy:
+                probs[row : row + len(d) + 1] = probabilities(logits[row : row + len(d) + 1], p)
+            row += len(d) + 1
+    uniforms = [torch.rand(len(d) + 1, 2, generator=g) for g, d in zip(generators, drafts)]
+    return VerifyInput(
+        draft_ids=torch.tensor([t for d in drafts for t in d], dtype=torch.long),
+        num_drafts=torch.tensor([len(d) for d in drafts], dtype=torch.long),
+        target_logits=logits,
+        target_probs=probs,
+        draft_probs=None,
+        greedy=torch.tensor([p.greedy for p in params], dtype=torch.bool),
+        uniforms=torch.cat(uniforms) if uniforms else torch.empty(0, 2),
+    )
+
+
+def verify(inp: VerifyInput) -> VerifyOutput:
+    b = inp.num_drafts.shape[0]
+    width = int(inp.num_drafts.max()) + 1 if b else 1
+    tokens = torch.full((b, width), -1, dtype=torch.long)
+    num_accepted = torch.zeros(b, dtype=torch.long)
+    argmax = inp.target_logits.argmax(dim=-1).tolist()
+    drafts = inp.draft_ids.tolist()
+    row = draft = 0
+    for s, n in enumerate(inp.num_drafts.tolist()):
+        seq_drafts = drafts[draft : draft + n]
+        if inp.greedy[s]:
+            a = next((i for i in range(n) if seq_drafts[i] != argmax[row + i]), n)
+            last = argmax[row + a]
+        else:
+            a, last = _stochastic(inp, row, draft, seq_drafts)
+        tokens[s, :a] = torch.tensor(seq_drafts[:a], dtype=torch.long)
+        tokens[s, a] = last
+        num_accepted[s] = a
+        row += n + 1
+        draft += n
+    return VerifyOutput(tokens, num_accepted)
+
+
+def _stochastic(inp: VerifyInput, row: int, draft: int, drafts: list[int]) -> tuple[int, int]:
+    p, u = inp.target_probs, inp.uniforms
+    for i, d in enumerate(drafts):
+        q = inp.draft_probs[draft + i] if inp.draft_probs is not None else None
+        q_d = float(q[d]) if q is not None else 1.0
+        if float(u[row + i, 0]) * q_d < float(p[row + i, d]):  # accept with probability min(1, p/q)
+            continue
+        if q is not None:
+            residual = (p[row + i] - q).clamp_min(0.0)
+        else:
+            residual = p[row + i].clone()
+            residual[d] = 0.0
+        return i, inverse_cdf(residual, float(u[row + i, 1]))
+    n = len(drafts)
+    return n, inverse_cdf(p[row + n], float(u[row + n, 1]))
+
+
+def inverse_cdf(weights: torch.Tensor, u: float) -> int:
+    """The first index where the cumulative weight exceeds u * total (weights need not sum to 1)."""
+    cdf = weights.double().cumsum(0)
+    target = torch.tensor([u * float(cdf[-1])], dtype=torch.float64)
+    return min(int(torch.searchsorted(cdf, target, right=True)), weights.shape[0] - 1)

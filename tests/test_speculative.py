@@ -1,0 +1,120 @@
+"""Speculative decoding end to end: lossless greedy output, block accounting, degradation when
+the pool is short, and stochastic acceptance that reproduces the target's distribution."""
+
+import pytest
+import torch
+
+from engine.config import EngineConfig
+from engine.engine import Engine
+from engine.loader import load_weights
+from engine.sampling import SamplingParams
+from engine.spec.rejection import VerifyInput, verify
+from engine.spec.train.model import TrainableEagle3
+
+QUESTIONS = [
+    "List the days of the week.", "What is the capital of Japan?", "Write a haiku about rain.",
+    "Explain photosynthesis in one sentence.", "Count from 1 to 10.", "Name three primary colors.",
+    "What is 12 times 12?", "Repeat after me: the quick brown fox jumps over the lazy dog.",
+]
+
+
+@pytest.fixture(scope="module")
+def random_head(engine, tmp_path_factory):
+    """An untrained EAGLE3 head for the embedded model, in the published layout."""
+    torch.manual_seed(1)
+    config = engine.runner.model_config
+    weights = load_weights(engine.runner.model_dir, torch.float32, torch.device("cpu"), prefix="model.embed")
+    vocab = torch.randperm(config.vocab_size)[:4096].sort().values
+    path = tmp_path_factory.mktemp("random-eagle3")
+    TrainableEagle3(config, vocab, weights["model.embed_tokens.weight"]).export(path)
+    return str(path)
+
+
+@pytest.fixture(scope="module")
+def spec_engines(random_head):
+    return {
+        "eagle3": Engine(EngineConfig(num_kv_blocks=512, speculative={"method": "eagle3", "model": random_head,
+                                                                    "num_speculative_tokens": 8})),
+        "ngram": Engine(EngineConfig(num_kv_blocks=512, speculative={"method": "ngram", "num_speculative_tokens": 8})),
+    }
+
+
+@pytest.fixture(scope="module")
+def prompts(engine):
+    return [engine.tokenizer.encode_chat([{"role": "user", "content": q}]) for q in QUESTIONS]
+
+
+@pytest.fixture(scope="module")
+def plain_outputs(engine, prompts):
+    return [_run(engine, [p], [SamplingParams(max_tokens=32)])[0] for p in prompts]
+
+
+def _run(engine: Engine, prompts, params) -> list[list[int]]:
+    ids = [engine.add_request(p, sp) for p, sp in zip(prompts, params)]
+    out = {i: [] for i in ids}
+    while engine.has_unfinished():
+        for o in engine.step():
+            out[o.request_id].extend(o.token_ids)
+    return [out[i] for i in ids]
+
+
+@pytest.mark.parametrize("method", ["eagle3", "ngram"])
+def test_greedy_is_lossless_for_batches_1_to_8_and_k_1_to_8(spec_engines, prompts, plain_outputs, method):
+    engine = spec_engines[method]
+    free = engine.blocks.num_free_blocks
+    for batch in (1, 3, 8):
+        params = [SamplingParams(max_tokens=32, num_speculative_tokens=1 + (i + batch) % 8) for i in range(batch)]
+        assert _run(engine, prompts[:batch], params) == plain_outputs[:batch]
+    assert engine.blocks.num_free_blocks == free and engine.blocks.num_used_blocks == 0
+
+
+def test_ngram_accepts_drafts_on_copying_text(spec_engines, prompts, plain_outputs):
+    engine = spec_engines["ngram"]
+    outs = list(engine.generate(prompts[7], SamplingParams(max_tokens=32)))
+    assert [t for o in outs for t in o.token_ids] == plain_outputs[7]
+    stats = outs[-1].acceptance
+    assert stats.accepted > 0 and stats.mean_acceptance_length > 1.0
+
+
+def test_short_pool_degrades_to_plain_decoding(random_head, prompts, plain_outputs):
+    """With barely enough blocks, reservations fail and sequences fall back to K=0, not to errors."""
+    tight = Engine(EngineConfig(num_kv_blocks=10, max_num_seqs=4,
+                                speculative={"method": "eagle3", "model": random_head, "num_speculative_tokens": 8}))
+    params = [SamplingParams(max_tokens=32)] * 4
+    assert _run(tight, prompts[:4], params) == plain_outputs[:4]
+    assert tight.blocks.num_used_blocks == 0
+
+
+def test_rejection_sampling_reproduces_the_target_distribution():
+    """Small vocabulary, known p and q, drafts drawn from q: the emitted token follows p."""
+    gen = torch.Generator().manual_seed(0)
+    p = torch.tensor([0.05, 0.4, 0.25, 0.2, 0.1])
+    q = torch.tensor([0.3, 0.1, 0.3, 0.1, 0.2])
+    n = 20000
+    drafts = torch.multinomial(q, n, replacement=True, generator=gen)
+    out = verify(VerifyInput(
+        draft_ids=drafts, num_drafts=torch.ones(n, dtype=torch.long),
+        target_logits=torch.zeros(2 * n, 5), target_probs=p.repeat(2 * n, 1), draft_probs=q.repeat(n, 1),
+        greedy=torch.zeros(n, dtype=torch.bool), uniforms=torch.rand(2 * n, 2, generator=gen),
+    ))
+    first = out.tokens[:, 0]
+    freq = torch.bincount(first, minlength=5).float() / n
+    assert (freq - p).abs().max() < 0.015
+    accept_rate = out.num_accepted.float().mean()
+    assert abs(accept_rate - torch.minimum(p, q).sum()) < 0.015  # P(accept) = sum min(p, q)
+
+
+def test_sampled_speculation_matches_plain_sampling_frequencies(engine, spec_engines, prompts):
+    """End to end: the 2nd..4th tokens' distribution with speculation equals plain sampling's."""
+    spec = spec_engines["ngram"]
+    prompt = prompts[7]
+
+    def histogram(e: Engine) -> torch.Tensor:
+        counts = torch.zeros(engine.runner.model_config.vocab_size)
+        for seed in range(150):
+            toks = _run(e, [prompt], [SamplingParams(max_tokens=4, temperature=1.0, top_k=20, seed=seed, ignore_eos=True)])[0]
+            counts[toks[1:]] += 1
+        return counts / counts.sum()
+
+    tv = 0.5 * (histogram(engine) - histogram(spec)).abs().sum()
+    assert tv < 0.12  # total variation; distinct distributions would differ far more
