@@ -60,11 +60,48 @@ def _add_generate(sub: argparse._SubParsersAction) -> None:
     p.set_defaults(func=_generate)
 
 
+def _train_eagle3(args: argparse.Namespace) -> int:
+    from pathlib import Path
+
+    from engine.spec.prompts import read_prompts
+    from engine.spec.train.distill import distill
+
+    out = Path(args.out)
+    prompts = read_prompts(Path(args.prompts))[: args.max_prompts]
+    if args.stage in ("distill", "all"):
+        distill(prompts, out / "data", args.target, max_new_tokens=args.max_new_tokens, batch_size=args.batch_size)
+    if args.stage in ("train", "all"):
+        from engine.spec.train.trainer import TrainConfig, train
+
+        train(TrainConfig(target=args.target, data_dir=out / "data", out_dir=out, draft_vocab_size=args.draft_vocab,
+                          epochs=args.epochs, ttt_steps=args.ttt_steps, lr=args.lr, max_hours=args.max_hours))
+    return 0
+
+
+def _add_train_eagle3(sub: argparse._SubParsersAction) -> None:
+    p = sub.add_parser("train-eagle3", help="train an EAGLE3 draft head for a target by self-distillation")
+    p.add_argument("--target", default=None, help="target HF model directory (default: embedded SmolLM2-135M-Instruct)")
+    p.add_argument("--prompts", required=True, help="JSONL prompts ('prompt' or MT-bench 'turns')")
+    p.add_argument("--out", required=True, help="output directory: data/, checkpoints/, and the exported head")
+    p.add_argument("--stage", choices=["distill", "train", "all"], default="all",
+                   help="distill: the target answers the prompts; train: fit the head on that data (both resume)")
+    p.add_argument("--max-prompts", type=int, default=None)
+    p.add_argument("--max-new-tokens", type=int, default=256, help="answer length cap during distillation")
+    p.add_argument("--batch-size", type=int, default=32, help="sequences decoded together during distillation")
+    p.add_argument("--draft-vocab", type=int, default=8192, help="draft vocabulary: the most frequent target tokens")
+    p.add_argument("--epochs", type=float, default=2.0)
+    p.add_argument("--ttt-steps", type=int, default=3, help="training-time-test unroll depth")
+    p.add_argument("--lr", type=float, default=5e-4)
+    p.add_argument("--max-hours", type=float, default=None, help="stop training after this long (resumable)")
+    p.set_defaults(func=_train_eagle3)
+
+
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(prog="pdspec", description="disaggregated prefill/decode serving with EAGLE3")
     parser.add_argument("--log-level", default="WARNING", help="DEBUG, INFO, WARNING (default), ERROR")
     sub = parser.add_subparsers(dest="command", required=True)
     _add_generate(sub)
+    _add_train_eagle3(sub)
     args = parser.parse_args(argv)
     logging.basicConfig(level=args.log_level.upper(), format="%(asctime)s %(levelname)s %(name)s %(message)s")
     try:

@@ -1,0 +1,155 @@
+"""The EAGLE3 draft as a trainable torch module, with training-time-test (TTT) unrolling.
+
+Same math and the same checkpoint keys as the inference head (engine/eagle3.py), in a dense
+[batch, time] layout with autograd. TTT (EAGLE-3, Li et al. 2025) trains the head on its own
+outputs: unroll step k feeds each position the hidden state the head produced at step k-1 and
+the token k places further on, and its attention sees the step-0 keys causally plus, for every
+earlier unroll step j >= 1, the key that step wrote at the same index -- exactly the cache the
+head has at inference after drafting k tokens from that position.
+"""
+
+import json
+import math
+from pathlib import Path
+
+import torch
+import torch.nn.functional as F
+from safetensors.torch import save_file
+from torch import nn
+
+from engine.config import ModelConfig, rope_inv_freq
+
+
+class TrainableEagle3(nn.Module):
+    def __init__(self, target: ModelConfig, draft_vocab: torch.Tensor, target_embed: torch.Tensor):
+        """draft_vocab: [N] target token ids the head predicts (sorted); target_embed: [V, H], frozen."""
+        super().__init__()
+        h, c = target.hidden_size, target
+        self.target = target
+        self.fc = nn.Linear(3 * h, h, bias=False)
+        self.input_layernorm = nn.Parameter(torch.ones(h))
+        self.hidden_norm = nn.Parameter(torch.ones(h))
+        self.post_attention_layernorm = nn.Parameter(torch.ones(h))
+        self.q_proj = nn.Linear(2 * h, c.num_heads * c.head_dim, bias=False)
+        self.k_proj = nn.Linear(2 * h, c.num_kv_heads * c.head_dim, bias=False)
+        self.v_proj = nn.Linear(2 * h, c.num_kv_heads * c.head_dim, bias=False)
+        self.o_proj = nn.Linear(c.num_heads * c.head_dim, h, bias=False)
+        self.gate_proj = nn.Linear(h, c.intermediate_size, bias=False)
+        self.up_proj = nn.Linear(h, c.intermediate_size, bias=False)
+        self.down_proj = nn.Linear(c.intermediate_size, h, bias=False)
+        self.norm = nn.Parameter(torch.ones(h))
+        self.lm_head = nn.Linear(h, draft_vocab.numel(), bias=False)
+        self.register_buffer("embed", target_embed, persistent=False)
+        self.register_buffer("draft_vocab", draft_vocab)
+        t2d_index = torch.full((target.vocab_size,), -1, dtype=torch.long)
+        t2d_index[draft_vocab] = torch.arange(draft_vocab.numel())
+        self.register_buffer("t2d_index", t2d_index, persistent=False)  # target id -> draft id (-1: none)
+        self.register_buffer("inv_freq", rope_inv_freq(target), persistent=False)
+
+    def _rms(self, x: torch.Tensor, w: torch.Tensor) -> torch.Tensor:
+        return F.rms_norm(x, (x.shape[-1],), w, self.target.rms_norm_eps)
+
+    def _rope(self, x: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
+        """x: [B, heads, T, D]; positions: [T]."""
+        angles = torch.outer(positions.float(), self.inv_freq)
+        cos, sin = torch.cat([angles, angles], -1).cos(), torch.cat([angles, angles], -1).sin()
+        half = x.shape[-1] // 2
+        return x * cos + torch.cat([-x[..., half:], x[..., :half]], dim=-1) * sin
+
+    def unroll(self, features: torch.Tensor, tokens: torch.Tensor, valid: torch.Tensor, steps: int) -> list[torch.Tensor]:
+        """Draft logits [B, T, N] for each of `steps` unroll steps.
+
+        features: [B, T, 3H] target features at each position; tokens: [B, T]; valid: [B, T] bool,
+        positions holding real tokens. Step k at index t reads token t+1+k and predicts t+2+k.
+        """
+        c = self.target
+        b, t, _ = features.shape
+        hidden = self.fc(features)
+        causal = torch.tril(torch.ones(t, t, dtype=torch.bool, device=features.device))
+        key_ok = causal[None, None] & valid[:, None, None, :]  # [B, 1, T, T]
+        keys, values, logits = [], [], []
+        for k in range(steps):
+            ids = F.pad(tokens[:, 1 + k :], (0, 1 + k))  # token t+1+k (0 past the end; masked by labels)
+            x = torch.cat([self._rms(self.embed[ids], self.input_layernorm), self._rms(hidden, self.hidden_norm)], -1)
+            q = self.q_proj(x).view(b, t, c.num_heads, c.head_dim).transpose(1, 2)
+            kk = self.k_proj(x).view(b, t, c.num_kv_heads, c.head_dim).transpose(1, 2)
+            v = self.v_proj(x).view(b, t, c.num_kv_heads, c.head_dim).transpose(1, 2)
+            positions = torch.arange(k, t + k, device=features.device)
+            q, kk = self._rope(q, positions), self._rope(kk, positions)
+            rep = c.num_heads // c.num_kv_heads
+            keys.append(kk.repeat_interleave(rep, 1))
+            values.append(v.repeat_interleave(rep, 1))
+            attn = self._attend(q, keys, values, key_ok)
+            hidden = hidden + self.o_proj(attn.transpose(1, 2).reshape(b, t, -1))
+            mlp_in = self._rms(hidden, self.post_attention_layernorm)
+            hidden = hidden + self.down_proj(F.silu(self.gate_proj(mlp_in)) * self.up_proj(mlp_in))
+            logits.append(self.lm_head(self._rms(hidden, self.norm)))
+        return logits
+
+    @staticmethod
+    def _attend(q, keys, values, key_ok) -> torch.Tensor:
+        """Step-0 keys causally, later steps' keys only at the query's own index (the TTT cache)."""
+        scale = 1.0 / math.sqrt(q.shape[-1])
+        scores = [(q @ keys[0].transpose(-1, -2) * scale).masked_fill(~key_ok, float("-inf"))]
+        scores += [((q * kj).sum(-1) * scale).unsqueeze(-1) for kj in keys[1:]]
+        probs = torch.softmax(torch.cat(scores, -1), dim=-1)
+        t = q.shape[2]
+        out = probs[..., :t] @ values[0]
+        for j, vj in enumerate(values[1:]):
+            out = out + probs[..., t + j : t + j + 1] * vj
+        return out
+
+    def labels(self, tokens: torch.Tensor, loss_mask: torch.Tensor, step: int) -> torch.Tensor:
+        """Draft-vocabulary ids of token t+2+step, or -100 where not trained on."""
+        target = F.pad(tokens[:, 2 + step :], (0, 2 + step))
+        mask = F.pad(loss_mask[:, 2 + step :], (0, 2 + step), value=False)
+        ids = self.t2d_index[target]
+        return torch.where(mask & (ids >= 0), ids, torch.full_like(ids, -100))
+
+    def export(self, out_dir: Path, dtype: torch.dtype = torch.float16) -> None:
+        """config.json + model.safetensors in the published EAGLE3 checkpoint layout."""
+        c, n = self.target, self.draft_vocab.numel()
+        w = {
+            "fc.weight": self.fc.weight,
+            "midlayer.input_layernorm.weight": self.input_layernorm,
+            "midlayer.hidden_norm.weight": self.hidden_norm,
+            "midlayer.post_attention_layernorm.weight": self.post_attention_layernorm,
+            "norm.weight": self.norm,
+            "lm_head.weight": self.lm_head.weight,
+        }
+        for name in ("q", "k", "v", "o"):
+            w[f"midlayer.self_attn.{name}_proj.weight"] = getattr(self, f"{name}_proj").weight
+        for name in ("gate", "up", "down"):
+            w[f"midlayer.mlp.{name}_proj.weight"] = getattr(self, f"{name}_proj").weight
+        tensors = {k: v.detach().to(dtype).contiguous() for k, v in w.items()}
+        tensors["d2t"] = (self.draft_vocab - torch.arange(n)).contiguous()
+        t2d = torch.zeros(c.vocab_size, dtype=torch.bool)
+        t2d[self.draft_vocab] = True
+        tensors["t2d"] = t2d
+        out_dir.mkdir(parents=True, exist_ok=True)
+        save_file(tensors, str(out_dir / "model.safetensors"))
+        (out_dir / "config.json").write_text(json.dumps(eagle3_config(c, n), indent=2) + "\n")
+
+
+def eagle3_config(c: ModelConfig, draft_vocab_size: int) -> dict:
+    return {
+        "architectures": ["LlamaForCausalLMEagle3"],
+        "model_type": "llama",
+        "hidden_size": c.hidden_size,
+        "intermediate_size": c.intermediate_size,
+        "num_hidden_layers": 1,
+        "num_attention_heads": c.num_heads,
+        "num_key_value_heads": c.num_kv_heads,
+        "head_dim": c.head_dim,
+        "hidden_act": "silu",
+        "rms_norm_eps": c.rms_norm_eps,
+        "rope_theta": c.rope_theta,
+        "rope_scaling": c.rope_scaling,
+        "max_position_embeddings": c.max_position_embeddings,
+        "vocab_size": c.vocab_size,
+        "draft_vocab_size": draft_vocab_size,
+        "target_hidden_size": c.hidden_size,
+        "tie_word_embeddings": False,
+        "torch_dtype": "float16",
+        "eagle_config": {"eagle_aux_hidden_state_layer_ids": list(c.aux_layer_ids)},
+    }

@@ -1,0 +1,205 @@
+"""Train an EAGLE3 head on distilled data (see distill.py); resumable, with tqdm progress.
+
+Draft vocabulary: the `draft_vocab_size` most frequent tokens of the target's answers. The head's
+`norm` and `lm_head` start from the target's final norm and head rows for those tokens (its
+output space is the target's), the rest from scratch. Loss: cross-entropy of each TTT unroll
+step on the target's next tokens (answer positions only), weighted 0.8^step as in EAGLE-3.
+"""
+
+import json
+import math
+import random
+import time
+from dataclasses import asdict, dataclass
+from pathlib import Path
+
+import torch
+import torch.nn.functional as F
+from safetensors import safe_open
+from tqdm import tqdm
+
+from engine.config import ModelConfig
+from engine.loader import load_weights, resolve_model_dir
+from engine.spec.train.model import TrainableEagle3
+
+
+@dataclass
+class TrainConfig:
+    target: str | None
+    data_dir: Path
+    out_dir: Path
+    draft_vocab_size: int = 8192
+    epochs: float = 2.0
+    ttt_steps: int = 3
+    lr: float = 5e-4
+    max_hours: float | None = None
+    batch_tokens: int = 4096  # padded tokens per batch
+    max_len: int = 512  # longer samples are truncated
+    warmup_steps: int = 100
+    seed: int = 0
+    checkpoint_every_s: float = 600.0
+
+
+def _shards(data_dir: Path) -> list[Path]:
+    shards = sorted(data_dir.glob("shard-*.safetensors"))
+    if not shards:
+        raise FileNotFoundError(f"no distilled shards in {data_dir}; run the distill stage first")
+    return shards
+
+
+def _load_shard(path: Path) -> dict[str, torch.Tensor]:
+    with safe_open(str(path), framework="pt") as f:
+        return {k: f.get_tensor(k) for k in f.keys()}
+
+
+def choose_draft_vocab(shards: list[Path], size: int, vocab_size: int) -> tuple[torch.Tensor, float]:
+    """The `size` most frequent answer tokens (sorted ids) and the share of answer tokens they cover."""
+    counts = torch.zeros(vocab_size, dtype=torch.long)
+    for path in tqdm(shards, desc="counting tokens", unit="shard"):
+        with safe_open(str(path), framework="pt") as f:
+            tokens, offsets, prompt_lens = f.get_tensor("tokens").long(), f.get_tensor("offsets"), f.get_tensor("prompt_lens")
+        for i in range(prompt_lens.numel()):
+            counts += torch.bincount(tokens[offsets[i] + prompt_lens[i] : offsets[i + 1]], minlength=vocab_size)
+    top = counts.topk(min(size, vocab_size)).indices
+    return top.sort().values, float(counts[top].sum() / counts.sum().clamp_min(1))
+
+
+def _batches(shard: dict[str, torch.Tensor], cfg: TrainConfig, rng: random.Random) -> list[list[int]]:
+    """Sample indices grouped by similar length, at most batch_tokens padded tokens per batch."""
+    lengths = (shard["offsets"][1:] - shard["offsets"][:-1]).clamp_max(cfg.max_len).tolist()
+    order = sorted(range(len(lengths)), key=lambda i: lengths[i])
+    batches, current = [], []
+    for i in order:
+        if current and (len(current) + 1) * lengths[i] > cfg.batch_tokens:
+            batches.append(current)
+            current = []
+        current.append(i)
+    if current:
+        batches.append(current)
+    rng.shuffle(batches)
+    return batches
+
+
+def _collate(shard: dict[str, torch.Tensor], indices: list[int], max_len: int):
+    offsets, prompt_lens = shard["offsets"], shard["prompt_lens"]
+    lengths = [min(int(offsets[i + 1] - offsets[i]), max_len) for i in indices]
+    t = max(lengths)
+    tokens = torch.zeros(len(indices), t, dtype=torch.long)
+    features = torch.zeros(len(indices), t, shard["features"].shape[1])
+    valid = torch.zeros(len(indices), t, dtype=torch.bool)
+    loss_mask = torch.zeros(len(indices), t, dtype=torch.bool)
+    for row, (i, n) in enumerate(zip(indices, lengths)):
+        start = int(offsets[i])
+        tokens[row, :n] = shard["tokens"][start : start + n].long()
+        features[row, :n] = shard["features"][start : start + n].float()
+        valid[row, :n] = True
+        loss_mask[row, int(prompt_lens[i]) : n] = True
+    return features, tokens, valid, loss_mask
+
+
+def train(cfg: TrainConfig) -> Path:
+    torch.manual_seed(cfg.seed)
+    shards = _shards(cfg.data_dir)
+    ckpt_dir = cfg.out_dir / "checkpoints"
+    ckpt_dir.mkdir(parents=True, exist_ok=True)
+    model_dir = resolve_model_dir(cfg.target)
+    target = ModelConfig.from_dir(model_dir)
+    weights = load_weights(model_dir, torch.float32, torch.device("cpu"))
+    state = torch.load(ckpt_dir / "latest.pt", weights_only=False) if (ckpt_dir / "latest.pt").exists() else None
+    if state is None:
+        vocab, coverage = choose_draft_vocab(shards, cfg.draft_vocab_size, target.vocab_size)
+    else:
+        vocab, coverage = state["draft_vocab"], state["coverage"]
+    embed = weights["model.embed_tokens.weight"]
+    model = TrainableEagle3(target, vocab, embed)
+    with torch.no_grad():
+        model.norm.copy_(weights["model.norm.weight"])
+        model.lm_head.weight.copy_(weights.get("lm_head.weight", embed)[vocab])
+    optim = torch.optim.AdamW(model.parameters(), lr=cfg.lr, betas=(0.9, 0.95), weight_decay=0.0)
+    per_epoch = sum(len(_batches(_load_index(p), cfg, random.Random(0))) for p in shards)
+    total_steps = max(1, int(per_epoch * cfg.epochs))
+    progress = {"step": 0, "tokens": 0, "seconds": 0.0}
+    if state is not None:
+        model.load_state_dict(state["model"])
+        optim.load_state_dict(state["optim"])
+        progress = state["progress"]
+    schedule = lambda step: min(1.0, (step + 1) / cfg.warmup_steps) * 0.5 * (1 + math.cos(math.pi * min(step / total_steps, 1.0)))
+    _run(model, optim, schedule, shards, cfg, progress, total_steps, ckpt_dir, vocab, coverage)
+    model.export(cfg.out_dir)
+    (cfg.out_dir / "training.json").write_text(json.dumps(
+        {"config": {k: str(v) for k, v in asdict(cfg).items()}, "draft_vocab_coverage": coverage,
+         "samples": sum(_load_index(p)["prompt_lens"].numel() for p in shards), **progress}, indent=2) + "\n")
+    return cfg.out_dir
+
+
+def _load_index(path: Path) -> dict[str, torch.Tensor]:
+    with safe_open(str(path), framework="pt") as f:
+        return {k: f.get_tensor(k) for k in ("offsets", "prompt_lens")}
+
+
+def _run(model, optim, schedule, shards, cfg, progress, total_steps, ckpt_dir, vocab, coverage) -> None:
+    bar = tqdm(total=total_steps, initial=progress["step"], desc="training eagle3", unit="step")
+    started, last_ckpt, step = time.time() - progress["seconds"], time.time(), 0
+    epoch = 0
+    while progress["step"] < total_steps:
+        rng = random.Random(cfg.seed + epoch)
+        order = list(shards)
+        rng.shuffle(order)
+        for path in order:
+            shard = _load_shard(path)
+            for batch in _batches(shard, cfg, rng):
+                if step < progress["step"]:  # resuming: skip what the checkpoint already trained on
+                    step += 1
+                    continue
+                if progress["step"] >= total_steps or _out_of_time(cfg, started):
+                    break
+                metrics = _train_step(model, optim, schedule(progress["step"]), *_collate(shard, batch, cfg.max_len), cfg)
+                step += 1
+                progress["step"] = step
+                progress["tokens"] += metrics.pop("tokens")
+                progress["seconds"] = time.time() - started
+                bar.update(1)
+                bar.set_postfix(metrics)
+                if time.time() - last_ckpt > cfg.checkpoint_every_s:
+                    _checkpoint(ckpt_dir, model, optim, progress, vocab, coverage)
+                    last_ckpt = time.time()
+        epoch += 1
+        if _out_of_time(cfg, started):
+            break
+    _checkpoint(ckpt_dir, model, optim, progress, vocab, coverage)
+    bar.close()
+
+
+def _out_of_time(cfg: TrainConfig, started: float) -> bool:
+    return cfg.max_hours is not None and time.time() - started > cfg.max_hours * 3600
+
+
+def _train_step(model, optim, lr_scale, features, tokens, valid, loss_mask, cfg) -> dict:
+    for group in optim.param_groups:
+        group["lr"] = cfg.lr * lr_scale
+    # bf16 GEMMs (AVX512-BF16/AMX where the CPU has them) with fp32 master weights and loss.
+    with torch.autocast("cpu", dtype=torch.bfloat16):
+        logits = model.unroll(features, tokens, valid, cfg.ttt_steps)
+    loss, metrics = 0.0, {"tokens": int(valid.sum())}
+    for k, step_logits in enumerate(logits):
+        labels = model.labels(tokens, loss_mask, k)
+        mask = labels >= 0
+        if not mask.any():
+            continue
+        loss = loss + 0.8**k * F.cross_entropy(step_logits[mask].float(), labels[mask])
+        metrics[f"acc{k}"] = round(float((step_logits[mask].argmax(-1) == labels[mask]).float().mean()), 3)
+    if not torch.is_tensor(loss):
+        return metrics
+    optim.zero_grad(set_to_none=True)
+    loss.backward()
+    torch.nn.utils.clip_grad_norm_(model.parameters(), 0.5)
+    optim.step()
+    metrics["loss"] = round(float(loss), 3)
+    return metrics
+
+
+def _checkpoint(ckpt_dir: Path, model, optim, progress, vocab, coverage) -> None:
+    tmp = ckpt_dir / "latest.pt.tmp"
+    torch.save({"model": model.state_dict(), "optim": optim.state_dict(), "progress": dict(progress),
+                "draft_vocab": vocab, "coverage": coverage}, tmp)
+    tmp.replace(ckpt_dir / "latest.pt")

@@ -1,0 +1,83 @@
+"""The EAGLE3 head: published checkpoint layout round trip, and training (TTT) == inference."""
+
+import json
+
+import pytest
+import torch
+
+from engine.config import ModelConfig
+from engine.eagle3 import Eagle3Config, Eagle3Draft
+from engine.kv_layout import CacheShape, KVLayout, allocate_cache
+from engine.batch import SeqChunk, build_batch
+from engine.loader import load_weights
+from engine.spec.train.model import TrainableEagle3
+
+# Llama-3.1-8B's shapes scaled down (hidden 4096 -> 256, 32/8 heads -> 8/2, head_dim 128 -> 32,
+# vocab 128256 -> 2000, draft vocab 32000 -> 500), with its llama3 RoPE scaling.
+TARGET = ModelConfig.from_dict({
+    "architectures": ["LlamaForCausalLM"], "vocab_size": 2000, "hidden_size": 256, "intermediate_size": 896,
+    "num_hidden_layers": 8, "num_attention_heads": 8, "num_key_value_heads": 2, "head_dim": 32,
+    "rms_norm_eps": 1e-5, "rope_theta": 500000.0, "max_position_embeddings": 4096,
+    "rope_scaling": {"rope_type": "llama3", "factor": 8.0, "low_freq_factor": 1.0, "high_freq_factor": 4.0,
+                     "original_max_position_embeddings": 512},
+})
+BLOCK = 8
+
+
+@pytest.fixture(scope="module")
+def head(tmp_path_factory):
+    torch.manual_seed(0)
+    vocab = torch.randperm(TARGET.vocab_size)[:500].sort().values
+    model = TrainableEagle3(TARGET, vocab, torch.randn(TARGET.vocab_size, TARGET.hidden_size))
+    with torch.no_grad():  # non-trivial norms, so a swapped key would show
+        for p in (model.input_layernorm, model.hidden_norm, model.post_attention_layernorm, model.norm):
+            p.uniform_(0.5, 1.5)
+    path = tmp_path_factory.mktemp("eagle3")
+    model.export(path, dtype=torch.float32)
+    return model, path
+
+
+def _inference_head(model, path) -> Eagle3Draft:
+    weights = load_weights(path, torch.float32, torch.device("cpu"))
+    return Eagle3Draft(Eagle3Config.from_dir(path), weights, lambda ids: model.embed[ids], 4096, BLOCK)
+
+
+def test_checkpoint_uses_the_published_key_layout(head):
+    _, path = head
+    names = set(load_weights(path, torch.float32, torch.device("cpu")))
+    assert {"fc.weight", "norm.weight", "lm_head.weight", "d2t", "t2d", "midlayer.hidden_norm.weight",
+            "midlayer.input_layernorm.weight", "midlayer.self_attn.q_proj.weight", "midlayer.mlp.down_proj.weight"} <= names
+    config = json.loads((path / "config.json").read_text())
+    assert config["architectures"] == ["LlamaForCausalLMEagle3"] and config["draft_vocab_size"] == 500
+    loaded = Eagle3Config.from_dir(path)
+    assert loaded.aux_layer_ids == TARGET.aux_layer_ids and loaded.target_hidden_size == 256
+
+
+def test_inference_head_reproduces_training_unroll(head):
+    """Step 0 over a whole sequence, then one drafting step, equal the TTT unroll's steps 0 and 1."""
+    model, path = head
+    draft = _inference_head(model, path)
+    t = 21
+    tokens = torch.randint(0, TARGET.vocab_size, (1, t + 2))
+    features = torch.randn(1, t + 2, 3 * TARGET.hidden_size)
+    with torch.no_grad():
+        ref = model.unroll(features, tokens, torch.ones(1, t + 2, dtype=torch.bool), steps=2)
+    layout = KVLayout("m", "float32", BLOCK, CacheShape(8, 2, 32), CacheShape(1, 2, 32))
+    cache = allocate_cache(layout, layout.draft, 16, torch.device("cpu"))
+    table = [5, 2, 9, 0, 7]
+    seq = tokens[0].tolist()
+    # Catch-up over positions 0..t-1: position p reads token p+1 and the features at p.
+    batch = build_batch([SeqChunk(seq[1 : t + 1], 0, table, num_logits=t)], BLOCK, torch.device("cpu"))
+    out = draft.forward(batch, draft.project(features[0, :t]), cache)
+    assert torch.allclose(out.logits, ref[0][0, :t], atol=2e-4)
+    # Drafting step at position t: reads token t+1 and its own last hidden state -> TTT step 1 at t-1.
+    batch = build_batch([SeqChunk([seq[t + 1]], t, table, num_logits=1)], BLOCK, torch.device("cpu"))
+    step = draft.forward(batch, out.hidden[t - 1 :], cache)
+    assert torch.allclose(step.logits[0], ref[1][0, t - 1], atol=2e-4)
+
+
+def test_d2t_maps_draft_ids_to_target_ids(head):
+    model, path = head
+    draft = _inference_head(model, path)
+    ids = torch.arange(500)
+    assert torch.equal(draft.to_target_ids(ids), model.draft_vocab)
