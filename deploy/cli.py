@@ -5,41 +5,62 @@ import json
 import logging
 import sys
 import time
+from pathlib import Path
 
-from engine.config import EngineConfig
+from engine.config import EngineConfig, SpeculativeConfig
 from engine.sampling import SamplingParams
+
+
+def _add_engine_args(p: argparse.ArgumentParser) -> None:
+    p.add_argument("--model", default=None, help="HF model directory (default: embedded SmolLM2-135M-Instruct)")
+    p.add_argument("--dtype", default="float32", choices=["float32", "bfloat16", "float16"])
+    p.add_argument("--max-model-len", type=int, default=None)
+    p.add_argument("--speculative", default="none", choices=["none", "eagle3", "ngram"])
+    p.add_argument("--num-speculative-tokens", type=int, default=5, help="draft tokens per step (K)")
+    p.add_argument("--draft", default=None, help="EAGLE3 head directory (default: the head shipped for the embedded model)")
+
+
+def _engine_config(args: argparse.Namespace, **overrides) -> EngineConfig:
+    return EngineConfig(
+        model=args.model, dtype=args.dtype, max_model_len=args.max_model_len,
+        speculative={"method": args.speculative, "num_speculative_tokens": args.num_speculative_tokens,
+                     "model": args.draft},
+        **overrides,
+    )
 
 
 def _generate(args: argparse.Namespace) -> int:
     from engine.engine import Engine
 
-    engine = Engine(EngineConfig(model=args.model, dtype=args.dtype, max_model_len=args.max_model_len))
+    engine = Engine(_engine_config(args))
     messages = ([{"role": "system", "content": args.system}] if args.system is not None else [])
     messages.append({"role": "user", "content": args.prompt})
-    prompt_ids = engine.tokenizer.encode_chat(messages) if not args.raw else engine.tokenizer.encode(args.prompt)
+    prompt_ids = engine.tokenizer.encode(args.prompt) if args.raw else engine.tokenizer.encode_chat(messages)
     params = SamplingParams(max_tokens=args.max_tokens, temperature=args.temperature, top_k=args.top_k,
                             top_p=args.top_p, seed=args.seed)
-    text, token_ids, reason = [], [], None
+    text, token_ids, last = [], [], None
     start = time.perf_counter()
-    for out in engine.generate(prompt_ids, params):
-        text.append(out.text)
-        token_ids.extend(out.token_ids)
-        reason = out.finish_reason
+    for last in engine.generate(prompt_ids, params):
+        text.append(last.text)
+        token_ids.extend(last.token_ids)
         if not args.json:
-            print(out.text, end="", flush=True)
+            print(last.text, end="", flush=True)
     elapsed = time.perf_counter() - start
-    if args.json:
-        print(json.dumps({
-            "text": "".join(text),
-            "token_ids": token_ids,
-            "num_prompt_tokens": len(prompt_ids),
-            "num_generated_tokens": len(token_ids),
-            "finish_reason": reason,
-            "elapsed_s": round(elapsed, 3),
-            "tokens_per_s": round(len(token_ids) / elapsed, 2) if elapsed > 0 else None,
-        }))
-    else:
+    if not args.json:
         print()
+        return 0
+    result = {
+        "text": "".join(text),
+        "token_ids": token_ids,
+        "num_prompt_tokens": len(prompt_ids),
+        "num_generated_tokens": len(token_ids),
+        "finish_reason": last.finish_reason,
+        "elapsed_s": round(elapsed, 3),
+        "tokens_per_s": round(len(token_ids) / elapsed, 2) if elapsed > 0 else None,
+    }
+    if last.acceptance is not None:
+        result["acceptance"] = last.acceptance.to_dict()
+    print(json.dumps(result))
     return 0
 
 
@@ -53,16 +74,45 @@ def _add_generate(sub: argparse._SubParsersAction) -> None:
     p.add_argument("--top-k", type=int, default=0)
     p.add_argument("--top-p", type=float, default=1.0)
     p.add_argument("--seed", type=int, default=None)
-    p.add_argument("--model", default=None, help="HF model directory (default: embedded SmolLM2-135M-Instruct)")
-    p.add_argument("--dtype", default="float32", choices=["float32", "bfloat16", "float16"])
-    p.add_argument("--max-model-len", type=int, default=None)
     p.add_argument("--json", action="store_true", help="print one JSON object at the end instead of streaming")
+    _add_engine_args(p)
     p.set_defaults(func=_generate)
 
 
-def _train_eagle3(args: argparse.Namespace) -> int:
-    from pathlib import Path
+def _bench_spec(args: argparse.Namespace) -> int:
+    from engine.engine import Engine
+    from engine.spec.evaluate import evaluate
+    from engine.spec.prompts import read_prompts
 
+    if args.speculative == "none":
+        raise ValueError("--speculative: choose eagle3 or ngram to compare against plain decoding")
+    blocks = {"num_kv_blocks": 256 * args.batch_size, "max_num_seqs": args.batch_size}
+    spec = Engine(_engine_config(args, **blocks))
+    base = Engine(_engine_config(args, **blocks).model_copy(update={"speculative": SpeculativeConfig()}))
+    prompts = [spec.tokenizer.encode_chat([{"role": "user", "content": p}]) for p in read_prompts(Path(args.prompts))]
+    result = evaluate(base, spec, prompts[: args.max_prompts], args.max_tokens, args.batch_size, args.temperature)
+    if args.json:
+        print(json.dumps(result))
+    else:
+        for key, value in result.items():
+            print(f"{key:<30} {value}")
+    return 0
+
+
+def _add_bench(sub: argparse._SubParsersAction) -> None:
+    bench = sub.add_parser("bench", help="benchmarks").add_subparsers(dest="bench", required=True)
+    p = bench.add_parser("spec", help="speculative vs plain decoding on a prompt file, in one run")
+    p.add_argument("--prompts", required=True, help="JSONL with 'prompt' or MT-bench style 'turns' (first turn)")
+    p.add_argument("--max-tokens", type=int, default=128)
+    p.add_argument("--max-prompts", type=int, default=None)
+    p.add_argument("--batch-size", type=int, default=1, help="prompts decoded together")
+    p.add_argument("--temperature", type=float, default=0.0)
+    p.add_argument("--json", action="store_true")
+    _add_engine_args(p)
+    p.set_defaults(func=_bench_spec, speculative="eagle3")
+
+
+def _train_eagle3(args: argparse.Namespace) -> int:
     from engine.spec.prompts import read_prompts
     from engine.spec.train.distill import distill
 
@@ -101,6 +151,7 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--log-level", default="WARNING", help="DEBUG, INFO, WARNING (default), ERROR")
     sub = parser.add_subparsers(dest="command", required=True)
     _add_generate(sub)
+    _add_bench(sub)
     _add_train_eagle3(sub)
     args = parser.parse_args(argv)
     logging.basicConfig(level=args.log_level.upper(), format="%(asctime)s %(levelname)s %(name)s %(message)s")

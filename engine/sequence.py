@@ -65,6 +65,15 @@ class AcceptanceStats:
             for i in range(n):
                 counts[i] += 1
 
+    def merge(self, other: "AcceptanceStats") -> None:
+        self.steps += other.steps
+        self.drafted += other.drafted
+        self.accepted += other.accepted
+        for mine, theirs in ((self.drafted_at, other.drafted_at), (self.accepted_at, other.accepted_at)):
+            mine.extend([0] * (len(theirs) - len(mine)))
+            for i, n in enumerate(theirs):
+                mine[i] += n
+
     @property
     def mean_acceptance_length(self) -> float:
         """Tokens emitted per verification step (accepted drafts + the target's own token)."""
