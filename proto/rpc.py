@@ -1,0 +1,113 @@
+"""gRPC plumbing shared by every pdspec server and client: health checking and reflection on
+every server, a shared-token check on internal services, deadlines, message size limits.
+
+Internal services (registry, prefill, decode, KV transfer) require the cluster token in the
+`x-pdspec-token` metadata when one is configured: NIXL agent metadata (a pickle) is only ever
+handed to, and accepted from, peers that know it. The public Router service is open.
+"""
+
+import collections
+import hmac
+from collections.abc import Callable, Sequence
+from concurrent import futures
+
+import grpc
+from grpc_health.v1 import health, health_pb2, health_pb2_grpc
+from grpc_reflection.v1alpha import reflection
+
+TOKEN_METADATA_KEY = "x-pdspec-token"
+MAX_MESSAGE_BYTES = 256 * 1024 * 1024
+_OPTIONS = [
+    ("grpc.max_send_message_length", MAX_MESSAGE_BYTES),
+    ("grpc.max_receive_message_length", MAX_MESSAGE_BYTES),
+]
+
+
+class _TokenCheck(grpc.ServerInterceptor):
+    def __init__(self, token: str, protected: set[str]):
+        self._token = token.encode()
+        self._protected = protected
+
+        def deny(request, context):
+            context.abort(grpc.StatusCode.UNAUTHENTICATED, "missing or wrong x-pdspec-token for an internal service")
+
+        self._deny = grpc.unary_unary_rpc_method_handler(deny)
+        self._deny_stream = grpc.unary_stream_rpc_method_handler(deny)
+
+    def intercept_service(self, continuation, details):
+        service = details.method.rsplit("/", 2)[1]
+        if service not in self._protected:
+            return continuation(details)
+        given = dict(details.invocation_metadata).get(TOKEN_METADATA_KEY, "").encode()
+        if hmac.compare_digest(given, self._token):
+            return continuation(details)
+        handler = continuation(details)
+        return self._deny_stream if handler is not None and handler.response_streaming else self._deny
+
+
+Registration = tuple[Callable[[object, grpc.Server], None], object, str]  # (add_*_to_server, servicer, full name)
+
+
+def serve(services: Sequence[Registration], address: str, token: str | None = None,
+          internal: Sequence[str] = (), max_workers: int = 64) -> tuple[grpc.Server, int]:
+    """Start a server on `address` ("127.0.0.1:0" picks a free port); returns it and its port.
+
+    `internal` names the services (full names, e.g. "pdspec.v1.DecodeWorker") that need the token."""
+    interceptors = [_TokenCheck(token, set(internal))] if token else []
+    server = grpc.server(futures.ThreadPoolExecutor(max_workers=max_workers), interceptors=interceptors,
+                         options=_OPTIONS)
+    health_servicer = health.HealthServicer()
+    health_pb2_grpc.add_HealthServicer_to_server(health_servicer, server)
+    names = []
+    for add, servicer, name in services:
+        add(servicer, server)
+        health_servicer.set(name, health_pb2.HealthCheckResponse.SERVING)
+        names.append(name)
+    health_servicer.set("", health_pb2.HealthCheckResponse.SERVING)
+    reflection.enable_server_reflection([*names, health.SERVICE_NAME, reflection.SERVICE_NAME], server)
+    port = server.add_insecure_port(address)
+    if port == 0:
+        raise RuntimeError(f"could not bind gRPC server to {address}")
+    server.start()
+    return server, port
+
+
+class _CallDetails(
+    collections.namedtuple("_CallDetails", ("method", "timeout", "metadata", "credentials", "wait_for_ready", "compression")),
+    grpc.ClientCallDetails,
+):
+    pass
+
+
+class _TokenHeader(grpc.UnaryUnaryClientInterceptor, grpc.UnaryStreamClientInterceptor):
+    def __init__(self, token: str):
+        self._token = token
+
+    def _with_token(self, d: grpc.ClientCallDetails) -> _CallDetails:
+        metadata = list(d.metadata or []) + [(TOKEN_METADATA_KEY, self._token)]
+        return _CallDetails(d.method, d.timeout, metadata, d.credentials, d.wait_for_ready, d.compression)
+
+    def intercept_unary_unary(self, continuation, details, request):
+        return continuation(self._with_token(details), request)
+
+    def intercept_unary_stream(self, continuation, details, request):
+        return continuation(self._with_token(details), request)
+
+
+def channel(address: str, token: str | None = None) -> grpc.Channel:
+    """A client channel to `address`, sending the cluster token on every call when given."""
+    ch = grpc.insecure_channel(address, options=_OPTIONS)
+    return grpc.intercept_channel(ch, _TokenHeader(token)) if token else ch
+
+
+def wait_healthy(address: str, timeout: float) -> None:
+    """Block until the server at `address` reports SERVING; raises TimeoutError."""
+    with grpc.insecure_channel(address) as ch:
+        stub = health_pb2_grpc.HealthStub(ch)
+        try:
+            grpc.channel_ready_future(ch).result(timeout=timeout)
+            status = stub.Check(health_pb2.HealthCheckRequest(), timeout=timeout).status
+        except (grpc.FutureTimeoutError, grpc.RpcError) as e:
+            raise TimeoutError(f"gRPC server at {address} not healthy within {timeout}s: {e}") from None
+        if status != health_pb2.HealthCheckResponse.SERVING:
+            raise TimeoutError(f"gRPC server at {address} reports {status}")
