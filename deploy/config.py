@@ -1,0 +1,81 @@
+"""The deployment schema: one pydantic model that YAML files, the CLI and the Helm chart's
+values all map onto. Unknown fields are errors; every error names the field, the value and
+what is allowed.
+"""
+
+from pathlib import Path
+from typing import Literal
+
+import yaml
+from pydantic import BaseModel, ConfigDict, Field, ValidationError, model_validator
+
+from engine.config import EngineConfig
+
+
+class _Strict(BaseModel):
+    model_config = ConfigDict(extra="forbid")
+
+
+class RouterConfig(_Strict):
+    host: str = "127.0.0.1"
+    port: int = Field(50051, ge=0, le=65535, description="public gRPC port (0: pick a free one)")
+    policy: Literal["kv", "round_robin", "random"] = "kv"
+    overlap_weight: float = Field(1.0, ge=0.0, description="weight of prefill blocks to compute in the kv cost")
+    temperature: float = Field(0.0, ge=0.0, description="softmax temperature over -cost; 0 = always the cheapest")
+    heartbeat_interval_s: float = Field(0.5, gt=0)
+    heartbeat_timeout_s: float = Field(3.0, gt=0, description="a worker silent this long is evicted")
+    request_timeout_s: float = Field(120.0, gt=0, description="deadline of internal prefill/decode calls")
+    max_retries: int = Field(2, ge=0, description="retries on another worker when one fails before the first token")
+
+
+class RoleConfig(_Strict):
+    replicas: int = Field(0, ge=0)
+    num_threads: int | None = Field(None, ge=1, description="CPU threads per replica (default: split the cores)")
+    kv_transfer: Literal["nixl", "grpc"] = Field("nixl", description="how decode workers pull KV from prefill workers")
+
+
+class DeploymentConfig(_Strict):
+    engine: EngineConfig = Field(default_factory=EngineConfig)
+    router: RouterConfig = Field(default_factory=RouterConfig)
+    prefill: RoleConfig = Field(default_factory=lambda: RoleConfig(replicas=1))
+    decode: RoleConfig = Field(default_factory=lambda: RoleConfig(replicas=1))
+    aggregated: RoleConfig = Field(default_factory=RoleConfig)
+    pin_timeout_s: float = Field(30.0, gt=0, description="prefill blocks stay pinned this long awaiting the decode side")
+    cluster_token: str | None = Field(None, description="shared secret of internal RPCs (default: $PDSPEC_CLUSTER_TOKEN)")
+
+    @model_validator(mode="after")
+    def _roles(self) -> "DeploymentConfig":
+        disaggregated = self.prefill.replicas + self.decode.replicas
+        if disaggregated and (not self.prefill.replicas or not self.decode.replicas):
+            raise ValueError(
+                f"prefill.replicas ({self.prefill.replicas}) and decode.replicas ({self.decode.replicas}) "
+                "must both be >= 1 for disaggregated serving, or both 0 with aggregated.replicas >= 1"
+            )
+        if not disaggregated and not self.aggregated.replicas:
+            raise ValueError("no workers: set prefill.replicas and decode.replicas, or aggregated.replicas")
+        return self
+
+
+class ConfigError(ValueError):
+    """A deployment config that cannot start; the message names the field, value and what is allowed."""
+
+
+def load_config(path: Path) -> DeploymentConfig:
+    try:
+        raw = yaml.safe_load(Path(path).read_text()) or {}
+    except (OSError, yaml.YAMLError) as e:
+        raise ConfigError(f"{path}: {e}") from None
+    return parse_config(raw, source=str(path))
+
+
+def parse_config(raw: dict, source: str = "config") -> DeploymentConfig:
+    try:
+        return DeploymentConfig.model_validate(raw)
+    except ValidationError as e:
+        raise ConfigError(f"{source}: " + "; ".join(_describe(err) for err in e.errors())) from None
+
+
+def _describe(err: dict) -> str:
+    field = ".".join(str(p) for p in err["loc"]) or "(top level)"
+    value = f" (got {err['input']!r})" if err.get("type") != "missing" and not isinstance(err.get("input"), dict) else ""
+    return f"{field}: {err['msg']}{value}"
