@@ -23,7 +23,7 @@ from tqdm import tqdm
 from engine.batch import SeqChunk
 from engine.config import EngineConfig
 from engine.engine import Engine
-from engine.sampling import SamplingParams
+from engine.params import SamplingParams
 
 PROMPT_LEN, NEW_TOKENS, SPANS = 256, 128, (1, 2, 4, 6, 8)
 

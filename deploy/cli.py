@@ -8,7 +8,7 @@ import time
 from pathlib import Path
 
 from engine.config import EngineConfig, SpeculativeConfig
-from engine.sampling import SamplingParams
+from engine.params import SamplingParams
 
 
 def _add_engine_args(p: argparse.ArgumentParser) -> None:

@@ -22,7 +22,7 @@ from engine.config import EngineConfig
 from engine.errors import CapacityExceeded, InvalidRequest
 from engine.output import OutputStream, RequestOutput
 from engine.runner import ModelRunner
-from engine.sampling import SamplingParams
+from engine.params import SamplingParams
 from engine.scheduler import ScheduledSeq, Scheduler
 from engine.sequence import Sequence
 from engine.spec.factory import make_proposer

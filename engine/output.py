@@ -6,7 +6,7 @@ client never sees part of a stop string; the stop string itself is never emitted
 
 from dataclasses import dataclass
 
-from engine.sampling import SamplingParams
+from engine.params import SamplingParams
 from engine.sequence import AcceptanceStats
 from engine.tokenizer import IncrementalDetokenizer, Tokenizer
 

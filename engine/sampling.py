@@ -1,4 +1,4 @@
-"""Sampling parameters and the distribution a request samples from.
+"""The distribution a request samples from, and its random generator.
 
 Each request owns a `torch.Generator` seeded from its `seed` (or from fresh entropy when none
 is given), so a seeded request draws the same tokens whatever else shares its batch.
@@ -8,31 +8,17 @@ zero-draft case -- so speculative and plain decoding sample from exactly the sam
 """
 
 import secrets
+
 import torch
-from pydantic import BaseModel, ConfigDict, Field
+
+from engine.params import SamplingParams
 
 
-class SamplingParams(BaseModel):
-    model_config = ConfigDict(extra="forbid", frozen=True)
-
-    max_tokens: int = Field(256, ge=1, description="new tokens to generate at most")
-    temperature: float = Field(0.0, ge=0.0, description="0 = greedy")
-    top_k: int = Field(0, ge=0, description="0 = no top-k filtering")
-    top_p: float = Field(1.0, gt=0.0, le=1.0)
-    seed: int | None = Field(None, ge=0, lt=2**63)
-    stop: tuple[str, ...] = Field((), description="strings that end generation (not included in the text)")
-    stop_token_ids: tuple[int, ...] = ()
-    ignore_eos: bool = False
-    num_speculative_tokens: int | None = Field(None, ge=0, le=16, description="per-request override of K; 0 = no speculation")
-
-    @property
-    def greedy(self) -> bool:
-        return self.temperature == 0.0
-
-    def make_generator(self) -> torch.Generator:
-        generator = torch.Generator()
-        generator.manual_seed(self.seed if self.seed is not None else secrets.randbits(63))
-        return generator
+def make_generator(params: SamplingParams) -> torch.Generator:
+    """The request's own generator: seeded from `params.seed`, else from fresh entropy."""
+    generator = torch.Generator()
+    generator.manual_seed(params.seed if params.seed is not None else secrets.randbits(63))
+    return generator
 
 
 def probabilities(logits: torch.Tensor, params: SamplingParams) -> torch.Tensor:

@@ -5,7 +5,8 @@ from dataclasses import dataclass, field
 
 import torch
 
-from engine.sampling import SamplingParams
+from engine.params import SamplingParams
+from engine.sampling import make_generator
 
 
 class SeqStatus(enum.Enum):
@@ -29,7 +30,7 @@ class Sequence:
 
     @classmethod
     def new(cls, seq_id: str, prompt_token_ids: list[int], params: SamplingParams) -> "Sequence":
-        return cls(seq_id, list(prompt_token_ids), len(prompt_token_ids), params, params.make_generator())
+        return cls(seq_id, list(prompt_token_ids), len(prompt_token_ids), params, make_generator(params))
 
     @property
     def num_generated(self) -> int:

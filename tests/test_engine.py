@@ -5,7 +5,7 @@ import pytest
 from engine.config import EngineConfig
 from engine.engine import Engine
 from engine.errors import CapacityExceeded, InvalidRequest
-from engine.sampling import SamplingParams
+from engine.params import SamplingParams
 
 
 def _run_all(engine: Engine, prompts: list[list[int]], params: SamplingParams) -> dict[str, list[int]]:

@@ -2,7 +2,7 @@
 
 import torch
 
-from engine.sampling import SamplingParams
+from engine.params import SamplingParams
 
 
 def _relative_error(ours: torch.Tensor, ref: torch.Tensor) -> float:

@@ -4,7 +4,8 @@ import pytest
 import torch
 from pydantic import ValidationError
 
-from engine.sampling import SamplingParams, probabilities
+from engine.params import SamplingParams
+from engine.sampling import make_generator, probabilities
 from engine.spec.rejection import make_verify_input, verify
 
 
@@ -15,7 +16,7 @@ def sample(logits: torch.Tensor, params: list[SamplingParams], generators: list[
 
 
 def _draw(logits: torch.Tensor, params: SamplingParams, n: int) -> torch.Tensor:
-    gen = params.make_generator()
+    gen = make_generator(params)
     return torch.tensor([sample(logits[None], [params], [gen])[0] for _ in range(n)])
 
 
@@ -34,9 +35,9 @@ def test_top_k_one_is_greedy():
 def test_same_seed_same_tokens_whatever_the_batch():
     logits = torch.randn(3, 1000)
     p = SamplingParams(temperature=1.0, seed=1234)
-    alone = [sample(logits[1:2], [p], [p.make_generator()])[0] for _ in range(1)]
+    alone = [sample(logits[1:2], [p], [make_generator(p)])[0] for _ in range(1)]
     others = SamplingParams(temperature=0.7, seed=99)
-    batched = sample(logits, [others, p, others], [others.make_generator(), p.make_generator(), others.make_generator()])
+    batched = sample(logits, [others, p, others], [make_generator(others), make_generator(p), make_generator(others)])
     assert batched[1] == alone[0]
     assert (_draw(logits[0], p, 20) == _draw(logits[0], p, 20)).all()
 

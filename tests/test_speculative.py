@@ -7,7 +7,7 @@ import torch
 from engine.config import EngineConfig
 from engine.engine import Engine
 from engine.loader import load_weights
-from engine.sampling import SamplingParams
+from engine.params import SamplingParams
 from engine.spec.rejection import VerifyInput, verify
 from engine.spec.train.model import TrainableEagle3
 

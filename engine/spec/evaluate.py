@@ -10,7 +10,7 @@ import time
 from tqdm import tqdm
 
 from engine.engine import Engine
-from engine.sampling import SamplingParams
+from engine.params import SamplingParams
 from engine.sequence import AcceptanceStats
 
 

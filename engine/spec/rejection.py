@@ -19,7 +19,8 @@ from dataclasses import dataclass
 
 import torch
 
-from engine.sampling import SamplingParams, probabilities
+from engine.params import SamplingParams
+from engine.sampling import probabilities
 
 
 @dataclass

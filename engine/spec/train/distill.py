@@ -16,7 +16,7 @@ from tqdm import tqdm
 
 from engine.config import EngineConfig
 from engine.engine import Engine
-from engine.sampling import SamplingParams
+from engine.params import SamplingParams
 from engine.sequence import Sequence
 
 
