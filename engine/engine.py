@@ -13,6 +13,7 @@ Each step:
 6. new tokens become text deltas; stop tokens, stop strings and limits end requests.
 """
 
+import collections
 import itertools
 from collections.abc import Iterator, Sequence as Seq
 
@@ -20,7 +21,7 @@ from engine.batch import SeqChunk
 from engine.block_manager import BlockManager
 from engine.config import EngineConfig
 from engine.errors import CapacityExceeded, InvalidRequest
-from engine.output import OutputStream, RequestOutput
+from engine.output import HandOff, OutputStream, RequestOutput, Usage
 from engine.runner import ModelRunner
 from engine.params import SamplingParams
 from engine.scheduler import ScheduledSeq, Scheduler
@@ -38,21 +39,33 @@ class Engine:
         self.blocks = BlockManager(config.num_kv_blocks, config.block_size, config.enable_prefix_caching)
         self.scheduler = Scheduler(config, self.blocks)
         self.proposer = make_proposer(config.speculative, self.runner, self.blocks.block_table)
+        self.verify = verify if config.device == "cpu" else _triton_verify()
         self.max_model_len = self.runner.max_model_len
         self.seqs: dict[str, Sequence] = {}
         self.streams: dict[str, OutputStream] = {}
+        self.handed_off: dict[str, Sequence] = {}  # prefilled here, blocks pinned until release()
+        self.incoming: dict[str, Sequence] = {}  # blocks allocated, KV arriving from a prefill worker
         self._ids = itertools.count()
+        self.counters: collections.Counter[str] = collections.Counter()  # monotonic totals, for metrics
 
-    def add_request(self, prompt_token_ids: Seq[int], params: SamplingParams, request_id: str | None = None) -> str:
+    def add_request(self, prompt_token_ids: Seq[int], params: SamplingParams, request_id: str | None = None,
+                    prefill_only: bool = False) -> str:
+        """Queue a request. With prefill_only, it stops after its first token and is handed off
+        (see HandOff): its blocks stay allocated until `release`."""
         request_id = request_id if request_id is not None else f"req-{next(self._ids)}"
         self._validate(request_id, prompt_token_ids, params)
         seq = Sequence.new(request_id, prompt_token_ids, params)
+        seq.prefill_only = prefill_only
         self.seqs[request_id] = seq
         self.streams[request_id] = OutputStream(self.tokenizer, params)
         self.scheduler.add(seq)
         return request_id
 
     def abort(self, request_id: str) -> RequestOutput | None:
+        if request_id in self.incoming:
+            self.blocks.free(request_id)
+            del self.incoming[request_id]
+            return RequestOutput(request_id, [], "", finished=True, finish_reason="abort")
         seq = self.seqs.get(request_id)
         return self._finish(seq, "abort", [], "") if seq else None
 
@@ -68,7 +81,7 @@ class Engine:
         out = self.runner.forward(chunks, return_aux=self.proposer.needs_aux)
         sampling = [i for i, s in enumerate(scheduled) if s.samples]
         seqs = [scheduled[i].seq for i in sampling]
-        verdict = verify(make_verify_input([s.params for s in seqs], [s.generator for s in seqs],
+        verdict = self.verify(make_verify_input([s.params for s in seqs], [s.generator for s in seqs],
                                            [drafts[i] for i in sampling], out.logits))
         accepted = dict(zip(sampling, verdict.num_accepted.tolist()))
         row = 0
@@ -87,7 +100,11 @@ class Engine:
             seq, a = scheduled[i].seq, accepted[i]
             if scheduled[i].num_lookahead:
                 seq.acceptance.record(len(drafts[i]), a)
-            outputs.append(self._append(seq, verdict.tokens[j, : a + 1].tolist()))
+                self.counters["draft_tokens"] += len(drafts[i])
+                self.counters["accepted_tokens"] += a
+                self.counters["verify_steps"] += 1
+            tokens = verdict.tokens[j, : a + 1].tolist()
+            outputs.append(self._hand_off(seq, tokens[0]) if seq.prefill_only else self._append(seq, tokens))
         return outputs
 
     def generate(self, prompt_token_ids: Seq[int], params: SamplingParams) -> Iterator[RequestOutput]:
@@ -99,6 +116,58 @@ class Engine:
                     yield out
                     if out.finished:
                         return
+
+    # ---- disaggregation: hand a prefilled request to another engine, or take one over ----
+
+    def _hand_off(self, seq: Sequence, first_token: int) -> RequestOutput:
+        self.scheduler.detach(seq)
+        handoff = HandOff(
+            block_table=self.blocks.block_table(seq.seq_id),
+            first_token=first_token,
+            rng_state=seq.generator.get_state(),
+            draft_hidden=self.proposer.prefill_draft(seq),
+            cached_prompt_tokens=seq.num_cached_prompt,
+        )
+        self.proposer.release(seq.seq_id)
+        del self.seqs[seq.seq_id], self.streams[seq.seq_id]
+        self.handed_off[seq.seq_id] = seq
+        return RequestOutput(seq.seq_id, [first_token], "", finished=True, finish_reason="prefilled", handoff=handoff)
+
+    def release(self, request_id: str) -> bool:
+        """Free a handed-off request's blocks (the decode side has its KV, or gave up)."""
+        seq = self.handed_off.pop(request_id, None)
+        if seq is not None:
+            self.blocks.free(request_id)
+        return seq is not None
+
+    def can_take_over(self, prompt_token_ids: Seq[int]) -> bool:
+        """Room for one more prefilled request: a batch slot and the blocks its prompt still needs."""
+        busy = len(self.scheduler.running) + len(self.incoming)
+        return busy < self.config.max_num_seqs and self.blocks.can_allocate(prompt_token_ids)
+
+    def reserve_prefilled(self, request_id: str, prompt_token_ids: Seq[int], params: SamplingParams) -> tuple[int, list[int]]:
+        """Allocate blocks for a request prefilled elsewhere; returns (prompt tokens already cached
+        here, block table). The caller fills the blocks past the cached ones, then calls
+        `admit_prefilled` (or `abort` if the transfer failed)."""
+        self._validate(request_id, prompt_token_ids, params)
+        cached = self.blocks.allocate(request_id, prompt_token_ids)
+        seq = Sequence.new(request_id, prompt_token_ids, params)
+        seq.num_cached_prompt = cached
+        self.incoming[request_id] = seq
+        return cached, self.blocks.block_table(request_id)
+
+    def admit_prefilled(self, request_id: str, handoff: HandOff) -> RequestOutput:
+        """The prompt's KV is in place: join the running batch; returns the first token's output."""
+        seq = self.incoming.pop(request_id)
+        self.blocks.commit(request_id, seq.token_ids[seq.num_cached_prompt :])
+        seq.num_computed = len(seq.token_ids)
+        seq.num_cached_prompt = handoff.cached_prompt_tokens  # usage reports the prefill side's cache hits
+        seq.generator.set_state(handoff.rng_state)
+        self.proposer.adopt(seq, seq.num_computed - 1, handoff.draft_hidden)
+        self.seqs[request_id] = seq
+        self.streams[request_id] = OutputStream(self.tokenizer, seq.params)
+        self.scheduler.add_running(seq)
+        return self._append(seq, [handoff.first_token])
 
     def _lookahead(self, seq: Sequence) -> int:
         """Draft tokens to reserve for a decoding sequence: never more than it may still emit - 1."""
@@ -137,6 +206,8 @@ class Engine:
         return RequestOutput(seq.seq_id, ids, text)
 
     def _finish(self, seq: Sequence, reason: str, ids: list[int], text: str) -> RequestOutput:
+        self.counters[f"finished_{reason}"] += 1
+        self.counters["generated_tokens"] += seq.num_generated
         self.scheduler.remove(seq)
         self.proposer.release(seq.seq_id)
         seq.finish_reason = reason
@@ -145,10 +216,11 @@ class Engine:
             text += stream.finish()
         del self.seqs[seq.seq_id]
         return RequestOutput(seq.seq_id, ids, text, finished=True, finish_reason=reason,
-                             acceptance=seq.acceptance if self.num_speculative_tokens else None)
+                             acceptance=seq.acceptance if self.num_speculative_tokens else None,
+                             usage=Usage(seq.num_prompt_tokens, seq.num_generated, seq.num_cached_prompt))
 
     def _validate(self, request_id: str, prompt: Seq[int], params: SamplingParams) -> None:
-        if request_id in self.seqs:
+        if request_id in self.seqs or request_id in self.incoming or request_id in self.handed_off:
             raise InvalidRequest("request_id", f"{request_id!r} is already running")
         if not prompt:
             raise InvalidRequest("prompt", "must contain at least one token")
@@ -161,3 +233,9 @@ class Engine:
         blocks = -(-(len(prompt) + 1) // self.config.block_size)
         if blocks > self.config.num_kv_blocks:
             raise CapacityExceeded(f"prompt needs {blocks} KV blocks; this worker's pool has {self.config.num_kv_blocks}")
+
+
+def _triton_verify():
+    from engine.spec.triton_rejection import triton_verify
+
+    return triton_verify

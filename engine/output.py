@@ -6,9 +6,29 @@ client never sees part of a stop string; the stop string itself is never emitted
 
 from dataclasses import dataclass
 
+import torch
+
 from engine.params import SamplingParams
 from engine.sequence import AcceptanceStats
 from engine.tokenizer import IncrementalDetokenizer, Tokenizer
+
+
+@dataclass
+class HandOff:
+    """What a prefill-only request leaves for the engine that decodes it."""
+
+    block_table: list[int]  # this engine's blocks holding the prompt's KV (target and draft)
+    first_token: int
+    rng_state: torch.Tensor  # the request's generator after sampling the first token
+    draft_hidden: torch.Tensor | None  # EAGLE3 draft input hidden state of the last prompt position
+    cached_prompt_tokens: int
+
+
+@dataclass
+class Usage:
+    prompt_tokens: int
+    completion_tokens: int
+    cached_prompt_tokens: int  # served from a prefix cache
 
 
 @dataclass
@@ -19,6 +39,8 @@ class RequestOutput:
     finished: bool = False
     finish_reason: str | None = None  # "stop" | "length" | "abort"
     acceptance: AcceptanceStats | None = None  # on the final output, when speculation is on
+    handoff: HandOff | None = None  # finish_reason "prefilled" only
+    usage: Usage | None = None  # on the final output
 
 
 class OutputStream:

@@ -52,6 +52,16 @@ class Scheduler:
             self.waiting.remove(seq)
         seq.status = SeqStatus.FINISHED
 
+    def detach(self, seq: Sequence) -> None:
+        """Stop scheduling a running sequence but keep its blocks (its KV is handed off)."""
+        self.running.remove(seq)
+        seq.status = SeqStatus.FINISHED
+
+    def add_running(self, seq: Sequence) -> None:
+        """A sequence whose prompt KV arrived from elsewhere: it decodes from the next step."""
+        seq.status = SeqStatus.RUNNING
+        self.running.append(seq)
+
     def schedule(self, lookahead: Callable[[Sequence], int]) -> list[ScheduledSeq]:
         """lookahead(seq): draft slots wanted by a decoding sequence this step."""
         budget = self.config.max_num_batched_tokens

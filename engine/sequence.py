@@ -26,6 +26,7 @@ class Sequence:
     num_computed: int = 0  # tokens whose KV is in the cache (committed in the block manager)
     num_cached_prompt: int = 0  # prompt tokens served by the prefix cache at admission
     finish_reason: str | None = None
+    prefill_only: bool = False  # stop after the first token and hand the KV off (disaggregated prefill)
     acceptance: "AcceptanceStats" = field(default_factory=lambda: AcceptanceStats())
 
     @classmethod

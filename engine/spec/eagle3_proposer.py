@@ -27,6 +27,7 @@ class Eagle3Proposer:
         self.draft = runner.draft
         self.block_table = block_table
         self.pending: dict[str, tuple[int, torch.Tensor]] = {}  # seq -> (first position, hidden [n, H])
+        self.positions_drafted = 0  # positions run through the draft with target features (a metric)
 
     def observe(self, seq: Sequence, start: int, aux: torch.Tensor | None) -> None:
         hidden = self.draft.project(aux)
@@ -37,6 +38,20 @@ class Eagle3Proposer:
 
     def release(self, seq_id: str) -> None:
         self.pending.pop(seq_id, None)
+
+    @torch.inference_mode()
+    def prefill_draft(self, seq: Sequence) -> torch.Tensor | None:
+        first, hidden = self.pending.pop(seq.seq_id)
+        last = len(seq.token_ids) - 1  # the prompt's last position: its next token is not chosen yet here
+        if last > first:
+            chunk = SeqChunk(seq.token_ids[first + 1 : last + 1], first, self.block_table(seq.seq_id), num_logits=0)
+            self.runner.forward_draft([chunk], hidden[: last - first])
+            self.positions_drafted += last - first
+        return hidden[last - first :].contiguous()
+
+    def adopt(self, seq: Sequence, position: int, hidden: torch.Tensor | None) -> None:
+        if hidden is not None:
+            self.pending[seq.seq_id] = (position, hidden.to(self.runner.config.torch_dtype))
 
     @torch.inference_mode()
     def propose(self, seqs: list[Sequence], num_tokens: list[int]) -> list[Proposal]:
@@ -56,6 +71,7 @@ class Eagle3Proposer:
                                    self.block_table(seq.seq_id), num_logits=1))
             hidden.append(h)
         hidden = torch.cat(hidden)
+        self.positions_drafted += hidden.shape[0]
         while True:
             out = self.runner.forward_draft(chunks, hidden)
             tokens = self.draft.to_target_ids(out.logits.argmax(dim=-1)).tolist()

@@ -3,13 +3,11 @@ the tokens that followed them there. Longest n first (prompt_lookup_max down to 
 recent earlier occurrence first. Costs no model forward; pays off on text that copies its context.
 """
 
-import torch
-
 from engine.sequence import Sequence
-from engine.spec.proposer import Proposal
+from engine.spec.proposer import Proposal, StatelessProposer
 
 
-class NgramProposer:
+class NgramProposer(StatelessProposer):
     needs_aux = False
 
     def __init__(self, min_n: int, max_n: int):
@@ -29,8 +27,3 @@ class NgramProposer:
                         return follow
         return []
 
-    def observe(self, seq: Sequence, start: int, aux: torch.Tensor | None) -> None:
-        pass
-
-    def release(self, seq_id: str) -> None:
-        pass

@@ -3,7 +3,9 @@
 The engine calls, per step: `propose` for the running sequences that reserved draft slots;
 after the target forward, `observe` with the span of positions whose KV became final (the
 prefill chunk, or the last token plus the accepted drafts) and the target's auxiliary hidden
-states for them (when `needs_aux`); `release` when a sequence leaves the batch.
+states for them (when `needs_aux`); `release` when a sequence leaves the batch. Across a
+prefill/decode split, `prefill_draft` (prefill side) and `adopt` (decode side) move the
+proposer's state with the KV.
 
 A `Proposal` is a chain of draft tokens. `parents` is reserved for tree drafting (token i
 continues token parents[i]); the verifier accepts chains only, so proposers leave it None.
@@ -32,17 +34,36 @@ class Proposer(Protocol):
 
     def release(self, seq_id: str) -> None: ...
 
+    def prefill_draft(self, seq: Sequence) -> torch.Tensor | None:
+        """Disaggregated prefill: run the draft over the prompt but its last position; return
+        that position's draft input hidden state (it travels with the KV) or None."""
+        ...
 
-class NoProposer:
-    """Plain decoding."""
+    def adopt(self, seq: Sequence, position: int, hidden: torch.Tensor | None) -> None:
+        """Take over a sequence prefilled elsewhere: `hidden` is prefill_draft's result."""
+        ...
 
-    needs_aux = False
 
-    def propose(self, seqs: list[Sequence], num_tokens: list[int]) -> list[Proposal]:
-        return [Proposal([]) for _ in seqs]
+class StatelessProposer:
+    """Base for proposers that keep no per-sequence state."""
 
     def observe(self, seq: Sequence, start: int, aux: torch.Tensor | None) -> None:
         pass
 
     def release(self, seq_id: str) -> None:
         pass
+
+    def prefill_draft(self, seq: Sequence) -> torch.Tensor | None:
+        return None
+
+    def adopt(self, seq: Sequence, position: int, hidden: torch.Tensor | None) -> None:
+        pass
+
+
+class NoProposer(StatelessProposer):
+    """Plain decoding."""
+
+    needs_aux = False
+
+    def propose(self, seqs: list[Sequence], num_tokens: list[int]) -> list[Proposal]:
+        return [Proposal([]) for _ in seqs]

@@ -1,0 +1,132 @@
+"""Drive an engine from its own thread so serving threads can talk to it.
+
+Every engine call happens on the loop thread: request handlers send commands (a function and
+its arguments) through a queue and wait for the result, and read each request's outputs from
+the request's own queue. The engine itself stays single-threaded and lock-free; a handler
+waits at most one step for its command to run.
+"""
+
+import logging
+import queue
+import threading
+from collections.abc import Callable
+from concurrent.futures import Future
+
+from engine.block_manager import KVEvent
+from engine.engine import Engine
+from engine.output import HandOff, RequestOutput
+from engine.params import SamplingParams
+
+log = logging.getLogger(__name__)
+
+
+class EngineLoop:
+    def __init__(self, engine: Engine):
+        self.engine = engine
+        self.outputs: dict[str, queue.SimpleQueue[RequestOutput]] = {}
+        self.events: list[KVEvent] = []
+        engine.blocks.subscribe(self.events.append)  # called on the loop thread only
+        self._commands: queue.SimpleQueue[tuple[Callable, tuple, Future]] = queue.SimpleQueue()
+        self._wake = threading.Event()
+        self.stepped = threading.Condition()  # notified after every step (back-pressure waits on it)
+        self._stopped = False
+        self._thread = threading.Thread(target=self._run, name="engine-loop", daemon=True)
+        self._thread.start()
+
+    def call(self, fn: Callable, *args):
+        """Run `fn(*args)` on the loop thread and return its result (or raise its exception)."""
+        future: Future = Future()
+        self._commands.put((fn, args, future))
+        self._wake.set()
+        return future.result()
+
+    def submit(self, request_id: str, prompt: list[int], params: SamplingParams,
+               prefill_only: bool = False) -> queue.SimpleQueue[RequestOutput]:
+        """Queue a request and return its output queue; raises InvalidRequest/CapacityExceeded."""
+        def add():
+            self.engine.add_request(prompt, params, request_id, prefill_only=prefill_only)
+            return self.outputs.setdefault(request_id, queue.SimpleQueue())
+
+        return self.call(add)
+
+    def admit_prefilled(self, request_id: str, handoff: HandOff) -> queue.SimpleQueue[RequestOutput]:
+        def admit():
+            outputs = self.outputs[request_id] = queue.SimpleQueue()
+            self._dispatch([self.engine.admit_prefilled(request_id, handoff)])  # may finish it already
+            return outputs
+
+        return self.call(admit)
+
+    def abort(self, request_id: str) -> bool:
+        def abort():
+            out = self.engine.abort(request_id)
+            if out is not None:
+                self._dispatch([out])
+            return out is not None
+
+        return self.call(abort)
+
+    def drain_events(self) -> list[KVEvent]:
+        def drain():
+            events, self.events[:] = list(self.events), []
+            return events
+
+        return self.call(drain)
+
+    def cache_snapshot(self) -> list[int]:
+        """The prefix cache's hashes now; events queued so far are dropped (the snapshot has them)."""
+        def snapshot():
+            self.events.clear()
+            return sorted(self.engine.blocks.cached_hashes())
+
+        return self.call(snapshot)
+
+    def load(self) -> dict[str, int]:
+        def load():
+            e = self.engine
+            return {"active_blocks": e.blocks.num_used_blocks, "total_blocks": e.blocks.num_blocks,
+                    "running": len(e.scheduler.running), "waiting": len(e.scheduler.waiting) + len(e.incoming)}
+
+        return self.call(load)
+
+    def wait_step(self, timeout: float) -> None:
+        with self.stepped:
+            self.stepped.wait(timeout)
+
+    def stop(self) -> None:
+        self._stopped = True
+        self._wake.set()
+        self._thread.join(timeout=10)
+
+    def _dispatch(self, outputs: list[RequestOutput]) -> None:
+        for out in outputs:
+            q = self.outputs.get(out.request_id)
+            if q is not None:
+                q.put(out)
+                if out.finished:
+                    del self.outputs[out.request_id]
+
+    def _run(self) -> None:
+        while not self._stopped:
+            while not self._commands.empty():
+                fn, args, future = self._commands.get()
+                try:
+                    future.set_result(fn(*args))
+                except Exception as e:  # the caller gets it
+                    future.set_exception(e)
+            if self.engine.has_unfinished():
+                self._step()
+            else:
+                self._wake.wait(0.1)
+                self._wake.clear()
+
+    def _step(self) -> None:
+        try:
+            self._dispatch(self.engine.step())
+        except Exception:  # a bug in a step must not leave every client waiting forever
+            log.exception("engine step failed; aborting its requests")
+            for request_id in list(self.engine.seqs):
+                self._dispatch([self.engine.abort(request_id)])
+        with self.stepped:
+            self.stepped.notify_all()
+

@@ -1,0 +1,215 @@
+"""Verification for CUDA as one Triton launch: same contract as `rejection.verify`, plus the
+per-sequence bookkeeping that follows it.
+
+Design: one program per sequence. Its rows start at draft_start_b + b (each earlier sequence owns
+its drafts plus a bonus row), so a device-side cumsum of num_drafts is the only set-up. The
+program walks its drafts until the first rejection -- greedy rows compare against a precomputed
+argmax, sampled rows run the accept test -- then emits the last token: the argmax for greedy
+sequences, otherwise an inverse-CDF sample over the vocabulary in BLOCK_V chunks (one pass for
+the total weight, a second that stops at the chunk holding the sample), with the residual
+max(0, p - q) (or p with the draft zeroed) formed on the fly from the rows already in memory.
+
+Greedy rows use torch's argmax over the logits, so ties break exactly as in the reference.
+
+Numerics: the accept test is exact (fp64, where the product of two fp32 values is exact, as in the
+reference's Python floats). The CDF accumulates in fp32 while the reference uses an fp64 cumsum;
+the partial sums differ by ~1e-6 relative, so a sample can differ only when u lands within that
+of a CDF boundary. For 16-bit probabilities, p - q is rounded to that dtype as torch does.
+"""
+
+import torch
+import triton
+import triton.language as tl
+
+from engine.spec.rejection import VerifyInput, VerifyOutput
+
+# Vocabulary entries per chunk of the inverse-CDF loops: 4 KB of fp32 per load keeps enough
+# loads in flight for the single program that owns a sequence.
+BLOCK_V = 1024
+# Sequences per program of the bookkeeping kernel.
+BLOCK_B = 128
+_TL_DTYPES = {torch.float32: tl.float32, torch.float16: tl.float16, torch.bfloat16: tl.bfloat16}
+
+
+@triton.jit
+def _round(x, DTYPE: tl.constexpr):
+    """fp32 x rounded to DTYPE (nearest, ties to even), kept in fp32. bf16 is rounded by hand:
+    x.to(tl.bfloat16) does the same on GPU, but the interpreter truncates."""
+    if DTYPE == tl.bfloat16:
+        bits = x.to(tl.uint32, bitcast=True)
+        bits = (bits + 0x7FFF + ((bits >> 16) & 1)) & 0xFFFF0000
+        x = bits.to(tl.float32, bitcast=True)
+    elif DTYPE == tl.float16:
+        x = x.to(tl.float16).to(tl.float32)
+    return x
+
+
+@triton.jit
+def _weights(p_row, q_row, offs, draft, q_end, vocab, stride_pv, stride_qv,
+             HAS_Q: tl.constexpr, RESIDUAL_DTYPE: tl.constexpr):
+    """Sampling weights at offs: the residual after rejecting `draft`, or p itself for the bonus
+    row (draft = -1, q_end = 0). q_end is a bound rather than a flag because the interpreter
+    mishandles a scalar bool broadcast into a load mask."""
+    p = tl.load(p_row + offs * stride_pv, mask=offs < vocab, other=0.0).to(tl.float32)
+    if HAS_Q:
+        q = tl.load(q_row + offs * stride_qv, mask=offs < q_end, other=0.0).to(tl.float32)
+        # torch rounds p - q to the promoted dtype of p and q (bf16 for bf16 inputs); so do we.
+        w = _round(tl.maximum(p - q, 0.0), RESIDUAL_DTYPE)
+    else:
+        w = tl.where(offs == draft, 0.0, p)
+    return w
+
+
+@triton.jit
+def _sample(p_row, q_row, draft, q_end, u, vocab, stride_pv, stride_qv,
+            HAS_Q: tl.constexpr, RESIDUAL_DTYPE: tl.constexpr, BLOCK_V: tl.constexpr):
+    """inverse_cdf(weights, u): the first index whose cumulative weight exceeds u * total."""
+    total = 0.0
+    for start in range(0, vocab, BLOCK_V):
+        offs = start + tl.arange(0, BLOCK_V)
+        w = _weights(p_row, q_row, offs, draft, q_end, vocab, stride_pv, stride_qv, HAS_Q, RESIDUAL_DTYPE)
+        total += tl.sum(w, 0)
+    threshold = u * total
+
+    found = vocab  # vocab = not found yet
+    last_positive = -1
+    running = 0.0
+    start = 0
+    while (start < vocab) & (found == vocab):
+        offs = start + tl.arange(0, BLOCK_V)
+        w = _weights(p_row, q_row, offs, draft, q_end, vocab, stride_pv, stride_qv, HAS_Q, RESIDUAL_DTYPE)
+        cdf = running + tl.cumsum(w, 0)
+        found = tl.min(tl.where(cdf > threshold, offs, vocab), 0)  # padding adds 0: never first
+        last_positive = tl.maximum(last_positive, tl.max(tl.where(w > 0.0, offs, -1), 0))
+        running += tl.sum(w, 0)
+        start += BLOCK_V
+    # fp32 keeps u * total below total for u < 1, but the chunked cumsum can end a rounding short
+    # of the tree-summed total: if nothing exceeds the threshold, take the last token with weight
+    # as exact arithmetic would, never a zero-weight one. No weight at all: the reference's clamp.
+    return tl.where(found < vocab, found, tl.where(last_positive >= 0, last_positive, vocab - 1))
+
+
+@triton.jit
+def _verify_kernel(
+    draft_ids, num_drafts, draft_start, greedy, argmax, target_probs, draft_probs, uniforms,
+    tokens, num_accepted,
+    vocab, width,
+    stride_pt, stride_pv, stride_qt, stride_qv, stride_ut, stride_uc,
+    HAS_Q: tl.constexpr, RESIDUAL_DTYPE: tl.constexpr, BLOCK_V: tl.constexpr,
+):
+    seq = tl.program_id(0)
+    n = tl.load(num_drafts + seq).to(tl.int32)
+    first_draft = tl.load(draft_start + seq)
+    first_row = first_draft + seq
+    is_greedy = tl.load(greedy + seq) != 0
+
+    # Longest accepted prefix.
+    a = 0
+    accepting = 1
+    while (a < n) & (accepting != 0):
+        draft = tl.load(draft_ids + first_draft + a)
+        row = first_row + a
+        if is_greedy:
+            ok = tl.load(argmax + row) == draft
+        else:
+            # Accept with probability min(1, p/q): u * q(d) < p(d), q(d) = 1 for one-hot q.
+            p_d = tl.load(target_probs + row * stride_pt + draft * stride_pv).to(tl.float32).to(tl.float64)
+            u = tl.load(uniforms + row * stride_ut).to(tl.float64)
+            if HAS_Q:
+                q_d = tl.load(draft_probs + (first_draft + a) * stride_qt + draft * stride_qv)
+                u = u * q_d.to(tl.float32).to(tl.float64)
+            ok = u < p_d
+        a += ok.to(tl.int32)
+        accepting = ok.to(tl.int32)
+
+    # The token after the accepted prefix: from the rejected draft's row, or the bonus row.
+    row = first_row + a
+    if is_greedy:
+        last = tl.load(argmax + row)
+    else:
+        rejected = a < n
+        draft = tl.load(draft_ids + first_draft + a, mask=rejected, other=-1)
+        u = tl.load(uniforms + row * stride_ut + stride_uc)
+        last = _sample(target_probs + row * stride_pt, draft_probs + (first_draft + a) * stride_qt,
+                       draft, tl.where(rejected, vocab, 0), u, vocab, stride_pv, stride_qv,
+                       HAS_Q, RESIDUAL_DTYPE, BLOCK_V).to(tl.int64)
+
+    out = tokens + seq.to(tl.int64) * width
+    for j in range(0, a):
+        tl.store(out + j, tl.load(draft_ids + first_draft + j))
+    tl.store(out + a, last)
+    tl.store(num_accepted + seq, a)
+
+
+def triton_verify(inp: VerifyInput) -> VerifyOutput:
+    """`rejection.verify` on the logits' device (CUDA, or CPU under TRITON_INTERPRET=1).
+
+    The small per-sequence inputs may live on the CPU (as `make_verify_input` builds them); they
+    are copied to the logits' device. The output width needs max(num_drafts) on the host, the
+    only sync (none when num_drafts is already on the CPU).
+    """
+    device = inp.target_logits.device
+    b = inp.num_drafts.shape[0]
+    width = int(inp.num_drafts.max()) + 1 if b else 1
+    tokens = torch.full((b, width), -1, dtype=torch.long, device=device)
+    num_accepted = torch.zeros(b, dtype=torch.long, device=device)
+    if b == 0:
+        return VerifyOutput(tokens, num_accepted)
+    assert inp.target_probs is not None or bool(inp.greedy.all()), "sampled sequences need target_probs"
+
+    num_drafts = inp.num_drafts.to(device, torch.long)
+    draft_ids = inp.draft_ids.to(device, torch.long)
+    greedy = inp.greedy.to(device, torch.int8)
+    uniforms = inp.uniforms.to(device)
+    argmax = inp.target_logits.argmax(dim=-1)
+    # Unused pointers still need a tensor: greedy-only batches never read p, one-hot q never reads q.
+    probs = inp.target_probs if inp.target_probs is not None else inp.target_logits
+    q = inp.draft_probs if inp.draft_probs is not None else probs
+    vocab = inp.target_logits.shape[-1]
+    _verify_kernel[(b,)](
+        draft_ids, num_drafts, torch.cumsum(num_drafts, 0) - num_drafts, greedy, argmax, probs, q, uniforms,
+        tokens, num_accepted,
+        vocab, width,
+        *probs.stride(), *q.stride(), *uniforms.stride(),
+        HAS_Q=inp.draft_probs is not None, RESIDUAL_DTYPE=_TL_DTYPES[torch.promote_types(probs.dtype, q.dtype)],
+        BLOCK_V=min(BLOCK_V, triton.next_power_of_2(vocab)),
+    )
+    return VerifyOutput(tokens, num_accepted)
+
+
+def post_verify(tokens: torch.Tensor, num_accepted: torch.Tensor,
+                num_computed: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """Per-sequence bookkeeping after verification: (next input token, new num_computed, tokens emitted).
+
+    num_computed counts tokens with final KV before this step; the step's input token and the
+    accepted drafts now have final KV too, while the emitted last token has none yet.
+    """
+    next_tokens = tokens.gather(1, num_accepted[:, None]).squeeze(1)
+    return next_tokens, num_computed + num_accepted + 1, num_accepted + 1
+
+
+@triton.jit
+def _post_verify_kernel(tokens, num_accepted, num_computed, next_tokens, new_num_computed, num_emitted,
+                        num_seqs, stride_tb, stride_tw, BLOCK_B: tl.constexpr):
+    seqs = tl.program_id(0) * BLOCK_B + tl.arange(0, BLOCK_B)
+    valid = seqs < num_seqs
+    a = tl.load(num_accepted + seqs, mask=valid, other=0)
+    last = tl.load(tokens + seqs.to(tl.int64) * stride_tb + a * stride_tw, mask=valid)
+    tl.store(next_tokens + seqs, last, mask=valid)
+    tl.store(new_num_computed + seqs, tl.load(num_computed + seqs, mask=valid) + a + 1, mask=valid)
+    tl.store(num_emitted + seqs, a + 1, mask=valid)
+
+
+def triton_post_verify(tokens: torch.Tensor, num_accepted: torch.Tensor,
+                       num_computed: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """`post_verify` as one launch, without leaving the device; same output dtypes."""
+    b = num_accepted.shape[0]
+    next_tokens = tokens.new_empty(b)
+    new_num_computed = num_computed.new_empty(b, dtype=torch.promote_types(num_computed.dtype, num_accepted.dtype))
+    num_emitted = torch.empty_like(num_accepted)
+    if b:
+        _post_verify_kernel[(triton.cdiv(b, BLOCK_B),)](
+            tokens, num_accepted, num_computed, next_tokens, new_num_computed, num_emitted,
+            b, *tokens.stride(), BLOCK_B=BLOCK_B,
+        )
+    return next_tokens, new_num_computed, num_emitted

@@ -1,0 +1,256 @@
+"""Triton verification and post-verify bookkeeping against the torch reference, run on CPU by the
+Triton interpreter.
+
+TRITON_INTERPRET must be set before triton is first imported, and other tests in the session may
+already have imported it, so the comparison runs in a subprocess: this file executed as a script
+(`python -m tests.test_triton_rejection`) runs every case and prints the results as JSON; the
+pytest side runs it once and asserts per case.
+
+The kernel's CDF accumulates in fp32 and the reference's in fp64, so in general a sample could
+differ when u lands within ~1e-6 of a CDF boundary. Here the probabilities are multiples of 2^-14
+and the sampling uniforms multiples of 2^-10: every partial sum, residual and threshold u * total
+is then exact in fp32, so the two must agree token for token. The forced sequences add the edge
+cases on top: an accept test at the tie u = p(d), thresholds equal to a CDF value (u = 0 and
+u = 1/2; the sample is the first index whose CDF strictly exceeds it), and u just below 1 (the
+last token with weight, also where the fp32 CDF ends short of the threshold: _lossy_cdf_row).
+The "x" sequences (_precision_edge) need the kernel's exact accept test and, with bf16 inputs,
+its bf16 rounding of p - q. The bf16 case's sums are still exact (multiples of 2^-21) but its
+thresholds u * total are not, so that case relies on its fixed seed.
+"""
+
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+ROOT = Path(__file__).resolve().parent.parent
+
+PROB_BITS = 14
+UNIFORM_BITS = 10
+# The largest fp32 below 1.
+ALMOST_ONE = 1.0 - 2.0 ** -24
+
+# (name, vocab, dense q, probs dtype, sequences). A sequence is (num_drafts, kind, forced) with
+# kind "g"reedy, "s"ampled, "f": sampled, no drafts, a bonus row from _lossy_cdf_row, or "x":
+# sampled, two drafts on the rows of _precision_edge.
+# forced = k: exactly k drafts accepted (k = num_drafts: full acceptance, 0: immediate rejection)
+# with the edge cases above; None: random drafts and uniforms. BLOCK_V is 1024, so vocab 2500
+# samples across three chunks.
+GREEDY = [(0, "g", 0), (1, "g", 1), (3, "g", 0), (5, "g", 5), (5, "g", 2), (3, "g", None), (5, "g", None)]
+SAMPLED = [(0, "s", 0), (1, "s", 1), (3, "s", 0), (5, "s", 5), (5, "s", 2), (3, "s", None), (5, "s", None),
+           (5, "s", None), (0, "f", 0), (2, "x", None)]
+MIXED = [(5, "s", None), (3, "g", 3), (0, "s", 0), (5, "g", None), (1, "s", 0), (5, "s", 5), (3, "g", 0),
+         (4, "s", None), (2, "x", None)]
+CASES = [
+    ("greedy-v37", 37, False, "float32", GREEDY),
+    ("greedy-v1000", 1000, False, "float32", GREEDY),
+    ("sampled-onehot-v37", 37, False, "float32", SAMPLED),
+    ("sampled-onehot-v2500", 2500, False, "float32", SAMPLED),
+    ("sampled-dense-v37", 37, True, "float32", SAMPLED),
+    ("sampled-dense-v1000", 1000, True, "float32", SAMPLED),
+    ("mixed-onehot-v1000", 1000, False, "float32", MIXED),
+    ("mixed-dense-v2500", 2500, True, "float32", MIXED),
+    ("mixed-dense-v1000-bf16", 1000, True, "bfloat16", MIXED),
+]
+
+
+def _dyadic_probs(logits, dtype):
+    """softmax(logits) rounded down to multiples of 2^-PROB_BITS, the remainder on the argmax,
+    then to dtype (held in fp32, so that the test's choices see the values the kernels see)."""
+    import torch
+
+    scale = 2 ** PROB_BITS
+    counts = (torch.softmax(logits.double(), -1) * scale).floor()
+    counts[torch.arange(logits.shape[0]), logits.argmax(-1)] += scale - counts.sum(-1)
+    return (counts / scale).to(dtype).float()
+
+
+def _with_cdf_tie(p, u: float):
+    """p (multiples of 2^-PROB_BITS summing to 1) with mass moved so that a CDF value equals u."""
+    counts = (p.double() * 2 ** PROB_BITS).round()
+    if u == 0:  # no weight before index 3: the sample must skip the zero-weight prefix
+        counts[3 + int(counts[3:].argmax())] += counts[:3].sum()
+        counts[:3] = 0
+    else:
+        target = u * 2 ** PROB_BITS
+        k = int((counts.cumsum(0) >= target).nonzero()[0])
+        assert k + 1 < counts.shape[0]
+        excess = counts[: k + 1].sum() - target
+        counts[k] -= excess
+        counts[k + 1] += excess
+    return (counts / 2 ** PROB_BITS).float()
+
+
+def _lossy_cdf_row(vocab: int):
+    """A distribution ending in zeros on which the fp32 CDF stops short of u * total for u near 1.
+
+    Each 2^-25 entry after the 0.5 is a rounding tie that a running sum drops, while a tree sum
+    (the total) keeps them together (the interpreter's tl.cumsum and tl.sum are np.cumsum and
+    np.sum): the final CDF value, 1 - 2^-20, is below the threshold
+    (1 - 2^-24) * ~1. Exact arithmetic picks the 1/2 - 2^-20 entry, the last one with weight; a
+    kernel that clamps to the last index instead would pick a zero-probability token."""
+    import torch
+
+    p = torch.zeros(vocab)
+    p[vocab - 36] = 0.5
+    p[vocab - 35 : vocab - 3] = 2.0 ** -25
+    p[vocab - 3] = 0.5 - 2.0 ** -20
+    return p
+
+
+def _precision_edge(i: int, p, u):
+    """Draft i of an "x" sequence: fills its row of p and uniforms u in place, returns (draft, q).
+
+    With dense q, draft 0 is accepted only by exact arithmetic: u * q(d) = (5/6 - ~2^-24) * 3/4 is
+    just below p(d) = 5/8 but rounds to it in fp32. Draft 1 (p(d) = 0) is rejected and samples
+    p - q = (0.50390625 - 3 * 2^-12, 0.49609375, 0...): bf16 rounds the first weight back up to
+    0.50390625, and u = 2063/4096 puts the threshold between the rounded and the exact weight.
+    With one-hot q, u >= p(d) rejects draft 0 outright."""
+    import torch
+
+    q = torch.zeros_like(p)
+    p.zero_()
+    if i == 0:
+        p[0], p[1], q[0], q[1] = 0.625, 0.375, 0.75, 0.25
+        u[0] = 13981013 / 2 ** 24
+        return 0, q
+    p[0], p[1], q[0], q[2] = 0.50390625, 0.49609375, 3 * 2.0 ** -12, 0.99609375
+    u[0], u[1] = 0.5, 2063 / 4096
+    return 2, q
+
+
+def _make_input(vocab: int, dense_q: bool, dtype: str, seqs: list, seed: int):
+    import torch
+
+    from engine.spec.rejection import VerifyInput
+
+    dtype = getattr(torch, dtype)
+    gen = torch.Generator().manual_seed(seed)
+    num_rows = sum(n + 1 for n, _, _ in seqs)
+    logits = (torch.randn(num_rows, vocab, generator=gen) * 3).to(dtype).float()
+    argmax = logits.argmax(-1)
+    probs = _dyadic_probs(logits, dtype)
+    u_sample = torch.randint(0, 2 ** UNIFORM_BITS, (num_rows,), generator=gen) / 2 ** UNIFORM_BITS
+    uniforms = torch.stack([torch.rand(num_rows, generator=gen), u_sample], 1)
+    draft_ids, draft_q = [], []
+    row = 0
+    for n, kind, forced in seqs:
+        for i in range(n):
+            r = row + i
+            # Proposal: a perturbed target for dense q; one-hot drafts are greedy, like a real drafter's.
+            q = _dyadic_probs(logits[r : r + 1] + torch.randn(1, vocab, generator=gen), dtype)[0] if dense_q else None
+            if kind == "x":
+                d, edge_q = _precision_edge(i, probs[r], uniforms[r])
+                q = edge_q if dense_q else None
+            elif kind == "g":
+                hit = i < forced if forced is not None else torch.rand(1, generator=gen).item() < 0.7
+                miss = (int(argmax[r]) + 1 + int(torch.randint(0, vocab - 1, (1,), generator=gen))) % vocab
+                d = int(argmax[r]) if hit else miss
+            elif forced is not None and i < forced:
+                d = int(torch.multinomial(probs[r], 1, generator=gen))  # p(d) > 0 and u = 0: accepted
+                uniforms[r, 0] = 0.0
+            elif forced is not None and i == forced:
+                # Rejected: one-hot at the tie u = p(d); dense q with p(d) < q(d) and u just below 1.
+                if dense_q:
+                    d = int((q - probs[r]).argmax())
+                    uniforms[r, 0] = ALMOST_ONE
+                else:
+                    d = int(probs[r].argmin())
+                    uniforms[r, 0] = probs[r, d]
+                uniforms[r, 1] = ALMOST_ONE
+            else:
+                d = int(torch.multinomial(q, 1, generator=gen)) if dense_q else int(argmax[r])
+            draft_ids.append(d)
+            draft_q.append(q)
+        if kind == "g":
+            probs[row : row + n + 1] = float("nan")  # greedy rows of p are never read
+        elif kind == "f":
+            probs[row] = _lossy_cdf_row(vocab)
+            uniforms[row, 1] = ALMOST_ONE
+        elif forced == n:  # the bonus row is sampled: make its threshold a CDF value
+            u = 0.0 if n == 0 else 0.5
+            probs[row + n] = _with_cdf_tie(probs[row + n], u).to(dtype).float()
+            uniforms[row + n, 1] = u
+        row += n + 1
+    all_greedy = all(kind == "g" for _, kind, _ in seqs)
+    return VerifyInput(
+        draft_ids=torch.tensor(draft_ids, dtype=torch.long),
+        num_drafts=torch.tensor([n for n, _, _ in seqs], dtype=torch.long),
+        target_logits=logits.to(dtype),
+        target_probs=None if all_greedy else probs.to(dtype),
+        draft_probs=torch.stack(draft_q).to(dtype) if dense_q and draft_q else None,
+        greedy=torch.tensor([kind == "g" for _, kind, _ in seqs]),
+        uniforms=uniforms,
+    )
+
+
+def _run_case(vocab: int, dense_q: bool, dtype: str, seqs: list, seed: int) -> dict:
+    import torch
+
+    from engine.spec.rejection import verify
+    from engine.spec.triton_rejection import post_verify, triton_post_verify, triton_verify
+
+    inp = _make_input(vocab, dense_q, dtype, seqs, seed)
+    expected = verify(inp)
+    got = triton_verify(inp)
+    forced = [(i, k) for i, (_, _, k) in enumerate(seqs) if k is not None]
+    # Alternate int64 / int32 num_computed to check the output dtype follows the reference's promotion.
+    num_computed = torch.randint(0, 500, (len(seqs),)).to(torch.int32 if seed % 2 else torch.int64)
+    ref_post = post_verify(expected.tokens, expected.num_accepted, num_computed)
+    got_post = triton_post_verify(expected.tokens, expected.num_accepted, num_computed)
+    return {
+        "tokens": got.tokens.tolist(),
+        "expected_tokens": expected.tokens.tolist(),
+        "num_accepted": got.num_accepted.tolist(),
+        "expected_num_accepted": expected.num_accepted.tolist(),
+        "dtypes_match": (got.tokens.dtype, got.num_accepted.dtype) == (expected.tokens.dtype,
+                                                                        expected.num_accepted.dtype),
+        # The forced outcomes hold in the reference, so the case covers what it claims to.
+        "forced_hold": all(int(expected.num_accepted[i]) == k for i, k in forced),
+        "post_verify_match": all(torch.equal(g, r) and g.dtype == r.dtype for g, r in zip(got_post, ref_post)),
+    }
+
+
+def _main() -> None:
+    assert os.environ.get("TRITON_INTERPRET") == "1", "run with TRITON_INTERPRET=1"
+    results = {}
+    for i, (name, *args) in enumerate(CASES):
+        try:
+            results[name] = _run_case(*args, seed=i)
+        except Exception as e:  # report per case so one failure does not hide the others
+            results[name] = {"error": f"{type(e).__name__}: {e}"}
+    print(json.dumps(results))
+
+
+@pytest.fixture(scope="module")
+def results() -> dict:
+    proc = subprocess.run(
+        [sys.executable, "-m", "tests.test_triton_rejection"],
+        cwd=ROOT, env={**os.environ, "TRITON_INTERPRET": "1"}, capture_output=True, text=True, timeout=300,
+    )
+    assert proc.returncode == 0, proc.stderr[-4000:]
+    return json.loads(proc.stdout.strip().splitlines()[-1])
+
+
+@pytest.mark.parametrize("name", [c[0] for c in CASES])
+def test_verify_matches_torch_reference(results: dict, name: str) -> None:
+    result = results[name]
+    assert "error" not in result, result.get("error")
+    assert result["forced_hold"], f"{name}: forced acceptances do not hold: {result['expected_num_accepted']}"
+    assert result["num_accepted"] == result["expected_num_accepted"]
+    assert result["tokens"] == result["expected_tokens"]
+    assert result["dtypes_match"]
+
+
+@pytest.mark.parametrize("name", [c[0] for c in CASES])
+def test_post_verify_matches_torch_reference(results: dict, name: str) -> None:
+    result = results[name]
+    assert "error" not in result, result.get("error")
+    assert result["post_verify_match"]
+
+
+if __name__ == "__main__":
+    _main()
