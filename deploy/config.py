@@ -3,6 +3,7 @@ values all map onto. Unknown fields are errors; every error names the field, the
 what is allowed.
 """
 
+import os
 from pathlib import Path
 from typing import Literal
 
@@ -32,6 +33,8 @@ class RoleConfig(_Strict):
     replicas: int = Field(0, ge=0)
     num_threads: int | None = Field(None, ge=1, description="CPU threads per replica (default: split the cores)")
     kv_transfer: Literal["nixl", "grpc"] = Field("nixl", description="how decode workers pull KV from prefill workers")
+    port: int = Field(0, ge=0, le=65535, description="internal gRPC port (0: any free port)")
+    metrics_port: int = Field(0, ge=0, le=65535, description="Prometheus /metrics port (0: any free port)")
 
 
 class DeploymentConfig(_Strict):
@@ -42,6 +45,10 @@ class DeploymentConfig(_Strict):
     aggregated: RoleConfig = Field(default_factory=RoleConfig)
     pin_timeout_s: float = Field(30.0, gt=0, description="prefill blocks stay pinned this long awaiting the decode side")
     cluster_token: str | None = Field(None, description="shared secret of internal RPCs (default: $PDSPEC_CLUSTER_TOKEN)")
+
+    def token(self) -> str | None:
+        """The cluster token: the config's, else $PDSPEC_CLUSTER_TOKEN."""
+        return self.cluster_token or os.environ.get("PDSPEC_CLUSTER_TOKEN")
 
     @model_validator(mode="after")
     def _roles(self) -> "DeploymentConfig":

@@ -5,12 +5,10 @@ the CLI and Helm values all map onto (see deploy/); errors name the field and al
 """
 
 import json
-import math
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Literal
 
-import torch
 from pydantic import BaseModel, ConfigDict, Field, model_validator
 
 SUPPORTED_ARCHITECTURES = ("LlamaForCausalLM", "MistralForCausalLM", "Qwen2ForCausalLM", "Qwen3ForCausalLM")
@@ -82,26 +80,6 @@ class ModelConfig:
         )
 
 
-def rope_inv_freq(config: ModelConfig) -> torch.Tensor:
-    """Inverse RoPE frequencies [head_dim/2], with Llama-3.1-style scaling when configured."""
-    dim = config.head_dim
-    inv_freq = 1.0 / (config.rope_theta ** (torch.arange(0, dim, 2, dtype=torch.float64) / dim))
-    scaling = config.rope_scaling
-    if scaling is None:
-        return inv_freq.float()
-    kind = scaling.get("rope_type", scaling.get("type"))
-    if kind != "llama3":
-        raise ModelConfigError(f"rope_scaling type {kind!r} not supported; supported: default, llama3")
-    factor = scaling["factor"]
-    low, high = scaling["low_freq_factor"], scaling["high_freq_factor"]
-    original = scaling["original_max_position_embeddings"]
-    wavelen = 2 * math.pi / inv_freq
-    smooth = (original / wavelen - low) / (high - low)
-    scaled = torch.where(wavelen > original / low, inv_freq / factor, inv_freq)
-    medium = (wavelen >= original / high) & (wavelen <= original / low)
-    return torch.where(medium, (1 - smooth) * inv_freq / factor + smooth * inv_freq, scaled).float()
-
-
 DType = Literal["float32", "bfloat16", "float16"]
 
 
@@ -147,7 +125,3 @@ class EngineConfig(BaseModel):
         None, ge=1, description="CPU threads for this engine; default: all cores. Processes sharing cores "
         "should split them: spinning OpenMP threads of two processes on one core stall each other"
     )
-
-    @property
-    def torch_dtype(self) -> torch.dtype:
-        return getattr(torch, self.dtype)

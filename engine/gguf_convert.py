@@ -18,9 +18,8 @@ from typing import Any
 
 import gguf
 import numpy as np
-import torch
 from gguf.quants import dequantize
-from safetensors.torch import save_file
+from safetensors.numpy import save_file
 from tokenizers import AddedToken, decoders, pre_tokenizers, processors
 from tokenizers import Tokenizer as HFTokenizer
 from tokenizers.models import BPE
@@ -214,9 +213,9 @@ def _unpermute_rope_rows(weight: np.ndarray, n_heads: int) -> np.ndarray:
     return weight.reshape(n_heads, rows // n_heads // 2, 2, -1).swapaxes(1, 2).reshape(weight.shape)
 
 
-def _convert_tensors(reader: gguf.GGUFReader, config: dict[str, Any], gguf_path: Path) -> dict[str, torch.Tensor]:
+def _convert_tensors(reader: gguf.GGUFReader, config: dict[str, Any], gguf_path: Path) -> dict[str, np.ndarray]:
     """Every GGUF tensor dequantized to fp32 under its HF name, q/k rows restored to HF order."""
-    tensors: dict[str, torch.Tensor] = {}
+    tensors: dict[str, np.ndarray] = {}
     for tensor in tqdm(reader.tensors, desc=f"Converting {gguf_path.name}", unit="tensor"):
         name = _hf_tensor_name(tensor.name, gguf_path)
         weight = dequantize(tensor.data, tensor.tensor_type)
@@ -224,8 +223,7 @@ def _convert_tensors(reader: gguf.GGUFReader, config: dict[str, Any], gguf_path:
             weight = _unpermute_rope_rows(weight, config["num_attention_heads"])
         elif name.endswith("k_proj.weight"):
             weight = _unpermute_rope_rows(weight, config["num_key_value_heads"])
-        # A copy: unquantized tensors come back as read-only views of the memory-mapped file.
-        tensors[name] = torch.from_numpy(np.array(weight, dtype=np.float32))
+        tensors[name] = np.ascontiguousarray(weight, dtype=np.float32)
     layers = range(config["num_hidden_layers"])
     expected = {"model.embed_tokens.weight", "model.norm.weight"}
     expected |= {f"model.layers.{i}.{part}.weight" for i in layers for part in _LAYER_TENSORS.values()}

@@ -6,11 +6,13 @@ so verifying K+1 speculative tokens costs about one decode step. Elsewhere (CUDA
 16-bit dtype) it is torch's own `F.linear`.
 """
 
+import math
+
 import torch
 import torch.nn.functional as F
 
 from engine import cpu_kernels
-from engine.config import ModelConfig, rope_inv_freq
+from engine.config import ModelConfig, ModelConfigError
 
 
 def uses_packed_gemm(device: torch.device, dtype: torch.dtype) -> bool:
@@ -40,6 +42,26 @@ class Linear:
 
 def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
     return F.rms_norm(x, (x.shape[-1],), weight, eps)
+
+
+def rope_inv_freq(config: ModelConfig) -> torch.Tensor:
+    """Inverse RoPE frequencies [head_dim/2], with Llama-3.1-style scaling when configured."""
+    dim = config.head_dim
+    inv_freq = 1.0 / (config.rope_theta ** (torch.arange(0, dim, 2, dtype=torch.float64) / dim))
+    scaling = config.rope_scaling
+    if scaling is None:
+        return inv_freq.float()
+    kind = scaling.get("rope_type", scaling.get("type"))
+    if kind != "llama3":
+        raise ModelConfigError(f"rope_scaling type {kind!r} not supported; supported: default, llama3")
+    factor = scaling["factor"]
+    low, high = scaling["low_freq_factor"], scaling["high_freq_factor"]
+    original = scaling["original_max_position_embeddings"]
+    wavelen = 2 * math.pi / inv_freq
+    smooth = (original / wavelen - low) / (high - low)
+    scaled = torch.where(wavelen > original / low, inv_freq / factor, inv_freq)
+    medium = (wavelen >= original / high) & (wavelen <= original / low)
+    return torch.where(medium, (1 - smooth) * inv_freq / factor + smooth * inv_freq, scaled).float()
 
 
 class Rotary:

@@ -1,51 +1,11 @@
-"""Find a model directory and load its weights (HF safetensors layout, single file or sharded)."""
+"""Load a model directory's weights (HF safetensors layout, single file or sharded)."""
 
-import json
 from pathlib import Path
 
 import torch
-import xxhash
 from safetensors import safe_open
 
-from engine.config import ModelConfigError
-
-
-def resolve_model_dir(model: str | None) -> Path:
-    """`None` = the embedded default (converted from its GGUF on first use); else an HF directory."""
-    if model is None:
-        from engine.gguf_convert import default_model_dir
-
-        return default_model_dir()
-    path = Path(model).expanduser()
-    if not path.exists():
-        raise ModelConfigError(f"model path {path} does not exist")
-    if not path.is_dir():
-        raise ModelConfigError(f"model path {path} is a file; expected an HF model directory (config.json + *.safetensors)")
-    if not (path / "config.json").is_file():
-        raise ModelConfigError(f"model directory {path} has no config.json; expected an HF model directory")
-    return path
-
-
-def weight_files(model_dir: Path) -> list[Path]:
-    index = model_dir / "model.safetensors.index.json"
-    if index.is_file():
-        shards = sorted(set(json.loads(index.read_text())["weight_map"].values()))
-        return [model_dir / s for s in shards]
-    files = sorted(model_dir.glob("*.safetensors"))
-    if not files:
-        raise ModelConfigError(f"model directory {model_dir} has no *.safetensors weights")
-    return files
-
-
-def model_fingerprint(model_dir: Path) -> str:
-    """Identity of the weights (name + XXH3 of the weight files), equal across processes loading the
-    same files; KV blocks may only move between workers whose fingerprints match."""
-    digest = xxhash.xxh3_64()
-    for f in weight_files(model_dir):
-        with open(f, "rb") as fh:
-            while chunk := fh.read(1 << 24):
-                digest.update(chunk)
-    return f"{model_dir.name}@{digest.hexdigest()}"
+from engine.model_dir import weight_files
 
 
 def load_weights(model_dir: Path, dtype: torch.dtype, device: torch.device, prefix: str = "") -> dict[str, torch.Tensor]:

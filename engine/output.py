@@ -9,7 +9,7 @@ from dataclasses import dataclass
 import torch
 
 from engine.params import SamplingParams
-from engine.sequence import AcceptanceStats
+from engine.stats import AcceptanceStats
 from engine.tokenizer import IncrementalDetokenizer, Tokenizer
 
 

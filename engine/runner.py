@@ -9,7 +9,8 @@ from engine.batch import SeqChunk, build_batch
 from engine.config import EngineConfig, ModelConfig, ModelConfigError
 from engine.eagle3 import DraftOutput, Eagle3Config, Eagle3Draft
 from engine.kv_layout import CacheShape, KVLayout, allocate_cache
-from engine.loader import load_weights, model_fingerprint, resolve_model_dir
+from engine.loader import load_weights
+from engine.model_dir import model_fingerprint, resolve_model_dir
 from engine.model import CausalLM, ForwardOutput
 
 # The EAGLE3 head this project trained for the embedded default model (see its MODEL_CARD.md).
@@ -20,13 +21,14 @@ class ModelRunner:
     def __init__(self, config: EngineConfig):
         self.config = config
         self.device = torch.device(config.device)
+        self.dtype: torch.dtype = getattr(torch, config.dtype)
         if config.num_threads is not None:
             torch.set_num_threads(config.num_threads)
         self.model_dir = resolve_model_dir(config.model)
         self.model_config = ModelConfig.from_dir(self.model_dir)
         self.max_model_len = min(config.max_model_len or self.model_config.max_position_embeddings,
                                  self.model_config.max_position_embeddings)
-        weights = load_weights(self.model_dir, config.torch_dtype, self.device)
+        weights = load_weights(self.model_dir, self.dtype, self.device)
         self.model = CausalLM(self.model_config, weights, self.max_model_len, config.block_size)
         self.draft = self._load_draft() if config.speculative.method == "eagle3" else None
         mc = self.model_config
@@ -72,5 +74,5 @@ class ModelRunner:
             )
         if draft_config.aux_layer_ids is not None:
             self.model.aux_layer_ids = draft_config.aux_layer_ids
-        weights = load_weights(draft_dir, self.config.torch_dtype, self.device)
+        weights = load_weights(draft_dir, self.dtype, self.device)
         return Eagle3Draft(draft_config, weights, self.model.embed_tokens, self.max_model_len, self.config.block_size)

@@ -51,7 +51,7 @@ class Eagle3Proposer:
 
     def adopt(self, seq: Sequence, position: int, hidden: torch.Tensor | None) -> None:
         if hidden is not None:
-            self.pending[seq.seq_id] = (position, hidden.to(self.runner.config.torch_dtype))
+            self.pending[seq.seq_id] = (position, hidden.to(self.runner.dtype))
 
     @torch.inference_mode()
     def propose(self, seqs: list[Sequence], num_tokens: list[int]) -> list[Proposal]:

@@ -11,7 +11,7 @@ from tqdm import tqdm
 
 from engine.engine import Engine
 from engine.params import SamplingParams
-from engine.sequence import AcceptanceStats
+from engine.stats import AcceptanceStats
 
 
 def _run_batch(engine: Engine, prompts: list[list[int]], params: SamplingParams):

@@ -17,7 +17,8 @@ import torch.nn.functional as F
 from safetensors.torch import save_file
 from torch import nn
 
-from engine.config import ModelConfig, rope_inv_freq
+from engine.config import ModelConfig
+from engine.layers import rope_inv_freq
 
 
 class TrainableEagle3(nn.Module):

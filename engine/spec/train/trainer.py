@@ -19,7 +19,8 @@ from safetensors import safe_open
 from tqdm import tqdm
 
 from engine.config import ModelConfig
-from engine.loader import load_weights, resolve_model_dir
+from engine.loader import load_weights
+from engine.model_dir import resolve_model_dir
 from engine.spec.train.model import TrainableEagle3
 
 

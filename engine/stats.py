@@ -1,0 +1,46 @@
+"""Speculation statistics of a request (torch-free: the router and CLI report them)."""
+
+from dataclasses import dataclass, field
+
+
+@dataclass
+class AcceptanceStats:
+    """Speculation outcome of one request, over the steps that drafted."""
+
+    steps: int = 0
+    drafted: int = 0
+    accepted: int = 0
+    drafted_at: list[int] = field(default_factory=list)  # per draft position: times drafted
+    accepted_at: list[int] = field(default_factory=list)  # per draft position: times accepted
+
+    def record(self, num_drafted: int, num_accepted: int) -> None:
+        self.steps += 1
+        self.drafted += num_drafted
+        self.accepted += num_accepted
+        for counts, n in ((self.drafted_at, num_drafted), (self.accepted_at, num_accepted)):
+            counts.extend([0] * (n - len(counts)))
+            for i in range(n):
+                counts[i] += 1
+
+    def merge(self, other: "AcceptanceStats") -> None:
+        self.steps += other.steps
+        self.drafted += other.drafted
+        self.accepted += other.accepted
+        for mine, theirs in ((self.drafted_at, other.drafted_at), (self.accepted_at, other.accepted_at)):
+            mine.extend([0] * (len(theirs) - len(mine)))
+            for i, n in enumerate(theirs):
+                mine[i] += n
+
+    @property
+    def mean_acceptance_length(self) -> float:
+        """Tokens emitted per verification step (accepted drafts + the target's own token)."""
+        return (self.accepted + self.steps) / self.steps if self.steps else 0.0
+
+    def to_dict(self) -> dict:
+        return {
+            "drafted": self.drafted,
+            "accepted": self.accepted,
+            "steps": self.steps,
+            "mean_acceptance_length": round(self.mean_acceptance_length, 4),
+            "per_position_acceptance_rate": [round(a / d, 4) if d else 0.0 for a, d in zip(self.accepted_at, self.drafted_at)],
+        }

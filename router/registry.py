@@ -1,0 +1,172 @@
+"""The workers the router knows: role, address, KV layout, load and prefix cache (from heartbeats).
+
+Thread-safe: Register/Heartbeat RPCs, Generate's routing and the eviction thread share it.
+"""
+
+import math
+import threading
+import time
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass
+
+import grpc
+from google.protobuf.message import Message
+from google.protobuf.text_format import MessageToString
+
+from engine.hashing import hash_blocks
+from proto.pdspec.v1 import kv_pb2, worker_pb2
+from router.kv_index import KVIndex
+
+ROLES = ("prefill", "decode", "aggregated")
+
+
+class RegistrationError(ValueError):
+    """A RegisterRequest the router refuses; `code` is the gRPC status to answer with."""
+
+    def __init__(self, code: grpc.StatusCode, message: str) -> None:
+        super().__init__(message)
+        self.code = code
+
+
+@dataclass(frozen=True)
+class WorkerView:
+    """A worker as routing and ListWorkers see it (field names match pdspec.v1.WorkerStatus)."""
+
+    worker_id: str
+    role: str
+    address: str
+    active_blocks: int  # last heartbeat's, plus blocks routed here since (so a burst spreads out)
+    total_blocks: int
+    running: int  # likewise plus requests routed here since the last heartbeat
+    waiting: int
+    cached_blocks: int
+    seconds_since_heartbeat: float
+    metrics_address: str
+
+
+@dataclass
+class _Worker:
+    registration: worker_pb2.RegisterRequest
+    last_seen: float
+    load: worker_pb2.Load
+    routed_blocks: int = 0
+    routed_requests: int = 0
+
+
+class Registry:
+    def __init__(self, clock: Callable[[], float] = time.monotonic) -> None:
+        self._clock = clock
+        self._lock = threading.Lock()
+        self._workers: dict[str, _Worker] = {}
+        self._index = KVIndex()
+
+    def register(self, request: worker_pb2.RegisterRequest) -> None:
+        """Add (or replace, after a worker restart) a worker; raises RegistrationError."""
+        _check_fields(request)
+        with self._lock:
+            others = [w.registration for wid, w in self._workers.items() if wid != request.worker_id]
+            if others:
+                _check_layout(request.layout, others[0])
+            load = worker_pb2.Load(total_blocks=request.total_blocks)
+            self._workers[request.worker_id] = _Worker(request, self._clock(), load)
+            self._index.clear(request.worker_id)  # the snapshot replaces whatever we knew
+            self._index.store(request.worker_id, request.cached_block_hashes)
+
+    def heartbeat(self, request: worker_pb2.HeartbeatRequest) -> bool:
+        """Record load and apply KV events in order; False if the worker is unknown (register again)."""
+        with self._lock:
+            worker = self._workers.get(request.worker_id)
+            if worker is None:
+                return False
+            worker.last_seen = self._clock()
+            worker.load.CopyFrom(request.load)
+            if not request.load.total_blocks:
+                worker.load.total_blocks = worker.registration.total_blocks
+            worker.routed_blocks = worker.routed_requests = 0  # the new load includes them
+            for event in request.events:
+                self._index.apply(request.worker_id, event)
+            return True
+
+    def evict_stale(self, timeout_s: float) -> list[str]:
+        """Forget workers silent for more than `timeout_s`, index entries included; returns their ids."""
+        with self._lock:
+            cutoff = self._clock() - timeout_s
+            stale = [wid for wid, w in self._workers.items() if w.last_seen < cutoff]
+            for wid in stale:
+                del self._workers[wid]
+                self._index.clear(wid)
+            return stale
+
+    def workers(self) -> list[WorkerView]:
+        with self._lock:
+            now = self._clock()
+            return [self._view(wid, w, now) for wid, w in sorted(self._workers.items())]
+
+    def prefix_overlaps(self, token_ids: Sequence[int]) -> tuple[dict[str, int], int]:
+        """(worker id -> leading blocks of `token_ids` it has cached, number of blocks `token_ids` spans)."""
+        with self._lock:
+            block_size = next((w.registration.layout.block_size for w in self._workers.values()), None)
+        if block_size is None:
+            return {}, 0
+        chain = hash_blocks(token_ids, block_size)  # outside the lock: heartbeats need not wait for it
+        with self._lock:
+            return self._index.overlaps(chain), math.ceil(len(token_ids) / block_size)
+
+    def note_routed(self, worker_id: str, blocks: int) -> None:
+        """Count a request routed to `worker_id` into its load until its next heartbeat."""
+        with self._lock:
+            worker = self._workers.get(worker_id)
+            if worker is not None:
+                worker.routed_blocks += blocks
+                worker.routed_requests += 1
+
+    def max_model_len(self) -> int | None:
+        """The smallest context limit among registered workers: any of them may serve a request."""
+        with self._lock:
+            return min((w.registration.max_model_len for w in self._workers.values()), default=None)
+
+    def _view(self, worker_id: str, worker: _Worker, now: float) -> WorkerView:
+        r, load = worker.registration, worker.load
+        return WorkerView(
+            worker_id=worker_id, role=r.role, address=r.address,
+            active_blocks=load.active_blocks + worker.routed_blocks, total_blocks=load.total_blocks,
+            running=load.running + worker.routed_requests, waiting=load.waiting,
+            cached_blocks=self._index.num_blocks(worker_id), seconds_since_heartbeat=now - worker.last_seen,
+            metrics_address=r.metrics_address,
+        )
+
+
+def _check_fields(r: worker_pb2.RegisterRequest) -> None:
+    problems = [
+        (not r.worker_id, f"worker_id: must be non-empty, got {r.worker_id!r}"),
+        (r.role not in ROLES, f"role: must be one of {', '.join(ROLES)}, got {r.role!r}"),
+        (not r.address, f"address: must be the worker's host:port, got {r.address!r}"),
+        (r.layout.block_size < 1, f"layout.block_size: must be >= 1, got {r.layout.block_size}"),
+        (r.total_blocks < 1, f"total_blocks: must be >= 1, got {r.total_blocks}"),
+        (r.max_model_len < 1, f"max_model_len: must be >= 1, got {r.max_model_len}"),
+    ]
+    for bad, message in problems:
+        if bad:
+            raise RegistrationError(grpc.StatusCode.INVALID_ARGUMENT, message)
+
+
+def _check_layout(layout: kv_pb2.KVLayout, registered: worker_pb2.RegisterRequest) -> None:
+    """Every worker must share one layout: any prefill worker may hand its KV to any decode worker,
+    and one block size keeps the hash chains comparable across the index."""
+    for field in kv_pb2.KVLayout.DESCRIPTOR.fields:
+        theirs, ours = _field(layout, field.name), _field(registered.layout, field.name)
+        if theirs != ours:
+            raise RegistrationError(
+                grpc.StatusCode.FAILED_PRECONDITION,
+                f"layout.{field.name}: {_show(theirs)} differs from {_show(ours)} of registered worker "
+                f"{registered.worker_id!r}; all workers must share one KV layout",
+            )
+
+
+def _field(layout: kv_pb2.KVLayout, name: str) -> object:
+    field = layout.DESCRIPTOR.fields_by_name[name]
+    return None if field.message_type is not None and not layout.HasField(name) else getattr(layout, name)
+
+
+def _show(value: object) -> str:
+    return f"{{{MessageToString(value, as_one_line=True)}}}" if isinstance(value, Message) else repr(value)

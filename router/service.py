@@ -1,0 +1,297 @@
+"""The router's gRPC servicers: the public Router (Generate, Abort, ListWorkers) and the internal
+Registry that workers register and heartbeat with.
+
+Generate, per attempt: choose workers -> Prefill (disaggregated only) -> Decode(prefilled=handle)
+-> relay the decode stream. An attempt that fails before the decode stream's first response
+releases the prefill worker's pin and is retried on other workers (the failed one is skipped for
+this request), up to router.max_retries times. Once output has reached the client nothing is
+retried: the stream ends with UNAVAILABLE (DEADLINE_EXCEEDED for a deadline) naming the worker.
+"""
+
+import logging
+import threading
+from collections import Counter
+from collections.abc import Callable, Iterator
+from dataclasses import asdict, dataclass
+from typing import NoReturn
+
+import grpc
+
+from deploy.config import RouterConfig
+from engine.tokenizer import Tokenizer
+from proto import rpc
+from proto.pdspec.v1 import common_pb2, kv_pb2, kv_pb2_grpc, router_pb2, router_pb2_grpc, worker_pb2, worker_pb2_grpc
+from router.policy import PrefillPolicy, least_loaded, make_policy
+from router.registry import ROLES, RegistrationError, Registry, WorkerView
+from router.validation import InvalidRequest, ValidRequest, validate
+
+log = logging.getLogger(__name__)
+_BEST_EFFORT_TIMEOUT_S = 5.0
+
+
+class _Cancelled(Exception):
+    """The client went away or called Abort."""
+
+
+class _WorkerFailed(Exception):
+    def __init__(self, worker: WorkerView, step: str, error: grpc.RpcError | str) -> None:
+        self.worker = worker
+        self.code = error.code() if isinstance(error, grpc.RpcError) else grpc.StatusCode.UNAVAILABLE
+        details = error.details() if isinstance(error, grpc.RpcError) else error
+        super().__init__(f"{step} on {worker.role} worker {worker.worker_id} ({worker.address}) failed: "
+                         f"{self.code.name}: {details}")
+
+
+@dataclass(frozen=True)
+class _Plan:
+    prefill: WorkerView | None  # None: an aggregated worker prefills and decodes
+    decode: WorkerView
+
+
+class _Run:
+    """One running Generate: the internal call to cancel if the client leaves or calls Abort."""
+
+    def __init__(self) -> None:
+        self._lock = threading.Lock()
+        self._call: grpc.Future | None = None
+        self._on_cancel: Callable[[], None] = lambda: None
+        self.cancelled = self.finished = False
+
+    def track(self, call: grpc.Future, on_cancel: Callable[[], None] = lambda: None) -> None:
+        """`call` is now the one in flight; cancel it at once if the run was cancelled meanwhile."""
+        with self._lock:
+            self._call, self._on_cancel = call, on_cancel
+            if not self.cancelled:
+                return
+        call.cancel()
+        on_cancel()
+
+    def cancel(self) -> None:
+        with self._lock:
+            if self.cancelled or self.finished:
+                return
+            self.cancelled = True
+            call, on_cancel = self._call, self._on_cancel
+        if call is not None:
+            call.cancel()
+            on_cancel()
+
+
+class _Peers:
+    """One channel per worker address, shared by all requests (gRPC multiplexes calls on it).
+
+    Never closed: closing cancels in-flight calls, and a worker evicted for a late heartbeat may
+    still be serving some; an idle channel costs little."""
+
+    def __init__(self, token: str | None) -> None:
+        self._token = token
+        self._lock = threading.Lock()
+        self._channels: dict[str, grpc.Channel] = {}
+
+    def channel(self, address: str) -> grpc.Channel:
+        with self._lock:
+            if address not in self._channels:
+                self._channels[address] = rpc.channel(address, self._token)
+            return self._channels[address]
+
+
+class RouterServicer(router_pb2_grpc.RouterServicer):
+    def __init__(self, registry: Registry, tokenizer: Tokenizer, config: RouterConfig, token: str | None,
+                 policy: PrefillPolicy | None = None) -> None:
+        self._registry, self._tokenizer, self._config = registry, tokenizer, config
+        self._policy = policy or make_policy(config)
+        self._peers = _Peers(token)
+        self._runs_lock = threading.Lock()
+        self._runs: dict[str, _Run] = {}
+
+    def Generate(self, request, context) -> Iterator[router_pb2.GenerateResponse]:
+        try:
+            req = validate(request, self._tokenizer, self._registry.max_model_len())
+        except InvalidRequest as e:
+            context.abort(grpc.StatusCode.INVALID_ARGUMENT, str(e))
+        with self._runs_lock:
+            if req.request_id in self._runs:
+                context.abort(grpc.StatusCode.INVALID_ARGUMENT,
+                              f"request_id: {req.request_id!r} is already running; send a unique id or none")
+            run = self._runs[req.request_id] = _Run()
+        context.add_callback(run.cancel)  # fires when the RPC ends: if the client left, stop the worker
+        try:
+            yield from self._serve(req, run, context)
+        finally:
+            with self._runs_lock:
+                run.finished = True
+                del self._runs[req.request_id]
+
+    def Abort(self, request, context) -> common_pb2.AbortResponse:
+        with self._runs_lock:
+            run = self._runs.get(request.request_id)
+        if run is not None:
+            run.cancel()
+        return common_pb2.AbortResponse(found=run is not None)
+
+    def ListWorkers(self, request, context) -> router_pb2.ListWorkersResponse:
+        return router_pb2.ListWorkersResponse(
+            workers=[router_pb2.WorkerStatus(**asdict(w)) for w in self._registry.workers()])
+
+    def _serve(self, req: ValidRequest, run: _Run, context) -> Iterator[router_pb2.GenerateResponse]:
+        suspects: set[str] = set()
+        failure: _WorkerFailed | None = None
+        for _ in range(self._config.max_retries + 1):
+            plan = self._plan(req, suspects)
+            if plan is None:
+                break
+            try:
+                first, rest = self._attempt(req, plan, run, context)
+            except _Cancelled:
+                yield _aborted(req, completion_tokens=0)
+                return
+            except _WorkerFailed as e:
+                if e.code == grpc.StatusCode.INVALID_ARGUMENT:  # the request itself: no worker will take it
+                    context.abort(e.code, str(e))
+                log.warning("request %s: %s; retrying on another worker", req.request_id, e)
+                suspects.add(e.worker.worker_id)
+                failure = e
+                continue
+            yield from self._relay(req, plan, first, rest, run, context)
+            return
+        self._give_up(req, failure, len(suspects), context)
+
+    def _plan(self, req: ValidRequest, suspects: set[str]) -> _Plan | None:
+        """Disaggregated if a prefill and a decode worker are available, else aggregated, else None."""
+        workers = [w for w in self._registry.workers() if w.worker_id not in suspects]
+        by_role = {role: [w for w in workers if w.role == role] for role in ROLES}
+        overlaps, blocks = self._registry.prefix_overlaps(req.prompt_token_ids)
+        if by_role["prefill"] and by_role["decode"]:
+            plan = _Plan(self._policy.choose(by_role["prefill"], overlaps, blocks), least_loaded(by_role["decode"]))
+        elif by_role["aggregated"]:
+            plan = _Plan(None, least_loaded(by_role["aggregated"]))
+        else:
+            return None
+        for worker in {plan.prefill or plan.decode, plan.decode}:
+            self._registry.note_routed(worker.worker_id, blocks)
+        return plan
+
+    def _attempt(self, req: ValidRequest, plan: _Plan, run: _Run, context) -> tuple[
+            worker_pb2.DecodeResponse, Iterator[worker_pb2.DecodeResponse]]:
+        """Prefill (if disaggregated), then open the decode stream up to its first response."""
+        try:
+            handle = self._prefill(req, plan.prefill, run, context) if plan.prefill is not None else None
+            return self._open_decode(req, plan.decode, handle, run, context)
+        except (_WorkerFailed, _Cancelled) as e:
+            if plan.prefill is not None:  # nobody will fetch the prompt's blocks: unpin them now
+                # If the prefill worker may serve the retry, let the Release land first: arriving
+                # late, it would unpin the retry's prefill of the same request id.
+                retry_may_reuse = isinstance(e, _WorkerFailed) and e.worker.worker_id != plan.prefill.worker_id
+                self._release(plan.prefill, req.request_id, wait=retry_may_reuse)
+            raise
+
+    def _release(self, worker: WorkerView, request_id: str, wait: bool) -> None:
+        stub = kv_pb2_grpc.KVTransferStub(self._peers.channel(worker.address))
+        call = stub.Release.future(kv_pb2.ReleaseRequest(request_id=request_id), timeout=_BEST_EFFORT_TIMEOUT_S)
+        _fire_and_forget(call, f"Release of {request_id} on {worker.worker_id}")
+        if wait:
+            call.exception()  # blocks until done; a failure is logged, and the retry goes ahead anyway
+
+    def _prefill(self, req: ValidRequest, worker: WorkerView, run: _Run, context) -> kv_pb2.KVHandle:
+        stub = worker_pb2_grpc.PrefillWorkerStub(self._peers.channel(worker.address))
+        request = worker_pb2.PrefillRequest(request_id=req.request_id, prompt_token_ids=req.prompt_token_ids,
+                                            sampling=req.sampling)
+        call = stub.Prefill.future(request, timeout=self._timeout(context))
+        run.track(call)
+        try:
+            return call.result()
+        except grpc.FutureCancelledError:
+            raise _Cancelled() from None
+        except grpc.RpcError as e:
+            raise (_Cancelled() if run.cancelled else _WorkerFailed(worker, "Prefill", e)) from None
+
+    def _open_decode(self, req: ValidRequest, worker: WorkerView, handle: kv_pb2.KVHandle | None, run: _Run,
+                     context) -> tuple[worker_pb2.DecodeResponse, Iterator[worker_pb2.DecodeResponse]]:
+        stub = worker_pb2_grpc.DecodeWorkerStub(self._peers.channel(worker.address))
+        request = worker_pb2.DecodeRequest(request_id=req.request_id, prompt_token_ids=req.prompt_token_ids,
+                                           sampling=req.sampling, speculation=req.speculation, prefilled=handle)
+        call = stub.Decode(request, timeout=self._timeout(context))
+        abort = common_pb2.AbortRequest(request_id=req.request_id)
+        # Cancelling the stream frees the request on the worker; the Abort RPC covers a worker that
+        # has not noticed the cancellation (e.g. still waiting to admit it).
+        run.track(call, lambda: _fire_and_forget(stub.Abort.future(abort, timeout=_BEST_EFFORT_TIMEOUT_S),
+                                                 f"Abort on {worker.worker_id}"))
+        try:
+            return next(call), call
+        except StopIteration:
+            raise _WorkerFailed(worker, "Decode", "the stream ended before its first response") from None
+        except grpc.RpcError as e:
+            raise (_Cancelled() if run.cancelled else _WorkerFailed(worker, "Decode", e)) from None
+
+    def _relay(self, req: ValidRequest, plan: _Plan, first: worker_pb2.DecodeResponse,
+               rest: Iterator[worker_pb2.DecodeResponse], run: _Run, context) -> Iterator[router_pb2.GenerateResponse]:
+        response = _response(req.request_id, first)
+        response.prefill_worker = (plan.prefill or plan.decode).worker_id
+        response.decode_worker = plan.decode.worker_id
+        yield response
+        emitted = len(first.token_ids)
+        try:
+            for out in rest:
+                yield _response(req.request_id, out)
+                emitted += len(out.token_ids)
+        except grpc.RpcError as e:
+            if not run.cancelled:
+                failure = _WorkerFailed(plan.decode, "Decode", e)
+                context.abort(_client_code(failure.code),
+                              f"{failure} after {emitted} tokens were streamed; not retried, the output was already sent")
+            yield _aborted(req, emitted)
+
+    def _give_up(self, req: ValidRequest, failure: _WorkerFailed | None, attempts: int, context) -> NoReturn:
+        if failure is None:
+            roles = Counter(w.role for w in self._registry.workers())
+            context.abort(grpc.StatusCode.UNAVAILABLE,
+                          "no prefill/decode workers registered: need a prefill and a decode worker, or an "
+                          f"aggregated one (registered: {dict(roles) or 'none'})")
+        context.abort(_client_code(failure.code),
+                      f"request {req.request_id}: {failure}; gave up after {attempts} failed attempt(s) "
+                      f"(router.max_retries={self._config.max_retries})")
+
+    def _timeout(self, context) -> float:
+        """The internal call's deadline: request_timeout_s, or sooner if the client's deadline is."""
+        return min(self._config.request_timeout_s, context.time_remaining())
+
+
+class RegistryServicer(worker_pb2_grpc.RegistryServicer):
+    def __init__(self, registry: Registry, heartbeat_interval_s: float) -> None:
+        self._registry = registry
+        self._interval_ms = round(heartbeat_interval_s * 1000)
+
+    def Register(self, request, context) -> worker_pb2.RegisterResponse:
+        try:
+            self._registry.register(request)
+        except RegistrationError as e:
+            context.abort(e.code, str(e))
+        log.info("registered %s worker %s at %s", request.role, request.worker_id, request.address)
+        return worker_pb2.RegisterResponse(heartbeat_interval_ms=self._interval_ms)
+
+    def Heartbeat(self, request, context) -> worker_pb2.HeartbeatResponse:
+        return worker_pb2.HeartbeatResponse(registered=self._registry.heartbeat(request))
+
+
+def _response(request_id: str, out: worker_pb2.DecodeResponse) -> router_pb2.GenerateResponse:
+    response = router_pb2.GenerateResponse(request_id=request_id, text=out.text, token_ids=out.token_ids,
+                                           finish_reason=out.finish_reason)
+    if out.HasField("usage"):
+        response.usage.CopyFrom(out.usage)
+    if out.HasField("acceptance"):
+        response.acceptance.CopyFrom(out.acceptance)
+    return response
+
+
+def _aborted(req: ValidRequest, completion_tokens: int) -> router_pb2.GenerateResponse:
+    usage = common_pb2.Usage(prompt_tokens=len(req.prompt_token_ids), completion_tokens=completion_tokens)
+    return router_pb2.GenerateResponse(request_id=req.request_id, finish_reason="abort", usage=usage)
+
+
+def _client_code(code: grpc.StatusCode) -> grpc.StatusCode:
+    return grpc.StatusCode.DEADLINE_EXCEEDED if code == grpc.StatusCode.DEADLINE_EXCEEDED else grpc.StatusCode.UNAVAILABLE
+
+
+def _fire_and_forget(call: grpc.Future, what: str) -> None:
+    # The callback also keeps the call referenced: grpc cancels a call whose future is collected.
+    call.add_done_callback(lambda c: c.code() == grpc.StatusCode.OK or log.info("%s failed: %s", what, c.details()))

@@ -1,0 +1,171 @@
+"""The router's KV index and registry, fed with the KV events of real BlockManagers."""
+
+import grpc
+import pytest
+
+from engine.block_manager import BlockManager
+from engine.hashing import hash_blocks
+from proto.convert import kv_event
+from proto.pdspec.v1 import kv_pb2, worker_pb2
+from router.kv_index import KVIndex
+from router.registry import RegistrationError, Registry
+
+BS = 4
+LAYOUT = kv_pb2.KVLayout(model="m", dtype="float32", block_size=BS,
+                         target=kv_pb2.CacheShape(num_layers=2, num_kv_heads=1, head_dim=8))
+
+
+class Clock:
+    def __init__(self) -> None:
+        self.now = 0.0
+
+    def __call__(self) -> float:
+        return self.now
+
+
+class CacheWorker:
+    """A worker's prefix cache: a real BlockManager whose events go out in heartbeats."""
+
+    def __init__(self, worker_id: str, num_blocks: int = 16) -> None:
+        self.worker_id = worker_id
+        self.blocks = BlockManager(num_blocks, BS)
+        self.events = []
+        self.blocks.subscribe(self.events.append)
+
+    def run(self, seq_id: str, prompt: list[int]) -> None:
+        """Prefill `prompt`; the sequence keeps its blocks until `finish`."""
+        cached = self.blocks.allocate(seq_id, prompt)
+        self.blocks.commit(seq_id, prompt[cached:])
+
+    def finish(self, seq_id: str) -> None:
+        self.blocks.free(seq_id)
+
+    def registration(self) -> worker_pb2.RegisterRequest:
+        return worker_pb2.RegisterRequest(worker_id=self.worker_id, role="prefill", address=f"{self.worker_id}:1",
+                                          layout=LAYOUT, total_blocks=self.blocks.num_blocks, max_model_len=64)
+
+    def heartbeat(self) -> worker_pb2.HeartbeatRequest:
+        events = [kv_event(e) for e in self.events]
+        self.events.clear()  # in place: the BlockManager appends to this very list
+        return worker_pb2.HeartbeatRequest(worker_id=self.worker_id, events=events,
+                                           load=worker_pb2.Load(active_blocks=self.blocks.num_used_blocks))
+
+
+def tokens(start: int, n: int) -> list[int]:
+    return list(range(start, start + n))
+
+
+@pytest.fixture
+def cluster():
+    clock = Clock()
+    registry = Registry(clock)
+    workers = {wid: CacheWorker(wid) for wid in ("a", "b")}
+    for w in workers.values():
+        registry.register(w.registration())
+    return registry, workers, clock
+
+
+def serve(registry: Registry, worker: CacheWorker, seq_id: str, prompt: list[int]) -> None:
+    worker.run(seq_id, prompt)
+    worker.finish(seq_id)
+    assert registry.heartbeat(worker.heartbeat())
+
+
+def test_overlap_is_the_leading_cached_blocks(cluster):
+    registry, w, _ = cluster
+    prompt = tokens(0, 3 * BS + 2)  # 3 full blocks and a partial one (never cached)
+    serve(registry, w["a"], "s1", prompt)
+    serve(registry, w["b"], "s2", prompt[:BS] + tokens(1000, 2 * BS))
+    assert registry.prefix_overlaps(prompt) == ({"a": 3, "b": 1}, 4)
+    assert registry.prefix_overlaps(tokens(500, 2 * BS)) == ({}, 2)
+    assert {v.worker_id: v.cached_blocks for v in registry.workers()} == {"a": 3, "b": 3}
+
+
+def test_a_missing_block_ends_the_run():
+    index = KVIndex()
+    chain = hash_blocks(tokens(0, 4 * BS), BS)
+    index.store("a", [chain[0], chain[1], chain[3]])
+    index.store("b", chain)
+    assert index.overlaps(chain) == {"a": 2, "b": 4}
+
+
+def test_evicted_blocks_leave_the_index(cluster):
+    registry, w, _ = cluster
+    small = CacheWorker("c", num_blocks=4)
+    registry.register(small.registration())
+    first, second = tokens(0, 3 * BS), tokens(100, 4 * BS)
+    serve(registry, small, "s1", first)
+    assert registry.prefix_overlaps(first)[0] == {"c": 3}
+    serve(registry, small, "s2", second)  # needs the whole pool: evicts the first prompt's blocks
+    assert registry.prefix_overlaps(first)[0] == {}
+    assert registry.prefix_overlaps(second)[0] == {"c": 4}
+
+
+def test_all_blocks_cleared_resets_only_that_worker(cluster):
+    registry, w, _ = cluster
+    done, running = tokens(0, 2 * BS), tokens(200, 2 * BS)
+    serve(registry, w["a"], "s1", done)
+    serve(registry, w["b"], "s1", done)
+    w["a"].run("s2", running)
+    w["a"].blocks.clear_prefix_cache()  # AllBlocksCleared, then BlockStored for blocks still in use
+    assert registry.heartbeat(w["a"].heartbeat())
+    assert registry.prefix_overlaps(done)[0] == {"b": 2}
+    assert registry.prefix_overlaps(running)[0] == {"a": 2}
+
+
+def test_silent_workers_are_evicted_with_their_entries(cluster):
+    registry, w, clock = cluster
+    prompt = tokens(0, 2 * BS)
+    serve(registry, w["a"], "s1", prompt)
+    serve(registry, w["b"], "s1", prompt)
+    clock.now = 2.0
+    assert registry.heartbeat(w["a"].heartbeat())
+    clock.now = 3.5
+    assert registry.evict_stale(timeout_s=3.0) == ["b"]
+    assert [v.worker_id for v in registry.workers()] == ["a"]
+    assert registry.prefix_overlaps(prompt)[0] == {"a": 2}
+    assert not registry.heartbeat(w["b"].heartbeat())  # b must register again
+
+
+def test_registration_snapshot_replaces_what_the_index_knew(cluster):
+    registry, w, _ = cluster
+    prompt = tokens(0, 2 * BS)
+    serve(registry, w["a"], "s1", prompt)
+    restarted = w["a"].registration()
+    registry.register(restarted)  # empty snapshot: the restarted worker's cache is empty
+    assert registry.prefix_overlaps(prompt)[0] == {}
+    restarted.cached_block_hashes.extend(hash_blocks(prompt, BS))
+    registry.register(restarted)
+    assert registry.prefix_overlaps(prompt)[0] == {"a": 2}
+
+
+def test_routed_load_counts_until_the_next_heartbeat(cluster):
+    registry, w, _ = cluster
+    registry.note_routed("a", 5)
+    view = {v.worker_id: v for v in registry.workers()}["a"]
+    assert (view.active_blocks, view.running) == (5, 1)
+    registry.heartbeat(w["a"].heartbeat())
+    view = {v.worker_id: v for v in registry.workers()}["a"]
+    assert (view.active_blocks, view.running) == (0, 0)
+
+
+@pytest.mark.parametrize("change, code, field", [
+    ({"role": "both"}, grpc.StatusCode.INVALID_ARGUMENT, "role"),
+    ({"total_blocks": 0}, grpc.StatusCode.INVALID_ARGUMENT, "total_blocks"),
+    ({"worker_id": ""}, grpc.StatusCode.INVALID_ARGUMENT, "worker_id"),
+    ({"layout": kv_pb2.KVLayout(model="m", dtype="float32", block_size=8, target=LAYOUT.target)},
+     grpc.StatusCode.FAILED_PRECONDITION, "layout.block_size"),
+    ({"layout": kv_pb2.KVLayout(model="other", dtype="float32", block_size=BS, target=LAYOUT.target)},
+     grpc.StatusCode.FAILED_PRECONDITION, "layout.model"),
+])
+def test_bad_registrations_are_rejected_naming_the_field(cluster, change, code, field):
+    registry, _, _ = cluster
+    request = CacheWorker("new").registration()
+    for name, value in change.items():
+        if isinstance(value, kv_pb2.KVLayout):
+            getattr(request, name).CopyFrom(value)
+        else:
+            setattr(request, name, value)
+    with pytest.raises(RegistrationError) as e:
+        registry.register(request)
+    assert e.value.code == code and str(e.value).startswith(f"{field}:"), str(e.value)

@@ -1,0 +1,103 @@
+"""The real router server on a free port: health, reflection, errors, registry, eviction, retries."""
+
+import socket
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import grpc
+import pytest
+from grpc_health.v1 import health_pb2, health_pb2_grpc
+from grpc_reflection.v1alpha import reflection_pb2, reflection_pb2_grpc
+
+from deploy.config import DeploymentConfig, RouterConfig
+from proto.pdspec.v1 import common_pb2, kv_pb2, router_pb2, router_pb2_grpc, worker_pb2, worker_pb2_grpc
+from proto.rpc import channel
+from router.main import run_router
+
+TOKEN = "s3cret"
+HELLO = router_pb2.GenerateRequest(prompt="Hello")
+
+
+@pytest.fixture
+def router(model_dir):
+    config = DeploymentConfig(cluster_token=TOKEN, router=RouterConfig(
+        heartbeat_interval_s=0.1, heartbeat_timeout_s=0.5, max_retries=1))
+    server, port = run_router(config, model_dir, port=0)
+    address = f"127.0.0.1:{port}"
+    with channel(address) as public, channel(address, TOKEN) as internal:
+        yield router_pb2_grpc.RouterStub(public), worker_pb2_grpc.RegistryStub(internal), public
+    server.stop(0)
+
+
+def registration(worker_id: str, address: str) -> worker_pb2.RegisterRequest:
+    layout = kv_pb2.KVLayout(model="smollm2", dtype="float32", block_size=16)
+    return worker_pb2.RegisterRequest(worker_id=worker_id, role="aggregated", address=address, layout=layout,
+                                      total_blocks=64, max_model_len=256, metrics_address="127.0.0.1:9100")
+
+
+def dead_address() -> str:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return f"127.0.0.1:{s.getsockname()[1]}"
+
+
+def rpc_error(call) -> grpc.RpcError:
+    with pytest.raises(grpc.RpcError) as e:
+        call()
+    return e.value
+
+
+def test_health_and_reflection(router):
+    _, _, public = router
+    health = health_pb2_grpc.HealthStub(public).Check(health_pb2.HealthCheckRequest(service="pdspec.v1.Router"))
+    assert health.status == health_pb2.HealthCheckResponse.SERVING
+    reflection = reflection_pb2_grpc.ServerReflectionStub(public)
+    answer = next(reflection.ServerReflectionInfo(iter([reflection_pb2.ServerReflectionRequest(list_services="")])))
+    assert {"pdspec.v1.Router", "pdspec.v1.Registry"} <= {s.name for s in answer.list_services_response.service}
+
+
+def test_request_errors(router):
+    stub, _, _ = router
+    e = rpc_error(lambda: list(stub.Generate(HELLO, timeout=10)))
+    assert e.code() == grpc.StatusCode.UNAVAILABLE and "no prefill/decode workers registered" in e.details()
+    bad = router_pb2.GenerateRequest(prompt="Hello", sampling=common_pb2.SamplingOptions(temperature=-1))
+    e = rpc_error(lambda: list(stub.Generate(bad, timeout=10)))
+    assert e.code() == grpc.StatusCode.INVALID_ARGUMENT and e.details() == "sampling.temperature: must be >= 0, got -1"
+    assert not stub.Abort(common_pb2.AbortRequest(request_id="nobody"), timeout=10).found
+
+
+def test_registry_needs_the_cluster_token(router, model_dir):
+    _, _, public = router
+    e = rpc_error(lambda: worker_pb2_grpc.RegistryStub(public).Register(registration("w", "x:1"), timeout=10))
+    assert e.code() == grpc.StatusCode.UNAUTHENTICATED
+
+
+def test_registered_workers_are_listed_until_their_heartbeats_stop(router):
+    stub, registry, _ = router
+    assert registry.Register(registration("agg-1", "127.0.0.1:1"), timeout=10).heartbeat_interval_ms == 100
+    beat = worker_pb2.HeartbeatRequest(worker_id="agg-1", load=worker_pb2.Load(active_blocks=7, total_blocks=64))
+    assert registry.Heartbeat(beat, timeout=10).registered
+    [status] = stub.ListWorkers(router_pb2.ListWorkersRequest(), timeout=10).workers
+    assert (status.worker_id, status.role, status.active_blocks, status.metrics_address) == (
+        "agg-1", "aggregated", 7, "127.0.0.1:9100")
+    deadline = time.monotonic() + 5
+    while stub.ListWorkers(router_pb2.ListWorkersRequest(), timeout=10).workers and time.monotonic() < deadline:
+        time.sleep(0.1)
+    assert not stub.ListWorkers(router_pb2.ListWorkersRequest(), timeout=10).workers
+    assert not registry.Heartbeat(beat, timeout=10).registered
+
+
+def test_failed_workers_are_retried_elsewhere_then_named(router):
+    stub, registry, _ = router
+    for worker_id in ("agg-1", "agg-2"):
+        registry.Register(registration(worker_id, dead_address()), timeout=10)
+    e = rpc_error(lambda: list(stub.Generate(HELLO, timeout=10)))
+    assert e.code() == grpc.StatusCode.UNAVAILABLE
+    assert "Decode on aggregated worker agg-2" in e.details() and "gave up after 2 failed attempt(s)" in e.details()
+
+
+def test_the_router_does_not_import_torch():
+    code = "import sys, router.main; sys.exit('torch' in sys.modules)"
+    assert subprocess.run([sys.executable, "-c", code], cwd=Path(__file__).parent.parent).returncode == 0

@@ -1,0 +1,71 @@
+"""Request validation in the router: every malformed request gets a message naming the field."""
+
+import pytest
+
+from engine.tokenizer import Tokenizer
+from proto.pdspec.v1 import common_pb2, router_pb2
+from router.validation import InvalidRequest, validate
+
+USER = common_pb2.ChatMessage(role="user", content="Hi")
+
+
+@pytest.fixture(scope="module")
+def tokenizer(model_dir) -> Tokenizer:
+    return Tokenizer.from_dir(model_dir)
+
+
+def request(**fields) -> router_pb2.GenerateRequest:
+    if not {"messages", "prompt", "token_ids"} & fields.keys():
+        fields["prompt"] = "Hello there"
+    return router_pb2.GenerateRequest(request_id="r1", **fields)
+
+
+def sampling(**fields) -> common_pb2.SamplingOptions:
+    return common_pb2.SamplingOptions(**fields)
+
+
+@pytest.mark.parametrize("bad, message", [
+    (router_pb2.GenerateRequest(), "input: set one of messages, prompt or token_ids"),
+    (request(messages=router_pb2.MessageList()), "messages.messages: must be non-empty"),
+    (request(prompt=""), "prompt: must be non-empty"),
+    (request(token_ids=router_pb2.TokenIds()), "token_ids.ids: must be non-empty"),
+    (request(messages=router_pb2.MessageList(messages=[USER, common_pb2.ChatMessage(role="bot", content="x")])),
+     "messages.messages[1].role: must be one of system, user, assistant, got 'bot'"),
+    (request(token_ids=router_pb2.TokenIds(ids=[1, -5])), "token_ids.ids[1]: must be in [0, "),
+    (request(sampling=sampling(max_tokens=0)), "sampling.max_tokens: must be >= 1, got 0"),
+    (request(sampling=sampling(temperature=-1)), "sampling.temperature: must be >= 0, got -1"),
+    (request(sampling=sampling(top_p=0)), "sampling.top_p: must be > 0, got 0"),
+    (request(sampling=sampling(top_p=1.5)), "sampling.top_p: must be <= 1, got 1.5"),
+    (request(sampling=sampling(top_k=-1)), "sampling.top_k: must be >= 0, got -1"),
+    (request(sampling=sampling(seed=2**63)), "sampling.seed: must be < 9223372036854775808"),
+    (request(speculation=common_pb2.SpeculationOptions(num_speculative_tokens=17)),
+     "speculation.num_speculative_tokens: must be <= 16, got 17"),
+    (request(speculation=common_pb2.SpeculationOptions(num_speculative_tokens=-1)),
+     "speculation.num_speculative_tokens: must be >= 0, got -1"),
+])
+def test_malformed_requests_name_the_field(tokenizer, bad, message):
+    with pytest.raises(InvalidRequest) as e:
+        validate(bad, tokenizer, max_model_len=2048)
+    assert str(e.value).startswith(message), str(e.value)
+
+
+def test_every_bad_sampling_field_is_reported():
+    with pytest.raises(InvalidRequest) as e:
+        validate(request(sampling=sampling(temperature=-1, top_k=-2)), None, max_model_len=None)
+    assert "sampling.temperature" in str(e.value) and "sampling.top_k" in str(e.value)
+
+
+def test_prompt_must_be_shorter_than_max_model_len(tokenizer):
+    ids = router_pb2.TokenIds(ids=list(range(8)))
+    assert validate(request(token_ids=ids), tokenizer, max_model_len=9).prompt_token_ids == list(range(8))
+    with pytest.raises(InvalidRequest, match=r"^token_ids.ids: the prompt has 8 tokens; .* max_model_len \(8\)"):
+        validate(request(token_ids=ids), tokenizer, max_model_len=8)
+
+
+def test_valid_requests_are_tokenized_and_forwarded_as_sent(tokenizer):
+    chat = validate(request(messages=router_pb2.MessageList(messages=[USER]), sampling=sampling(temperature=0.7)),
+                    tokenizer, max_model_len=None)
+    assert chat.prompt_token_ids == tokenizer.encode_chat([{"role": "user", "content": "Hi"}])
+    assert chat.request_id == "r1" and chat.sampling == sampling(temperature=0.7)
+    plain = validate(router_pb2.GenerateRequest(prompt="Hello there"), tokenizer, max_model_len=None)
+    assert plain.prompt_token_ids == tokenizer.encode("Hello there") and len(plain.request_id) == 32
