@@ -1,0 +1,159 @@
+"""The destination side of a KV transfer: one interface, two backends (NIXL, gRPC).
+
+Ownership: the source keeps a request's blocks pinned until the destination calls Release or
+the pin times out. `pull` always ends with a Release (best effort, also when it fails), so the
+source never waits for the timeout on a pull that was tried. The destination's local blocks stay
+its own: when `pull` raises, its caller frees the blocks it had allocated for the request (their
+contents are undefined); `pull` writes to no other local block.
+
+A failure is `retryable` when trying the request again (a new prefill, maybe on another
+worker) can succeed: source gone or slow, pin expired, corrupted bytes. It is not when the
+deployment is wrong (cluster token, KV layout) or the caller passed bad block ids.
+"""
+
+import abc
+import logging
+import threading
+import time
+from typing import Literal, Protocol
+
+import grpc
+import torch
+
+from engine.kv_layout import KVLayout, KVLayoutMismatch
+from kvtransfer.layout import check_caches, layout_from_proto
+from proto.pdspec.v1 import kv_pb2, kv_pb2_grpc
+from proto.rpc import channel
+
+log = logging.getLogger(__name__)
+
+RELEASE_MIN_TIMEOUT_S = 1.0  # a Release after a timed-out pull still gets this long to unpin promptly
+_NOT_RETRYABLE = {grpc.StatusCode.UNAUTHENTICATED, grpc.StatusCode.PERMISSION_DENIED,
+                  grpc.StatusCode.FAILED_PRECONDITION, grpc.StatusCode.INVALID_ARGUMENT,
+                  grpc.StatusCode.UNIMPLEMENTED}
+_HINTS = {
+    grpc.StatusCode.UNAUTHENTICATED: "give both workers the same cluster token",
+    grpc.StatusCode.PERMISSION_DENIED: "the handle lists blocks the source did not pin for this request",
+    grpc.StatusCode.FAILED_PRECONDITION: "run prefill and decode workers with the same model, dtype, block size, draft",
+    grpc.StatusCode.NOT_FOUND: "the source no longer holds the blocks (released or pin timed out): prefill again",
+    grpc.StatusCode.UNAVAILABLE: "prefill again, on another worker if the source stays unavailable",
+    grpc.StatusCode.DEADLINE_EXCEEDED: "the source was too slow: prefill again or raise the transfer timeout",
+}
+
+
+class KVTransferError(RuntimeError):
+    def __init__(self, message: str, retryable: bool):
+        super().__init__(message)
+        self.retryable = retryable
+
+
+class KVConnector(Protocol):
+    def pull(self, handle: kv_pb2.KVHandle, remote_block_ids: list[int], local_block_ids: list[int],
+             timeout_s: float) -> None:
+        """Copy the source's blocks `remote_block_ids` (target and draft caches) of the request in
+        `handle` into the local blocks `local_block_ids` (same order), then release the source's
+        pin. Raises KVTransferError; see the module docstring for who frees what."""
+
+    def close(self) -> None:
+        """Close channels and NIXL registrations; no pull may run meanwhile or after."""
+
+
+def make_connector(backend: Literal["nixl", "grpc"], layout: KVLayout, caches: dict[str, torch.Tensor],
+                   token: str | None) -> KVConnector:
+    # Imported here: the backends build on BaseConnector below, and NIXL is loaded only when used
+    # (see kvtransfer.source._nixl_memory).
+    if backend == "nixl":
+        from kvtransfer.nixl_backend import NixlConnector
+        return NixlConnector(layout, caches, token)
+    if backend == "grpc":
+        from kvtransfer.grpc_backend import GrpcConnector
+        return GrpcConnector(layout, caches, token)
+    raise ValueError(f"KV transfer backend {backend!r} is not one of 'nixl', 'grpc'")
+
+
+def rpc_failure(e: grpc.RpcError, call: str, source: str) -> KVTransferError:
+    code = e.code()
+    hint = f" ({_HINTS[code]})" if code in _HINTS else ""
+    return KVTransferError(f"{call} to {source} failed: {code.name}: {e.details()}{hint}",
+                           retryable=code not in _NOT_RETRYABLE)
+
+
+def check_layout(local: KVLayout, remote: kv_pb2.KVLayout, source: str) -> None:
+    try:
+        local.check_compatible(layout_from_proto(remote))
+    except KVLayoutMismatch as e:
+        raise KVTransferError(f"{e} (source {source}): {_HINTS[grpc.StatusCode.FAILED_PRECONDITION]}",
+                              retryable=False) from None
+
+
+def remaining(deadline: float) -> float:
+    return max(0.0, deadline - time.monotonic())
+
+
+class BaseConnector(abc.ABC):
+    """Checks, Release and channels shared by the backends; each moves the bytes in `_move`."""
+
+    def __init__(self, layout: KVLayout, caches: dict[str, torch.Tensor], token: str | None):
+        check_caches(layout, caches)
+        self.layout, self.caches, self.token = layout, caches, token
+        self.block_bytes = {name: layout.block_bytes(shape) for name, shape in layout.caches().items()}
+        self._channels: dict[str, grpc.Channel] = {}
+        self._channels_lock = threading.Lock()
+
+    def pull(self, handle: kv_pb2.KVHandle, remote_block_ids: list[int], local_block_ids: list[int],
+             timeout_s: float) -> None:
+        deadline = time.monotonic() + timeout_s
+        stub = self._stub(handle.source_address)
+        try:
+            self._check(handle, remote_block_ids, local_block_ids)
+            if remote_block_ids:
+                self._move(stub, handle, remote_block_ids, local_block_ids, deadline)
+        finally:
+            found = self._release(stub, handle, deadline)
+        if not found:
+            # Only a pin held until now proves the source did not reuse the blocks while we read them.
+            reason = "Release failed" if found is None else "it was no longer pinned: its pin timed out"
+            raise KVTransferError(f"{handle.source_address} did not confirm that {handle.request_id} stayed pinned "
+                                  f"through the transfer ({reason}): prefill it again", retryable=True)
+
+    def close(self) -> None:
+        with self._channels_lock:
+            for ch in self._channels.values():
+                ch.close()
+            self._channels.clear()
+
+    @abc.abstractmethod
+    def _move(self, stub: kv_pb2_grpc.KVTransferStub, handle: kv_pb2.KVHandle, remote_block_ids: list[int],
+              local_block_ids: list[int], deadline: float) -> None:
+        """Copy the blocks (every cache) by `deadline` (time.monotonic()); raise KVTransferError."""
+
+    def _stub(self, address: str) -> kv_pb2_grpc.KVTransferStub:
+        with self._channels_lock:
+            if address not in self._channels:
+                self._channels[address] = channel(address, self.token)
+            return kv_pb2_grpc.KVTransferStub(self._channels[address])
+
+    def _check(self, handle: kv_pb2.KVHandle, remote: list[int], local: list[int]) -> None:
+        """Reject, before any byte moves, a handle of another layout or block ids that do not fit."""
+        check_layout(self.layout, handle.layout, handle.source_address)
+        num_local = next(iter(self.caches.values())).shape[0]
+        checks = [
+            (len(remote) != len(local), "remote and local block id lists differ in length"),
+            (len(set(remote)) != len(remote), "remote block ids repeat"),
+            (len(set(local)) != len(local), "local block ids repeat"),
+            (not set(remote) <= set(handle.block_ids), "remote block ids are not all in the handle's block_ids"),
+            (any(not 0 <= b < num_local for b in local), f"local block ids are outside [0, {num_local})"),
+        ]
+        for failed, problem in checks:
+            if failed:
+                raise KVTransferError(f"pull of {handle.request_id}: {problem} (remote {remote}, local {local})",
+                                      retryable=False)
+
+    def _release(self, stub: kv_pb2_grpc.KVTransferStub, handle: kv_pb2.KVHandle, deadline: float) -> bool | None:
+        """Ask the source to unpin; whether it still held the pin, None if it could not be asked."""
+        timeout = max(remaining(deadline), RELEASE_MIN_TIMEOUT_S)
+        try:
+            return stub.Release(kv_pb2.ReleaseRequest(request_id=handle.request_id), timeout=timeout).found
+        except grpc.RpcError as e:
+            log.warning("%s", rpc_failure(e, f"Release of {handle.request_id}", handle.source_address))
+            return None

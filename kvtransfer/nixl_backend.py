@@ -1,0 +1,181 @@
+"""KV transfer by NIXL: the destination READs the pinned blocks straight out of the source's
+registered cache memory (UCX picks the path: CMA on one host, RDMA or TCP across hosts).
+
+The source's agent metadata is a pickle, so it is only ever taken from the token-checked
+GetNixlMetadata RPC, never from a NIXL listener or a metadata server. A READ is one-sided: the
+source cannot refuse blocks outside a pin, so the token is the trust boundary, and only the
+final Release (found=True) proves the blocks were still pinned, unchanged, while we read them.
+"""
+
+import logging
+import threading
+import time
+import uuid
+from dataclasses import dataclass
+
+import grpc
+import numpy as np
+import torch
+from nixl_cu12 import _bindings as nixl_bindings
+from nixl_cu12._api import nixl_agent, nixl_agent_config, nixl_xfer_handle
+
+from engine.kv_layout import KVLayout
+from kvtransfer.connector import BaseConnector, KVTransferError, check_layout, remaining, rpc_failure
+from kvtransfer.layout import layout_to_proto
+from proto.pdspec.v1 import kv_pb2, kv_pb2_grpc
+
+log = logging.getLogger(__name__)
+
+POLL_S = 0.0005  # between transfer state checks: sleeps, so a long READ costs no CPU here
+PROGRESS_POLL_US = 10_000  # NIXL progress thread poll timeout; UCX events wake it sooner
+# The bindings raise one exception class per NIXL status, with no common base but Exception.
+NIXL_ERRORS = tuple(v for k, v in vars(nixl_bindings).items()
+                    if k.startswith("nixl") and isinstance(v, type) and issubclass(v, Exception))
+
+
+def new_agent(role: str) -> nixl_agent:
+    """A UCX NIXL agent, safe to use from several threads, whose progress thread sleeps when idle.
+
+    nixl_agent() gives the progress thread a zero poll timeout, so it spins a whole core even with
+    nothing to do; we build it without backends and swap in a native agent with a sleeping
+    progress thread before UCX is created."""
+    name = f"pdspec-{role}-{uuid.uuid4().hex[:12]}"
+    agent = nixl_agent(name, nixl_agent_config(enable_prog_thread=False, backends=[]))
+    config = nixl_bindings.nixlAgentConfig()
+    config.useProgThread = True  # answers the peer's connection setup; our READs progress in check_xfer_state
+    config.pthrDelay = PROGRESS_POLL_US
+    config.syncMode = nixl_bindings.NIXL_THREAD_SYNC_STRICT
+    agent.agent = nixl_bindings.nixlAgent(name, config)
+    agent.create_backend("UCX")
+    return agent
+
+
+def _region(cache: str, tensor: torch.Tensor, block_bytes: int) -> kv_pb2.NixlRegion:
+    return kv_pb2.NixlRegion(cache=cache, base_address=tensor.data_ptr(), length=tensor.numel() * tensor.element_size(),
+                             block_bytes=block_bytes, device_id=max(tensor.get_device(), 0),
+                             memory_type="VRAM" if tensor.is_cuda else "DRAM")
+
+
+def block_descs(region: kv_pb2.NixlRegion, block_ids: list[int]) -> np.ndarray:
+    """NIXL transfer descriptors (address, length, device) of the blocks, in order."""
+    descs = np.empty((len(block_ids), 3), dtype=np.uint64)
+    descs[:, 0] = region.base_address + np.asarray(block_ids, dtype=np.uint64) * region.block_bytes
+    descs[:, 1] = region.block_bytes
+    descs[:, 2] = region.device_id
+    return descs
+
+
+class NixlMemory:
+    """A NIXL agent with a worker's KV cache tensors registered, once, for the agent's lifetime."""
+
+    def __init__(self, role: str, layout: KVLayout, caches: dict[str, torch.Tensor]):
+        self.layout = layout
+        self.agent = new_agent(role)
+        self.regions = {name: _region(name, caches[name], layout.block_bytes(shape))
+                        for name, shape in layout.caches().items()}
+        self._registered = [self.agent.register_memory([(r.base_address, r.length, r.device_id, "")], r.memory_type)
+                            for r in self.regions.values()]
+
+    def metadata(self) -> kv_pb2.NixlMetadataResponse:
+        return kv_pb2.NixlMetadataResponse(agent_name=self.agent.name, agent_metadata=self.agent.get_agent_metadata(),
+                                           regions=list(self.regions.values()), layout=layout_to_proto(self.layout))
+
+    def close(self) -> None:
+        for registered in self._registered:
+            self.agent.deregister_memory(registered)
+        self._registered.clear()
+
+
+@dataclass(frozen=True)
+class _Source:
+    agent_name: str
+    regions: dict[str, kv_pb2.NixlRegion]
+
+
+class NixlConnector(BaseConnector):
+    def __init__(self, layout: KVLayout, caches: dict[str, torch.Tensor], token: str | None):
+        super().__init__(layout, caches, token)
+        self._memory = NixlMemory("kvdest", layout, caches)
+        self._sources: dict[str, _Source] = {}  # by address: metadata is fetched once per source agent
+        self._sources_lock = threading.Lock()
+
+    def close(self) -> None:
+        super().close()
+        self._memory.close()
+
+    def _move(self, stub: kv_pb2_grpc.KVTransferStub, handle: kv_pb2.KVHandle, remote_block_ids: list[int],
+              local_block_ids: list[int], deadline: float) -> None:
+        address = handle.source_address
+        source = self._source(stub, address, deadline)
+        try:
+            self._read(source, handle, remote_block_ids, local_block_ids, deadline)
+        except KVTransferError:
+            self._forget(address)  # a restarted source has a new agent: fetch its metadata again next time
+            raise
+
+    def _source(self, stub: kv_pb2_grpc.KVTransferStub, address: str, deadline: float) -> _Source:
+        with self._sources_lock:  # also keeps concurrent first pulls from adding one agent twice
+            if address not in self._sources:
+                self._sources[address] = self._connect(stub, address, deadline)
+            return self._sources[address]
+
+    def _connect(self, stub: kv_pb2_grpc.KVTransferStub, address: str, deadline: float) -> _Source:
+        try:
+            meta = stub.GetNixlMetadata(kv_pb2.NixlMetadataRequest(), timeout=remaining(deadline))
+        except grpc.RpcError as e:
+            raise rpc_failure(e, "GetNixlMetadata", address) from None
+        check_layout(self.layout, meta.layout, address)
+        regions = {r.cache: r for r in meta.regions}
+        for name, block_bytes in self.block_bytes.items():
+            if name not in regions or regions[name].block_bytes != block_bytes:
+                raise KVTransferError(f"{address} registered no {name} cache of {block_bytes}-byte blocks with NIXL",
+                                      retryable=False)
+        try:
+            return _Source(self._memory.agent.add_remote_agent(meta.agent_metadata), regions)
+        except NIXL_ERRORS as e:
+            raise KVTransferError(f"NIXL could not load the agent of {address}: {e}", retryable=True) from None
+
+    def _forget(self, address: str) -> None:
+        with self._sources_lock:
+            source = self._sources.pop(address, None)
+        if source is not None:
+            try:
+                self._memory.agent.remove_remote_agent(source.agent_name)
+            except NIXL_ERRORS as e:
+                log.warning("NIXL could not drop the agent of %s: %s", address, e)
+
+    def _read(self, source: _Source, handle: kv_pb2.KVHandle, remote_block_ids: list[int],
+              local_block_ids: list[int], deadline: float) -> None:
+        what = f"NIXL READ of {handle.request_id} from {handle.source_address}"
+        for region in source.regions.values():
+            if max(remote_block_ids) >= region.length // region.block_bytes:
+                raise KVTransferError(f"{what}: block {max(remote_block_ids)} is outside the source's registered "
+                                      f"{region.cache} cache", retryable=False)
+        # One request for every (cache, block): UCX can pipeline them all.
+        remote = np.concatenate([block_descs(source.regions[name], remote_block_ids) for name in self.caches])
+        local = np.concatenate([block_descs(self._memory.regions[name], local_block_ids) for name in self.caches])
+        agent = self._memory.agent
+        try:  # check_caches keeps each side's caches on one device: one memory type per side
+            xfer = agent.initialize_xfer(
+                "READ", agent.get_xfer_descs(local, self._memory.regions["target"].memory_type),
+                agent.get_xfer_descs(remote, source.regions["target"].memory_type), source.agent_name)
+        except NIXL_ERRORS as e:
+            raise KVTransferError(f"{what} could not start: {e}", retryable=True) from None
+        try:
+            state = agent.transfer(xfer)
+            while state == "PROC" and time.monotonic() < deadline:
+                time.sleep(POLL_S)
+                state = agent.check_xfer_state(xfer)
+        except NIXL_ERRORS as e:
+            state = f"{type(e).__name__}: {e}"
+        finally:
+            _release_xfer(xfer, what)
+        if state != "DONE":
+            raise KVTransferError(f"{what} failed: {'timed out' if state == 'PROC' else state}", retryable=True)
+
+
+def _release_xfer(xfer: nixl_xfer_handle, what: str) -> None:
+    try:
+        xfer.release()  # cancels the READ if it is still running
+    except NIXL_ERRORS as e:
+        log.error("%s could not be cancelled (%s): NIXL may still write into its local blocks", what, e)

@@ -1,0 +1,174 @@
+"""The source side of a KV transfer: pin a prefilled request's blocks and serve them.
+
+A pin ends exactly once, and then calls its `on_release` (the engine frees the blocks): on a
+Release RPC, when it times out (the reaper thread), or at release_all()/close(). FetchBlocks
+reads each block under the lock that ends pins, and on_release runs after the pin has ended, so
+it never sends bytes of a block the engine may already have reused.
+"""
+
+import logging
+import threading
+import time
+from collections.abc import Callable, Iterator
+from dataclasses import dataclass
+from typing import TYPE_CHECKING
+
+import grpc
+import torch
+import xxhash
+
+from engine.kv_layout import KVLayout, KVLayoutMismatch
+from kvtransfer.layout import check_caches, layout_from_proto, read_block
+from proto.pdspec.v1 import kv_pb2, kv_pb2_grpc
+
+if TYPE_CHECKING:
+    from kvtransfer.nixl_backend import NixlMemory
+
+log = logging.getLogger(__name__)
+
+SERVICE_NAME = kv_pb2.DESCRIPTOR.services_by_name["KVTransfer"].full_name
+
+
+@dataclass(frozen=True)
+class _Pin:
+    block_ids: frozenset[int]
+    on_release: Callable[[], None]
+    deadline: float  # time.monotonic()
+
+
+class KVSource:
+    """Pins of one worker's KV cache blocks, served by `self.servicer` (register it, with the
+    cluster token, on the worker's internal gRPC server). With `nixl`, the caches are registered
+    with a NIXL agent once, here, so destinations can READ them directly."""
+
+    def __init__(self, layout: KVLayout, caches: dict[str, torch.Tensor], pin_timeout_s: float, nixl: bool):
+        check_caches(layout, caches)
+        self.layout, self.caches, self.pin_timeout_s = layout, caches, pin_timeout_s
+        self.nixl = _nixl_memory(layout, caches) if nixl else None
+        self.servicer = KVTransferServicer(self)
+        # Insertion order is deadline order: every pin gets the same timeout on a monotonic clock.
+        self._pins: dict[str, _Pin] = {}
+        self._lock = threading.Condition()
+        self._closed = False
+        self._reaper = threading.Thread(target=self._reap, name="kv-pin-reaper", daemon=True)
+        self._reaper.start()
+
+    def pin(self, request_id: str, block_ids: list[int], on_release: Callable[[], None]) -> None:
+        with self._lock:
+            if self._closed:
+                raise RuntimeError("KVSource is closed: no new pins during shutdown")
+            if request_id in self._pins:
+                raise ValueError(f"request {request_id} is already pinned: request ids must be unique")
+            self._pins[request_id] = _Pin(frozenset(block_ids), on_release, time.monotonic() + self.pin_timeout_s)
+            self._lock.notify()  # the reaper may be sleeping without a deadline
+
+    def release(self, request_id: str) -> bool:
+        """End the pin now; False if it had already ended (or never existed)."""
+        with self._lock:
+            pin = self._pins.pop(request_id, None)
+        if pin is None:
+            return False
+        _end(request_id, pin)
+        return True
+
+    def release_all(self) -> None:
+        with self._lock:
+            pins, self._pins = self._pins, {}
+        for request_id, pin in pins.items():
+            _end(request_id, pin)
+
+    def close(self) -> None:
+        """Stop the reaper, end every pin, unregister from NIXL. Stop the gRPC server first."""
+        with self._lock:
+            self._closed = True
+            self._lock.notify()
+        self._reaper.join()
+        self.release_all()
+        if self.nixl is not None:
+            self.nixl.close()
+
+    def pinned(self, request_id: str) -> frozenset[int] | None:
+        with self._lock:
+            pin = self._pins.get(request_id)
+        return pin.block_ids if pin is not None else None
+
+    def read_pinned(self, request_id: str, cache: str, block_id: int) -> bytes | None:
+        """The block's bytes, or None if the request does not (or no longer) pin it."""
+        with self._lock:
+            pin = self._pins.get(request_id)
+            if pin is None or block_id not in pin.block_ids:
+                return None
+            return read_block(self.caches[cache], block_id)
+
+    def _reap(self) -> None:
+        while True:
+            with self._lock:
+                if self._closed:
+                    return
+                now = time.monotonic()
+                expired = []
+                for request_id, pin in self._pins.items():
+                    if pin.deadline > now:
+                        break
+                    expired.append(request_id)
+                if not expired:
+                    first = next(iter(self._pins.values()), None)
+                    self._lock.wait(first.deadline - now if first else None)
+                    continue
+                pins = [(request_id, self._pins.pop(request_id)) for request_id in expired]
+            for request_id, pin in pins:
+                log.warning("pin of %s timed out after %gs: no decode worker released it", request_id,
+                            self.pin_timeout_s)
+                _end(request_id, pin)
+
+
+def _nixl_memory(layout: KVLayout, caches: dict[str, torch.Tensor]) -> "NixlMemory":
+    # Imported only when used: NIXL's bundled protobuf/gRPC libraries crash any process that also
+    # loads grpc_tools' protoc (in either order), and a gRPC-only worker need not risk it.
+    from kvtransfer.nixl_backend import NixlMemory
+    return NixlMemory("kvsource", layout, caches)
+
+
+def _end(request_id: str, pin: _Pin) -> None:
+    try:
+        pin.on_release()
+    except Exception:  # one failing callback must not stop the reaper or the other releases
+        log.exception("on_release of %s failed", request_id)
+
+
+class KVTransferServicer(kv_pb2_grpc.KVTransferServicer):
+    def __init__(self, source: KVSource):
+        self.source = source
+
+    def FetchBlocks(self, request: kv_pb2.FetchBlocksRequest,
+                    context: grpc.ServicerContext) -> Iterator[kv_pb2.KVBlockChunk]:
+        try:
+            self.source.layout.check_compatible(layout_from_proto(request.expected_layout))
+        except KVLayoutMismatch as e:
+            context.abort(grpc.StatusCode.FAILED_PRECONDITION, str(e))
+        rid = request.request_id
+        pinned = self.source.pinned(rid)
+        if pinned is None:
+            context.abort(grpc.StatusCode.NOT_FOUND, f"request {rid} is not pinned here (released or timed out)")
+        outside = sorted(set(request.block_ids) - pinned)
+        if outside:
+            context.abort(grpc.StatusCode.PERMISSION_DENIED, f"blocks {outside} are not pinned for request {rid}")
+        for block_id in request.block_ids:
+            for cache in self.source.caches:
+                yield self.chunk(rid, block_id, cache, context)
+
+    def chunk(self, request_id: str, block_id: int, cache: str, context: grpc.ServicerContext) -> kv_pb2.KVBlockChunk:
+        data = self.source.read_pinned(request_id, cache, block_id)
+        if data is None:
+            context.abort(grpc.StatusCode.NOT_FOUND, f"request {request_id} was released or timed out during the fetch")
+        return kv_pb2.KVBlockChunk(block_id=block_id, cache=cache, data=data, checksum=xxhash.xxh3_64_intdigest(data))
+
+    def GetNixlMetadata(self, request: kv_pb2.NixlMetadataRequest,
+                        context: grpc.ServicerContext) -> kv_pb2.NixlMetadataResponse:
+        if self.source.nixl is None:
+            context.abort(grpc.StatusCode.FAILED_PRECONDITION, "this worker serves KV without NIXL: "
+                          "use kv_transfer grpc on the decode side, or enable nixl here")
+        return self.source.nixl.metadata()
+
+    def Release(self, request: kv_pb2.ReleaseRequest, context: grpc.ServicerContext) -> kv_pb2.ReleaseResponse:
+        return kv_pb2.ReleaseResponse(found=self.source.release(request.request_id))
