@@ -3,6 +3,7 @@
 import argparse
 import json
 import logging
+import signal
 import sys
 import time
 from pathlib import Path
@@ -146,6 +147,78 @@ def _add_train_eagle3(sub: argparse._SubParsersAction) -> None:
     p.set_defaults(func=_train_eagle3)
 
 
+def _interrupt(signum, frame) -> None:
+    raise KeyboardInterrupt
+
+
+def _wait_for_signal() -> None:
+    """Block until Ctrl-C or SIGTERM."""
+    signal.signal(signal.SIGTERM, _interrupt)
+    try:
+        while True:
+            time.sleep(3600)
+    except KeyboardInterrupt:
+        pass
+
+
+def _serve(args: argparse.Namespace) -> int:
+    from deploy.config import load_config
+    from deploy.local import LocalCluster
+
+    config = load_config(Path(args.config))
+    cluster = LocalCluster(config, args.port if args.port is not None else config.router.port, config.router.host)
+    try:
+        cluster.start()
+        print(f"pdspec: router ready at {cluster.router_address} (logs in {cluster.log_dir})", flush=True)
+        _wait_for_signal()
+    finally:
+        cluster.stop()
+    return 0
+
+
+def _router(args: argparse.Namespace) -> int:
+    from deploy.config import load_config
+    from engine.model_dir import resolve_model_dir
+    from router.main import run_router
+
+    config = load_config(Path(args.config))
+    server, port = run_router(config, resolve_model_dir(config.engine.model), args.port)
+    logging.getLogger("pdspec").info("router serving on port %d", port)
+    _wait_for_signal()
+    server.stop(grace=2).wait()
+    return 0
+
+
+def _worker(args: argparse.Namespace) -> int:
+    from deploy.config import load_config
+    from deploy.worker import start_worker
+
+    worker = start_worker(load_config(Path(args.config)), args.role, args.router, args.host, args.advertise_host,
+                          args.worker_id)
+    _wait_for_signal()
+    worker.stop()
+    return 0
+
+
+def _add_cluster(sub: argparse._SubParsersAction) -> None:
+    p = sub.add_parser("serve", help="start the router and every worker of a config as local processes")
+    p.add_argument("--config", required=True, help="deployment YAML (see deploy/configs/)")
+    p.add_argument("--port", type=int, default=None, help="router port (default: the config's router.port)")
+    p.set_defaults(func=_serve)
+    p = sub.add_parser("router", help="run the router (one process)")
+    p.add_argument("--config", required=True)
+    p.add_argument("--port", type=int, default=None)
+    p.set_defaults(func=_router)
+    p = sub.add_parser("worker", help="run one worker (one process)")
+    p.add_argument("--role", required=True, choices=["prefill", "decode", "aggregated"])
+    p.add_argument("--config", required=True)
+    p.add_argument("--router", required=True, help="router address host:port")
+    p.add_argument("--host", default="127.0.0.1", help="interface to bind")
+    p.add_argument("--advertise-host", default=None, help="host other workers reach this one at (default: --host)")
+    p.add_argument("--worker-id", default=None)
+    p.set_defaults(func=_worker)
+
+
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(prog="pdspec", description="disaggregated prefill/decode serving with EAGLE3")
     parser.add_argument("--log-level", default="WARNING", help="DEBUG, INFO, WARNING (default), ERROR")
@@ -153,6 +226,7 @@ def main(argv: list[str] | None = None) -> int:
     _add_generate(sub)
     _add_bench(sub)
     _add_train_eagle3(sub)
+    _add_cluster(sub)
     args = parser.parse_args(argv)
     logging.basicConfig(level=args.log_level.upper(), format="%(asctime)s %(levelname)s %(name)s %(message)s")
     try:

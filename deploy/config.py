@@ -29,8 +29,20 @@ class RouterConfig(_Strict):
     max_retries: int = Field(2, ge=0, description="retries on another worker when one fails before the first token")
 
 
+class Resources(_Strict):
+    """What one replica asks its scheduler (Ray, Kubernetes) for."""
+
+    cpus: float = Field(1.0, gt=0, description="CPU cores per replica")
+    gpus: int = Field(0, ge=0, description="GPUs per replica (tensor_parallel_size of them on one node)")
+    memory_gb: float | None = Field(None, gt=0, description="memory per replica")
+    custom: dict[str, float] = Field(default_factory=dict,
+                                     description="Ray custom resources, e.g. {node_kind_prefill: 1} to pin a role to nodes")
+
+
 class RoleConfig(_Strict):
     replicas: int = Field(0, ge=0)
+    resources: Resources = Field(default_factory=Resources)
+    tensor_parallel_size: int = Field(1, ge=1, description="shard the target over this many devices")
     num_threads: int | None = Field(None, ge=1, description="CPU threads per replica (default: split the cores)")
     kv_transfer: Literal["nixl", "grpc"] = Field("nixl", description="how decode workers pull KV from prefill workers")
     port: int = Field(0, ge=0, le=65535, description="internal gRPC port (0: any free port)")
@@ -60,6 +72,11 @@ class DeploymentConfig(_Strict):
             )
         if not disaggregated and not self.aggregated.replicas:
             raise ValueError("no workers: set prefill.replicas and decode.replicas, or aggregated.replicas")
+        if disaggregated and self.prefill.kv_transfer != self.decode.kv_transfer:
+            raise ValueError(
+                f"prefill.kv_transfer ({self.prefill.kv_transfer!r}) and decode.kv_transfer "
+                f"({self.decode.kv_transfer!r}) must match: decode workers pull the way prefill workers serve"
+            )
         return self
 
 

@@ -9,7 +9,7 @@ from typing import ClassVar as _ClassVar, Optional as _Optional, Union as _Union
 DESCRIPTOR: _descriptor.FileDescriptor
 
 class RegisterRequest(_message.Message):
-    __slots__ = ("worker_id", "role", "address", "layout", "total_blocks", "max_model_len", "cached_block_hashes")
+    __slots__ = ("worker_id", "role", "address", "layout", "total_blocks", "max_model_len", "cached_block_hashes", "metrics_address")
     WORKER_ID_FIELD_NUMBER: _ClassVar[int]
     ROLE_FIELD_NUMBER: _ClassVar[int]
     ADDRESS_FIELD_NUMBER: _ClassVar[int]
@@ -17,6 +17,7 @@ class RegisterRequest(_message.Message):
     TOTAL_BLOCKS_FIELD_NUMBER: _ClassVar[int]
     MAX_MODEL_LEN_FIELD_NUMBER: _ClassVar[int]
     CACHED_BLOCK_HASHES_FIELD_NUMBER: _ClassVar[int]
+    METRICS_ADDRESS_FIELD_NUMBER: _ClassVar[int]
     worker_id: str
     role: str
     address: str
@@ -24,7 +25,8 @@ class RegisterRequest(_message.Message):
     total_blocks: int
     max_model_len: int
     cached_block_hashes: _containers.RepeatedScalarFieldContainer[int]
-    def __init__(self, worker_id: _Optional[str] = ..., role: _Optional[str] = ..., address: _Optional[str] = ..., layout: _Optional[_Union[_kv_pb2.KVLayout, _Mapping]] = ..., total_blocks: _Optional[int] = ..., max_model_len: _Optional[int] = ..., cached_block_hashes: _Optional[_Iterable[int]] = ...) -> None: ...
+    metrics_address: str
+    def __init__(self, worker_id: _Optional[str] = ..., role: _Optional[str] = ..., address: _Optional[str] = ..., layout: _Optional[_Union[_kv_pb2.KVLayout, _Mapping]] = ..., total_blocks: _Optional[int] = ..., max_model_len: _Optional[int] = ..., cached_block_hashes: _Optional[_Iterable[int]] = ..., metrics_address: _Optional[str] = ...) -> None: ...
 
 class RegisterResponse(_message.Message):
     __slots__ = ("heartbeat_interval_ms",)

@@ -1,0 +1,111 @@
+"""The decode worker's gRPC service: take over prefilled requests (pull their KV, join the
+running batch) or, on an aggregated worker, prefill locally; stream the tokens back.
+
+Back-pressure: a prefilled request waits (up to `admission_timeout_s`) until the KV pool has
+room for its prompt and the batch a free slot; the prefill side keeps its blocks pinned
+meanwhile. Nothing is dropped silently: every failure ends the stream with a status code.
+"""
+
+import logging
+import math
+import time
+from collections.abc import Iterator
+
+import grpc
+import numpy as np
+import torch
+from pydantic import ValidationError
+
+from engine.block_manager import NoFreeBlocksError
+from engine.errors import CapacityExceeded, InvalidRequest
+from engine.loop import EngineLoop
+from engine.output import HandOff, RequestOutput
+from kvtransfer.connector import KVConnector, KVTransferError
+from proto.convert import acceptance, sampling_params
+from proto.pdspec.v1 import common_pb2, worker_pb2, worker_pb2_grpc
+
+log = logging.getLogger(__name__)
+
+
+class DecodeServicer(worker_pb2_grpc.DecodeWorkerServicer):
+    def __init__(self, loop: EngineLoop, connector: KVConnector | None, transfer_timeout_s: float = 30.0,
+                 admission_timeout_s: float = 60.0):
+        self.loop, self.connector = loop, connector
+        self.transfer_timeout_s, self.admission_timeout_s = transfer_timeout_s, admission_timeout_s
+
+    def Decode(self, request, context: grpc.ServicerContext) -> Iterator[worker_pb2.DecodeResponse]:
+        rid = request.request_id
+        try:
+            params = sampling_params(request.sampling, request.speculation)
+        except ValidationError as e:
+            context.abort(grpc.StatusCode.INVALID_ARGUMENT, str(e))
+        context.add_callback(lambda: self.loop.abort(rid))  # client gone: free the blocks (no-op once finished)
+        try:
+            if request.HasField("prefilled"):
+                outputs = self._take_over(request, params, context)
+            elif self.connector is None:  # aggregated worker: prefill here
+                outputs = self.loop.submit(rid, list(request.prompt_token_ids), params)
+            else:
+                context.abort(grpc.StatusCode.FAILED_PRECONDITION, "this decode worker only takes prefilled requests")
+        except InvalidRequest as e:
+            context.abort(grpc.StatusCode.INVALID_ARGUMENT, str(e))
+        except CapacityExceeded as e:
+            context.abort(grpc.StatusCode.RESOURCE_EXHAUSTED, str(e))
+        while True:
+            out: RequestOutput = outputs.get()
+            yield _response(out)
+            if out.finished:
+                return
+
+    def Abort(self, request, context) -> common_pb2.AbortResponse:
+        return common_pb2.AbortResponse(found=self.loop.abort(request.request_id))
+
+    def _take_over(self, request, params, context):
+        rid, handle = request.request_id, request.prefilled
+        prompt = list(request.prompt_token_ids)
+        cached, table = self._reserve(rid, prompt, params, context)
+        block_size = self.loop.engine.config.block_size
+        first, end = cached // block_size, math.ceil(len(prompt) / block_size)
+        try:
+            self.connector.pull(handle, list(handle.block_ids[first:end]), table[first:end], self.transfer_timeout_s)
+        except KVTransferError as e:
+            self.loop.abort(rid)
+            code = grpc.StatusCode.UNAVAILABLE if e.retryable else grpc.StatusCode.FAILED_PRECONDITION
+            context.abort(code, f"KV transfer from {handle.source_worker_id} failed: {e}")
+        return self.loop.admit_prefilled(rid, _handoff(handle, table))
+
+    def _reserve(self, rid, prompt, params, context) -> tuple[int, list[int]]:
+        """Allocate the prompt's blocks, waiting while the pool or the batch is full."""
+        engine = self.loop.engine
+        deadline = time.monotonic() + min(self.admission_timeout_s, context.time_remaining() or math.inf)
+        while time.monotonic() < deadline and context.is_active():
+            if self.loop.call(engine.can_take_over, prompt):
+                try:
+                    return self.loop.call(engine.reserve_prefilled, rid, prompt, params)
+                except NoFreeBlocksError:  # another request took the room first
+                    pass
+            self.loop.wait_step(0.2)
+        context.abort(grpc.StatusCode.RESOURCE_EXHAUSTED,
+                      f"decode worker KV pool stayed full for {self.admission_timeout_s:.0f}s; retry later")
+
+
+def _handoff(handle, table: list[int]) -> HandOff:
+    hidden = np.frombuffer(handle.draft_hidden, dtype=np.float32)
+    return HandOff(
+        block_table=table,
+        first_token=handle.first_token,
+        rng_state=torch.frombuffer(bytearray(handle.rng_state), dtype=torch.uint8),
+        draft_hidden=torch.from_numpy(hidden.copy()).view(1, -1) if hidden.size else None,
+        cached_prompt_tokens=handle.cached_prompt_tokens,
+    )
+
+
+def _response(out: RequestOutput) -> worker_pb2.DecodeResponse:
+    response = worker_pb2.DecodeResponse(token_ids=out.token_ids, text=out.text, finish_reason=out.finish_reason or "")
+    if out.usage is not None:
+        response.usage.CopyFrom(common_pb2.Usage(prompt_tokens=out.usage.prompt_tokens,
+                                                 completion_tokens=out.usage.completion_tokens,
+                                                 cached_prompt_tokens=out.usage.cached_prompt_tokens))
+    if out.acceptance is not None:
+        response.acceptance.CopyFrom(acceptance(out.acceptance))
+    return response

@@ -1,0 +1,96 @@
+"""`pdspec serve` without Ray: the router and every worker as separate processes on this machine.
+
+The router starts first; workers register with it. The cluster counts as up once the router
+answers health checks and lists every worker. Stopping terminates all of them (SIGTERM, then
+SIGKILL after a grace period), also when the launcher itself is interrupted.
+"""
+
+import os
+import subprocess
+import sys
+import tempfile
+import time
+from dataclasses import dataclass, field
+from pathlib import Path
+
+import grpc
+import yaml
+
+from deploy.config import DeploymentConfig
+from proto.pdspec.v1 import router_pb2, router_pb2_grpc
+from proto.rpc import wait_healthy
+
+
+@dataclass
+class LocalCluster:
+    config: DeploymentConfig
+    router_port: int
+    host: str = "127.0.0.1"
+    processes: dict[str, subprocess.Popen] = field(default_factory=dict)
+    log_dir: Path = field(default_factory=lambda: Path(tempfile.mkdtemp(prefix="pdspec-logs-")))
+
+    @property
+    def router_address(self) -> str:
+        return f"{self.host}:{self.router_port}"
+
+    def start(self, timeout_s: float = 300.0) -> "LocalCluster":
+        config_file = self.log_dir / "config.yaml"
+        config_file.write_text(yaml.safe_dump(self.config.model_dump(mode="json")))
+        env = {**os.environ, "PDSPEC_CLUSTER_TOKEN": self.config.token()
+               or os.urandom(16).hex()}
+        self._spawn("router", ["router", "--config", str(config_file), "--port", str(self.router_port)], env)
+        wait_healthy(self.router_address, timeout_s)
+        threads = default_threads(self.config)
+        for role in ("prefill", "decode", "aggregated"):
+            for i in range(getattr(self.config, role).replicas):
+                args = ["worker", "--role", role, "--config", str(config_file), "--router", self.router_address,
+                        "--host", self.host, "--worker-id", f"{role}-{i}"]
+                # NIXL logs INFO to stdout by default.
+                self._spawn(f"{role}-{i}", args, {**env, "OMP_NUM_THREADS": str(threads[role]), "NIXL_LOG_LEVEL": "WARN"})
+        self.wait_for_workers(timeout_s)
+        return self
+
+    def wait_for_workers(self, timeout_s: float) -> None:
+        expected = {name for name in self.processes if name != "router"}
+        deadline = time.monotonic() + timeout_s
+        with grpc.insecure_channel(self.router_address) as ch:
+            stub = router_pb2_grpc.RouterStub(ch)
+            while time.monotonic() < deadline:
+                dead = [n for n, p in self.processes.items() if p.poll() is not None]
+                if dead:
+                    raise RuntimeError(f"{', '.join(dead)} exited during start-up; logs in {self.log_dir}")
+                listed = {w.worker_id for w in stub.ListWorkers(router_pb2.ListWorkersRequest(), timeout=5).workers}
+                if expected <= listed:
+                    return
+                time.sleep(0.5)
+        raise TimeoutError(f"workers {sorted(expected)} did not all register in {timeout_s}s; logs in {self.log_dir}")
+
+    def kill(self, name: str) -> None:
+        """Kill one process abruptly (SIGKILL), as a crash would."""
+        self.processes[name].kill()
+        self.processes[name].wait()
+
+    def stop(self, grace_s: float = 10.0) -> None:
+        for p in self.processes.values():
+            if p.poll() is None:
+                p.terminate()
+        deadline = time.monotonic() + grace_s
+        for p in self.processes.values():
+            try:
+                p.wait(timeout=max(0.1, deadline - time.monotonic()))
+            except subprocess.TimeoutExpired:
+                p.kill()
+                p.wait()
+
+    def _spawn(self, name: str, args: list[str], env: dict[str, str]) -> None:
+        log = open(self.log_dir / f"{name}.log", "w")
+        self.processes[name] = subprocess.Popen([sys.executable, "-m", "deploy.cli", *args], env=env,
+                                                stdout=log, stderr=subprocess.STDOUT, start_new_session=True)
+
+
+def default_threads(config: DeploymentConfig) -> dict[str, int]:
+    """Threads per replica: the configured number, else the cores split evenly between replicas
+    (OpenMP threads of processes sharing a core would spin against each other)."""
+    replicas = sum(getattr(config, r).replicas for r in ("prefill", "decode", "aggregated"))
+    share = max(1, (os.cpu_count() or 1) // max(1, replicas))
+    return {r: getattr(config, r).num_threads or share for r in ("prefill", "decode", "aggregated")}

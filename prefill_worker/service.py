@@ -1,0 +1,50 @@
+"""The prefill worker's gRPC service: compute a prompt's KV (target and EAGLE3 draft) and its
+first token, pin the blocks for the decode side, and return a KVHandle saying where they are."""
+
+import logging
+import queue
+
+import grpc
+
+from engine.errors import CapacityExceeded, InvalidRequest
+from engine.loop import EngineLoop
+from kvtransfer.source import KVSource
+from proto.convert import sampling_params
+from proto.pdspec.v1 import kv_pb2, worker_pb2_grpc
+from pydantic import ValidationError
+
+log = logging.getLogger(__name__)
+
+
+class PrefillServicer(worker_pb2_grpc.PrefillWorkerServicer):
+    def __init__(self, loop: EngineLoop, source: KVSource, worker_id: str, address: str, layout: kv_pb2.KVLayout):
+        self.loop, self.source = loop, source
+        self.worker_id, self.address, self.layout = worker_id, address, layout
+
+    def Prefill(self, request, context: grpc.ServicerContext) -> kv_pb2.KVHandle:
+        rid = request.request_id
+        try:
+            outputs = self.loop.submit(rid, list(request.prompt_token_ids), sampling_params(request.sampling),
+                                       prefill_only=True)
+        except (InvalidRequest, ValidationError) as e:
+            context.abort(grpc.StatusCode.INVALID_ARGUMENT, str(e))
+        except CapacityExceeded as e:
+            context.abort(grpc.StatusCode.RESOURCE_EXHAUSTED, str(e))
+        try:
+            out = outputs.get(timeout=context.time_remaining())
+        except queue.Empty:
+            self.loop.abort(rid)
+            context.abort(grpc.StatusCode.DEADLINE_EXCEEDED, f"prefill of {rid} did not finish before the deadline")
+        if out.finish_reason != "prefilled":
+            context.abort(grpc.StatusCode.UNAVAILABLE, f"prefill of {rid} ended: {out.finish_reason}")
+        h = out.handoff
+        self.source.pin(rid, h.block_table, on_release=lambda: self.loop.call(self.loop.engine.release, rid))
+        if not context.is_active():  # the router gave up meanwhile: nobody will fetch these blocks
+            self.source.release(rid)
+        return kv_pb2.KVHandle(
+            request_id=rid, source_worker_id=self.worker_id, source_address=self.address, layout=self.layout,
+            block_ids=h.block_table, num_prompt_tokens=len(request.prompt_token_ids), first_token=h.first_token,
+            rng_state=h.rng_state.numpy().tobytes(),
+            draft_hidden=h.draft_hidden.float().numpy().tobytes() if h.draft_hidden is not None else b"",
+            cached_prompt_tokens=h.cached_prompt_tokens,
+        )

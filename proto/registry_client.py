@@ -1,0 +1,71 @@
+"""A worker's side of the Registry protocol: register with the router, then heartbeat load and
+KV events; register again whenever the router does not know us (it restarted or evicted us)."""
+
+import logging
+import threading
+
+import grpc
+
+from engine.loop import EngineLoop
+from proto.convert import kv_event
+from proto.pdspec.v1 import kv_pb2, worker_pb2, worker_pb2_grpc
+from proto.rpc import channel
+
+log = logging.getLogger(__name__)
+
+
+class RegistryClient:
+    def __init__(self, router_address: str, token: str | None, registration: worker_pb2.RegisterRequest,
+                 loop: EngineLoop, interval_s: float = 0.5):
+        self.stub = worker_pb2_grpc.RegistryStub(channel(router_address, token))
+        self.registration, self.loop, self.interval_s = registration, loop, interval_s
+        self.router_address = router_address
+        self._stop = threading.Event()
+        self._thread = threading.Thread(target=self._run, name="registry-heartbeat", daemon=True)
+
+    def start(self) -> None:
+        self._thread.start()
+
+    def stop(self) -> None:
+        self._stop.set()
+        self._thread.join(timeout=5)
+
+    def _run(self) -> None:
+        registered = False
+        while not self._stop.is_set():
+            try:
+                if not registered:
+                    self._register()
+                    registered = True
+                registered = self._heartbeat()
+            except grpc.RpcError as e:
+                log.warning("router %s unreachable (%s); retrying", self.router_address, e.code())
+                registered = False
+            self._stop.wait(self.interval_s)
+
+    def _register(self) -> None:
+        request = worker_pb2.RegisterRequest()
+        request.CopyFrom(self.registration)
+        # The router rebuilds its view of our prefix cache from this snapshot, taken atomically
+        # with dropping the events it already reflects.
+        request.cached_block_hashes.extend(self.loop.cache_snapshot())
+        response = self.stub.Register(request, timeout=5)
+        if response.heartbeat_interval_ms:
+            self.interval_s = response.heartbeat_interval_ms / 1000
+        log.info("registered %s (%s) with router %s", request.worker_id, request.role, self.router_address)
+
+    def _heartbeat(self) -> bool:
+        load = self.loop.load()
+        events = [kv_event(e) for e in self.loop.drain_events()]
+        response = self.stub.Heartbeat(
+            worker_pb2.HeartbeatRequest(worker_id=self.registration.worker_id, load=worker_pb2.Load(**load),
+                                        events=events),
+            timeout=5,
+        )
+        return response.registered
+
+
+def registration(worker_id: str, role: str, address: str, layout: kv_pb2.KVLayout, total_blocks: int,
+                 max_model_len: int) -> worker_pb2.RegisterRequest:
+    return worker_pb2.RegisterRequest(worker_id=worker_id, role=role, address=address, layout=layout,
+                                      total_blocks=total_blocks, max_model_len=max_model_len)
