@@ -121,6 +121,7 @@ class EngineConfig(BaseModel):
     enable_prefix_caching: bool = True
     max_model_len: int | None = Field(None, ge=1, description="context limit; default: the model's own")
     speculative: SpeculativeConfig = Field(default_factory=SpeculativeConfig)
+    tensor_parallel_size: int = Field(1, ge=1, description="shard the target over this many ranks (processes)")
     num_threads: int | None = Field(
         None, ge=1, description="CPU threads for this engine; default: all cores. Processes sharing cores "
         "should split them: spinning OpenMP threads of two processes on one core stall each other"

@@ -69,6 +69,10 @@ class Engine:
         seq = self.seqs.get(request_id)
         return self._finish(seq, "abort", [], "") if seq else None
 
+    def close(self) -> None:
+        """Release what outlives the object otherwise: tensor-parallel rank processes."""
+        self.runner.close()
+
     def has_unfinished(self) -> bool:
         return self.scheduler.has_unfinished()
 

@@ -16,6 +16,7 @@ from engine import cpu_kernels
 from engine.attention import AttentionMetadata, native_paged_attention, paged_attention, write_kv
 from engine.config import ModelConfig
 from engine.layers import Linear, Rotary, rms_norm
+from engine.parallel import TensorParallel
 
 
 AttentionFn = Callable[[torch.Tensor, torch.Tensor, AttentionMetadata, float], torch.Tensor]
@@ -54,9 +55,12 @@ class DecoderLayer:
     """Attention + SwiGLU MLP with residuals. The caller normalises the attention input: the
     target feeds rms_norm(x); the EAGLE3 midlayer feeds its 2H-wide [embedding, hidden] input."""
 
-    def __init__(self, config: ModelConfig, w: dict[str, torch.Tensor], attend: AttentionFn):
+    def __init__(self, config: ModelConfig, w: dict[str, torch.Tensor], attend: AttentionFn,
+                 tp: TensorParallel = TensorParallel()):
+        """config: the shapes this rank computes (heads and MLP already divided by the TP size)."""
         self.config = config
         self.attend = attend
+        self.tp = tp
         q, k, v = w["self_attn.q_proj.weight"], w["self_attn.k_proj.weight"], w["self_attn.v_proj.weight"]
         bias = None
         if config.attention_bias:
@@ -84,27 +88,31 @@ class DecoderLayer:
             k = rms_norm(k, self.k_norm, c.rms_norm_eps)
         q, k = Rotary.apply(q, cos, sin), Rotary.apply(k, cos, sin)
         write_kv(layer_cache, meta, k, v.view(t, c.num_kv_heads, c.head_dim))
-        x = residual + self.o(self.attend(q, layer_cache, meta, self.scale))
+        x = residual + self.tp.all_reduce(self.o(self.attend(q, layer_cache, meta, self.scale)))
         gate, up = self.gate_up(rms_norm(x, self.post_norm, c.rms_norm_eps)).chunk(2, dim=-1)
-        return x + self.down(torch.nn.functional.silu(gate) * up)
+        return x + self.tp.all_reduce(self.down(torch.nn.functional.silu(gate) * up))
 
 
 class CausalLM:
-    """Weights are given HF-named (`model.layers.0.self_attn.q_proj.weight`, ...)."""
+    """Weights are given HF-named (`model.layers.0.self_attn.q_proj.weight`, ...), already
+    sharded for `tp` (see engine.parallel); `config` is the whole model's."""
 
-    def __init__(self, config: ModelConfig, weights: dict[str, torch.Tensor], max_positions: int, block_size: int):
-        self.config = config
+    def __init__(self, config: ModelConfig, weights: dict[str, torch.Tensor], max_positions: int, block_size: int,
+                 tp: TensorParallel = TensorParallel()):
+        self.config, self.tp = config, tp
+        local = tp.local_config(config)
         embed = weights["model.embed_tokens.weight"]
-        attend = attention_for(config, embed.device, embed.dtype, block_size)
+        attend = attention_for(local, embed.device, embed.dtype, block_size)
         layer_weights = [{k.removeprefix(f"model.layers.{i}."): v for k, v in weights.items()
                           if k.startswith(f"model.layers.{i}.")} for i in range(config.num_layers)]
-        self.layers = [DecoderLayer(config, w, attend) for w in layer_weights]
+        self.layers = [DecoderLayer(local, w, attend, tp) for w in layer_weights]
         self.input_norms = [w["input_layernorm.weight"] for w in layer_weights]
         self.norm = weights["model.norm.weight"]
         tied = config.tie_word_embeddings or "lm_head.weight" not in weights
-        self.lm_head = Linear(embed if tied else weights["lm_head.weight"])
-        # A tied head is also the embedding table (read through the head's layout, stored once).
-        self.embed = None if tied else embed
+        self.lm_head = Linear((embed if tied else weights["lm_head.weight"])[tp.vocab_slice(config.vocab_size)])
+        # A tied, unsharded head is also the embedding table (read through the head's layout,
+        # stored once); a sharded head holds a vocabulary slice, so the table stays whole.
+        self.embed = None if tied and tp.size == 1 else embed
         self.rotary = Rotary(config, max_positions, embed.device, embed.dtype)
         self.aux_layer_ids = config.aux_layer_ids
 
@@ -122,4 +130,5 @@ class CausalLM:
             attn_input = rms_norm(x, self.input_norms[i], self.config.rms_norm_eps)
             x = layer(x, attn_input, cos, sin, kv_cache[:, i], batch.attention)
         h = rms_norm(x.index_select(0, batch.logits_indices), self.norm, self.config.rms_norm_eps)
-        return ForwardOutput(self.lm_head(h).float(), torch.cat(aux, dim=-1) if aux else None)
+        logits = self.tp.all_gather_last(self.lm_head(h).float())
+        return ForwardOutput(logits, torch.cat(aux, dim=-1) if aux else None)

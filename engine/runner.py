@@ -12,13 +12,17 @@ from engine.kv_layout import CacheShape, KVLayout, allocate_cache
 from engine.loader import load_weights
 from engine.model_dir import model_fingerprint, resolve_model_dir
 from engine.model import CausalLM, ForwardOutput
+from engine.parallel import TensorParallel, start_tensor_parallel
 
 # The EAGLE3 head this project trained for the embedded default model (see its MODEL_CARD.md).
 EMBEDDED_DRAFT_DIR = Path(__file__).parent / "spec" / "heads" / "SmolLM2-135M-Instruct-eagle3"
 
 
 class ModelRunner:
-    def __init__(self, config: EngineConfig):
+    """With tensor_parallel_size N > 1, the runner created by the engine is rank 0: it starts
+    ranks 1..N-1 (`follow` in their own processes) and broadcasts every forward to them."""
+
+    def __init__(self, config: EngineConfig, tp: TensorParallel | None = None):
         self.config = config
         self.device = torch.device(config.device)
         self.dtype: torch.dtype = getattr(torch, config.dtype)
@@ -28,10 +32,15 @@ class ModelRunner:
         self.model_config = ModelConfig.from_dir(self.model_dir)
         self.max_model_len = min(config.max_model_len or self.model_config.max_position_embeddings,
                                  self.model_config.max_position_embeddings)
-        weights = load_weights(self.model_dir, self.dtype, self.device)
-        self.model = CausalLM(self.model_config, weights, self.max_model_len, config.block_size)
-        self.draft = self._load_draft() if config.speculative.method == "eagle3" else None
-        mc = self.model_config
+        self._followers = []
+        if tp is None:
+            tp, self._followers = start_tensor_parallel(config, self.model_config)
+        self.tp = tp
+        weights = tp.shard(self.model_config, load_weights(self.model_dir, self.dtype, self.device))
+        self.model = CausalLM(self.model_config, weights, self.max_model_len, config.block_size, tp)
+        is_driver = tp.rank == 0
+        self.draft = self._load_draft() if config.speculative.method == "eagle3" and is_driver else None
+        mc = tp.local_config(self.model_config)
         self.layout = KVLayout(
             model=model_fingerprint(self.model_dir),
             dtype=config.dtype,
@@ -46,8 +55,28 @@ class ModelRunner:
 
     @torch.inference_mode()
     def forward(self, chunks: list[SeqChunk], return_aux: bool = False) -> ForwardOutput:
+        if self.tp.size > 1:
+            self.tp.broadcast((chunks, return_aux))
         batch = build_batch(chunks, self.config.block_size, self.device, return_aux)
         return self.model.forward(batch, self.kv_cache)
+
+    def follow(self) -> None:
+        """Ranks > 0: run every forward rank 0 broadcasts, until it says stop."""
+        while (message := self.tp.broadcast(None)) is not None:
+            self._follow_one(*message)
+
+    @torch.inference_mode()
+    def _follow_one(self, chunks: list[SeqChunk], return_aux: bool) -> None:
+        self.model.forward(build_batch(chunks, self.config.block_size, self.device, return_aux), self.kv_cache)
+
+    def close(self) -> None:
+        """Stop the other ranks (rank 0 only); a no-op without tensor parallelism."""
+        if self._followers:
+            self.tp.broadcast(None)
+            for process in self._followers:
+                process.join(timeout=30)
+            self._followers = []
+            torch.distributed.destroy_process_group()
 
     @torch.inference_mode()
     def forward_draft(self, chunks: list[SeqChunk], hidden: torch.Tensor) -> DraftOutput:
