@@ -219,16 +219,30 @@ def _add_cluster(sub: argparse._SubParsersAction) -> None:
     p.set_defaults(func=_worker)
 
 
+_OWN_LOGGERS = ("engine", "router", "prefill_worker", "decode_worker", "kvtransfer", "deploy", "proto")
+
+
+def _configure_logging(level: str | None, server: bool) -> None:
+    """key=value lines; quiet by default, except that servers report their own start-up and
+    failures at INFO (third-party libraries stay at WARNING)."""
+    logging.basicConfig(level=(level or "WARNING").upper(),
+                        format='ts=%(asctime)s level=%(levelname)s logger=%(name)s pid=%(process)d msg="%(message)s"')
+    if level is None and server:
+        for name in _OWN_LOGGERS:
+            logging.getLogger(name).setLevel(logging.INFO)
+
+
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(prog="pdspec", description="disaggregated prefill/decode serving with EAGLE3")
-    parser.add_argument("--log-level", default="WARNING", help="DEBUG, INFO, WARNING (default), ERROR")
+    parser.add_argument("--log-level", default=None,
+                        help="DEBUG, INFO, WARNING, ERROR (default: INFO for servers' own logs, else WARNING)")
     sub = parser.add_subparsers(dest="command", required=True)
     _add_generate(sub)
     _add_bench(sub)
     _add_train_eagle3(sub)
     _add_cluster(sub)
     args = parser.parse_args(argv)
-    logging.basicConfig(level=args.log_level.upper(), format="%(asctime)s %(levelname)s %(name)s %(message)s")
+    _configure_logging(args.log_level, server=args.command in ("serve", "router", "worker"))
     try:
         return args.func(args)
     except (ValueError, RuntimeError, FileNotFoundError) as e:

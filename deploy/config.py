@@ -72,6 +72,13 @@ class DeploymentConfig(_Strict):
             )
         if not disaggregated and not self.aggregated.replicas:
             raise ValueError("no workers: set prefill.replicas and decode.replicas, or aggregated.replicas")
+        for role in ("prefill", "decode"):
+            if getattr(self, role).replicas and getattr(self, role).tensor_parallel_size > 1:
+                raise ValueError(
+                    f"{role}.tensor_parallel_size: {getattr(self, role).tensor_parallel_size} is not supported for "
+                    "disaggregated roles yet (KV transfer between sharded workers is not implemented); "
+                    "allowed: 1, or use aggregated workers for tensor parallelism"
+                )
         if disaggregated and self.prefill.kv_transfer != self.decode.kv_transfer:
             raise ValueError(
                 f"prefill.kv_transfer ({self.prefill.kv_transfer!r}) and decode.kv_transfer "
@@ -103,3 +110,26 @@ def _describe(err: dict) -> str:
     field = ".".join(str(p) for p in err["loc"]) or "(top level)"
     value = f" (got {err['input']!r})" if err.get("type") != "missing" and not isinstance(err.get("input"), dict) else ""
     return f"{field}: {err['msg']}{value}"
+
+
+def check_launchable(config: DeploymentConfig) -> None:
+    """What the schema cannot know, checked before any process starts: the model and draft paths
+    exist and every role's tensor_parallel_size divides the model's heads. Raises ConfigError."""
+    from engine.config import ModelConfig, ModelConfigError, check_divisible
+    from engine.model_dir import resolve_model_dir
+
+    try:
+        model_dir = resolve_model_dir(config.engine.model)
+        model = ModelConfig.from_dir(model_dir)
+    except ModelConfigError as e:
+        raise ConfigError(f"engine.model: {e}") from None
+    draft = config.engine.speculative.model
+    if config.engine.speculative.method == "eagle3" and draft is not None and not Path(draft).is_dir():
+        raise ConfigError(f"engine.speculative.model: EAGLE3 draft directory {draft} does not exist")
+    for role in ("prefill", "decode", "aggregated"):
+        rc = getattr(config, role)
+        if rc.replicas:
+            try:
+                check_divisible(model, rc.tensor_parallel_size)
+            except ModelConfigError as e:
+                raise ConfigError(f"{role}.{e}") from None

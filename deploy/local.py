@@ -16,7 +16,7 @@ from pathlib import Path
 import grpc
 import yaml
 
-from deploy.config import DeploymentConfig
+from deploy.config import DeploymentConfig, check_launchable
 from proto.pdspec.v1 import router_pb2, router_pb2_grpc
 from proto.rpc import wait_healthy
 
@@ -34,6 +34,7 @@ class LocalCluster:
         return f"{self.host}:{self.router_port}"
 
     def start(self, timeout_s: float = 300.0) -> "LocalCluster":
+        check_launchable(self.config)
         config_file = self.log_dir / "config.yaml"
         config_file.write_text(yaml.safe_dump(self.config.model_dump(mode="json")))
         env = {**os.environ, "PDSPEC_CLUSTER_TOKEN": self.config.token()
@@ -71,16 +72,19 @@ class LocalCluster:
         self.processes[name].wait()
 
     def stop(self, grace_s: float = 10.0) -> None:
-        for p in self.processes.values():
-            if p.poll() is None:
-                p.terminate()
-        deadline = time.monotonic() + grace_s
-        for p in self.processes.values():
-            try:
-                p.wait(timeout=max(0.1, deadline - time.monotonic()))
-            except subprocess.TimeoutExpired:
-                p.kill()
-                p.wait()
+        """Workers first (they deregister quietly while the router is still up), then the router."""
+        workers = [p for name, p in self.processes.items() if name != "router"]
+        for group in (workers, [self.processes["router"]] if "router" in self.processes else []):
+            for p in group:
+                if p.poll() is None:
+                    p.terminate()
+            deadline = time.monotonic() + grace_s
+            for p in group:
+                try:
+                    p.wait(timeout=max(0.1, deadline - time.monotonic()))
+                except subprocess.TimeoutExpired:
+                    p.kill()
+                    p.wait()
 
     def _spawn(self, name: str, args: list[str], env: dict[str, str]) -> None:
         log = open(self.log_dir / f"{name}.log", "w")

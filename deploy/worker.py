@@ -48,6 +48,7 @@ class RunningWorker:
             if transfer is not None:
                 transfer.close()
         self.loop.stop()
+        self.loop.engine.close()
 
 
 def start_worker(config: DeploymentConfig, role: str, router_address: str, host: str = "127.0.0.1",
@@ -55,7 +56,8 @@ def start_worker(config: DeploymentConfig, role: str, router_address: str, host:
     if role not in ROLES:
         raise ValueError(f"role: {role!r} is not one of {', '.join(ROLES)}")
     role_config = getattr(config, role)
-    engine = Engine(config.engine.model_copy(update={"num_threads": role_config.num_threads}))
+    engine = Engine(config.engine.model_copy(update={"num_threads": role_config.num_threads,
+                                                      "tensor_parallel_size": role_config.tensor_parallel_size}))
     loop = EngineLoop(engine)
     runner = engine.runner
     caches = {"target": runner.kv_cache} | ({"draft": runner.draft_cache} if runner.draft_cache is not None else {})

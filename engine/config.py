@@ -80,6 +80,16 @@ class ModelConfig:
         )
 
 
+def check_divisible(config: ModelConfig, size: int) -> None:
+    for field, value in (("num_attention_heads", config.num_heads), ("num_key_value_heads", config.num_kv_heads),
+                         ("intermediate_size", config.intermediate_size), ("vocab_size", config.vocab_size)):
+        if value % size:
+            raise ModelConfigError(
+                f"tensor_parallel_size: {size} does not divide the model's {field} ({value}); "
+                f"choose a divisor of {value}"
+            )
+
+
 DType = Literal["float32", "bfloat16", "float16"]
 
 

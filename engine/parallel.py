@@ -18,7 +18,7 @@ from dataclasses import dataclass, replace
 import torch
 import torch.distributed as dist
 
-from engine.config import EngineConfig, ModelConfig, ModelConfigError
+from engine.config import EngineConfig, ModelConfig, check_divisible
 
 
 @dataclass(frozen=True)
@@ -77,16 +77,6 @@ class TensorParallel:
     def vocab_slice(self, vocab_size: int) -> slice:
         n = vocab_size // self.size
         return slice(self.rank * n, (self.rank + 1) * n)
-
-
-def check_divisible(config: ModelConfig, size: int) -> None:
-    for field, value in (("num_attention_heads", config.num_heads), ("num_key_value_heads", config.num_kv_heads),
-                         ("intermediate_size", config.intermediate_size), ("vocab_size", config.vocab_size)):
-        if value % size:
-            raise ModelConfigError(
-                f"tensor_parallel_size: {size} does not divide the model's {field} ({value}); "
-                f"choose a divisor of {value}"
-            )
 
 
 def init_group(rank: int, size: int, port: int, device: str) -> TensorParallel:

@@ -6,10 +6,9 @@ import pytest
 import torch
 from safetensors.torch import save_file
 
-from engine.config import EngineConfig, ModelConfig, ModelConfigError
+from engine.config import EngineConfig, check_divisible
 from engine.engine import Engine
 from engine.params import SamplingParams
-from engine.parallel import check_divisible
 
 
 @pytest.fixture(scope="module")

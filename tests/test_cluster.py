@@ -1,0 +1,222 @@
+"""The disaggregated cluster end to end: router, prefill and decode workers as separate
+processes on loopback, driven through the public gRPC API the way a user drives it.
+
+Reference answers come from the in-process engine (what `pdspec generate` runs) with the same
+EAGLE3 head: greedy output must be token-identical whichever way the KV travelled.
+"""
+
+import concurrent.futures
+import re
+import socket
+import threading
+import time
+import urllib.request
+
+import grpc
+import pytest
+
+from deploy.config import parse_config
+from deploy.local import LocalCluster
+from engine.config import EngineConfig
+from engine.engine import Engine
+from engine.params import SamplingParams
+from proto.pdspec.v1 import common_pb2, router_pb2, router_pb2_grpc
+
+QUESTIONS = ["What is the capital of France?", "Name three primary colors.", "Write a haiku about rain.",
+             "What is 12 times 12?", "List the days of the week.", "Explain photosynthesis in one sentence.",
+             "Say hello in Spanish.", "Count from 1 to 5."]
+MAX_TOKENS = 24
+ENGINE = {"num_kv_blocks": 256, "max_num_seqs": 8, "speculative": {"method": "eagle3", "num_speculative_tokens": 4}}
+DOCUMENT = " ".join(f"Section {i}: the committee reviewed budget line {i * 7} and approved it." for i in range(24))
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def _start(**roles) -> LocalCluster:
+    config = parse_config({"engine": ENGINE, "router": {"port": 0, "heartbeat_interval_s": 0.2,
+                                                       "heartbeat_timeout_s": 2.0}, **roles})
+    return LocalCluster(config, _free_port()).start()
+
+
+@pytest.fixture(scope="module")
+def reference() -> dict[str, list[int]]:
+    engine = Engine(EngineConfig(**ENGINE))
+    out = {}
+    for q in QUESTIONS:
+        prompt = engine.tokenizer.encode_chat([{"role": "user", "content": q}])
+        out[q] = [t for o in engine.generate(prompt, SamplingParams(max_tokens=MAX_TOKENS)) for t in o.token_ids]
+    return out
+
+
+@pytest.fixture(scope="module")
+def nixl_cluster():
+    cluster = _start(prefill={"replicas": 2, "kv_transfer": "nixl"}, decode={"replicas": 2, "kv_transfer": "nixl"})
+    yield cluster
+    cluster.stop()
+
+
+@pytest.fixture(scope="module")
+def grpc_cluster():
+    cluster = _start(prefill={"replicas": 2, "kv_transfer": "grpc"}, decode={"replicas": 1, "kv_transfer": "grpc"})
+    yield cluster
+    cluster.stop()
+
+
+def _stub(cluster: LocalCluster) -> router_pb2_grpc.RouterStub:
+    return router_pb2_grpc.RouterStub(grpc.insecure_channel(cluster.router_address))
+
+
+def _request(question: str, max_tokens: int = MAX_TOKENS, **sampling) -> router_pb2.GenerateRequest:
+    return router_pb2.GenerateRequest(
+        messages=router_pb2.MessageList(messages=[common_pb2.ChatMessage(role="user", content=question)]),
+        sampling=common_pb2.SamplingOptions(max_tokens=max_tokens, **sampling),
+    )
+
+
+def _generate(stub, request) -> tuple[list[int], list[router_pb2.GenerateResponse]]:
+    responses = list(stub.Generate(request, timeout=180))
+    return [t for r in responses for t in r.token_ids], responses
+
+
+def _check_answers(cluster: LocalCluster, reference: dict[str, list[int]]) -> list:
+    stub = _stub(cluster)
+    with concurrent.futures.ThreadPoolExecutor(len(QUESTIONS)) as pool:  # 8 concurrent requests
+        results = list(pool.map(lambda q: _generate(stub, _request(q)), QUESTIONS))
+    for q, (tokens, responses) in zip(QUESTIONS, results):
+        assert tokens == reference[q], q
+        assert responses[-1].finish_reason in ("stop", "length")
+        assert responses[-1].usage.completion_tokens == len(tokens)
+    return results
+
+
+def _workers(cluster: LocalCluster) -> dict[str, router_pb2.WorkerStatus]:
+    return {w.worker_id: w for w in _stub(cluster).ListWorkers(router_pb2.ListWorkersRequest(), timeout=10).workers}
+
+
+def _metric(address: str, name: str) -> float:
+    text = urllib.request.urlopen(f"http://{address}/metrics", timeout=10).read().decode()
+    return float(re.search(rf"^{name}{{[^}}]*}} (\S+)$", text, re.M).group(1))
+
+
+def _wait_idle(cluster: LocalCluster, role: str, timeout_s: float = 10.0) -> dict[str, router_pb2.WorkerStatus]:
+    """Heartbeats lag: wait until every `role` worker reports no blocks in use."""
+    deadline = time.monotonic() + timeout_s
+    while True:
+        workers = {k: w for k, w in _workers(cluster).items() if w.role == role}
+        if all(w.active_blocks == 0 for w in workers.values()) or time.monotonic() > deadline:
+            return workers
+        time.sleep(0.2)
+
+
+def test_disaggregated_over_nixl_matches_the_engine(nixl_cluster, reference):
+    results = _check_answers(nixl_cluster, reference)
+    first = [responses[0] for _, responses in results]
+    assert {r.prefill_worker for r in first} <= {"prefill-0", "prefill-1"}
+    assert {r.decode_worker for r in first} <= {"decode-0", "decode-1"}
+    assert sum(responses[-1].acceptance.steps for _, responses in results) > 0  # the decode side speculated
+
+
+def test_disaggregated_over_grpc_matches_the_engine(grpc_cluster, reference):
+    _check_answers(grpc_cluster, reference)
+
+
+def test_aggregated_matches_the_engine(reference):
+    cluster = _start(prefill={"replicas": 0}, decode={"replicas": 0}, aggregated={"replicas": 1})
+    try:
+        _check_answers(cluster, reference)
+    finally:
+        cluster.stop()
+
+
+def test_shared_prefix_goes_to_the_worker_holding_it(nixl_cluster):
+    stub = _stub(nixl_cluster)
+    for topic in ("budget", "schedule"):
+        context = f"{DOCUMENT} (about the {topic})"
+        _, first = _generate(stub, _request(f"{context}\nQuestion: which section came first?", 4))
+        time.sleep(1.0)  # a few heartbeats: the router's index now has the prefill worker's blocks
+        _, second = _generate(stub, _request(f"{context}\nQuestion: how many sections are there?", 4))
+        assert second[0].prefill_worker == first[0].prefill_worker
+        assert second[-1].usage.cached_prompt_tokens >= 16 * 20  # the shared document came from the cache
+
+
+def test_decode_side_gets_the_draft_kv_instead_of_recomputing_it(nixl_cluster):
+    """The decode worker runs the draft only from the prompt's last position on; the prefill
+    worker ran it over the rest of the prompt."""
+    workers = _wait_idle(nixl_cluster, "decode")
+    counter = "pdspec_draft_positions_with_target_features_total"
+    before = {k: _metric(w.metrics_address, counter) for k, w in _workers(nixl_cluster).items()}
+    tokens, responses = _generate(_stub(nixl_cluster), _request(f"{DOCUMENT}\nSummarize section 3.", 8))
+    after = {k: _metric(w.metrics_address, counter) for k, w in _workers(nixl_cluster).items()}
+    prompt = responses[-1].usage.prompt_tokens
+    decode, prefill = responses[0].decode_worker, responses[0].prefill_worker
+    assert after[decode] - before[decode] <= len(tokens) + 1 < prompt // 4
+    assert after[prefill] - before[prefill] >= prompt - 1 - responses[-1].usage.cached_prompt_tokens
+    assert workers  # decode workers were registered and idle before the request
+
+
+@pytest.mark.parametrize("request_, field", [
+    (router_pb2.GenerateRequest(prompt=""), "prompt"),
+    (router_pb2.GenerateRequest(prompt="hi", sampling=common_pb2.SamplingOptions(max_tokens=-1)), "max_tokens"),
+    (router_pb2.GenerateRequest(prompt="hi", sampling=common_pb2.SamplingOptions(temperature=-0.5)), "temperature"),
+    (router_pb2.GenerateRequest(messages=router_pb2.MessageList(messages=[common_pb2.ChatMessage(role="wizard",
+                                                                                                 content="hi")])), "role"),
+    (router_pb2.GenerateRequest(prompt="word " * 9000), "max_model_len"),
+    (router_pb2.GenerateRequest(token_ids=router_pb2.TokenIds(ids=[1, 10**7])), "token_ids"),
+])
+def test_malformed_requests_are_invalid_argument_naming_the_field(nixl_cluster, request_, field):
+    with pytest.raises(grpc.RpcError) as e:
+        list(_stub(nixl_cluster).Generate(request_, timeout=30))
+    assert e.value.code() == grpc.StatusCode.INVALID_ARGUMENT
+    assert field in e.value.details()
+
+
+def test_killing_a_prefill_worker_retries_its_requests_elsewhere(grpc_cluster, reference):
+    stub = _stub(grpc_cluster)
+    with concurrent.futures.ThreadPoolExecutor(len(QUESTIONS)) as pool:
+        futures = [pool.submit(_generate, stub, _request(q)) for q in QUESTIONS]
+        time.sleep(0.3)
+        grpc_cluster.kill("prefill-0")
+        results = [f.result() for f in futures]
+    for q, (tokens, _) in zip(QUESTIONS, results):
+        assert tokens == reference[q], q
+    survivors = _wait_idle(grpc_cluster, "prefill")
+    assert set(survivors) == {"prefill-1"} or "prefill-0" not in {k for k, w in survivors.items()
+                                                                    if w.seconds_since_heartbeat < 1.0}
+    assert survivors["prefill-1"].active_blocks == 0
+
+
+def test_killing_a_decode_worker_ends_only_its_streams(nixl_cluster):
+    stub = _stub(nixl_cluster)
+    outcomes: dict[int, object] = {}
+
+    def run(i: int) -> None:
+        tokens = []
+        try:
+            for r in stub.Generate(_request(QUESTIONS[i], 400, ignore_eos=True), timeout=300):
+                tokens.extend(r.token_ids)
+                outcomes[i] = (r.decode_worker or outcomes.get(i, ("", 0))[0], len(tokens))
+            outcomes[i] = "done"
+        except grpc.RpcError as e:
+            outcomes[i] = e
+
+    threads = [threading.Thread(target=run, args=(i,)) for i in range(6)]
+    for t in threads:
+        t.start()
+    deadline = time.monotonic() + 120
+    while not any(isinstance(o, tuple) and o[0] == "decode-0" and o[1] > 10 for o in outcomes.values()):
+        assert time.monotonic() < deadline, outcomes
+        time.sleep(0.1)
+    on_victim = {i for i, o in outcomes.items() if isinstance(o, tuple) and o[0] == "decode-0"}
+    nixl_cluster.kill("decode-0")
+    for t in threads:
+        t.join()
+    for i in on_victim:
+        assert isinstance(outcomes[i], grpc.RpcError) and outcomes[i].code() == grpc.StatusCode.UNAVAILABLE
+        assert "decode-0" in outcomes[i].details()
+    assert any(o == "done" for o in outcomes.values())  # the others continued
+    survivors = _wait_idle(nixl_cluster, "prefill")
+    assert survivors and all(w.active_blocks == 0 for w in survivors.values())
