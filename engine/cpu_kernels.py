@@ -58,8 +58,9 @@ def load_library() -> ctypes.CDLL:
             os.replace(built, target)
     lib = ctypes.CDLL(str(target))
     lib.pd_pack_width.restype = ctypes.c_int
-    lib.pd_packed_gemm.restype = None
-    lib.pd_packed_gemm.argtypes = [ctypes.c_void_p] * 4 + [ctypes.c_int] * 4
+    for gemm in (lib.pd_packed_gemm, lib.pd_packed_gemm_bf16):
+        gemm.restype = None
+        gemm.argtypes = [ctypes.c_void_p] * 4 + [ctypes.c_int] * 4
     lib.pd_paged_attention.restype = ctypes.c_int
     lib.pd_paged_attention.argtypes = (
         [ctypes.c_void_p] * 2 + [ctypes.c_long] * 3 + [ctypes.c_void_p, ctypes.c_int] + [ctypes.c_void_p] * 2
@@ -73,7 +74,8 @@ def pack_width() -> int:
 
 
 def pack_weight(weight: torch.Tensor) -> torch.Tensor:
-    """[N, K] fp32 -> [ceil(N/P), K, P] panels (zero-padded rows), the layout packed_gemm reads."""
+    """[N, K] fp32 or bf16 -> [ceil(N/P), K, P] panels (zero-padded rows), the layout packed_gemm
+    reads; the dtype is kept (bf16 panels halve the weight traffic, the math stays fp32)."""
     width = pack_width()
     n, k = weight.shape
     padded_n = -(-n // width) * width
@@ -89,7 +91,7 @@ def unpack_rows(packed: torch.Tensor, rows: torch.Tensor) -> torch.Tensor:
 
 
 def packed_gemm(x: torch.Tensor, packed: torch.Tensor, out_features: int, bias: torch.Tensor | None = None) -> torch.Tensor:
-    """x[M, K] @ W^T (+ bias) for W packed by `pack_weight`; x is made contiguous fp32 on CPU."""
+    """x[M, K] fp32 @ W^T (+ fp32 bias) -> fp32, for W packed (fp32 or bf16) by `pack_weight`."""
     x = x.contiguous()
     m, k = x.shape
     if packed.shape[1] != k:
@@ -97,7 +99,9 @@ def packed_gemm(x: torch.Tensor, packed: torch.Tensor, out_features: int, bias: 
     y = torch.empty(m, out_features, dtype=torch.float32)
     if m == 0:
         return y
-    load_library().pd_packed_gemm(
+    lib = load_library()
+    gemm = {torch.float32: lib.pd_packed_gemm, torch.bfloat16: lib.pd_packed_gemm_bf16}[packed.dtype]
+    gemm(
         x.data_ptr(),
         packed.data_ptr(),
         bias.data_ptr() if bias is not None else None,

@@ -56,8 +56,9 @@ class DecoderLayer:
     target feeds rms_norm(x); the EAGLE3 midlayer feeds its 2H-wide [embedding, hidden] input."""
 
     def __init__(self, config: ModelConfig, w: dict[str, torch.Tensor], attend: AttentionFn,
-                 tp: TensorParallel = TensorParallel()):
-        """config: the shapes this rank computes (heads and MLP already divided by the TP size)."""
+                 tp: TensorParallel = TensorParallel(), packed_dtype: torch.dtype | None = None):
+        """config: the shapes this rank computes (heads and MLP already divided by the TP size);
+        packed_dtype: see Linear."""
         self.config = config
         self.attend = attend
         self.tp = tp
@@ -66,10 +67,10 @@ class DecoderLayer:
         if config.attention_bias:
             bias = torch.cat([w["self_attn.q_proj.bias"], w["self_attn.k_proj.bias"], w["self_attn.v_proj.bias"]])
         # Fused projections: one GEMM reads all of q/k/v (and gate/up) weights in one pass.
-        self.qkv = Linear(torch.cat([q, k, v]), bias)
-        self.o = Linear(w["self_attn.o_proj.weight"])
-        self.gate_up = Linear(torch.cat([w["mlp.gate_proj.weight"], w["mlp.up_proj.weight"]]))
-        self.down = Linear(w["mlp.down_proj.weight"])
+        self.qkv = Linear(torch.cat([q, k, v]), bias, packed_dtype)
+        self.o = Linear(w["self_attn.o_proj.weight"], packed_dtype=packed_dtype)
+        self.gate_up = Linear(torch.cat([w["mlp.gate_proj.weight"], w["mlp.up_proj.weight"]]), packed_dtype=packed_dtype)
+        self.down = Linear(w["mlp.down_proj.weight"], packed_dtype=packed_dtype)
         self.post_norm = w["post_attention_layernorm.weight"]
         self.q_norm = w.get("self_attn.q_norm.weight")
         self.k_norm = w.get("self_attn.k_norm.weight")

@@ -51,3 +51,12 @@ def test_native_attention_matches_torch_path(heads, kv_heads, dim, block_size):
 def test_native_attention_dense_decode_batch():
     q, layer_cache, meta = _case([1] * 8, [5 + 13 * i for i in range(8)], 9, 3, 64, 16, seed=1)
     assert (native_paged_attention(q, layer_cache, meta, 0.125) - paged_attention(q, layer_cache, meta, 0.125)).abs().max() < 1e-4
+
+
+@pytest.mark.parametrize("m", [1, 5, 8, 19])
+def test_bf16_packed_gemm_widens_weights_exactly(m):
+    """bf16 weights, fp32 math: equal to fp32 math on the bf16-rounded weights."""
+    w, b, x = torch.randn(100, 64).to(torch.bfloat16), torch.randn(100), torch.randn(m, 64)
+    packed = cpu_kernels.pack_weight(w)
+    assert packed.dtype == torch.bfloat16
+    assert torch.allclose(cpu_kernels.packed_gemm(x, packed, 100, b), x @ w.float().T + b, atol=1e-4)

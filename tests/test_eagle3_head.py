@@ -39,7 +39,7 @@ def head(tmp_path_factory):
 
 def _inference_head(model, path) -> Eagle3Draft:
     weights = load_weights(path, torch.float32, torch.device("cpu"))
-    return Eagle3Draft(Eagle3Config.from_dir(path), weights, lambda ids: model.embed[ids], 4096, BLOCK)
+    return Eagle3Draft(Eagle3Config.from_dir(path), weights, lambda ids: model.embed[ids], 4096, BLOCK, packed_dtype=None)
 
 
 def test_checkpoint_uses_the_published_key_layout(head):
