@@ -1,0 +1,124 @@
+{{/* Names and labels shared by every template. */}}
+
+{{- define "pdspec.fullname" -}}
+{{- if contains .Chart.Name .Release.Name -}}
+{{- .Release.Name | trunc 63 | trimSuffix "-" -}}
+{{- else -}}
+{{- printf "%s-%s" .Release.Name .Chart.Name | trunc 63 | trimSuffix "-" -}}
+{{- end -}}
+{{- end -}}
+
+{{- define "pdspec.selectorLabels" -}}
+app.kubernetes.io/name: {{ .Chart.Name }}
+app.kubernetes.io/instance: {{ .Release.Name }}
+{{- end -}}
+
+{{- define "pdspec.labels" -}}
+{{ include "pdspec.selectorLabels" . }}
+app.kubernetes.io/version: {{ .Chart.AppVersion | quote }}
+app.kubernetes.io/managed-by: {{ .Release.Service }}
+helm.sh/chart: {{ printf "%s-%s" .Chart.Name .Chart.Version }}
+{{- end -}}
+
+{{/* The image follows config.engine.device unless image.tag pins one. */}}
+{{- define "pdspec.image" -}}
+{{- $tag := .Values.image.tag | default (printf "%s%s" .Chart.AppVersion (ternary "" "-cpu" (eq .Values.config.engine.device "cuda"))) -}}
+{{- printf "%s:%s" .Values.image.repository $tag -}}
+{{- end -}}
+
+{{- define "pdspec.tokenSecretName" -}}
+{{- .Values.clusterToken.existingSecret | default (printf "%s-token" (include "pdspec.fullname" .)) -}}
+{{- end -}}
+
+{{- define "pdspec.routerAddress" -}}
+{{- printf "%s-router:%v" (include "pdspec.fullname" .) .Values.config.router.port -}}
+{{- end -}}
+
+{{/* Checks that the schema cannot express because they are about running in pods. */}}
+{{- define "pdspec.validate" -}}
+{{- $c := .Values.config -}}
+{{- if $c.cluster_token -}}
+{{- fail "config.cluster_token: leave it unset, a ConfigMap is not secret; set clusterToken.value or clusterToken.existingSecret" -}}
+{{- end -}}
+{{- if not (has $c.router.host (list "0.0.0.0" "::")) -}}
+{{- fail (printf "config.router.host: %v is not reachable from other pods; allowed: 0.0.0.0 or ::" $c.router.host) -}}
+{{- end -}}
+{{- if not $c.router.port -}}
+{{- fail "config.router.port: 0 (any free port) cannot be named by a Service; set a fixed port" -}}
+{{- end -}}
+{{- range $role := list "prefill" "decode" "aggregated" -}}
+{{- $rc := get $c $role | default dict -}}
+{{- if $rc.replicas -}}
+{{- range $field := list "port" "metrics_port" -}}
+{{- if not (get $rc $field) -}}
+{{- fail (printf "config.%s.%s: 0 (any free port) cannot be named by probes and Services; set a fixed port" $role $field) -}}
+{{- end -}}
+{{- end -}}
+{{- end -}}
+{{- end -}}
+{{- end -}}
+
+{{/* Env every pod gets: the cluster token and the user's extras. */}}
+{{- define "pdspec.commonEnv" -}}
+- name: PDSPEC_CLUSTER_TOKEN
+  valueFrom:
+    secretKeyRef:
+      name: {{ include "pdspec.tokenSecretName" . }}
+      key: {{ .Values.clusterToken.key }}
+# Converted models and compiled kernels land here (an emptyDir: kept across container restarts).
+- name: PDSPEC_HOME
+  value: /var/cache/pdspec
+{{- with .Values.extraEnv }}
+{{ toYaml . }}
+{{- end }}
+{{- end -}}
+
+{{/* Pod-level fields every pod shares. */}}
+{{- define "pdspec.podCommon" -}}
+securityContext:
+  {{- toYaml .Values.podSecurityContext | nindent 2 }}
+{{- with .Values.imagePullSecrets }}
+imagePullSecrets:
+  {{- toYaml . | nindent 2 }}
+{{- end }}
+{{- end -}}
+
+{{- define "pdspec.volumes" -}}
+- name: config
+  configMap:
+    name: {{ include "pdspec.fullname" . }}-config
+- name: cache
+  emptyDir: {}
+{{- with .Values.volumes }}
+{{ toYaml . }}
+{{- end }}
+{{- end -}}
+
+{{- define "pdspec.volumeMounts" -}}
+- name: config
+  mountPath: /etc/pdspec
+  readOnly: true
+- name: cache
+  mountPath: /var/cache/pdspec
+{{- with .Values.volumeMounts }}
+{{ toYaml . }}
+{{- end }}
+{{- end -}}
+
+{{/* Native gRPC probes: kubelet calls grpc.health.v1.Health (service "") on the port. */}}
+{{- define "pdspec.probes" -}}
+{{- $port := .port -}}
+startupProbe:
+  grpc: {port: {{ $port }}}
+  periodSeconds: {{ .root.Values.startupProbe.periodSeconds }}
+  failureThreshold: {{ .root.Values.startupProbe.failureThreshold }}
+readinessProbe:
+  grpc: {port: {{ $port }}}
+  periodSeconds: 5
+  failureThreshold: 2
+livenessProbe:
+  grpc: {port: {{ $port }}}
+  periodSeconds: 10
+  timeoutSeconds: 5
+  failureThreshold: 6
+{{- end -}}

