@@ -170,9 +170,26 @@ def _serve(args: argparse.Namespace) -> int:
     try:
         cluster.start()
         print(f"pdspec: router ready at {cluster.router_address} (logs in {cluster.log_dir})", flush=True)
-        _wait_for_signal()
+        if args.once is not None:
+            _answer(cluster.router_address, args.once)
+        else:
+            _wait_for_signal()
     finally:
         cluster.stop()
+    return 0
+
+
+def _answer(router_address: str, prompt: str) -> None:
+    from deploy.client import print_chat
+
+    last = print_chat(router_address, prompt)
+    print(f"pdspec: finish_reason={last.finish_reason} prompt_tokens={last.usage.prompt_tokens} "
+          f"completion_tokens={last.usage.completion_tokens} "
+          f"mean_acceptance_length={last.acceptance.mean_acceptance_length:.2f}", flush=True)
+
+
+def _chat(args: argparse.Namespace) -> int:
+    _answer(args.router, args.prompt)
     return 0
 
 
@@ -204,7 +221,13 @@ def _add_cluster(sub: argparse._SubParsersAction) -> None:
     p = sub.add_parser("serve", help="start the router and every worker of a config as local processes")
     p.add_argument("--config", required=True, help="deployment YAML (see deploy/configs/)")
     p.add_argument("--port", type=int, default=None, help="router port (default: the config's router.port)")
+    p.add_argument("--once", default=None, metavar="PROMPT",
+                   help="answer this chat prompt through the router, then shut down (instead of serving until Ctrl-C)")
     p.set_defaults(func=_serve)
+    p = sub.add_parser("chat", help="send one chat prompt to a running router and stream the answer")
+    p.add_argument("--router", default="127.0.0.1:50051")
+    p.add_argument("--prompt", required=True)
+    p.set_defaults(func=_chat)
     p = sub.add_parser("router", help="run the router (one process)")
     p.add_argument("--config", required=True)
     p.add_argument("--port", type=int, default=None)
