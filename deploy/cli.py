@@ -125,7 +125,8 @@ def _train_eagle3(args: argparse.Namespace) -> int:
         from engine.spec.train.trainer import TrainConfig, train
 
         train(TrainConfig(target=args.target, data_dir=out / "data", out_dir=out, draft_vocab_size=args.draft_vocab,
-                          epochs=args.epochs, ttt_steps=args.ttt_steps, lr=args.lr, max_hours=args.max_hours))
+                          epochs=args.epochs, ttt_steps=args.ttt_steps, lr=args.lr, max_hours=args.max_hours,
+                          init_from=Path(args.init_from) if args.init_from else None))
     return 0
 
 
@@ -144,6 +145,7 @@ def _add_train_eagle3(sub: argparse._SubParsersAction) -> None:
     p.add_argument("--ttt-steps", type=int, default=3, help="training-time-test unroll depth")
     p.add_argument("--lr", type=float, default=5e-4)
     p.add_argument("--max-hours", type=float, default=None, help="stop training after this long (resumable)")
+    p.add_argument("--init-from", default=None, help="an exported head to continue training from (keeps its vocabulary)")
     p.set_defaults(func=_train_eagle3)
 
 

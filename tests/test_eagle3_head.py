@@ -81,3 +81,15 @@ def test_d2t_maps_draft_ids_to_target_ids(head):
     draft = _inference_head(model, path)
     ids = torch.arange(500)
     assert torch.equal(draft.to_target_ids(ids), model.draft_vocab)
+
+
+def test_training_can_continue_from_an_exported_head(head):
+    model, path = head
+    weights = load_weights(path, torch.float32, torch.device("cpu"))
+    from engine.spec.train.model import exported_vocab
+
+    assert torch.equal(exported_vocab(weights), model.draft_vocab)
+    again = TrainableEagle3(TARGET, exported_vocab(weights), model.embed)
+    again.load_exported(weights)
+    for (name, a), b in zip(model.named_parameters(), again.parameters()):
+        assert torch.equal(a, b), name

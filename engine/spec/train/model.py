@@ -107,9 +107,8 @@ class TrainableEagle3(nn.Module):
         ids = self.t2d_index[target]
         return torch.where(mask & (ids >= 0), ids, torch.full_like(ids, -100))
 
-    def export(self, out_dir: Path, dtype: torch.dtype = torch.float16) -> None:
-        """config.json + model.safetensors in the published EAGLE3 checkpoint layout."""
-        c, n = self.target, self.draft_vocab.numel()
+    def _checkpoint_params(self) -> dict[str, torch.Tensor]:
+        """Trained tensors under their published checkpoint names."""
         w = {
             "fc.weight": self.fc.weight,
             "midlayer.input_layernorm.weight": self.input_layernorm,
@@ -122,7 +121,12 @@ class TrainableEagle3(nn.Module):
             w[f"midlayer.self_attn.{name}_proj.weight"] = getattr(self, f"{name}_proj").weight
         for name in ("gate", "up", "down"):
             w[f"midlayer.mlp.{name}_proj.weight"] = getattr(self, f"{name}_proj").weight
-        tensors = {k: v.detach().to(dtype).contiguous() for k, v in w.items()}
+        return w
+
+    def export(self, out_dir: Path, dtype: torch.dtype = torch.float16) -> None:
+        """config.json + model.safetensors in the published EAGLE3 checkpoint layout."""
+        c, n = self.target, self.draft_vocab.numel()
+        tensors = {k: v.detach().to(dtype).contiguous() for k, v in self._checkpoint_params().items()}
         tensors["d2t"] = (self.draft_vocab - torch.arange(n)).contiguous()
         t2d = torch.zeros(c.vocab_size, dtype=torch.bool)
         t2d[self.draft_vocab] = True
@@ -130,6 +134,18 @@ class TrainableEagle3(nn.Module):
         out_dir.mkdir(parents=True, exist_ok=True)
         save_file(tensors, str(out_dir / "model.safetensors"))
         (out_dir / "config.json").write_text(json.dumps(eagle3_config(c, n), indent=2) + "\n")
+
+    def load_exported(self, weights: dict[str, torch.Tensor]) -> None:
+        """Start from an exported head (same target and draft vocabulary), e.g. to train it further."""
+        with torch.no_grad():
+            for name, param in self._checkpoint_params().items():
+                param.copy_(weights[name].float())
+
+
+def exported_vocab(weights: dict[str, torch.Tensor]) -> torch.Tensor:
+    """The draft vocabulary (target ids, sorted) of an exported head."""
+    d2t = weights["d2t"].long()
+    return torch.arange(d2t.numel()) + d2t
 
 
 def eagle3_config(c: ModelConfig, draft_vocab_size: int) -> dict:

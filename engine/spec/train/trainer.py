@@ -21,7 +21,7 @@ from tqdm import tqdm
 from engine.config import ModelConfig
 from engine.loader import load_weights
 from engine.model_dir import resolve_model_dir
-from engine.spec.train.model import TrainableEagle3
+from engine.spec.train.model import TrainableEagle3, exported_vocab
 
 
 @dataclass
@@ -34,6 +34,7 @@ class TrainConfig:
     ttt_steps: int = 3
     lr: float = 5e-4
     max_hours: float | None = None
+    init_from: Path | None = None  # an exported head to continue from (its draft vocabulary is kept)
     batch_tokens: int = 4096  # padded tokens per batch
     max_len: int = 512  # longer samples are truncated
     warmup_steps: int = 100
@@ -53,16 +54,22 @@ def _load_shard(path: Path) -> dict[str, torch.Tensor]:
         return {k: f.get_tensor(k) for k in f.keys()}
 
 
-def choose_draft_vocab(shards: list[Path], size: int, vocab_size: int) -> tuple[torch.Tensor, float]:
-    """The `size` most frequent answer tokens (sorted ids) and the share of answer tokens they cover."""
+def answer_token_counts(shards: list[Path], vocab_size: int) -> torch.Tensor:
+    """How often each token id occurs in the target's answers."""
     counts = torch.zeros(vocab_size, dtype=torch.long)
     for path in tqdm(shards, desc="counting tokens", unit="shard"):
         with safe_open(str(path), framework="pt") as f:
             tokens, offsets, prompt_lens = f.get_tensor("tokens").long(), f.get_tensor("offsets"), f.get_tensor("prompt_lens")
         for i in range(prompt_lens.numel()):
             counts += torch.bincount(tokens[offsets[i] + prompt_lens[i] : offsets[i + 1]], minlength=vocab_size)
-    top = counts.topk(min(size, vocab_size)).indices
-    return top.sort().values, float(counts[top].sum() / counts.sum().clamp_min(1))
+    return counts
+
+
+def draft_vocab(counts: torch.Tensor, size: int, init: dict[str, torch.Tensor] | None) -> tuple[torch.Tensor, float]:
+    """The `size` most frequent answer tokens (or the initial head's vocabulary), sorted, and the
+    share of answer tokens they cover."""
+    vocab = exported_vocab(init) if init is not None else counts.topk(min(size, counts.numel())).indices.sort().values
+    return vocab, float(counts[vocab].sum() / counts.sum().clamp_min(1))
 
 
 def _batches(shard: dict[str, torch.Tensor], cfg: TrainConfig, rng: random.Random) -> list[list[int]]:
@@ -107,15 +114,19 @@ def train(cfg: TrainConfig) -> Path:
     target = ModelConfig.from_dir(model_dir)
     weights = load_weights(model_dir, torch.float32, torch.device("cpu"))
     state = torch.load(ckpt_dir / "latest.pt", weights_only=False) if (ckpt_dir / "latest.pt").exists() else None
+    init = load_weights(cfg.init_from, torch.float32, torch.device("cpu")) if cfg.init_from else None
     if state is None:
-        vocab, coverage = choose_draft_vocab(shards, cfg.draft_vocab_size, target.vocab_size)
+        vocab, coverage = draft_vocab(answer_token_counts(shards, target.vocab_size), cfg.draft_vocab_size, init)
     else:
         vocab, coverage = state["draft_vocab"], state["coverage"]
     embed = weights["model.embed_tokens.weight"]
     model = TrainableEagle3(target, vocab, embed)
-    with torch.no_grad():
-        model.norm.copy_(weights["model.norm.weight"])
-        model.lm_head.weight.copy_(weights.get("lm_head.weight", embed)[vocab])
+    if init is not None:
+        model.load_exported(init)
+    else:
+        with torch.no_grad():
+            model.norm.copy_(weights["model.norm.weight"])
+            model.lm_head.weight.copy_(weights.get("lm_head.weight", embed)[vocab])
     optim = torch.optim.AdamW(model.parameters(), lr=cfg.lr, betas=(0.9, 0.95), weight_decay=0.0)
     per_epoch = sum(len(_batches(_load_index(p), cfg, random.Random(0))) for p in shards)
     total_steps = max(1, int(per_epoch * cfg.epochs))
