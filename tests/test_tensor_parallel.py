@@ -6,7 +6,7 @@ import pytest
 import torch
 from safetensors.torch import save_file
 
-from engine.config import EngineConfig, check_divisible
+from engine.config import EngineConfig, ModelConfigError, check_divisible
 from engine.engine import Engine
 from engine.params import SamplingParams
 
