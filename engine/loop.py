@@ -6,6 +6,7 @@ the request's own queue. The engine itself stays single-threaded and lock-free; 
 waits at most one step for its command to run.
 """
 
+import collections
 import logging
 import queue
 import threading
@@ -24,8 +25,10 @@ class EngineLoop:
     def __init__(self, engine: Engine):
         self.engine = engine
         self.outputs: dict[str, queue.SimpleQueue[RequestOutput]] = {}
-        self.events: list[KVEvent] = []
-        engine.blocks.subscribe(self.events.append)  # called on the loop thread only
+        # Appended on the loop thread, drained by the heartbeat thread: a deque needs no lock, and
+        # heartbeats must not wait for a long step (the router evicts silent workers).
+        self.events: collections.deque[KVEvent] = collections.deque()
+        engine.blocks.subscribe(self.events.append)
         self._commands: queue.SimpleQueue[tuple[Callable, tuple, Future]] = queue.SimpleQueue()
         self._wake = threading.Event()
         self.stepped = threading.Condition()  # notified after every step (back-pressure waits on it)
@@ -67,11 +70,10 @@ class EngineLoop:
         return self.call(abort)
 
     def drain_events(self) -> list[KVEvent]:
-        def drain():
-            events, self.events[:] = list(self.events), []
-            return events
-
-        return self.call(drain)
+        events = []
+        while self.events:
+            events.append(self.events.popleft())
+        return events
 
     def cache_snapshot(self) -> list[int]:
         """The prefix cache's hashes now; events queued so far are dropped (the snapshot has them)."""
@@ -82,12 +84,11 @@ class EngineLoop:
         return self.call(snapshot)
 
     def load(self) -> dict[str, int]:
-        def load():
-            e = self.engine
-            return {"active_blocks": e.blocks.num_used_blocks, "total_blocks": e.blocks.num_blocks,
-                    "running": len(e.scheduler.running), "waiting": len(e.scheduler.waiting) + len(e.incoming)}
-
-        return self.call(load)
+        """Read without waiting for the loop thread: a heartbeat must not wait out a long step,
+        and a value one step stale is as good as any for routing."""
+        e = self.engine
+        return {"active_blocks": e.blocks.num_used_blocks, "total_blocks": e.blocks.num_blocks,
+                "running": len(e.scheduler.running), "waiting": len(e.scheduler.waiting) + len(e.incoming)}
 
     def wait_step(self, timeout: float) -> None:
         with self.stepped:
