@@ -136,9 +136,10 @@ def test_shared_prefix_goes_to_the_worker_holding_it(nixl_cluster):
     stub = _stub(nixl_cluster)
     for topic in ("budget", "schedule"):
         context = f"{DOCUMENT} (about the {topic})"
+        # Heartbeats lag: until a worker reports the previous request's blocks free, that stale load
+        # can outweigh what its cache saves. Start each request from settled loads.
+        _wait_idle(nixl_cluster, "prefill")
         _, first = _generate(stub, _request(f"{context}\nQuestion: which section came first?", 4))
-        # Heartbeats lag: until the worker reports its blocks free, its stale load (the first
-        # request's blocks still in use) cancels out what its cache saves, and the tie goes elsewhere.
         _wait_idle(nixl_cluster, "prefill")
         _, second = _generate(stub, _request(f"{context}\nQuestion: how many sections are there?", 4))
         assert second[0].prefill_worker == first[0].prefill_worker
