@@ -168,16 +168,39 @@ def _serve(args: argparse.Namespace) -> int:
     from deploy.local import LocalCluster
 
     config = load_config(Path(args.config))
-    cluster = LocalCluster(config, args.port if args.port is not None else config.router.port, config.router.host)
+    port = args.port if args.port is not None else config.router.port
+    if args.launcher == "local":
+        if args.address is not None:
+            raise ValueError("--address: a Ray cluster address needs --launcher ray")
+        cluster = LocalCluster(config, port, config.router.host)
+    else:
+        from deploy.ray_launch import RayCluster
+
+        # On a cluster we connect to, the deployment outlives this command (`pdspec stop` ends
+        # it); a Ray we start ourselves ends with it.
+        cluster = RayCluster(config, port, args.address, detached=args.address is not None)
     try:
         cluster.start()
-        print(f"pdspec: router ready at {cluster.router_address} (logs in {cluster.log_dir})", flush=True)
+        logs = f" (logs in {cluster.log_dir})" if args.launcher == "local" else ""
+        print(f"pdspec: router ready at {cluster.router_address}{logs}", flush=True)
         if args.once is not None:
             _answer(cluster.router_address, args.once)
+        elif args.launcher == "ray" and cluster.detached:
+            cluster.disconnect()  # stop() below then has nothing left to end
+            print("pdspec: deployed on the Ray cluster; `pdspec stop --address ADDR` ends it", flush=True)
         else:
             _wait_for_signal()
     finally:
         cluster.stop()
+    return 0
+
+
+def _stop(args: argparse.Namespace) -> int:
+    from deploy.ray_launch import stop_deployment
+
+    names = stop_deployment(args.address)
+    print(f"pdspec: stopped {', '.join(names)}" if names else "pdspec: no pdspec deployment on that Ray cluster",
+          flush=True)
     return 0
 
 
@@ -220,12 +243,20 @@ def _worker(args: argparse.Namespace) -> int:
 
 
 def _add_cluster(sub: argparse._SubParsersAction) -> None:
-    p = sub.add_parser("serve", help="start the router and every worker of a config as local processes")
+    p = sub.add_parser("serve", help="start the router and every worker of a config (Ray actors or local processes)")
     p.add_argument("--config", required=True, help="deployment YAML (see deploy/configs/)")
     p.add_argument("--port", type=int, default=None, help="router port (default: the config's router.port)")
+    p.add_argument("--launcher", choices=["ray", "local"], default="ray",
+                   help="ray: one Ray actor per process (default); local: plain processes on this machine")
+    p.add_argument("--address", default=None,
+                   help="Ray cluster to deploy on (HOST:PORT or auto); the deployment then runs on after this "
+                        "command returns, until `pdspec stop`. Default: a private Ray on this machine, on loopback")
     p.add_argument("--once", default=None, metavar="PROMPT",
                    help="answer this chat prompt through the router, then shut down (instead of serving until Ctrl-C)")
     p.set_defaults(func=_serve)
+    p = sub.add_parser("stop", help="end the pdspec deployment on a Ray cluster (one started with serve --address)")
+    p.add_argument("--address", default=None, help="Ray cluster address (default: the one `ray start` recorded here)")
+    p.set_defaults(func=_stop)
     p = sub.add_parser("chat", help="send one chat prompt to a running router and stream the answer")
     p.add_argument("--router", default="127.0.0.1:50051")
     p.add_argument("--prompt", required=True)

@@ -13,11 +13,10 @@ import time
 from dataclasses import dataclass, field
 from pathlib import Path
 
-import grpc
 import yaml
 
 from deploy.config import DeploymentConfig, check_launchable
-from proto.pdspec.v1 import router_pb2, router_pb2_grpc
+from deploy.readiness import wait_for_workers
 from proto.rpc import wait_healthy
 
 
@@ -34,7 +33,16 @@ class LocalCluster:
         return f"{self.host}:{self.router_port}"
 
     def start(self, timeout_s: float = 300.0) -> "LocalCluster":
+        """Start everything; if any part fails to come up, stop what did before raising."""
         check_launchable(self.config)
+        try:
+            self._start(timeout_s)
+        except BaseException:
+            self.stop()
+            raise
+        return self
+
+    def _start(self, timeout_s: float) -> None:
         config_file = self.log_dir / "config.yaml"
         config_file.write_text(yaml.safe_dump(self.config.model_dump(mode="json")))
         env = {**os.environ, "PDSPEC_CLUSTER_TOKEN": self.config.token()
@@ -46,25 +54,19 @@ class LocalCluster:
             for i in range(getattr(self.config, role).replicas):
                 args = ["worker", "--role", role, "--config", str(config_file), "--router", self.router_address,
                         "--host", self.host, "--worker-id", f"{role}-{i}"]
-                # NIXL logs INFO to stdout by default.
-                self._spawn(f"{role}-{i}", args, {**env, "OMP_NUM_THREADS": str(threads[role]), "NIXL_LOG_LEVEL": "WARN"})
-        self.wait_for_workers(timeout_s)
-        return self
+                # NIXL logs INFO to stdout by default; UCX would also listen beyond loopback.
+                self._spawn(f"{role}-{i}", args, {**env, "OMP_NUM_THREADS": str(threads[role]), "NIXL_LOG_LEVEL": "WARN",
+                                                  "UCX_NET_DEVICES": env.get("UCX_NET_DEVICES", "lo")})
+        wait_for_workers(self.router_address, [n for n in self.processes if n != "router"], timeout_s,
+                         self._check_alive, f"logs in {self.log_dir}")
 
-    def wait_for_workers(self, timeout_s: float) -> None:
-        expected = {name for name in self.processes if name != "router"}
-        deadline = time.monotonic() + timeout_s
-        with grpc.insecure_channel(self.router_address) as ch:
-            stub = router_pb2_grpc.RouterStub(ch)
-            while time.monotonic() < deadline:
-                dead = [n for n, p in self.processes.items() if p.poll() is not None]
-                if dead:
-                    raise RuntimeError(f"{', '.join(dead)} exited during start-up; logs in {self.log_dir}")
-                listed = {w.worker_id for w in stub.ListWorkers(router_pb2.ListWorkersRequest(), timeout=5).workers}
-                if expected <= listed:
-                    return
-                time.sleep(0.5)
-        raise TimeoutError(f"workers {sorted(expected)} did not all register in {timeout_s}s; logs in {self.log_dir}")
+    def _check_alive(self) -> None:
+        dead = [n for n, p in self.processes.items() if p.poll() is not None]
+        if dead:
+            # The last lines of the first casualty's log usually say why (CI keeps no log dirs).
+            tail = (self.log_dir / f"{dead[0]}.log").read_text(errors="replace").splitlines()[-8:]
+            raise RuntimeError(f"{', '.join(dead)} exited during start-up; logs in {self.log_dir}; "
+                               f"{dead[0]}.log ends:\n" + "\n".join(tail))
 
     def kill(self, name: str) -> None:
         """Kill one process abruptly (SIGKILL), as a crash would."""

@@ -1,0 +1,243 @@
+"""`pdspec serve` on Ray: the router and every worker replica as Ray actors, one process each.
+
+- The router actor is pinned to the launcher's node on a fixed port, so a worker that Ray
+  restarts after a crash (every actor has max_restarts=-1) finds it at the same address; the
+  worker keeps its actor name as its worker id, so it re-registers in its old place.
+- A replica asks Ray for its role's resources: CPUs, GPUs (Ray sets CUDA_VISIBLE_DEVICES to
+  them), memory, custom resources. Tensor-parallel ranks are child processes of the worker, rank
+  i driving the i-th visible GPU, so one actor holding all of a replica's GPUs is the placement:
+  Ray never splits one actor's resources over nodes.
+- Actors are named in the Ray namespace "pdspec": `pdspec stop` finds a detached deployment
+  again, and a second deployment on the same cluster is refused.
+"""
+
+import math
+import os
+import socket
+
+# Ray rewrites 127.0.0.1 to the host's outward address (so that other machines could join)
+# unless this is off, and the private Ray of start() would then listen beyond loopback. It only
+# changes how "localhost" is resolved (here and in the Ray we start): a cluster's own address is
+# used as given. Ray reads it once, at import.
+os.environ.setdefault("RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER", "0")
+
+import ray
+from ray.actor import ActorHandle
+from ray.util.scheduling_strategies import NodeAffinitySchedulingStrategy
+
+from deploy.config import ConfigError, DeploymentConfig, RoleConfig, check_launchable
+from deploy.readiness import wait_for_workers
+from proto.rpc import wait_healthy
+from router.registry import ROLES
+
+NAMESPACE = "pdspec"
+ROUTER = "router"
+_WILDCARD = ("0.0.0.0", "::", "")
+_LOOPBACK = ("127.0.0.1", "localhost", "::1")
+# Resources fields -> (Ray resource, Ray units per field unit, unit in messages)
+_FIELDS = {"cpus": ("CPU", 1, " CPUs"), "gpus": ("GPU", 1, " GPUs"), "memory_gb": ("memory", 2**30, " GB")}
+
+
+def _where() -> dict:
+    return {"pid": os.getpid(), "node_id": ray.get_runtime_context().get_node_id()}
+
+
+# Router and engine modules are imported inside the actors: the launcher (and `pdspec stop`)
+# need not load torch.
+@ray.remote(max_restarts=-1)
+class RouterActor:
+    def __init__(self, config: DeploymentConfig, port: int):
+        from engine.model_dir import resolve_model_dir
+        from router.main import run_router
+
+        self.server, self.port = run_router(config, resolve_model_dir(config.engine.model), port)
+
+    def info(self) -> dict:
+        return _where()
+
+
+@ray.remote(max_restarts=-1)
+class WorkerActor:
+    def __init__(self, config: DeploymentConfig, role: str, router_address: str, worker_id: str):
+        from deploy.worker import start_worker
+
+        # Bind the address Ray knows this node by: decode workers reach prefill workers there.
+        self.worker = start_worker(config, role, router_address, host=ray.util.get_node_ip_address(),
+                                   worker_id=worker_id)
+
+    def info(self) -> dict:
+        return _where() | {"address": self.worker.address}
+
+
+def replica_options(role: RoleConfig) -> dict:
+    """Ray actor options for one replica of `role`: its resources, and OpenMP threads split over
+    its tensor-parallel ranks (child processes inherit the environment)."""
+    r = role.resources
+    threads = role.num_threads or max(1, math.floor(r.cpus / role.tensor_parallel_size))
+    return {"num_cpus": r.cpus, "num_gpus": r.gpus, "memory": int(r.memory_gb * 2**30) if r.memory_gb else None,
+            "resources": dict(r.custom),
+            "env_vars": {"OMP_NUM_THREADS": str(threads), "NIXL_LOG_LEVEL": "WARN"}}  # NIXL logs INFO by default
+
+
+def check_feasible(config: DeploymentConfig, nodes: list[dict[str, float]]) -> None:
+    """Raise ConfigError naming every resource field one replica asks more of than the largest
+    of `nodes` (Ray resource dicts) has, as such a replica would wait for placement forever."""
+    errors = []
+    for role in ROLES:
+        rc = getattr(config, role)
+        r = rc.resources
+        if not rc.replicas:
+            continue
+        if config.engine.device == "cuda" and r.gpus != rc.tensor_parallel_size:
+            errors.append(f"{role}.resources.gpus: {r.gpus} GPUs per replica, but engine.device is cuda with "
+                          f"tensor_parallel_size {rc.tensor_parallel_size}: each rank drives one GPU")
+        demand = {"cpus": r.cpus, "gpus": r.gpus, "memory_gb": r.memory_gb or 0} | {
+            f"custom.{k}": v for k, v in r.custom.items()}
+        for field, need in demand.items():
+            key, scale, unit = _FIELDS.get(field, (field.removeprefix("custom."), 1, ""))
+            have = max((n.get(key, 0.0) for n in nodes), default=0.0) / scale
+            if need > have:
+                errors.append(f"{role}.resources.{field}: {need:g}{unit} per replica, "
+                              f"but the largest node has {have:.3g}")
+    if errors:
+        raise ConfigError("; ".join(errors))
+
+
+class RayCluster:
+    """A deployment of `config` on Ray. `address` is a running cluster's ("127.0.0.1:6379",
+    "auto"); None starts a private single-machine Ray on loopback. A `detached` deployment
+    outlives this process until `stop_deployment` ends it."""
+
+    def __init__(self, config: DeploymentConfig, router_port: int, address: str | None = None,
+                 detached: bool = False):
+        self.config, self.address, self.detached = config, address, detached
+        # Fixed even when the config says 0: restarted workers must find the router again.
+        self.router_port = router_port or _free_port(config.router.host)
+        self.router_address = ""  # set by start(): a wildcard host resolves to the router's node
+        self.actors: dict[str, ActorHandle] = {}
+        self._ready: dict[str, ray.ObjectRef] = {}  # resolves once the actor's constructor returned
+        self._connected = False
+        self._token = config.token() or os.urandom(16).hex()
+
+    def start(self, timeout_s: float = 300.0) -> "RayCluster":
+        """Check the config against the cluster, place the router and workers, wait until all
+        serve. A config that cannot run fails before any actor exists; on any later failure the
+        actors created so far are killed."""
+        check_launchable(self.config)
+        self._connected = _connect(self.address)
+        try:
+            nodes = [n for n in ray.nodes() if n["Alive"]]
+            check_feasible(self.config, [n["Resources"] for n in nodes])
+            _check_router_reachable(self.config.router.host, {n["NodeManagerAddress"] for n in nodes})
+            if running := _deployed():
+                raise RuntimeError(f"a pdspec deployment is already running on this Ray cluster "
+                                   f"({', '.join(running)}); end it with `pdspec stop`")
+            host = self.config.router.host
+            self.router_address = f"{ray.util.get_node_ip_address() if host in _WILDCARD else host}:{self.router_port}"
+            here = NodeAffinitySchedulingStrategy(ray.get_runtime_context().get_node_id(), soft=False)
+            self._launch(ROUTER, RouterActor.options(num_cpus=0, scheduling_strategy=here, **self._named(ROUTER, {}))
+                         .remote(self.config, self.router_port))
+            self._check(ROUTER, timeout_s)  # the router fails alone, before any worker loads a model
+            for role in ROLES:
+                for i in range(getattr(self.config, role).replicas):
+                    self._start_worker(role, f"{role}-{i}")
+            self.wait_ready(timeout_s)
+        except BaseException:
+            self.stop()
+            raise
+        return self
+
+    def wait_ready(self, timeout_s: float = 300.0) -> None:
+        """Router healthy and every worker listed by it; raises if an actor failed to start."""
+        wait_healthy(self.router_address, timeout_s)
+        wait_for_workers(self.router_address, [n for n in self.actors if n != ROUTER], timeout_s, self._check_all,
+                         "actor logs are in the Ray session's logs directory (worker-*.err)")
+
+    def kill(self, name: str) -> None:
+        """Kill one actor as a crash would; Ray restarts it."""
+        ray.kill(self.actors[name], no_restart=False)
+
+    def stop(self) -> None:
+        """Kill our actors, then disconnect (which ends a Ray that start() started)."""
+        for actor in self.actors.values():
+            ray.kill(actor, no_restart=True)
+        self.disconnect()
+
+    def disconnect(self) -> None:
+        """Leave the deployment to Ray. Detached actors run on; the others die with this driver."""
+        self.actors.clear()
+        self._ready.clear()
+        if self._connected:
+            ray.shutdown()
+            self._connected = False
+
+    def _start_worker(self, role: str, name: str) -> None:
+        options = replica_options(getattr(self.config, role))
+        options |= self._named(name, options.pop("env_vars"))
+        self._launch(name, WorkerActor.options(**options).remote(self.config, role, self.router_address, name))
+
+    def _named(self, name: str, env: dict[str, str]) -> dict:
+        env = env | {"PDSPEC_CLUSTER_TOKEN": self._token}
+        if self.config.router.host in _LOOPBACK:  # one host: keep UCX (NIXL) off other interfaces too
+            env["UCX_NET_DEVICES"] = "lo"
+        return {"name": name, "namespace": NAMESPACE, "lifetime": "detached" if self.detached else None,
+                "runtime_env": {"env_vars": env}}
+
+    def _launch(self, name: str, actor: ActorHandle) -> None:
+        self.actors[name] = actor
+        self._ready[name] = actor.info.remote()
+
+    def _check(self, name: str, timeout_s: float) -> None:
+        try:
+            ray.get(self._ready[name], timeout=timeout_s)
+        except ray.exceptions.RayActorError as e:  # a constructor that raised is not restarted
+            raise RuntimeError(f"{name} failed to start: {e}") from None
+
+    def _check_all(self) -> None:
+        done, _ = ray.wait(list(self._ready.values()), num_returns=len(self._ready), timeout=0)
+        for name, ref in self._ready.items():
+            if ref in done:
+                self._check(name, 0)
+
+
+def stop_deployment(address: str | None = None) -> list[str]:
+    """`pdspec stop`: kill every actor of the pdspec deployment on the Ray cluster at `address`
+    (None: the one `ray start` last recorded on this machine); returns their names."""
+    connected = _connect(address or "auto")
+    try:
+        names = _deployed()
+        for name in names:
+            ray.kill(ray.get_actor(name, namespace=NAMESPACE), no_restart=True)
+        return names
+    finally:
+        if connected:
+            ray.shutdown()
+
+
+def _connect(address: str | None) -> bool:
+    """Connect this process to Ray unless it already is; True if we connected."""
+    if ray.is_initialized():
+        return False
+    if address is None:
+        # A new private single-machine Ray ("local": never one that `ray start` recorded); pdspec
+        # exports its own metrics, so no dashboard.
+        ray.init(address="local", _node_ip_address="127.0.0.1", include_dashboard=False, namespace=NAMESPACE)
+    else:
+        ray.init(address=address, namespace=NAMESPACE)
+    return True
+
+
+def _deployed() -> list[str]:
+    return sorted(a["name"] for a in ray.util.list_named_actors(all_namespaces=True) if a["namespace"] == NAMESPACE)
+
+
+def _check_router_reachable(host: str, node_ips: set[str]) -> None:
+    if host in _LOOPBACK and node_ips - {ray.util.get_node_ip_address()}:
+        raise ConfigError(f"router.host: {host} is loopback, but workers may run on other nodes "
+                          f"({', '.join(sorted(node_ips))}); use 0.0.0.0 or this node's address")
+
+
+def _free_port(host: str) -> int:
+    with socket.socket() as s:
+        s.bind((host, 0))
+        return s.getsockname()[1]

@@ -1,0 +1,32 @@
+"""When a launched cluster counts as up: the router lists every worker the launcher started.
+
+Shared by every launcher (local processes, Ray actors); each supplies its own way of noticing
+that a member died during start-up, so a crash fails fast instead of waiting out the timeout.
+"""
+
+import time
+from collections.abc import Callable, Collection
+
+import grpc
+
+from proto.pdspec.v1 import router_pb2, router_pb2_grpc
+
+
+def wait_for_workers(router_address: str, expected: Collection[str], timeout_s: float,
+                     check_alive: Callable[[], None], hint: str = "") -> None:
+    """Poll the router's ListWorkers until every id in `expected` is listed.
+
+    `check_alive` runs each round and raises when a member can no longer come up; `hint` (e.g.
+    where the logs are) ends the timeout message."""
+    expected, listed = set(expected), set()
+    deadline = time.monotonic() + timeout_s
+    with grpc.insecure_channel(router_address) as ch:
+        stub = router_pb2_grpc.RouterStub(ch)
+        while time.monotonic() < deadline:
+            check_alive()
+            listed = {w.worker_id for w in stub.ListWorkers(router_pb2.ListWorkersRequest(), timeout=5).workers}
+            if expected <= listed:
+                return
+            time.sleep(0.5)
+    raise TimeoutError(f"workers {sorted(expected - listed)} did not register in {timeout_s}s"
+                       + (f"; {hint}" if hint else ""))
