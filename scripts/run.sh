@@ -1,10 +1,11 @@
 #!/usr/bin/env bash
-# Set up (if needed) and run the main job: the embedded default model answering a chat prompt.
+# Set up (if needed) and run the main job: the local cluster (router, prefill and decode workers
+# as Ray actors, EAGLE3 on the embedded model) answers one chat request, then shuts down.
 set -euo pipefail
 root=$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)
 bash "$root/scripts/bootstrap.sh"
 cd "$root"
 if [[ $# -eq 0 ]]; then
-    set -- generate --prompt "What is the capital of France? Answer in one sentence."
+    set -- serve --config deploy/configs/local.yaml --once "What is the capital of France? Answer in one sentence."
 fi
 exec "$root/.venv/bin/pdspec" "$@"

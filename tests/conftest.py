@@ -10,6 +10,8 @@ import torch
 # spin-waiting threads starving each other. (Speed is measured in bench/, never here.)
 torch.set_num_threads(1)
 os.environ.setdefault("OMP_NUM_THREADS", "1")
+# Everything a test starts stays on loopback, UCX (NIXL's transport) included.
+os.environ.setdefault("UCX_NET_DEVICES", "lo")
 
 
 @pytest.fixture(scope="session")
