@@ -100,6 +100,22 @@ def _bench_spec(args: argparse.Namespace) -> int:
     return 0
 
 
+def _bench_serve(args: argparse.Namespace) -> int:
+    from deploy.loadgen import make_workload, print_table, run_load, summarize
+    from engine.spec.prompts import read_prompts
+
+    for name in ("num_requests", "max_tokens"):
+        if getattr(args, name) < 1:
+            raise ValueError(f"--{name.replace('_', '-')}: must be at least 1, got {getattr(args, name)}")
+    workload = make_workload(read_prompts(Path(args.prompts)), args.num_requests, args.num_prefixes, args.prefix_tokens)
+    summary = summarize(*run_load(args.router, workload, args.rate, args.max_tokens, args.seed))
+    if args.json:
+        print(json.dumps(summary))
+    else:
+        print_table({args.router: summary}, list(summary))
+    return 0
+
+
 def _add_bench(sub: argparse._SubParsersAction) -> None:
     bench = sub.add_parser("bench", help="benchmarks").add_subparsers(dest="bench", required=True)
     p = bench.add_parser("spec", help="speculative vs plain decoding on a prompt file, in one run")
@@ -111,6 +127,17 @@ def _add_bench(sub: argparse._SubParsersAction) -> None:
     p.add_argument("--json", action="store_true")
     _add_engine_args(p)
     p.set_defaults(func=_bench_spec, speculative="eagle3")
+    p = bench.add_parser("serve", help="Poisson load against a running router: TTFT, inter-token latency, throughput")
+    p.add_argument("--router", required=True, help="HOST:PORT of the router")
+    p.add_argument("--prompts", required=True, help="JSONL with 'prompt' or MT-bench style 'turns' (first turn)")
+    p.add_argument("--rate", type=float, default=1.0, help="requests per second, Poisson arrivals; 0: one at a time")
+    p.add_argument("--num-requests", type=int, default=32)
+    p.add_argument("--max-tokens", type=int, default=64, help="tokens per answer (EOS ignored: equal work per request)")
+    p.add_argument("--num-prefixes", type=int, default=0, help="long shared system prompts, request i gets i mod this")
+    p.add_argument("--prefix-tokens", type=int, default=600, help="approximate length of each shared prefix")
+    p.add_argument("--seed", type=int, default=0, help="arrival times")
+    p.add_argument("--json", action="store_true")
+    p.set_defaults(func=_bench_serve)
 
 
 def _train_eagle3(args: argparse.Namespace) -> int:

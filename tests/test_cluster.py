@@ -16,6 +16,7 @@ import grpc
 import pytest
 
 from deploy.config import parse_config
+from deploy.loadgen import make_workload, run_load, summarize
 from deploy.local import LocalCluster
 from engine.config import EngineConfig
 from engine.engine import Engine
@@ -122,6 +123,18 @@ def test_disaggregated_over_nixl_matches_the_engine(nixl_cluster, reference):
 
 def test_disaggregated_over_grpc_matches_the_engine(grpc_cluster, reference):
     _check_answers(grpc_cluster, reference)
+
+
+def test_load_against_a_cluster_accounts_for_every_token(grpc_cluster):
+    workload = make_workload(["Say hello.", "Count to three."], 4, num_prefixes=1, prefix_tokens=200)
+    records, wall = run_load(grpc_cluster.router_address, workload, rate=20.0, max_tokens=8)
+    summary = summarize(records, wall)
+    assert summary["requests"] == 4 and summary["errors"] == 0, summary["first_error"]
+    assert all(r.completion_tokens == 8 and len(r.token_gaps) == 7 for r in records)  # EOS ignored
+    assert all(r.sent < r.first <= r.done for r in records)
+    assert summary["prefill_tokens_computed"] + summary["cached_prompt_tokens"] == sum(r.prompt_tokens for r in records)
+    assert summary["ttft_ms_p50"] <= summary["ttft_ms_p99"] and summary["itl_ms_p50"] > 0
+    assert sum(summary["prefill_workers"].values()) == 4
 
 
 def test_aggregated_matches_the_engine(reference):
