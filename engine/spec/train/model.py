@@ -48,7 +48,8 @@ class TrainableEagle3(nn.Module):
         self.register_buffer("inv_freq", rope_inv_freq(target), persistent=False)
 
     def _rms(self, x: torch.Tensor, w: torch.Tensor) -> torch.Tensor:
-        return F.rms_norm(x, (x.shape[-1],), w, self.target.rms_norm_eps)
+        # In fp32, as at inference: under bf16 autocast the activations arrive in bf16.
+        return F.rms_norm(x.float(), (x.shape[-1],), w, self.target.rms_norm_eps).to(x.dtype)
 
     def _rope(self, x: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
         """x: [B, heads, T, D]; positions: [T]."""

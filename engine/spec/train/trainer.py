@@ -206,7 +206,7 @@ def _train_step(model, optim, lr_scale, features, tokens, valid, loss_mask, cfg)
     loss.backward()
     torch.nn.utils.clip_grad_norm_(model.parameters(), 0.5)
     optim.step()
-    metrics["loss"] = round(float(loss), 3)
+    metrics["loss"] = round(loss.item(), 3)
     return metrics
 
 
