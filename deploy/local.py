@@ -17,7 +17,7 @@ import yaml
 
 from deploy.config import DeploymentConfig, check_launchable
 from deploy.readiness import wait_for_workers
-from proto.rpc import wait_healthy
+from proto.rpc import free_port, wait_healthy
 
 
 @dataclass
@@ -27,6 +27,9 @@ class LocalCluster:
     host: str = "127.0.0.1"
     processes: dict[str, subprocess.Popen] = field(default_factory=dict)
     log_dir: Path = field(default_factory=lambda: Path(tempfile.mkdtemp(prefix="pdspec-logs-")))
+
+    def __post_init__(self) -> None:
+        self.router_port = self.router_port or free_port(self.host)  # 0: any free port
 
     @property
     def router_address(self) -> str:

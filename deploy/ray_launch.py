@@ -13,7 +13,6 @@
 
 import math
 import os
-import socket
 
 # Ray rewrites 127.0.0.1 to the host's outward address (so that other machines could join)
 # unless this is off, and the private Ray of start() would then listen beyond loopback. It only
@@ -27,7 +26,7 @@ from ray.util.scheduling_strategies import NodeAffinitySchedulingStrategy
 
 from deploy.config import ConfigError, DeploymentConfig, RoleConfig, check_launchable
 from deploy.readiness import wait_for_workers
-from proto.rpc import wait_healthy
+from proto.rpc import free_port, wait_healthy
 from router.registry import ROLES
 
 NAMESPACE = "pdspec"
@@ -112,7 +111,7 @@ class RayCluster:
                  detached: bool = False):
         self.config, self.address, self.detached = config, address, detached
         # Fixed even when the config says 0: restarted workers must find the router again.
-        self.router_port = router_port or _free_port(config.router.host)
+        self.router_port = router_port or free_port(config.router.host)
         self.router_address = ""  # set by start(): a wildcard host resolves to the router's node
         self.actors: dict[str, ActorHandle] = {}
         self._ready: dict[str, ray.ObjectRef] = {}  # resolves once the actor's constructor returned
@@ -235,9 +234,3 @@ def _check_router_reachable(host: str, node_ips: set[str]) -> None:
     if host in _LOOPBACK and node_ips - {ray.util.get_node_ip_address()}:
         raise ConfigError(f"router.host: {host} is loopback, but workers may run on other nodes "
                           f"({', '.join(sorted(node_ips))}); use 0.0.0.0 or this node's address")
-
-
-def _free_port(host: str) -> int:
-    with socket.socket() as s:
-        s.bind((host, 0))
-        return s.getsockname()[1]

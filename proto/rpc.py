@@ -8,6 +8,7 @@ handed to, and accepted from, peers that know it. The public Router service is o
 
 import collections
 import hmac
+import socket
 from collections.abc import Callable, Sequence
 from concurrent import futures
 
@@ -111,3 +112,10 @@ def wait_healthy(address: str, timeout: float) -> None:
             raise TimeoutError(f"gRPC server at {address} not healthy within {timeout}s: {e}") from None
         if status != health_pb2.HealthCheckResponse.SERVING:
             raise TimeoutError(f"gRPC server at {address} reports {status}")
+
+
+def free_port(host: str = "127.0.0.1") -> int:
+    """A port free on `host` now: for a server whose address others must know before it starts."""
+    with socket.socket() as s:
+        s.bind((host, 0))
+        return s.getsockname()[1]

@@ -7,7 +7,6 @@ EAGLE3 head: greedy output must be token-identical whichever way the KV travelle
 
 import concurrent.futures
 import re
-import socket
 import threading
 import time
 import urllib.request
@@ -31,16 +30,10 @@ ENGINE = {"num_kv_blocks": 256, "max_num_seqs": 8, "speculative": {"method": "ea
 DOCUMENT = " ".join(f"Section {i}: the committee reviewed budget line {i * 7} and approved it." for i in range(24))
 
 
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
 def _start(**roles) -> LocalCluster:
     config = parse_config({"engine": ENGINE, "router": {"port": 0, "heartbeat_interval_s": 0.2,
                                                        "heartbeat_timeout_s": 2.0}, **roles})
-    return LocalCluster(config, _free_port()).start()
+    return LocalCluster(config, 0).start()
 
 
 @pytest.fixture(scope="module")
