@@ -104,9 +104,9 @@ def _bench_serve(args: argparse.Namespace) -> int:
     from deploy.loadgen import make_workload, print_table, run_load, summarize
     from engine.spec.prompts import read_prompts
 
-    for name in ("num_requests", "max_tokens"):
-        if getattr(args, name) < 1:
-            raise ValueError(f"--{name.replace('_', '-')}: must be at least 1, got {getattr(args, name)}")
+    for name, least in (("num_requests", 1), ("max_tokens", 1), ("rate", 0), ("num_prefixes", 0)):
+        if getattr(args, name) < least:
+            raise ValueError(f"--{name.replace('_', '-')}: must be at least {least}, got {getattr(args, name)}")
     workload = make_workload(read_prompts(Path(args.prompts)), args.num_requests, args.num_prefixes, args.prefix_tokens)
     summary = summarize(*run_load(args.router, workload, args.rate, args.max_tokens, args.seed))
     if args.json:
