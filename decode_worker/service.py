@@ -23,6 +23,7 @@ from engine.output import HandOff, RequestOutput
 from kvtransfer.connector import KVConnector, KVTransferError
 from proto.convert import acceptance, sampling_params
 from proto.pdspec.v1 import common_pb2, worker_pb2, worker_pb2_grpc
+from proto.rpc import FAILED_KV_SOURCE_METADATA_KEY
 
 log = logging.getLogger(__name__)
 
@@ -71,6 +72,8 @@ class DecodeServicer(worker_pb2_grpc.DecodeWorkerServicer):
         except KVTransferError as e:
             self.loop.abort(rid)
             code = grpc.StatusCode.UNAVAILABLE if e.retryable else grpc.StatusCode.FAILED_PRECONDITION
+            if e.retryable:
+                context.set_trailing_metadata([(FAILED_KV_SOURCE_METADATA_KEY, handle.source_worker_id)])
             context.abort(code, f"KV transfer from {handle.source_worker_id} failed: {e}")
         return self.loop.admit_prefilled(rid, _handoff(handle, table))
 

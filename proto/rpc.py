@@ -17,6 +17,9 @@ from grpc_health.v1 import health, health_pb2, health_pb2_grpc
 from grpc_reflection.v1alpha import reflection
 
 TOKEN_METADATA_KEY = "x-pdspec-token"
+# Trailing metadata on a failed Decode whose KV source (the prefill worker) failed: its worker id,
+# so the router retries on another prefill worker instead of blaming the decode worker.
+FAILED_KV_SOURCE_METADATA_KEY = "x-pdspec-failed-kv-source"
 MAX_MESSAGE_BYTES = 256 * 1024 * 1024
 _OPTIONS = [
     ("grpc.max_send_message_length", MAX_MESSAGE_BYTES),

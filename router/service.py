@@ -176,7 +176,7 @@ class RouterServicer(router_pb2_grpc.RouterServicer):
         """Prefill (if disaggregated), then open the decode stream up to its first response."""
         try:
             handle = self._prefill(req, plan.prefill, run, context) if plan.prefill is not None else None
-            return self._open_decode(req, plan.decode, handle, run, context)
+            return self._open_decode(req, plan, handle, run, context)
         except (_WorkerFailed, _Cancelled) as e:
             if plan.prefill is not None:  # nobody will fetch the prompt's blocks: unpin them now
                 # If the prefill worker may serve the retry, let the Release land first: arriving
@@ -205,8 +205,9 @@ class RouterServicer(router_pb2_grpc.RouterServicer):
         except grpc.RpcError as e:
             raise (_Cancelled() if run.cancelled else _WorkerFailed(worker, "Prefill", e)) from None
 
-    def _open_decode(self, req: ValidRequest, worker: WorkerView, handle: kv_pb2.KVHandle | None, run: _Run,
+    def _open_decode(self, req: ValidRequest, plan: _Plan, handle: kv_pb2.KVHandle | None, run: _Run,
                      context) -> tuple[worker_pb2.DecodeResponse, Iterator[worker_pb2.DecodeResponse]]:
+        worker = plan.decode
         stub = worker_pb2_grpc.DecodeWorkerStub(self._peers.channel(worker.address))
         request = worker_pb2.DecodeRequest(request_id=req.request_id, prompt_token_ids=req.prompt_token_ids,
                                            sampling=req.sampling, speculation=req.speculation, prefilled=handle)
@@ -221,7 +222,11 @@ class RouterServicer(router_pb2_grpc.RouterServicer):
         except StopIteration:
             raise _WorkerFailed(worker, "Decode", "the stream ended before its first response") from None
         except grpc.RpcError as e:
-            raise (_Cancelled() if run.cancelled else _WorkerFailed(worker, "Decode", e)) from None
+            if run.cancelled:
+                raise _Cancelled() from None
+            culprit = _culprit(e, plan)
+            step = "Decode" if culprit is worker else f"KV transfer to decode worker {worker.worker_id}"
+            raise _WorkerFailed(culprit, step, e) from None
 
     def _relay(self, req: ValidRequest, plan: _Plan, first: worker_pb2.DecodeResponse,
                rest: Iterator[worker_pb2.DecodeResponse], run: _Run, context) -> Iterator[router_pb2.GenerateResponse]:
@@ -290,6 +295,15 @@ def _aborted(req: ValidRequest, completion_tokens: int) -> router_pb2.GenerateRe
 
 def _client_code(code: grpc.StatusCode) -> grpc.StatusCode:
     return grpc.StatusCode.DEADLINE_EXCEEDED if code == grpc.StatusCode.DEADLINE_EXCEEDED else grpc.StatusCode.UNAVAILABLE
+
+
+def _culprit(e: grpc.RpcError, plan: _Plan) -> WorkerView:
+    """The worker to avoid on the retry: the prefill worker if the decode worker names it as the
+    KV source that failed (it died after prefilling), else the decode worker."""
+    failed_source = dict(e.trailing_metadata() or ()).get(rpc.FAILED_KV_SOURCE_METADATA_KEY)
+    if plan.prefill is not None and failed_source == plan.prefill.worker_id:
+        return plan.prefill
+    return plan.decode
 
 
 def _fire_and_forget(call: grpc.Future, what: str) -> None:

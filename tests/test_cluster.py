@@ -20,7 +20,8 @@ from deploy.local import LocalCluster
 from engine.config import EngineConfig
 from engine.engine import Engine
 from engine.params import SamplingParams
-from proto.pdspec.v1 import common_pb2, router_pb2, router_pb2_grpc
+from proto.pdspec.v1 import common_pb2, kv_pb2, kv_pb2_grpc, router_pb2, router_pb2_grpc, worker_pb2, worker_pb2_grpc
+from proto.rpc import FAILED_KV_SOURCE_METADATA_KEY, channel, free_port
 
 QUESTIONS = ["What is the capital of France?", "Name three primary colors.", "Write a haiku about rain.",
              "What is 12 times 12?", "List the days of the week.", "Explain photosynthesis in one sentence.",
@@ -31,8 +32,8 @@ DOCUMENT = " ".join(f"Section {i}: the committee reviewed budget line {i * 7} an
 
 
 def _start(**roles) -> LocalCluster:
-    config = parse_config({"engine": ENGINE, "router": {"port": 0, "heartbeat_interval_s": 0.2,
-                                                       "heartbeat_timeout_s": 2.0}, **roles})
+    router = {"port": 0, "heartbeat_interval_s": 0.2, "heartbeat_timeout_s": 2.0}
+    config = parse_config({"engine": ENGINE, "cluster_token": "pdspec-tests", "router": router, **roles})
     return LocalCluster(config, 0).start()
 
 
@@ -181,6 +182,29 @@ def test_malformed_requests_are_invalid_argument_naming_the_field(nixl_cluster, 
         list(_stub(nixl_cluster).Generate(request_, timeout=30))
     assert e.value.code() == grpc.StatusCode.INVALID_ARGUMENT
     assert field in e.value.details()
+
+
+def test_a_decode_whose_kv_source_is_gone_names_the_source(grpc_cluster):
+    """A prefill worker that dies after prefilling fails the decode worker's pull: the decode worker
+    names the source in its status so the router retries on another prefill worker instead of
+    writing off the (healthy) decode worker."""
+    workers, token = _workers(grpc_cluster), grpc_cluster.config.token()
+    prefill_channel = channel(workers["prefill-1"].address, token)
+    prefill = worker_pb2_grpc.PrefillWorkerStub(prefill_channel)
+    prompt = [1, 2, 3, 4, 5] * 8
+    handle = prefill.Prefill(worker_pb2.PrefillRequest(request_id="gone-source", prompt_token_ids=prompt,
+                                                       sampling=common_pb2.SamplingOptions(max_tokens=4)), timeout=60)
+    kv_pb2_grpc.KVTransferStub(prefill_channel).Release(
+        kv_pb2.ReleaseRequest(request_id="gone-source"), timeout=10)
+    handle.source_worker_id, handle.source_address = "prefill-gone", f"127.0.0.1:{free_port()}"
+    decode = worker_pb2_grpc.DecodeWorkerStub(channel(workers["decode-0"].address, token))
+    with pytest.raises(grpc.RpcError) as e:
+        list(decode.Decode(worker_pb2.DecodeRequest(request_id="gone-source", prompt_token_ids=prompt,
+                                                    sampling=common_pb2.SamplingOptions(max_tokens=4),
+                                                    prefilled=handle), timeout=60))
+    assert e.value.code() == grpc.StatusCode.UNAVAILABLE
+    assert dict(e.value.trailing_metadata())[FAILED_KV_SOURCE_METADATA_KEY] == "prefill-gone"
+    assert _wait_idle(grpc_cluster, "decode")["decode-0"].active_blocks == 0
 
 
 def test_killing_a_prefill_worker_retries_its_requests_elsewhere(grpc_cluster, reference):
