@@ -21,7 +21,7 @@ import json
 from pathlib import Path
 
 from deploy.config import parse_config
-from deploy.loadgen import make_workload, print_table, run_load, summarize
+from deploy.loadgen import make_workload, print_table, run_load, shared_prefix, summarize
 from deploy.local import LocalCluster
 from engine.spec.prompts import read_prompts
 
@@ -46,8 +46,8 @@ def _measure(roles: dict, router: dict, workload, rate: float, max_tokens: int) 
 
 
 def routing(args, questions: list[str]) -> dict[str, dict]:
-    # Warm-up requests use the first two prefixes too: the measured run starts from the cache
-    # state any router would have built by then.
+    # Warm-up requests draw from the same prefixes: the measured run starts from the cache state
+    # either router would have built by then.
     workload = make_workload(questions, args.num_requests + 2, num_prefixes=8, prefix_tokens=600)
     roles = {"prefill": {"replicas": 2, **NIXL}, "decode": {"replicas": 1, **NIXL}}
     return {policy: _measure(roles, {"policy": policy}, workload, args.rate, 16) for policy in ("kv", "round_robin")}
@@ -55,7 +55,8 @@ def routing(args, questions: list[str]) -> dict[str, dict]:
 
 def ttft(args, questions: list[str]) -> dict[str, dict]:
     n = min(args.num_requests, 12) + 2
-    workload = make_workload(questions, n, num_prefixes=n, prefix_tokens=512)  # every prompt unique
+    unique = [f"{shared_prefix(k, 512)}\n{questions[k % len(questions)]}" for k in range(n)]  # no cache hits
+    workload = make_workload(unique, n)
     return {name: _measure(roles, {}, workload, 0, 4)
             for name, roles in (("aggregated", AGGREGATED), ("disaggregated", DISAGGREGATED))}
 

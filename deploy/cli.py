@@ -133,7 +133,7 @@ def _add_bench(sub: argparse._SubParsersAction) -> None:
     p.add_argument("--rate", type=float, default=1.0, help="requests per second, Poisson arrivals; 0: one at a time")
     p.add_argument("--num-requests", type=int, default=32)
     p.add_argument("--max-tokens", type=int, default=64, help="tokens per answer (EOS ignored: equal work per request)")
-    p.add_argument("--num-prefixes", type=int, default=0, help="long shared system prompts, request i gets i mod this")
+    p.add_argument("--num-prefixes", type=int, default=0, help="long shared system prompts, each request gets one at random")
     p.add_argument("--prefix-tokens", type=int, default=600, help="approximate length of each shared prefix")
     p.add_argument("--seed", type=int, default=0, help="arrival times")
     p.add_argument("--json", action="store_true")

@@ -8,8 +8,9 @@ several tokens per chunk), and from the last response usage (prompt tokens the s
 versus served from a prefix cache) and acceptance.
 
 Optional shared prefixes model the traffic KV-aware routing is for: `num_prefixes` long system
-prompts (documents of about `prefix_tokens` tokens), request i carrying prefix i mod
-`num_prefixes` before its question.
+prompts (documents of about `prefix_tokens` tokens), each request carrying one drawn at random
+(seeded) before its question. Random, not request i mod `num_prefixes`: a cycle would line up
+with round-robin's and hand that policy perfect cache affinity for free.
 """
 
 import concurrent.futures
@@ -48,14 +49,14 @@ def shared_prefix(index: int, approx_tokens: int) -> str:
 
 
 def make_workload(questions: list[str], num_requests: int, num_prefixes: int = 0,
-                  prefix_tokens: int = 0) -> list[list[common_pb2.ChatMessage]]:
-    """Chat messages for each request: question i mod len(questions), behind its shared prefix."""
+                  prefix_tokens: int = 0, seed: int = 0) -> list[list[common_pb2.ChatMessage]]:
+    """Chat messages for each request: question i mod len(questions), behind a random shared prefix."""
     if not questions:
         raise ValueError("the prompt file holds no prompts")
     prefixes = [shared_prefix(k, prefix_tokens) for k in range(num_prefixes)]
-    workload = []
+    rng, workload = random.Random(seed), []
     for i in range(num_requests):
-        messages = [common_pb2.ChatMessage(role="system", content=prefixes[i % num_prefixes])] if prefixes else []
+        messages = [common_pb2.ChatMessage(role="system", content=rng.choice(prefixes))] if prefixes else []
         messages.append(common_pb2.ChatMessage(role="user", content=questions[i % len(questions)]))
         workload.append(messages)
     return workload

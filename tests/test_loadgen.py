@@ -15,9 +15,13 @@ def test_arrivals_are_a_seeded_poisson_process():
     assert abs(statistics.stdev(gaps) - 0.25) < 0.03
 
 
-def test_shared_prefixes_cycle_over_requests():
-    workload = make_workload(["q1", "q2", "q3"], 7, num_prefixes=2, prefix_tokens=100)
+def test_shared_prefixes_are_drawn_at_random_per_request():
+    workload = make_workload(["q1", "q2", "q3"], 400, num_prefixes=8, prefix_tokens=100)
     systems = [w[0].content for w in workload]
-    assert systems[0] == systems[2] == systems[4] != systems[1] == systems[3]
-    assert [w[1].content for w in workload] == ["q1", "q2", "q3", "q1", "q2", "q3", "q1"]
+    assert systems == [w[0].content for w in make_workload(["q1", "q2", "q3"], 400, 8, 100)]  # seeded
+    assert systems != [w[0].content for w in make_workload(["q1", "q2", "q3"], 400, 8, 100, seed=1)]
+    assert 30 < min(systems.count(s) for s in set(systems)) and len(set(systems)) == 8
+    # Not a cycle a round-robin router would line up with: prefixes do not follow request parity.
+    assert set(systems[0::2]) == set(systems[1::2])
+    assert [w[1].content for w in workload[:7]] == ["q1", "q2", "q3", "q1", "q2", "q3", "q1"]
     assert all(len(w) == 1 for w in make_workload(["q"], 3))  # no prefix: the question alone
