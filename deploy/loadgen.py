@@ -28,6 +28,7 @@ from proto.pdspec.v1 import common_pb2, router_pb2, router_pb2_grpc
 class RequestRecord:
     sent: float
     first: float | None = None
+    second: float | None = None  # when the second token arrived (with the first, if they came in one chunk)
     done: float | None = None
     token_gaps: list[float] = field(default_factory=list)  # seconds per token, one entry per token after the first chunk
     completion_tokens: int = 0
@@ -100,9 +101,11 @@ def _one(stub, messages, max_tokens: int, timeout_s: float) -> RequestRecord:
             now, n = time.perf_counter(), len(last.token_ids)
             if n and record.first is None:
                 record.first = now
+                record.second = now if n > 1 else None
                 record.prefill_worker, record.decode_worker = last.prefill_worker, last.decode_worker
             elif n:
                 record.token_gaps.extend([(now - last_at) / n] * n)
+                record.second = record.second or now
             if n:
                 last_at = now
     except grpc.RpcError as e:
@@ -124,6 +127,8 @@ def summarize(records: list[RequestRecord], wall_s: float) -> dict:
     return {
         "requests": len(records), "errors": len(records) - len(ok),
         "ttft_ms_p50": _pct(ttft, 50), "ttft_ms_p99": _pct(ttft, 99),
+        "ttft_ms_mean": round(statistics.fmean(ttft), 2) if ttft else None,
+        "second_token_ms_p50": _pct([1000 * (r.second - r.sent) for r in ok if r.second is not None], 50),
         "itl_ms_p50": _pct(itl, 50), "itl_ms_p99": _pct(itl, 99),
         "output_tokens_per_s": round(sum(r.completion_tokens for r in ok) / wall_s, 2) if wall_s > 0 else 0.0,
         "requests_per_s": round(len(ok) / wall_s, 3) if wall_s > 0 else 0.0,

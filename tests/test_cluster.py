@@ -125,7 +125,7 @@ def test_load_against_a_cluster_accounts_for_every_token(grpc_cluster):
     summary = summarize(records, wall)
     assert summary["requests"] == 4 and summary["errors"] == 0, summary["first_error"]
     assert all(r.completion_tokens == 8 and len(r.token_gaps) == 7 for r in records)  # EOS ignored
-    assert all(r.sent < r.first <= r.done for r in records)
+    assert all(r.sent < r.first <= r.second <= r.done for r in records)
     assert summary["prefill_tokens_computed"] + summary["cached_prompt_tokens"] == sum(r.prompt_tokens for r in records)
     assert summary["ttft_ms_p50"] <= summary["ttft_ms_p99"] and summary["itl_ms_p50"] > 0
     assert sum(summary["prefill_workers"].values()) == 4
