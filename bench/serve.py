@@ -4,9 +4,10 @@ driven by the same load (`deploy/loadgen.py`, what `pdspec bench serve` runs):
 - routing:  KV-aware vs round-robin prefill choice, 2 prefill + 1 decode workers, 8 long shared
             system prompts (~600 tokens, each sent once first to warm the caches) with varied
             questions, Poisson arrivals. Compares prefill tokens computed and TTFT.
-- ttft:     a unique 512-token prompt (on average) at a time: disaggregated over NIXL (1 prefill + 1 decode)
-            vs one aggregated worker. The difference is the hand-off's cost (hand-off RPCs, the
-            KV pull, admission on the decode side).
+- ttft:     unique 512-token prompts (on average), one at a time: disaggregated over NIXL
+            (1 prefill + 1 decode) vs one aggregated worker, with and without EAGLE3, the four
+            clusters taking turns on each prompt. The difference is the hand-off's cost (RPCs,
+            the KV pull, admission on the decode side, and with EAGLE3 the draft's prefill).
 - load:     aggregated vs disaggregated (1 + 1, NIXL) under Poisson chat traffic with EAGLE3:
             TTFT, inter-token latency, throughput, acceptance.
 
@@ -37,8 +38,8 @@ NIXL = {"kv_transfer": "nixl", "num_threads": 1}
 DISAGGREGATED = {"prefill": {"replicas": 1, **NIXL}, "decode": {"replicas": 1, **NIXL}}
 AGGREGATED = {"prefill": {"replicas": 0}, "decode": {"replicas": 0}, "aggregated": {"replicas": 1, "num_threads": 2}}
 KEYS = ["requests", "errors", "mean_prompt_tokens", "prefill_tokens_computed", "cached_prompt_tokens",
-        "ttft_ms_p50", "ttft_ms_p99", "ttft_ms_mean", "second_token_ms_p50", "itl_ms_p50", "itl_ms_p99", "output_tokens_per_s", "tau",
-        "prefill_workers"]
+        "ttft_ms_p50", "ttft_ms_p99", "ttft_ms_mean", "second_token_ms_p50", "itl_ms_p50", "itl_ms_p99",
+        "output_tokens_per_s", "tau", "prefill_workers"]
 
 
 @contextlib.contextmanager
