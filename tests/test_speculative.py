@@ -76,6 +76,17 @@ def test_ngram_accepts_drafts_on_copying_text(spec_engines, prompts, plain_outpu
     assert stats.accepted > 0 and stats.mean_acceptance_length > 1.0
 
 
+def test_a_stop_token_inside_an_accepted_run_ends_the_output_there(spec_engines, prompts, plain_outputs):
+    """Drafts accepted after a stop token are not output, and usage counts only what was."""
+    engine, plain = spec_engines["ngram"], plain_outputs[7]  # copying text: long accepted runs
+    for end in range(4, len(plain) - 1):
+        if plain[end] in plain[:end]:
+            continue  # stop at the first occurrence only
+        outs = list(engine.generate(prompts[7], SamplingParams(max_tokens=32, stop_token_ids=[plain[end]])))
+        assert [t for o in outs for t in o.token_ids] == plain[: end + 1]
+        assert outs[-1].finish_reason == "stop" and outs[-1].usage.completion_tokens == end + 1
+
+
 def test_short_pool_degrades_to_plain_decoding(random_head, prompts, plain_outputs):
     """With barely enough blocks, reservations fail and sequences fall back to K=0, not to errors."""
     tight = Engine(EngineConfig(num_kv_blocks=10, max_num_seqs=4,
