@@ -85,7 +85,7 @@ def ttft(args, questions: list[str]) -> dict[str, dict]:
     # speed. With EAGLE3 the prefill worker also runs the draft over the prompt before handing
     # off, work the aggregated worker defers until after the first token (into the second
     # token's latency); without speculation the TTFT gap is the hand-off alone.
-    both_cores = {"kv_transfer": "nixl", "replicas": 1, "num_threads": 2}
+    both_cores = {**NIXL, "replicas": 1, "num_threads": 2}
     setups = {f"{mode}/{method}": (roles, {**ENGINE, "speculative": {"method": method}})
               for method in ("eagle3", "none")
               for mode, roles in (("aggregated", AGGREGATED), ("disaggregated", {"prefill": both_cores,
