@@ -4,7 +4,7 @@ The shipped training prompts are three quarters grade-school maths; an EAGLE3 he
 them drafts chat answers poorly. These prompts cross everyday topics with common request
 shapes. Topics of the held-out evaluation prompts (bench/prompts/chat_eval.jsonl) are left out.
 
-    python -m engine.spec.train.synthetic_prompts --out FILE [--count N] [--seed S]
+    python -m engine.spec.train.synthetic_prompts --out FILE [--count N] [--seed S] [--skip N]
 """
 
 import argparse
@@ -47,10 +47,47 @@ TOPICS = [
 ]
 
 
-def synthetic_prompts(count: int, seed: int = 0) -> list[str]:
+# Added later (head v3). Their pairs come after all of the pairs above, so a given --seed still
+# yields the same first len(TOPICS) * len(TEMPLATES) prompts as before.
+MORE_TEMPLATES = [
+    "I'm curious about {t}. Where should I begin?", "Write a short blog post introduction about {t}.",
+    "What are five facts everyone should know about {t}?", "Explain {t} using an analogy.",
+    "What is a common myth about {t}, and what is the truth?", "Write a haiku about {t}.",
+    "What tools or resources do I need for {t}?", "Give me a checklist for {t}.",
+    "Write a short dialogue between two friends talking about {t}.", "What would an expert say about {t}?",
+]
+MORE_TOPICS = [
+    "sourdough starters", "houseplant pests", "home insurance", "paying off debt", "investing in index funds",
+    "negotiating a salary", "learning guitar", "singing", "drawing portraits", "origami",
+    "pottery", "calligraphy", "stamp collecting", "astronomy for beginners", "the solar system",
+    "glaciers", "tornadoes", "hurricanes", "rivers", "mountains", "islands", "migrating birds", "butterflies",
+    "ants", "elephants", "penguins", "wolves", "horses", "farming", "beekeeping", "urban gardening",
+    "fermentation", "making pasta", "grilling", "spices", "chocolate", "cheese", "street food", "table manners",
+    "hosting a dinner party", "planning a road trip", "train travel", "backpacking in Europe",
+    "visiting a national park", "learning Mandarin", "sign language", "the history of writing",
+    "ancient Greece", "the Vikings", "the Silk Road", "medieval castles", "the moon landing", "the Wright brothers",
+    "the invention of the telephone", "electric bicycles", "public transport", "city planning", "architecture",
+    "interior design", "minimalism", "decluttering", "sustainable fashion", "sewing", "laundry", "moving house",
+    "starting a podcast", "starting a blog", "freelancing", "productivity apps", "spreadsheets",
+    "web development", "open source software", "computer hardware", "keyboards", "backing up files",
+    "online privacy", "phishing emails", "smart homes", "virtual reality", "quantum computers", "nuclear energy",
+    "wind turbines", "batteries", "water conservation", "air pollution", "forests", "wetlands", "soil",
+    "nutrition labels", "protein", "stretching", "posture", "walking every day", "mindfulness", "journaling",
+    "gratitude", "habits", "procrastination", "motivation", "parenting toddlers", "teenagers", "grandparents",
+    "pets and children", "adopting a dog", "training a cat", "aquariums", "chess openings", "crossword puzzles",
+    "magic tricks", "theater", "opera", "comic books", "fantasy novels", "science fiction", "mystery stories",
+]
+
+
+def synthetic_prompts(count: int, seed: int = 0, skip: int = 0) -> list[str]:
+    """`count` prompts after the first `skip` (to draw new ones beyond an earlier run's)."""
+    rng = random.Random(seed)
     pairs = [(t, s) for t in TOPICS for s in TEMPLATES]
-    random.Random(seed).shuffle(pairs)
-    return [template.format(t=topic) for topic, template in pairs[:count]]
+    rng.shuffle(pairs)
+    old = set(pairs)
+    more = [(t, s) for t in TOPICS + MORE_TOPICS for s in TEMPLATES + MORE_TEMPLATES if (t, s) not in old]
+    rng.shuffle(more)
+    return [template.format(t=topic) for topic, template in (pairs + more)[skip : skip + count]]
 
 
 if __name__ == "__main__":
@@ -58,6 +95,7 @@ if __name__ == "__main__":
     ap.add_argument("--out", type=Path, required=True)
     ap.add_argument("--count", type=int, default=2000)
     ap.add_argument("--seed", type=int, default=0)
+    ap.add_argument("--skip", type=int, default=0, help="leave out the first SKIP prompts of this seed")
     args = ap.parse_args()
     args.out.write_text("".join(json.dumps({"source": "synthetic/templated", "prompt": p}) + "\n"
-                                for p in synthetic_prompts(args.count, args.seed)))
+                                for p in synthetic_prompts(args.count, args.seed, args.skip)))
