@@ -19,13 +19,15 @@ def _add_engine_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--speculative", default="none", choices=["none", "eagle3", "ngram"])
     p.add_argument("--num-speculative-tokens", type=int, default=5, help="draft tokens per step (K)")
     p.add_argument("--draft", default=None, help="EAGLE3 head directory (default: the head shipped for the embedded model)")
+    p.add_argument("--draft-confidence-threshold", type=float, default=0.0,
+                   help="eagle3: propose a draft token only while the draft gives it at least this probability")
 
 
 def _engine_config(args: argparse.Namespace, **overrides) -> EngineConfig:
     return EngineConfig(
         model=args.model, dtype=args.dtype, max_model_len=args.max_model_len,
         speculative={"method": args.speculative, "num_speculative_tokens": args.num_speculative_tokens,
-                     "model": args.draft},
+                     "model": args.draft, "draft_confidence_threshold": args.draft_confidence_threshold},
         **overrides,
     )
 

@@ -87,6 +87,21 @@ def test_a_stop_token_inside_an_accepted_run_ends_the_output_there(spec_engines,
         assert outs[-1].finish_reason == "stop" and outs[-1].usage.completion_tokens == end + 1
 
 
+def test_a_confidence_threshold_ends_chains_early_and_stays_lossless(prompts, plain_outputs):
+    """With the shipped head, a threshold drafts fewer tokens, a larger share of them accepted."""
+    stats = {}
+    for threshold in (0.0, 0.4):
+        engine = Engine(EngineConfig(num_kv_blocks=256, speculative={
+            "method": "eagle3", "num_speculative_tokens": 5, "draft_confidence_threshold": threshold}))
+        outs = [list(engine.generate(p, SamplingParams(max_tokens=32))) for p in prompts[:4]]
+        assert [[t for o in out for t in o.token_ids] for out in outs] == plain_outputs[:4]
+        assert engine.blocks.num_used_blocks == 0
+        stats[threshold] = (sum(out[-1].acceptance.drafted for out in outs), sum(out[-1].acceptance.accepted for out in outs))
+    (drafted_all, accepted_all), (drafted, accepted) = stats[0.0], stats[0.4]
+    assert 0 < drafted < drafted_all
+    assert accepted / drafted > accepted_all / drafted_all
+
+
 def test_short_pool_degrades_to_plain_decoding(random_head, prompts, plain_outputs):
     """With barely enough blocks, reservations fail and sequences fall back to K=0, not to errors."""
     tight = Engine(EngineConfig(num_kv_blocks=10, max_num_seqs=4,

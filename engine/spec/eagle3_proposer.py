@@ -8,7 +8,10 @@ drafting them came from its own hidden states and is overwritten here). Proposin
    at p), whose last row predicts the first draft token;
 2. K-1 single-row forwards, each at the next position with the previous draft token and the
    draft's own output hidden state.
-All sequences of the batch go through each forward together.
+All sequences of the batch go through each forward together. With a confidence threshold, a
+sequence's chain ends before the first token the draft is less sure of than that: a doubtful
+draft token costs a verification row and, when the chain goes on, a draft forward, and is
+rarely accepted.
 """
 
 import torch
@@ -21,9 +24,11 @@ from engine.spec.proposer import Proposal
 class Eagle3Proposer:
     needs_aux = True
 
-    def __init__(self, runner, block_table):
-        """runner: the ModelRunner holding the draft and its cache; block_table(seq_id) -> block ids."""
+    def __init__(self, runner, block_table, confidence_threshold: float = 0.0):
+        """runner: the ModelRunner holding the draft and its cache; block_table(seq_id) -> block ids;
+        confidence_threshold: the least draft probability a proposed token may have."""
         self.runner = runner
+        self.confidence_threshold = confidence_threshold
         self.draft = runner.draft
         self.block_table = block_table
         self.pending: dict[str, tuple[int, torch.Tensor]] = {}  # seq -> (first position, hidden [n, H])
@@ -74,15 +79,23 @@ class Eagle3Proposer:
         self.positions_drafted += hidden.shape[0]
         while True:
             out = self.runner.forward_draft(chunks, hidden)
-            tokens = self.draft.to_target_ids(out.logits.argmax(dim=-1)).tolist()
+            tokens, confident = self._choose(out.logits)
             last_rows = torch.tensor([len(c.token_ids) for c in chunks]).cumsum(0) - 1
             last_hidden = out.hidden.index_select(0, last_rows)
-            for seq, token in zip(seqs, tokens):
-                drafts[seq.seq_id].append(token)
-            keep = [i for i, seq in enumerate(seqs) if len(drafts[seq.seq_id]) < limits[i]]
+            for seq, token, ok in zip(seqs, tokens, confident):
+                if ok:
+                    drafts[seq.seq_id].append(token)
+            keep = [i for i, seq in enumerate(seqs) if confident[i] and len(drafts[seq.seq_id]) < limits[i]]
             if not keep:
                 return
             # Next step: one row per sequence at the next position, fed its own last hidden state.
             chunks = [SeqChunk([tokens[i]], chunks[i].end, chunks[i].block_table, num_logits=1) for i in keep]
             hidden = last_hidden[keep]
             seqs, limits = [seqs[i] for i in keep], [limits[i] for i in keep]
+
+    def _choose(self, logits: torch.Tensor) -> tuple[list[int], list[bool]]:
+        """Each row's most likely token (target ids) and whether the draft is confident enough in it."""
+        if self.confidence_threshold == 0.0:
+            return self.draft.to_target_ids(logits.argmax(dim=-1)).tolist(), [True] * logits.shape[0]
+        prob, choice = torch.softmax(logits.float(), dim=-1).max(dim=-1)
+        return self.draft.to_target_ids(choice).tolist(), (prob >= self.confidence_threshold).tolist()
