@@ -48,7 +48,7 @@ class ForwardBatch:
 @dataclass
 class ForwardOutput:
     logits: torch.Tensor  # [n, vocab] fp32
-    aux_hidden: torch.Tensor | None  # [T, 3 * hidden]: inputs of layers aux_layer_ids, concatenated
+    aux_hidden: torch.Tensor | None  # [T, len(aux_layer_ids) * hidden]: inputs of those layers, concatenated
 
 
 class DecoderLayer:
@@ -130,6 +130,8 @@ class CausalLM:
                 aux.append(x)
             attn_input = rms_norm(x, self.input_norms[i], self.config.rms_norm_eps)
             x = layer(x, attn_input, cos, sin, kv_cache[:, i], batch.attention)
+        if batch.return_aux and len(self.layers) in self.aux_layer_ids:
+            aux.append(x)  # "entering layer L" is the last layer's output (self-distillation reads it)
         h = rms_norm(x.index_select(0, batch.logits_indices), self.norm, self.config.rms_norm_eps)
         logits = self.tp.all_gather_last(self.lm_head(h).float())
         return ForwardOutput(logits, torch.cat(aux, dim=-1) if aux else None)

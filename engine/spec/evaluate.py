@@ -52,6 +52,7 @@ def evaluate(base: Engine, spec: Engine, prompts: list[list[int]], max_tokens: i
         "max_tokens": max_tokens,
         "method": spec.config.speculative.method,
         "num_speculative_tokens": spec.config.speculative.num_speculative_tokens,
+        "draft_confidence_threshold": spec.config.speculative.draft_confidence_threshold,
         "tau": summary["mean_acceptance_length"],
         "speedup": round(spec_tps / base_tps, 3),
         "tokens_per_s_spec": round(spec_tps, 2),

@@ -1,10 +1,11 @@
-"""Self-distillation data: the target answers each prompt greedily; every position's token and
-the target's auxiliary hidden states (the EAGLE3 features) are stored.
+"""Self-distillation data: the target answers each prompt greedily; every position's token, the
+target's auxiliary hidden states (the EAGLE3 features) and its last layer's output (from which
+training recomputes the target's next-token distribution) are stored.
 
 Output: `shard-NNNNN.safetensors` files, each with `tokens` [T] int32 (samples concatenated),
-`offsets` [N+1] int64, `prompt_lens` [N] int64 and `features` [T, 3H] fp16 (the row of a
-sample's last token is zero: the target never ran on it). `done.json` lists the finished
-prompt indices, so an interrupted run resumes where it stopped.
+`offsets` [N+1] int64, `prompt_lens` [N] int64, `features` [T, 3H] fp16 and `final_hidden`
+[T, H] fp16 (the rows of a sample's last token are zero: the target never ran on it).
+`done.json` lists the finished prompt indices, so an interrupted run resumes where it stopped.
 """
 
 import json
@@ -59,6 +60,8 @@ def distill(prompts: list[str], out_dir: Path, target: str | None, max_new_token
                                  enable_prefix_caching=False))
     recorder = FeatureRecorder()
     engine.proposer = recorder
+    model = engine.runner.model
+    model.aux_layer_ids = (*model.aux_layer_ids, engine.runner.model_config.num_layers)  # + the last layer's output
     params = SamplingParams(max_tokens=max_new_tokens)
     shard = len(list(out_dir.glob("shard-*.safetensors")))
     progress = tqdm(total=len(todo), desc="distilling", unit="prompt")
@@ -70,7 +73,7 @@ def distill(prompts: list[str], out_dir: Path, target: str | None, max_new_token
         while engine.has_unfinished():
             engine.step()
             progress.update(len(recorder.finished) - (progress.n - start))
-        _write_shard(out_dir / f"shard-{shard:05d}.safetensors", recorder.finished)
+        _write_shard(out_dir / f"shard-{shard:05d}.safetensors", recorder.finished, engine.runner.model_config.hidden_size)
         shard += 1
         done.update(int(seq.seq_id) for seq, _ in recorder.finished)
         recorder.finished.clear()
@@ -78,12 +81,14 @@ def distill(prompts: list[str], out_dir: Path, target: str | None, max_new_token
     progress.close()
 
 
-def _write_shard(path: Path, samples: list[tuple[Sequence, torch.Tensor]]) -> None:
+def _write_shard(path: Path, samples: list[tuple[Sequence, torch.Tensor]], hidden_size: int) -> None:
     lengths = torch.tensor([len(seq.token_ids) for seq, _ in samples])
+    recorded = torch.cat([f for _, f in samples])
     save_file({
         "tokens": torch.tensor([t for seq, _ in samples for t in seq.token_ids], dtype=torch.int32),
         "offsets": torch.cat([torch.zeros(1, dtype=torch.long), lengths.cumsum(0)]),
         "prompt_lens": torch.tensor([seq.num_prompt_tokens for seq, _ in samples]),
-        "features": torch.cat([f for _, f in samples]),
+        "features": recorded[:, :-hidden_size].contiguous(),
+        "final_hidden": recorded[:, -hidden_size:].contiguous(),
     }, str(path.with_suffix(".tmp")))
     path.with_suffix(".tmp").rename(path)

@@ -3,7 +3,10 @@
 Draft vocabulary: the `draft_vocab_size` most frequent tokens of the target's answers. The head's
 `norm` and `lm_head` start from the target's final norm and head rows for those tokens (its
 output space is the target's), the rest from scratch. Loss: cross-entropy of each TTT unroll
-step on the target's next tokens (answer positions only), weighted 0.8^step as in EAGLE-3.
+step against the target's own next-token distribution over the draft vocabulary (soft labels,
+recomputed from the stored last-layer output; answer positions only), weighted 0.8^step as in
+EAGLE-3. Soft labels carry the target's whole ranking, not just its argmax: more signal per
+distilled token, which is what a CPU-sized data budget is short of.
 """
 
 import json
@@ -51,7 +54,21 @@ def _shards(data_dir: Path) -> list[Path]:
 
 def _load_shard(path: Path) -> dict[str, torch.Tensor]:
     with safe_open(str(path), framework="pt") as f:
+        if "final_hidden" not in f.keys():
+            raise ValueError(f"{path} has no final_hidden (an older distill wrote it): distill again into a new --out")
         return {k: f.get_tensor(k) for k in f.keys()}
+
+
+class TargetDistribution:
+    """The target's next-token distribution over the draft vocabulary, from its last layer's output."""
+
+    def __init__(self, norm: torch.Tensor, head_rows: torch.Tensor, eps: float):
+        self.norm, self.head_rows, self.eps = norm, head_rows, eps
+
+    @torch.no_grad()
+    def probs(self, final_hidden: torch.Tensor) -> torch.Tensor:
+        h = F.rms_norm(final_hidden.float(), (final_hidden.shape[-1],), self.norm, self.eps)
+        return torch.softmax(h @ self.head_rows.T, dim=-1)
 
 
 def answer_token_counts(shards: list[Path], vocab_size: int) -> torch.Tensor:
@@ -94,15 +111,17 @@ def _collate(shard: dict[str, torch.Tensor], indices: list[int], max_len: int):
     t = max(lengths)
     tokens = torch.zeros(len(indices), t, dtype=torch.long)
     features = torch.zeros(len(indices), t, shard["features"].shape[1])
+    final_hidden = torch.zeros(len(indices), t, shard["final_hidden"].shape[1])
     valid = torch.zeros(len(indices), t, dtype=torch.bool)
     loss_mask = torch.zeros(len(indices), t, dtype=torch.bool)
     for row, (i, n) in enumerate(zip(indices, lengths)):
         start = int(offsets[i])
         tokens[row, :n] = shard["tokens"][start : start + n].long()
         features[row, :n] = shard["features"][start : start + n].float()
+        final_hidden[row, :n] = shard["final_hidden"][start : start + n].float()
         valid[row, :n] = True
         loss_mask[row, int(prompt_lens[i]) : n] = True
-    return features, tokens, valid, loss_mask
+    return features, final_hidden, tokens, valid, loss_mask
 
 
 def train(cfg: TrainConfig) -> Path:
@@ -127,6 +146,8 @@ def train(cfg: TrainConfig) -> Path:
         with torch.no_grad():
             model.norm.copy_(weights["model.norm.weight"])
             model.lm_head.weight.copy_(weights.get("lm_head.weight", embed)[vocab])
+    teacher = TargetDistribution(weights["model.norm.weight"], weights.get("lm_head.weight", embed)[vocab],
+                                 target.rms_norm_eps)
     optim = torch.optim.AdamW(model.parameters(), lr=cfg.lr, betas=(0.9, 0.95), weight_decay=0.0)
     per_epoch = sum(len(_batches(_load_index(p), cfg, random.Random(0))) for p in shards)
     total_steps = max(1, int(per_epoch * cfg.epochs))
@@ -136,7 +157,7 @@ def train(cfg: TrainConfig) -> Path:
         optim.load_state_dict(state["optim"])
         progress = state["progress"]
     schedule = lambda step: min(1.0, (step + 1) / cfg.warmup_steps) * 0.5 * (1 + math.cos(math.pi * min(step / total_steps, 1.0)))
-    _run(model, optim, schedule, shards, cfg, progress, total_steps, ckpt_dir, vocab, coverage)
+    _run(model, teacher, optim, schedule, shards, cfg, progress, total_steps, ckpt_dir, vocab, coverage)
     model.export(cfg.out_dir)
     (cfg.out_dir / "training.json").write_text(json.dumps(
         {"config": {k: str(v) for k, v in asdict(cfg).items()}, "draft_vocab_coverage": coverage,
@@ -149,7 +170,7 @@ def _load_index(path: Path) -> dict[str, torch.Tensor]:
         return {k: f.get_tensor(k) for k in ("offsets", "prompt_lens")}
 
 
-def _run(model, optim, schedule, shards, cfg, progress, total_steps, ckpt_dir, vocab, coverage) -> None:
+def _run(model, teacher, optim, schedule, shards, cfg, progress, total_steps, ckpt_dir, vocab, coverage) -> None:
     bar = tqdm(total=total_steps, initial=progress["step"], desc="training eagle3", unit="step")
     started, last_ckpt, step = time.time() - progress["seconds"], time.time(), 0
     epoch = 0
@@ -165,7 +186,8 @@ def _run(model, optim, schedule, shards, cfg, progress, total_steps, ckpt_dir, v
                     continue
                 if progress["step"] >= total_steps or _out_of_time(cfg, started):
                     break
-                metrics = _train_step(model, optim, schedule(progress["step"]), *_collate(shard, batch, cfg.max_len), cfg)
+                batch_tensors = _collate(shard, batch, cfg.max_len)
+                metrics = _train_step(model, teacher, optim, schedule(progress["step"]), *batch_tensors, cfg)
                 step += 1
                 progress["step"] = step
                 progress["tokens"] += metrics.pop("tokens")
@@ -186,7 +208,7 @@ def _out_of_time(cfg: TrainConfig, started: float) -> bool:
     return cfg.max_hours is not None and time.time() - started > cfg.max_hours * 3600
 
 
-def _train_step(model, optim, lr_scale, features, tokens, valid, loss_mask, cfg) -> dict:
+def _train_step(model, teacher, optim, lr_scale, features, final_hidden, tokens, valid, loss_mask, cfg) -> dict:
     for group in optim.param_groups:
         group["lr"] = cfg.lr * lr_scale
     # bf16 GEMMs (AVX512-BF16/AMX where the CPU has them) with fp32 master weights and loss.
@@ -198,7 +220,11 @@ def _train_step(model, optim, lr_scale, features, tokens, valid, loss_mask, cfg)
         mask = labels >= 0
         if not mask.any():
             continue
-        loss = loss + 0.8**k * F.cross_entropy(step_logits[mask].float(), labels[mask])
+        rows, cols = mask.nonzero(as_tuple=True)
+        # Index t predicts token t+2+k: the target's distribution for it comes from position t+1+k.
+        target_p = teacher.probs(final_hidden[rows, cols + 1 + k])
+        step_loss = -(target_p * F.log_softmax(step_logits[mask].float(), dim=-1)).sum(-1).mean()
+        loss = loss + 0.8**k * step_loss
         metrics[f"acc{k}"] = round(float((step_logits[mask].argmax(-1) == labels[mask]).float().mean()), 3)
     if not torch.is_tensor(loss):
         return metrics

@@ -1,0 +1,64 @@
+"""`pdspec train-eagle3` end to end on the embedded model: distillation records what training
+needs, training resumes from its checkpoint, and the exported head drafts losslessly."""
+
+import json
+from dataclasses import replace
+
+import pytest
+import torch
+
+from engine.config import EngineConfig
+from engine.engine import Engine
+from engine.loader import load_weights
+from engine.params import SamplingParams
+from engine.spec.train.distill import distill
+from engine.spec.train.trainer import TargetDistribution, TrainConfig, _load_shard, train
+
+QUESTIONS = ["Name three primary colors.", "Count from 1 to 10.", "What is 12 times 12?", "Write a haiku about rain."]
+
+
+@pytest.fixture(scope="module")
+def run_dir(tmp_path_factory):
+    out = tmp_path_factory.mktemp("train-eagle3")
+    distill(QUESTIONS, out / "data", None, max_new_tokens=16, batch_size=4)
+    return out
+
+
+def test_distilled_last_layer_output_reproduces_the_targets_greedy_choices(run_dir, engine):
+    """Soft labels come from the stored last-layer output: its argmax must be the next token the
+    target actually chose (fp16 storage may flip a near-tie, hardly more)."""
+    shard = _load_shard(next((run_dir / "data").glob("shard-*.safetensors")))
+    config = engine.runner.model_config
+    assert shard["features"].shape[1] == 3 * config.hidden_size
+    assert shard["final_hidden"].shape[1] == config.hidden_size
+    weights = load_weights(engine.runner.model_dir, torch.float32, torch.device("cpu"))
+    head = weights.get("lm_head.weight", weights["model.embed_tokens.weight"])
+    teacher = TargetDistribution(weights["model.norm.weight"], head, config.rms_norm_eps)
+    agree, total = 0, 0
+    for i in range(len(QUESTIONS)):
+        start, end = int(shard["offsets"][i]), int(shard["offsets"][i + 1])
+        answer_from = start + int(shard["prompt_lens"][i]) - 1  # the prompt's last position picks token 1
+        predicted = teacher.probs(shard["final_hidden"][answer_from : end - 1]).argmax(-1)
+        agree += int((predicted == shard["tokens"][answer_from + 1 : end].long()).sum())
+        total += end - 1 - answer_from
+    assert total >= len(QUESTIONS) and agree >= 0.95 * total
+
+
+def test_training_resumes_and_exports_a_head_that_drafts_losslessly(run_dir, engine):
+    cfg = TrainConfig(target=None, data_dir=run_dir / "data", out_dir=run_dir, draft_vocab_size=1024,
+                      epochs=1.0, ttt_steps=2, batch_tokens=256, warmup_steps=1)
+    train(cfg)
+    first = json.loads((run_dir / "training.json").read_text())
+    assert first["step"] > 0 and first["samples"] == len(QUESTIONS)
+    train(replace(cfg, epochs=2.0))  # resumes at the checkpoint's step
+    second = json.loads((run_dir / "training.json").read_text())
+    assert second["step"] == 2 * first["step"] and second["tokens"] == 2 * first["tokens"]
+
+    spec = Engine(EngineConfig(num_kv_blocks=128, speculative={"method": "eagle3", "model": str(run_dir),
+                                                               "num_speculative_tokens": 3}))
+    prompt = engine.tokenizer.encode_chat([{"role": "user", "content": QUESTIONS[1]}])
+    params = SamplingParams(max_tokens=24)
+    plain = [t for o in engine.generate(prompt, params) for t in o.token_ids]
+    outs = list(spec.generate(prompt, params))
+    assert [t for o in outs for t in o.token_ids] == plain
+    assert outs[-1].acceptance.drafted > 0
