@@ -37,10 +37,12 @@ class AcceptanceStats:
         return (self.accepted + self.steps) / self.steps if self.steps else 0.0
 
     def to_dict(self) -> dict:
+        # accepted_at only grows as far as acceptance reached: positions beyond it were never accepted.
+        accepted_at = self.accepted_at + [0] * (len(self.drafted_at) - len(self.accepted_at))
         return {
             "drafted": self.drafted,
             "accepted": self.accepted,
             "steps": self.steps,
             "mean_acceptance_length": round(self.mean_acceptance_length, 4),
-            "per_position_acceptance_rate": [round(a / d, 4) if d else 0.0 for a, d in zip(self.accepted_at, self.drafted_at)],
+            "per_position_acceptance_rate": [round(a / d, 4) for a, d in zip(accepted_at, self.drafted_at)],
         }

@@ -10,6 +10,7 @@ from engine.loader import load_weights
 from engine.params import SamplingParams
 from engine.spec.rejection import VerifyInput, verify
 from engine.spec.train.model import TrainableEagle3
+from engine.stats import AcceptanceStats
 
 QUESTIONS = [
     "List the days of the week.", "What is the capital of Japan?", "Write a haiku about rain.",
@@ -100,6 +101,14 @@ def test_a_confidence_threshold_ends_chains_early_and_stays_lossless(prompts, pl
     (drafted_all, accepted_all), (drafted, accepted) = stats[0.0], stats[0.4]
     assert 0 < drafted < drafted_all
     assert accepted / drafted > accepted_all / drafted_all
+
+
+def test_per_position_acceptance_covers_every_drafted_position():
+    stats = AcceptanceStats()
+    stats.record(num_drafted=5, num_accepted=1)
+    stats.record(num_drafted=3, num_accepted=0)
+    assert stats.to_dict()["per_position_acceptance_rate"] == [0.5, 0.0, 0.0, 0.0, 0.0]
+    assert stats.mean_acceptance_length == 1.5
 
 
 def test_short_pool_degrades_to_plain_decoding(random_head, prompts, plain_outputs):
