@@ -22,6 +22,7 @@ from safetensors import safe_open
 from tqdm import tqdm
 
 from engine.config import ModelConfig
+from engine.layers import rms_norm
 from engine.loader import load_weights
 from engine.model_dir import resolve_model_dir
 from engine.spec.train.model import TrainableEagle3, exported_vocab
@@ -67,8 +68,7 @@ class TargetDistribution:
 
     @torch.no_grad()
     def probs(self, final_hidden: torch.Tensor) -> torch.Tensor:
-        h = F.rms_norm(final_hidden.float(), (final_hidden.shape[-1],), self.norm, self.eps)
-        return torch.softmax(h @ self.head_rows.T, dim=-1)
+        return torch.softmax(rms_norm(final_hidden.float(), self.norm, self.eps) @ self.head_rows.T, dim=-1)
 
 
 def answer_token_counts(shards: list[Path], vocab_size: int) -> torch.Tensor:
@@ -140,14 +140,14 @@ def train(cfg: TrainConfig) -> Path:
         vocab, coverage = state["draft_vocab"], state["coverage"]
     embed = weights["model.embed_tokens.weight"]
     model = TrainableEagle3(target, vocab, embed)
-    if init is not None:
-        model.load_exported(init)
-    else:
-        with torch.no_grad():
-            model.norm.copy_(weights["model.norm.weight"])
-            model.lm_head.weight.copy_(weights.get("lm_head.weight", embed)[vocab])
     teacher = TargetDistribution(weights["model.norm.weight"], weights.get("lm_head.weight", embed)[vocab],
                                  target.rms_norm_eps)
+    if init is not None:
+        model.load_exported(init)
+    else:  # the head starts as the target's own final norm and head, restricted to the draft vocabulary
+        with torch.no_grad():
+            model.norm.copy_(teacher.norm)
+            model.lm_head.weight.copy_(teacher.head_rows)
     optim = torch.optim.AdamW(model.parameters(), lr=cfg.lr, betas=(0.9, 0.95), weight_decay=0.0)
     per_epoch = sum(len(_batches(_load_index(p), cfg, random.Random(0))) for p in shards)
     total_steps = max(1, int(per_epoch * cfg.epochs))
@@ -186,8 +186,8 @@ def _run(model, teacher, optim, schedule, shards, cfg, progress, total_steps, ck
                     continue
                 if progress["step"] >= total_steps or _out_of_time(cfg, started):
                     break
-                batch_tensors = _collate(shard, batch, cfg.max_len)
-                metrics = _train_step(model, teacher, optim, schedule(progress["step"]), *batch_tensors, cfg)
+                tensors = _collate(shard, batch, cfg.max_len)
+                metrics = _train_step(model, teacher, optim, schedule(progress["step"]), *tensors, cfg)
                 step += 1
                 progress["step"] = step
                 progress["tokens"] += metrics.pop("tokens")
