@@ -20,7 +20,8 @@ def _add_engine_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--num-speculative-tokens", type=int, default=5, help="draft tokens per step (K)")
     p.add_argument("--draft", default=None, help="EAGLE3 head directory (default: the head shipped for the embedded model)")
     p.add_argument("--draft-confidence-threshold", type=float, default=0.0,
-                   help="eagle3: propose a draft token only while the draft gives it at least this probability")
+                   help="eagle3: draft only while the chain's probability (the product of the draft's "
+                        "probabilities) is at least this times the number of sequences drafting")
 
 
 def _engine_config(args: argparse.Namespace, **overrides) -> EngineConfig:

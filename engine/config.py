@@ -105,8 +105,9 @@ class SpeculativeConfig(BaseModel):
     prompt_lookup_min: int = Field(1, ge=1, description="ngram: shortest suffix to look up")
     prompt_lookup_max: int = Field(4, ge=1, description="ngram: longest suffix to look up")
     draft_confidence_threshold: float = Field(
-        0.0, ge=0.0, lt=1.0, description="eagle3: end a sequence's draft chain before the first token the draft "
-        "gives a probability below this (0 = always draft K tokens)")
+        0.0, ge=0.0, lt=1.0, description="eagle3: end a sequence's draft chain before the first token at which "
+        "the product of the draft's probabilities along it falls below this times the number of sequences "
+        "drafting (0 = always draft K tokens)")
 
     @model_validator(mode="after")
     def _check(self) -> "SpeculativeConfig":

@@ -8,10 +8,15 @@ drafting them came from its own hidden states and is overwritten here). Proposin
    at p), whose last row predicts the first draft token;
 2. K-1 single-row forwards, each at the next position with the previous draft token and the
    draft's own output hidden state.
-All sequences of the batch go through each forward together. With a confidence threshold, a
-sequence's chain ends before the first token the draft is less sure of than that: a doubtful
-draft token costs a verification row and, when the chain goes on, a draft forward, and is
-rarely accepted.
+All sequences of the batch go through each forward together.
+
+With a confidence threshold P, a sequence's chain ends before the first token at which the
+product of the draft's probabilities along the chain falls below P times the number of
+sequences drafting. The product is the draft's estimate that the token and every one before it
+are accepted (the head is calibrated: see its model card), i.e. the tokens it is expected to
+add. It costs about the same wall time at any batch size (a draft row and a verification row),
+while a step's output grows with the batch, so it pays at batch B only if it adds about B times
+what it must add at batch 1.
 """
 
 import torch
@@ -26,7 +31,8 @@ class Eagle3Proposer:
 
     def __init__(self, runner, block_table, confidence_threshold: float = 0.0):
         """runner: the ModelRunner holding the draft and its cache; block_table(seq_id) -> block ids;
-        confidence_threshold: the least draft probability a proposed token may have."""
+        confidence_threshold: per sequence drafting, the least product of draft probabilities a
+        proposed chain may have."""
         self.runner = runner
         self.confidence_threshold = confidence_threshold
         self.draft = runner.draft
@@ -77,9 +83,12 @@ class Eagle3Proposer:
             hidden.append(h)
         hidden = torch.cat(hidden)
         self.positions_drafted += hidden.shape[0]
+        chain_prob = torch.ones(len(seqs))
+        threshold = self.confidence_threshold * len(seqs)
         while True:
             out = self.runner.forward_draft(chunks, hidden)
-            tokens, confident = self._choose(out.logits)
+            tokens, chain_prob = self._choose(out.logits, chain_prob)
+            confident = (chain_prob >= threshold).tolist()
             last_rows = torch.tensor([len(c.token_ids) for c in chunks]).cumsum(0) - 1
             last_hidden = out.hidden.index_select(0, last_rows)
             for seq, token, ok in zip(seqs, tokens, confident):
@@ -90,12 +99,12 @@ class Eagle3Proposer:
                 return
             # Next step: one row per sequence at the next position, fed its own last hidden state.
             chunks = [SeqChunk([tokens[i]], chunks[i].end, chunks[i].block_table, num_logits=1) for i in keep]
-            hidden = last_hidden[keep]
+            hidden, chain_prob = last_hidden[keep], chain_prob[keep]
             seqs, limits = [seqs[i] for i in keep], [limits[i] for i in keep]
 
-    def _choose(self, logits: torch.Tensor) -> tuple[list[int], list[bool]]:
-        """Each row's most likely token (target ids) and whether the draft is confident enough in it."""
-        if self.confidence_threshold == 0.0:
-            return self.draft.to_target_ids(logits.argmax(dim=-1)).tolist(), [True] * logits.shape[0]
+    def _choose(self, logits: torch.Tensor, chain_prob: torch.Tensor) -> tuple[list[int], torch.Tensor]:
+        """Each row's most likely token (target ids), and the chain's probability extended by it."""
+        if self.confidence_threshold == 0.0:  # the probabilities are not needed
+            return self.draft.to_target_ids(logits.argmax(dim=-1)).tolist(), chain_prob
         prob, choice = torch.softmax(logits.float(), dim=-1).max(dim=-1)
-        return self.draft.to_target_ids(choice).tolist(), (prob >= self.confidence_threshold).tolist()
+        return self.draft.to_target_ids(choice).tolist(), chain_prob * prob
