@@ -1,4 +1,4 @@
-"""`pdspec generate` as a user runs it: a subprocess on the embedded default model."""
+"""`pdspec generate` and `pdspec bench spec` as a user runs them: a subprocess on the embedded default model."""
 
 import json
 import subprocess
@@ -29,3 +29,27 @@ def test_bad_model_path_is_a_clear_error(tmp_path):
     result = _pdspec("generate", "--prompt", "hi", "--model", str(tmp_path / "nope"))
     assert result.returncode == 2
     assert "does not exist" in result.stderr
+
+
+def test_bench_spec_reports_a_lossless_comparison(tmp_path):
+    prompts = tmp_path / "prompts.jsonl"
+    prompts.write_text(json.dumps({"prompt": "Name three colours."}) + "\n"
+                       + json.dumps({"turns": ["What is 12 times 7?", "And times 8?"]}) + "\n"
+                       + json.dumps({"prompt": "Say hello in French."}) + "\n")
+    result = _pdspec("bench", "spec", "--prompts", str(prompts), "--max-tokens", "12", "--max-prompts", "2",
+                     "--speculative", "eagle3", "--num-speculative-tokens", "3", "--json")
+    assert result.returncode == 0, result.stderr
+    out = json.loads(result.stdout.strip().splitlines()[-1])
+    assert out["num_prompts"] == 2 and out["lossless"] is True
+    assert out["drafted"] > 0 and 1.0 <= out["tau"] <= 4.0
+    low, high = out["speedup_ci95"]
+    assert low <= out["speedup"] <= high
+    assert out["tokens_per_s_spec"] > 0 and out["tokens_per_s_base"] > 0
+
+
+def test_bench_spec_without_a_speculative_method_is_a_clear_error(tmp_path):
+    prompts = tmp_path / "prompts.jsonl"
+    prompts.write_text(json.dumps({"prompt": "hi"}) + "\n")
+    result = _pdspec("bench", "spec", "--prompts", str(prompts), "--speculative", "none")
+    assert result.returncode == 2
+    assert "--speculative" in result.stderr
