@@ -12,7 +12,7 @@ from engine.engine import Engine
 from engine.loader import load_weights
 from engine.params import SamplingParams
 from engine.spec.train.distill import distill
-from engine.spec.train.trainer import TargetDistribution, TrainConfig, _load_shard, train
+from engine.spec.train.trainer import TargetDistribution, TrainConfig, load_shard, train
 
 QUESTIONS = ["Name three primary colors.", "Count from 1 to 10.", "What is 12 times 12?", "Write a haiku about rain."]
 
@@ -27,7 +27,7 @@ def run_dir(tmp_path_factory):
 def test_distilled_last_layer_output_reproduces_the_targets_greedy_choices(run_dir, engine):
     """Soft labels come from the stored last-layer output: its argmax must be the next token the
     target actually chose (fp16 storage may flip a near-tie, hardly more)."""
-    shard = _load_shard(next((run_dir / "data").glob("shard-*.safetensors")))
+    shard = load_shard(next((run_dir / "data").glob("shard-*.safetensors")))
     config = engine.runner.model_config
     assert shard["features"].shape[1] == 3 * config.hidden_size
     assert shard["final_hidden"].shape[1] == config.hidden_size
@@ -62,3 +62,20 @@ def test_training_resumes_and_exports_a_head_that_drafts_losslessly(run_dir, eng
     outs = list(spec.generate(prompt, params))
     assert [t for o in outs for t in o.token_ids] == plain
     assert outs[-1].acceptance.drafted > 0
+
+
+def test_teacher_forced_accuracy_counts_every_answer_position(run_dir):
+    """bench.draft_accuracy on the shipped head: one draft position-1 prediction per answer token,
+    every one in a calibration bin, and wider top-k never less accurate."""
+    from bench.draft_accuracy import load_head, measure
+    from engine.runner import EMBEDDED_DRAFT_DIR
+
+    result = measure(load_head(EMBEDDED_DRAFT_DIR, None), run_dir / "data")
+    shard = load_shard(next((run_dir / "data").glob("shard-*.safetensors")))
+    answer_tokens = int((shard["offsets"][1:] - shard["offsets"][:-1] - shard["prompt_lens"]).sum())
+    assert result["positions"] == answer_tokens
+    assert sum(row["positions"] for row in result["calibration"]) == answer_tokens
+    for rates in (result["top_k_position_1"], result["top_k_position_2_given_1"]):
+        values = list(rates.values())
+        assert values == sorted(values) and 0 <= values[0] and values[-1] <= 1
+    assert result["top_k_position_1"][8] > 0

@@ -46,14 +46,14 @@ class TrainConfig:
     checkpoint_every_s: float = 600.0
 
 
-def _shards(data_dir: Path) -> list[Path]:
+def shard_paths(data_dir: Path) -> list[Path]:
     shards = sorted(data_dir.glob("shard-*.safetensors"))
     if not shards:
         raise FileNotFoundError(f"no distilled shards in {data_dir}; run the distill stage first")
     return shards
 
 
-def _load_shard(path: Path) -> dict[str, torch.Tensor]:
+def load_shard(path: Path) -> dict[str, torch.Tensor]:
     with safe_open(str(path), framework="pt") as f:
         if "final_hidden" not in f.keys():
             raise ValueError(f"{path} has no final_hidden (an older distill wrote it): distill again into a new --out")
@@ -105,7 +105,7 @@ def _batches(shard: dict[str, torch.Tensor], cfg: TrainConfig, rng: random.Rando
     return batches
 
 
-def _collate(shard: dict[str, torch.Tensor], indices: list[int], max_len: int):
+def collate(shard: dict[str, torch.Tensor], indices: list[int], max_len: int):
     offsets, prompt_lens = shard["offsets"], shard["prompt_lens"]
     lengths = [min(int(offsets[i + 1] - offsets[i]), max_len) for i in indices]
     t = max(lengths)
@@ -126,7 +126,7 @@ def _collate(shard: dict[str, torch.Tensor], indices: list[int], max_len: int):
 
 def train(cfg: TrainConfig) -> Path:
     torch.manual_seed(cfg.seed)
-    shards = _shards(cfg.data_dir)
+    shards = shard_paths(cfg.data_dir)
     ckpt_dir = cfg.out_dir / "checkpoints"
     ckpt_dir.mkdir(parents=True, exist_ok=True)
     model_dir = resolve_model_dir(cfg.target)
@@ -179,14 +179,14 @@ def _run(model, teacher, optim, schedule, shards, cfg, progress, total_steps, ck
         order = list(shards)
         rng.shuffle(order)
         for path in order:
-            shard = _load_shard(path)
+            shard = load_shard(path)
             for batch in _batches(shard, cfg, rng):
                 if step < progress["step"]:  # resuming: skip what the checkpoint already trained on
                     step += 1
                     continue
                 if progress["step"] >= total_steps or _out_of_time(cfg, started):
                     break
-                tensors = _collate(shard, batch, cfg.max_len)
+                tensors = collate(shard, batch, cfg.max_len)
                 metrics = _train_step(model, teacher, optim, schedule(progress["step"]), *tensors, cfg)
                 step += 1
                 progress["step"] = step
