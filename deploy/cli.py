@@ -21,7 +21,7 @@ def _add_engine_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--draft", default=None, help="EAGLE3 head directory (default: the head shipped for the embedded model)")
     p.add_argument("--draft-confidence-threshold", type=float, default=0.0,
                    help="eagle3: draft only while the chain's probability (the product of the draft's "
-                        "probabilities) is at least this times the number of sequences drafting")
+                        "probabilities) is at least this times the number of sequences drafting (none from 1/P sequences)")
 
 
 def _engine_config(args: argparse.Namespace, **overrides) -> EngineConfig:
@@ -90,11 +90,14 @@ def _bench_spec(args: argparse.Namespace) -> int:
 
     if args.speculative == "none":
         raise ValueError("--speculative: choose eagle3 or ngram to compare against plain decoding")
+    texts = read_prompts(Path(args.prompts))[: args.max_prompts]
+    if not texts:
+        raise ValueError(f"--prompts {args.prompts} with --max-prompts {args.max_prompts}: no prompts to run")
     blocks = {"num_kv_blocks": 256 * args.batch_size, "max_num_seqs": args.batch_size}
     spec = Engine(_engine_config(args, **blocks))
     base = Engine(_engine_config(args, **blocks).model_copy(update={"speculative": SpeculativeConfig()}))
-    prompts = [spec.tokenizer.encode_chat([{"role": "user", "content": p}]) for p in read_prompts(Path(args.prompts))]
-    result = evaluate(base, spec, prompts[: args.max_prompts], args.max_tokens, args.batch_size, args.temperature)
+    prompts = [spec.tokenizer.encode_chat([{"role": "user", "content": p}]) for p in texts]
+    result = evaluate(base, spec, prompts, args.max_tokens, args.batch_size, args.temperature)
     if args.json:
         print(json.dumps(result))
     else:

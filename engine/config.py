@@ -107,7 +107,7 @@ class SpeculativeConfig(BaseModel):
     draft_confidence_threshold: float = Field(
         0.0, ge=0.0, lt=1.0, description="eagle3: end a sequence's draft chain before the first token at which "
         "the product of the draft's probabilities along it falls below this times the number of sequences "
-        "drafting (0 = always draft K tokens)")
+        "drafting (0 = always draft K tokens; once it times the batch reaches 1, nothing is drafted)")
 
     @model_validator(mode="after")
     def _check(self) -> "SpeculativeConfig":

@@ -90,24 +90,29 @@ def test_a_stop_token_inside_an_accepted_run_ends_the_output_there(spec_engines,
 
 def test_a_confidence_threshold_ends_chains_early_and_stays_lossless(prompts, plain_outputs):
     """With the shipped head, a threshold drafts fewer tokens, a larger share of them accepted; in a
-    batch of 4 the threshold is 4 times higher per sequence, so fewer still are drafted."""
+    batch of B the threshold is B times higher per sequence, so fewer still are drafted, and none
+    once it reaches 1 (the draft's pending features are caught up when the batch shrinks)."""
     params = SamplingParams(max_tokens=32)
 
-    def run(threshold: float, batched: bool) -> tuple[int, int]:
+    def run(threshold: float, which: list[int], batched: bool) -> tuple[int, int]:
         engine = Engine(EngineConfig(num_kv_blocks=256, speculative={
             "method": "eagle3", "num_speculative_tokens": 5, "draft_confidence_threshold": threshold}))
-        outs = (_run(engine, prompts[:4], [params] * 4) if batched
-                else [_run(engine, [p], [params])[0] for p in prompts[:4]])
-        assert outs == plain_outputs[:4]
+        chosen = [prompts[i] for i in which]
+        outs = (_run(engine, chosen, [params] * len(chosen)) if batched
+                else [_run(engine, [p], [params])[0] for p in chosen])
+        assert outs == [plain_outputs[i] for i in which]
         assert engine.blocks.num_used_blocks == 0
         return engine.counters["draft_tokens"], engine.counters["accepted_tokens"]
 
-    drafted_all, accepted_all = run(0.0, batched=False)
-    drafted, accepted = run(0.1, batched=False)
+    drafted_all, accepted_all = run(0.0, [0, 1, 2, 3], batched=False)
+    drafted, accepted = run(0.1, [0, 1, 2, 3], batched=False)
     assert 0 < drafted < drafted_all
     assert accepted / drafted > accepted_all / drafted_all
-    drafted_batched, _ = run(0.1, batched=True)
-    assert drafted_batched < drafted
+    assert run(0.1, [0, 1, 2, 3], batched=True)[0] < drafted
+    long, short = 0, 1
+    assert len(plain_outputs[long]) == 32 > len(plain_outputs[short])
+    assert run(0.5, [long, 2], batched=True)[0] == 0  # 0.5 x 2 sequences: nothing drafted
+    assert run(0.5, [long, short], batched=True)[0] > 0  # drafting resumes once `short` finished
 
 
 def test_per_position_acceptance_covers_every_drafted_position():

@@ -14,9 +14,10 @@ With a confidence threshold P, a sequence's chain ends before the first token at
 product of the draft's probabilities along the chain falls below P times the number of
 sequences drafting. The product is the draft's estimate that the token and every one before it
 are accepted (the head is calibrated: see its model card), i.e. the tokens it is expected to
-add. It costs about the same wall time at any batch size (a draft row and a verification row),
-while a step's output grows with the batch, so it pays at batch B only if it adds about B times
-what it must add at batch 1.
+add. A draft token costs about the same wall time at any batch size (a draft row and a
+verification row), while a step's output grows with the batch, so it pays at batch B only if it
+adds about B times what it must add at batch 1. Once P times the batch reaches 1 no chain can
+pass, and no draft forward runs: the target's features wait in `pending` for a smaller batch.
 """
 
 import torch
@@ -68,7 +69,7 @@ class Eagle3Proposer:
     def propose(self, seqs: list[Sequence], num_tokens: list[int]) -> list[Proposal]:
         active = [(s, k) for s, k in zip(seqs, num_tokens) if k > 0 and s.seq_id in self.pending]
         drafts: dict[str, list[int]] = {s.seq_id: [] for s, _ in active}
-        if active:
+        if active and self.confidence_threshold * len(active) < 1.0:
             self._draft(active, drafts)
         return [Proposal(drafts.get(s.seq_id, [])) for s in seqs]
 
@@ -83,13 +84,13 @@ class Eagle3Proposer:
             hidden.append(h)
         hidden = torch.cat(hidden)
         self.positions_drafted += hidden.shape[0]
-        chain_prob = torch.ones(len(seqs))
+        chain_prob = torch.ones(len(seqs), device=hidden.device)
         threshold = self.confidence_threshold * len(seqs)
         while True:
             out = self.runner.forward_draft(chunks, hidden)
             tokens, chain_prob = self._choose(out.logits, chain_prob)
             confident = (chain_prob >= threshold).tolist()
-            last_rows = torch.tensor([len(c.token_ids) for c in chunks]).cumsum(0) - 1
+            last_rows = torch.tensor([len(c.token_ids) for c in chunks], device=hidden.device).cumsum(0) - 1
             last_hidden = out.hidden.index_select(0, last_rows)
             for seq, token, ok in zip(seqs, tokens, confident):
                 if ok:
