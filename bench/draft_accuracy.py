@@ -10,7 +10,7 @@ own hidden state and the true token before it. Reported:
 - calibration: the head's top-token probability at position 1 against how often the target
   agrees, which `speculative.draft_confidence_threshold` relies on;
 - the share of answer tokens outside the draft vocabulary (a ceiling on every rate above).
-Prints one JSON object, then a table. Measured acceptance in `bench spec` runs about 0.02 lower at
+Prints one JSON object, then a table. Measured acceptance in `bench spec` runs 0.01-0.02 lower at
 position 1: verification steps start after accepted stretches, so easy positions come up less.
 
     python -m bench.draft_accuracy [--prompts bench/prompts/chat_eval.jsonl] [--draft DIR] [--work DIR]
@@ -76,6 +76,8 @@ def measure(head: TrainableEagle3, data_dir: Path) -> dict:
             top_prob, top = torch.softmax(logits[0], -1).max(-1)
             probs.append(top_prob[at1])
             agrees.append((top == label1)[at1])
+    if positions == 0:
+        raise ValueError(f"{data_dir}: the distilled answers hold no position to measure")
     a1 = {k: hits1[k] / positions for k in TOP_K}
     a2 = {k: hits12[k] / max(hits1_with_2[k], 1) for k in TOP_K}
     return {
@@ -108,10 +110,21 @@ def main() -> None:
     args = ap.parse_args()
     with tempfile.TemporaryDirectory() as tmp:
         work = args.work or Path(tmp)
+        _check_work_dir(work, {"prompts": str(args.prompts.resolve()), "target": args.target,
+                               "max_new_tokens": args.max_new_tokens})
         distill(read_prompts(args.prompts), work, args.target, max_new_tokens=args.max_new_tokens)
         result = {"draft": str(args.draft), "prompts": str(args.prompts), **measure(load_head(args.draft, args.target), work)}
     print(json.dumps(result))
     _table(result)
+
+
+def _check_work_dir(work: Path, answers_of: dict) -> None:
+    """A kept work directory holds answers to one prompt file, target and length: refuse another."""
+    record = work / "answers_of.json"
+    if record.exists() and json.loads(record.read_text()) != answers_of:
+        raise SystemExit(f"--work {work} holds answers to {record.read_text().strip()}; use another directory")
+    work.mkdir(parents=True, exist_ok=True)
+    record.write_text(json.dumps(answers_of))
 
 
 def _table(r: dict) -> None:

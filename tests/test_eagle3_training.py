@@ -12,7 +12,7 @@ from engine.engine import Engine
 from engine.loader import load_weights
 from engine.params import SamplingParams
 from engine.spec.train.distill import distill
-from engine.spec.train.trainer import TargetDistribution, TrainConfig, load_shard, train
+from engine.spec.train.trainer import TargetDistribution, TrainConfig, load_shard, shard_paths, train
 
 QUESTIONS = ["Name three primary colors.", "Count from 1 to 10.", "What is 12 times 12?", "Write a haiku about rain."]
 
@@ -66,16 +66,17 @@ def test_training_resumes_and_exports_a_head_that_drafts_losslessly(run_dir, eng
 
 def test_teacher_forced_accuracy_counts_every_answer_position(run_dir):
     """bench.draft_accuracy on the shipped head: one draft position-1 prediction per answer token,
-    every one in a calibration bin, and wider top-k never less accurate."""
+    every one in a calibration bin, and a wider top-k never less accurate at position 1."""
     from bench.draft_accuracy import load_head, measure
     from engine.runner import EMBEDDED_DRAFT_DIR
 
     result = measure(load_head(EMBEDDED_DRAFT_DIR, None), run_dir / "data")
-    shard = load_shard(next((run_dir / "data").glob("shard-*.safetensors")))
-    answer_tokens = int((shard["offsets"][1:] - shard["offsets"][:-1] - shard["prompt_lens"]).sum())
+    answer_tokens = 0
+    for path in shard_paths(run_dir / "data"):
+        shard = load_shard(path)
+        answer_tokens += int((shard["offsets"][1:] - shard["offsets"][:-1] - shard["prompt_lens"]).sum())
     assert result["positions"] == answer_tokens
     assert sum(row["positions"] for row in result["calibration"]) == answer_tokens
-    for rates in (result["top_k_position_1"], result["top_k_position_2_given_1"]):
-        values = list(rates.values())
-        assert values == sorted(values) and 0 <= values[0] and values[-1] <= 1
-    assert result["top_k_position_1"][8] > 0
+    top_k = list(result["top_k_position_1"].values())
+    assert top_k == sorted(top_k) and 0 < top_k[-1] <= 1
+    assert all(0 <= rate <= 1 for rate in result["top_k_position_2_given_1"].values())

@@ -70,9 +70,11 @@ def evaluate(base: Engine, spec: Engine, prompts: list[list[int]], max_tokens: i
     }
 
 
-
-def _bootstrap_speedup(per_batch: list[tuple[int, float, int, float]], resamples: int = 2000) -> list[float]:
-    """2.5th and 97.5th percentiles of the speedup over batches resampled with replacement."""
+def _bootstrap_speedup(per_batch: list[tuple[int, float, int, float]], resamples: int = 2000) -> tuple[float, float] | None:
+    """2.5th and 97.5th percentiles of the speedup over batches resampled with replacement (None
+    for a single batch: there is nothing to resample)."""
+    if len(per_batch) < 2:
+        return None
     rng = random.Random(0)
     speedups = []
     for _ in range(resamples):
@@ -80,4 +82,4 @@ def _bootstrap_speedup(per_batch: list[tuple[int, float, int, float]], resamples
         base_tokens, base_s, spec_tokens, spec_s = (sum(col) for col in zip(*sample))
         speedups.append((spec_tokens / spec_s) / (base_tokens / base_s))
     speedups.sort()
-    return [round(speedups[int(0.025 * resamples)], 3), round(speedups[int(0.975 * resamples) - 1], 3)]
+    return round(speedups[int(0.025 * resamples)], 3), round(speedups[int(0.975 * resamples) - 1], 3)

@@ -105,7 +105,8 @@ def _batches(shard: dict[str, torch.Tensor], cfg: TrainConfig, rng: random.Rando
     return batches
 
 
-def collate(shard: dict[str, torch.Tensor], indices: list[int], max_len: int):
+def collate(shard: dict[str, torch.Tensor], indices: list[int], max_len: int) -> tuple[torch.Tensor, ...]:
+    """Samples padded into [B, T] tensors: features, final_hidden, tokens, valid, loss_mask (the answer)."""
     offsets, prompt_lens = shard["offsets"], shard["prompt_lens"]
     lengths = [min(int(offsets[i + 1] - offsets[i]), max_len) for i in indices]
     t = max(lengths)
