@@ -91,7 +91,7 @@ def test_a_stop_token_inside_an_accepted_run_ends_the_output_there(spec_engines,
 def test_a_confidence_threshold_ends_chains_early_and_stays_lossless(prompts, plain_outputs):
     """With the shipped head, a threshold drafts fewer tokens, a larger share of them accepted; in a
     batch of B the threshold is B times higher per sequence, so fewer still are drafted, and none
-    once it reaches 1 (the draft's pending features are caught up when the batch shrinks)."""
+    once it reaches 1 (the draft's cache is still kept up to date for when the batch shrinks)."""
     params = SamplingParams(max_tokens=32)
 
     def run(threshold: float, which: list[int], batched: bool) -> tuple[int, int]:

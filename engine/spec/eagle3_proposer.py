@@ -17,7 +17,7 @@ are accepted (the head is calibrated: see its model card), i.e. the tokens it is
 add. A draft token costs about the same wall time at any batch size (a draft row and a
 verification row), while a step's output grows with the batch, so it pays at batch B only if it
 adds about B times what it must add at batch 1. Once P times the batch reaches 1 no chain can
-pass, and no draft forward runs: the target's features wait in `pending` for a smaller batch.
+pass: the draft forward then only brings the draft's cache up to date (no logits).
 """
 
 import torch
@@ -69,21 +69,28 @@ class Eagle3Proposer:
     def propose(self, seqs: list[Sequence], num_tokens: list[int]) -> list[Proposal]:
         active = [(s, k) for s, k in zip(seqs, num_tokens) if k > 0 and s.seq_id in self.pending]
         drafts: dict[str, list[int]] = {s.seq_id: [] for s, _ in active}
-        if active and self.confidence_threshold * len(active) < 1.0:
+        if active and self.confidence_threshold * len(active) >= 1.0:
+            self.runner.forward_draft(*self._take_pending([s for s, _ in active], num_logits=0))
+        elif active:
             self._draft(active, drafts)
         return [Proposal(drafts.get(s.seq_id, [])) for s in seqs]
 
-    def _draft(self, active: list[tuple[Sequence, int]], drafts: dict[str, list[int]]) -> None:
-        seqs, limits = [s for s, _ in active], [k for _, k in active]
+    def _take_pending(self, seqs: list[Sequence], num_logits: int) -> tuple[list[SeqChunk], torch.Tensor]:
+        """The draft forward's input over each sequence's pending positions (target features)."""
         chunks, hidden = [], []
         for seq in seqs:
             first, h = self.pending.pop(seq.seq_id)
             # Position p reads token p+1; the last pending position reads the newest token.
             chunks.append(SeqChunk(seq.token_ids[first + 1 : first + 1 + h.shape[0]], first,
-                                   self.block_table(seq.seq_id), num_logits=1))
+                                   self.block_table(seq.seq_id), num_logits=num_logits))
             hidden.append(h)
         hidden = torch.cat(hidden)
         self.positions_drafted += hidden.shape[0]
+        return chunks, hidden
+
+    def _draft(self, active: list[tuple[Sequence, int]], drafts: dict[str, list[int]]) -> None:
+        seqs, limits = [s for s, _ in active], [k for _, k in active]
+        chunks, hidden = self._take_pending(seqs, num_logits=1)
         chain_prob = torch.ones(len(seqs), device=hidden.device)
         threshold = self.confidence_threshold * len(seqs)
         while True:
