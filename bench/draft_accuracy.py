@@ -65,9 +65,10 @@ def measure(head: TrainableEagle3, data_dir: Path) -> dict:
             logits = head.unroll(features, tokens, valid, steps=2)
             at1, at2 = _shifted(answer, 2), _shifted(answer, 3)  # positions whose draft tokens are answer tokens
             label1, label2 = head.labels(tokens, answer, 0), head.labels(tokens, answer, 1)
+            ranked1, ranked2 = (step.topk(max(TOP_K), -1).indices for step in logits)  # best first
             for k in TOP_K:
-                hit1 = (logits[0].topk(k, -1).indices == label1[..., None]).any(-1) & at1
-                hit2 = (logits[1].topk(k, -1).indices == label2[..., None]).any(-1) & at2
+                hit1 = (ranked1[..., :k] == label1[..., None]).any(-1) & at1
+                hit2 = (ranked2[..., :k] == label2[..., None]).any(-1) & at2
                 hits1[k] += int(hit1.sum())
                 hits1_with_2[k] += int((hit1 & at2).sum())
                 hits12[k] += int((hit1 & hit2).sum())
