@@ -216,15 +216,15 @@ def _train_step(model, teacher, optim, lr_scale, features, final_hidden, tokens,
     with torch.autocast("cpu", dtype=torch.bfloat16):
         logits = model.unroll(features, tokens, valid, cfg.ttt_steps)
     loss, metrics = 0.0, {"tokens": int(valid.sum())}
-    for k, step_logits in enumerate(logits):
-        labels = model.labels(tokens, loss_mask, k)
-        mask = labels >= 0
+    labels_at = [model.labels(tokens, loss_mask, k) for k in range(len(logits))]
+    masks = [labels >= 0 for labels in labels_at]
+    target_p, row_of = _target_probs(teacher, final_hidden, masks)
+    for k, (step_logits, labels, mask) in enumerate(zip(logits, labels_at, masks)):
         if not mask.any():
             continue
         rows, cols = mask.nonzero(as_tuple=True)
-        # Index t predicts token t+2+k: the target's distribution for it comes from position t+1+k.
-        target_p = teacher.probs(final_hidden[rows, cols + 1 + k])
-        step_loss = -(target_p * F.log_softmax(step_logits[mask].float(), dim=-1)).sum(-1).mean()
+        step_p = target_p[row_of[rows, cols + 1 + k]]
+        step_loss = -(step_p * F.log_softmax(step_logits[mask].float(), dim=-1)).sum(-1).mean()
         loss = loss + 0.8**k * step_loss
         metrics[f"acc{k}"] = round(float((step_logits[mask].argmax(-1) == labels[mask]).float().mean()), 3)
     if not torch.is_tensor(loss):
@@ -235,6 +235,22 @@ def _train_step(model, teacher, optim, lr_scale, features, final_hidden, tokens,
     optim.step()
     metrics["loss"] = round(loss.item(), 3)
     return metrics
+
+
+def _target_probs(teacher: TargetDistribution, final_hidden: torch.Tensor,
+                  masks: list[torch.Tensor]) -> tuple[torch.Tensor, torch.Tensor]:
+    """The target's distributions the unroll steps' losses need, each position computed once.
+
+    Index t of step k predicts token t+2+k, whose distribution comes from position t+1+k, so
+    steps share most positions. Returns the distributions [n, N] and, per [B, T] position, its
+    row among them."""
+    needed = torch.zeros_like(masks[0])
+    for k, mask in enumerate(masks):
+        rows, cols = mask.nonzero(as_tuple=True)
+        needed[rows, cols + 1 + k] = True
+    row_of = torch.full(needed.shape, -1, dtype=torch.long)
+    row_of[needed] = torch.arange(int(needed.sum()))
+    return teacher.probs(final_hidden[needed]), row_of
 
 
 def _checkpoint(ckpt_dir: Path, model, optim, progress, vocab, coverage) -> None:
