@@ -2,11 +2,12 @@
 
 Runs on the embedded default model (or --model), fp32, same weights, same process:
 - decode tokens/s at batch 1, 4, 16: 128 new tokens after a 256-token prompt (EOS ignored);
-- the cost of one forward over n = 1, 2, 4, 6, 8 new tokens after a 256-token context,
-  relative to n = 1 (what a speculative verification step costs against a decode step).
+- the cost of one forward over n new tokens (default 1, 2, 4, 6, 8; logits at every row) after a
+  256-token context, relative to n = 1 (what a speculative verification step costs against a
+  decode step).
 Prints one JSON object, then a table.
 
-    python -m bench.engine [--threads 2] [--batches 1 4 16] [--skip-hf]
+    python -m bench.engine [--threads 2] [--batches 1 4 16] [--spans 1 2 4 6 8] [--skip-hf]
 
 (Run as a module: a script named engine.py would shadow the engine package.)
 """
@@ -25,7 +26,7 @@ from engine.config import EngineConfig
 from engine.engine import Engine
 from engine.params import SamplingParams
 
-PROMPT_LEN, NEW_TOKENS, SPANS = 256, 128, (1, 2, 4, 6, 8)
+PROMPT_LEN, NEW_TOKENS = 256, 128
 
 
 def _prompts(n: int, vocab: int) -> list[list[int]]:
@@ -47,16 +48,16 @@ def ours_decode(engine: Engine, batch: int) -> float:
     return decoded / (time.perf_counter() - start)
 
 
-def ours_span_costs(engine: Engine, reps: int) -> dict[int, float]:
+def ours_span_costs(engine: Engine, spans: list[int], reps: int) -> dict[int, float]:
     """Median ms of a forward over n new tokens after a 256-token cached context."""
     prompt = _prompts(1, 40000)[0]
     blocks = engine.blocks
     cached = blocks.allocate("span", prompt)
     engine.runner.forward([SeqChunk(prompt[cached:], cached, blocks.block_table("span"), 1)])
     blocks.commit("span", prompt[cached:])
-    blocks.reserve("span", max(SPANS))
+    blocks.reserve("span", max(spans))
     table = blocks.block_table("span")
-    chunks = {n: SeqChunk(list(range(1000, 1000 + n)), PROMPT_LEN, table, n) for n in SPANS}
+    chunks = {n: SeqChunk(list(range(1000, 1000 + n)), PROMPT_LEN, table, n) for n in spans}
     costs = _interleaved_median_ms({n: (lambda c=c: engine.runner.forward([c])) for n, c in chunks.items()}, reps)
     blocks.rollback("span")
     blocks.free("span")
@@ -76,7 +77,7 @@ def hf_decode(model, batch: int) -> float:
     return batch * (NEW_TOKENS - 1) / (total - prefill)
 
 
-def hf_span_costs(model, reps: int) -> dict[int, float]:
+def hf_span_costs(model, spans: list[int], reps: int) -> dict[int, float]:
     from transformers import DynamicCache
 
     ids = torch.tensor(_prompts(1, 40000))
@@ -89,7 +90,7 @@ def hf_span_costs(model, reps: int) -> dict[int, float]:
             model(torch.arange(1000, 1000 + n)[None], past_key_values=cache, use_cache=True)
         cache.crop(-n)  # drop the n new tokens again
 
-    return _interleaved_median_ms({n: (lambda n=n: step(n)) for n in SPANS}, reps)
+    return _interleaved_median_ms({n: (lambda n=n: step(n)) for n in spans}, reps)
 
 
 def _interleaved_median_ms(fns: dict, reps: int) -> dict:
@@ -109,6 +110,8 @@ def main() -> None:
     ap.add_argument("--model", default=None)
     ap.add_argument("--threads", type=int, default=2)
     ap.add_argument("--batches", type=int, nargs="+", default=[1, 4, 16])
+    ap.add_argument("--spans", type=int, nargs="+", default=[1, 2, 4, 6, 8],
+                    help="forward sizes (new tokens) to time; the first is the reference")
     ap.add_argument("--reps", type=int, default=30)
     ap.add_argument("--skip-hf", action="store_true", help="ours only")
     args = ap.parse_args()
@@ -124,23 +127,23 @@ def main() -> None:
         result["ours"][f"decode_tok_s_b{b}"] = round(ours_decode(engine, b), 2)
         if hf is not None:
             result["transformers"][f"decode_tok_s_b{b}"] = round(hf_decode(hf, b), 2)
-    spans = {"ours": ours_span_costs(engine, args.reps)}
+    spans = {"ours": ours_span_costs(engine, args.spans, args.reps)}
     if hf is not None:
-        spans["transformers"] = hf_span_costs(hf, args.reps)
+        spans["transformers"] = hf_span_costs(hf, args.spans, args.reps)
     for who, costs in spans.items():
         result[who]["span_ms"] = {n: round(ms, 2) for n, ms in costs.items()}
-        result[who]["span_rel"] = {n: round(ms / costs[1], 3) for n, ms in costs.items()}
+        result[who]["span_rel"] = {n: round(ms / costs[args.spans[0]], 3) for n, ms in costs.items()}
     print(json.dumps(result))
-    _table(result, args.batches)
+    _table(result, args.batches, args.spans)
 
 
-def _table(result: dict, batches: list[int]) -> None:
+def _table(result: dict, batches: list[int], spans: list[int]) -> None:
     who = [w for w in ("ours", "transformers") if result[w]]
     print(f"\n{'metric':<28}" + "".join(f"{w:>14}" for w in who))
     for b in batches:
         key = f"decode_tok_s_b{b}"
         print(f"{'decode tok/s batch ' + str(b):<28}" + "".join(f"{result[w].get(key, float('nan')):>14.2f}" for w in who))
-    for n in SPANS:
+    for n in spans:
         print(f"{f'forward {n} tok ms (x1)':<28}" + "".join(
             f"{result[w]['span_ms'][n]:>8.2f} ({result[w]['span_rel'][n]:.2f})" for w in who))
 

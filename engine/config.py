@@ -108,6 +108,9 @@ class SpeculativeConfig(BaseModel):
         0.0, ge=0.0, lt=1.0, description="eagle3: end a sequence's draft chain before the first token at which "
         "the product of the draft's probabilities along it falls below this times the number of sequences "
         "drafting (0 = always draft K tokens; once it times the batch reaches 1, nothing is drafted)")
+    disable_by_batch_size: int | None = Field(
+        None, ge=1, description="no drafting while more than this many sequences run (a draft's cost per "
+        "step stays while its gain per sequence shrinks as the batch grows); None = no limit")
 
     @model_validator(mode="after")
     def _check(self) -> "SpeculativeConfig":

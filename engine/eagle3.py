@@ -79,7 +79,8 @@ class Eagle3Draft:
         self.norm = w["norm.weight"]
         device, dtype = self.norm.device, self.norm.dtype
         mid = {k.removeprefix("midlayer."): v for k, v in w.items() if k.startswith("midlayer.")}
-        self.midlayer = DecoderLayer(c, mid, attention_for(c, device, dtype, block_size), packed_dtype=packed)
+        self.midlayer = DecoderLayer(c, mid, attention_for(c, device, dtype, block_size), packed_dtype=packed,
+                                     kv_only=True)
         self.lm_head = Linear(w["lm_head.weight"], packed_dtype=packed)
         self.d2t = w["d2t"].long() if "d2t" in w else None
         own_embed = w.get("embed_tokens.weight")
@@ -97,10 +98,19 @@ class Eagle3Draft:
         """batch.input_ids hold the token *after* each position; hidden: [T, H] inputs (see project).
 
         kv_cache: the draft cache [num_blocks, 1, 2, block_size, kv_heads, head_dim]."""
-        eps = self.config.layer.rms_norm_eps
-        attn_input = torch.cat([rms_norm(self.embed(batch.input_ids), self.input_norm, eps),
-                                rms_norm(hidden, self.hidden_norm, eps)], dim=-1)
+        attn_input = self._attention_input(batch, hidden)
         cos, sin = self.rotary.tables(batch.positions)
         h = self.midlayer(hidden, attn_input, cos, sin, kv_cache[:, 0], batch.attention)
-        out = rms_norm(h.index_select(0, batch.logits_indices), self.norm, eps)
+        out = rms_norm(h.index_select(0, batch.logits_indices), self.norm, self.config.layer.rms_norm_eps)
         return DraftOutput(hidden=h, logits=self.lm_head(out).float())
+
+    def write_kv(self, batch: ForwardBatch, hidden: torch.Tensor, kv_cache: torch.Tensor) -> None:
+        """What `forward` writes into the draft cache, and nothing else: about a tenth of its work.
+        For positions the draft must only remember (their output hidden states are not needed)."""
+        cos, sin = self.rotary.tables(batch.positions)
+        self.midlayer.write_kv_only(self._attention_input(batch, hidden), cos, sin, kv_cache[:, 0], batch.attention)
+
+    def _attention_input(self, batch: ForwardBatch, hidden: torch.Tensor) -> torch.Tensor:
+        eps = self.config.layer.rms_norm_eps
+        return torch.cat([rms_norm(self.embed(batch.input_ids), self.input_norm, eps),
+                          rms_norm(hidden, self.hidden_norm, eps)], dim=-1)

@@ -174,7 +174,11 @@ class Engine:
         return self._append(seq, [handoff.first_token])
 
     def _lookahead(self, seq: Sequence) -> int:
-        """Draft tokens to reserve for a decoding sequence: never more than it may still emit - 1."""
+        """Draft tokens to reserve for a decoding sequence: never more than it may still emit - 1,
+        none while the batch is larger than speculative.disable_by_batch_size."""
+        limit = self.config.speculative.disable_by_batch_size
+        if limit is not None and len(self.scheduler.running) > limit:
+            return 0
         k = seq.params.num_speculative_tokens
         k = self.num_speculative_tokens if k is None else min(k, self.num_speculative_tokens)
         room = min(seq.params.max_tokens - seq.num_generated, self.max_model_len - len(seq.token_ids)) - 1
@@ -186,11 +190,11 @@ class Engine:
         return spec.num_speculative_tokens if spec.method != "none" else 0
 
     def _propose(self, scheduled: list[ScheduledSeq]) -> list[list[int]]:
-        drafting = [s for s in scheduled if s.num_lookahead]
-        if not drafting:
-            return [[] for _ in scheduled]
-        proposals = self.proposer.propose([s.seq for s in drafting], [s.num_lookahead for s in drafting])
-        by_seq = {s.seq.seq_id: p.token_ids for s, p in zip(drafting, proposals)}
+        """Drafts for every sampling sequence, up to its reserved slots (0: the proposer may still
+        use the call to keep its state current)."""
+        sampling = [s for s in scheduled if s.samples]
+        proposals = self.proposer.propose([s.seq for s in sampling], [s.num_lookahead for s in sampling])
+        by_seq = {s.seq.seq_id: p.token_ids for s, p in zip(sampling, proposals)}
         return [by_seq.get(s.seq.seq_id, []) for s in scheduled]
 
     def _chunk(self, s: ScheduledSeq, drafts: list[int]) -> SeqChunk:

@@ -56,9 +56,10 @@ class DecoderLayer:
     target feeds rms_norm(x); the EAGLE3 midlayer feeds its 2H-wide [embedding, hidden] input."""
 
     def __init__(self, config: ModelConfig, w: dict[str, torch.Tensor], attend: AttentionFn,
-                 tp: TensorParallel = TensorParallel(), packed_dtype: torch.dtype | None = None):
+                 tp: TensorParallel = TensorParallel(), packed_dtype: torch.dtype | None = None,
+                 kv_only: bool = False):
         """config: the shapes this rank computes (heads and MLP already divided by the TP size);
-        packed_dtype: see Linear."""
+        packed_dtype: see Linear; kv_only: also keep the k/v projection apart, for `write_kv_only`."""
         self.config = config
         self.attend = attend
         self.tp = tp
@@ -68,6 +69,8 @@ class DecoderLayer:
             bias = torch.cat([w["self_attn.q_proj.bias"], w["self_attn.k_proj.bias"], w["self_attn.v_proj.bias"]])
         # Fused projections: one GEMM reads all of q/k/v (and gate/up) weights in one pass.
         self.qkv = Linear(torch.cat([q, k, v]), bias, packed_dtype)
+        self.kv = Linear(torch.cat([k, v]), bias[q.shape[0] :] if bias is not None else None,
+                         packed_dtype) if kv_only else None
         self.o = Linear(w["self_attn.o_proj.weight"], packed_dtype=packed_dtype)
         self.gate_up = Linear(torch.cat([w["mlp.gate_proj.weight"], w["mlp.up_proj.weight"]]), packed_dtype=packed_dtype)
         self.down = Linear(w["mlp.down_proj.weight"], packed_dtype=packed_dtype)
@@ -83,15 +86,27 @@ class DecoderLayer:
         t = residual.shape[0]
         q, k, v = self.qkv(attn_input).split([self.q_size, self.kv_size, self.kv_size], dim=-1)
         q = q.view(t, c.num_heads, c.head_dim)
-        k = k.view(t, c.num_kv_heads, c.head_dim)
         if self.q_norm is not None:
             q = rms_norm(q, self.q_norm, c.rms_norm_eps)
-            k = rms_norm(k, self.k_norm, c.rms_norm_eps)
-        q, k = Rotary.apply(q, cos, sin), Rotary.apply(k, cos, sin)
-        write_kv(layer_cache, meta, k, v.view(t, c.num_kv_heads, c.head_dim))
+        self._store_kv(k, v, cos, sin, layer_cache, meta)
+        q = Rotary.apply(q, cos, sin)
         x = residual + self.tp.all_reduce(self.o(self.attend(q, layer_cache, meta, self.scale)))
         gate, up = self.gate_up(rms_norm(x, self.post_norm, c.rms_norm_eps)).chunk(2, dim=-1)
         return x + self.tp.all_reduce(self.down(torch.nn.functional.silu(gate) * up))
+
+    def write_kv_only(self, attn_input, cos, sin, layer_cache, meta: AttentionMetadata) -> None:
+        """Only the cache's keys and values at the batch's slots: the same values a full call
+        writes, without the queries, attention and MLP (for positions whose output is not needed)."""
+        k, v = self.kv(attn_input).split([self.kv_size, self.kv_size], dim=-1)
+        self._store_kv(k, v, cos, sin, layer_cache, meta)
+
+    def _store_kv(self, k, v, cos, sin, layer_cache, meta: AttentionMetadata) -> None:
+        c = self.config
+        t = k.shape[0]
+        k = k.view(t, c.num_kv_heads, c.head_dim)
+        if self.k_norm is not None:
+            k = rms_norm(k, self.k_norm, c.rms_norm_eps)
+        write_kv(layer_cache, meta, Rotary.apply(k, cos, sin), v.view(t, c.num_kv_heads, c.head_dim))
 
 
 class CausalLM:

@@ -84,6 +84,11 @@ class ModelRunner:
         batch = build_batch(chunks, self.config.block_size, self.device)
         return self.draft.forward(batch, hidden, self.draft_cache)
 
+    @torch.inference_mode()
+    def write_draft_kv(self, chunks: list[SeqChunk], hidden: torch.Tensor) -> None:
+        """Only the draft cache's entries that `forward_draft` would write (see Eagle3Draft.write_kv)."""
+        self.draft.write_kv(build_batch(chunks, self.config.block_size, self.device), hidden, self.draft_cache)
+
     def _load_draft(self) -> Eagle3Draft:
         spec = self.config.speculative
         if spec.model is None and self.config.model is not None:

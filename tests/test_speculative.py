@@ -4,10 +4,12 @@ the pool is short, and stochastic acceptance that reproduces the target's distri
 import pytest
 import torch
 
+from engine.batch import SeqChunk
 from engine.config import EngineConfig
 from engine.engine import Engine
 from engine.loader import load_weights
 from engine.params import SamplingParams
+from engine.spec.eagle3_proposer import CATCH_UP
 from engine.spec.rejection import VerifyInput, verify
 from engine.spec.train.model import TrainableEagle3
 from engine.stats import AcceptanceStats
@@ -94,9 +96,10 @@ def test_a_confidence_threshold_ends_chains_early_and_stays_lossless(prompts, pl
     once it reaches 1 (the draft's cache is still kept up to date for when the batch shrinks)."""
     params = SamplingParams(max_tokens=32)
 
-    def run(threshold: float, which: list[int], batched: bool) -> tuple[int, int]:
+    def run(threshold: float, which: list[int], batched: bool, batch_limit: int | None = None) -> tuple[int, int]:
         engine = Engine(EngineConfig(num_kv_blocks=256, speculative={
-            "method": "eagle3", "num_speculative_tokens": 5, "draft_confidence_threshold": threshold}))
+            "method": "eagle3", "num_speculative_tokens": 5, "draft_confidence_threshold": threshold,
+            "disable_by_batch_size": batch_limit}))
         chosen = [prompts[i] for i in which]
         outs = (_run(engine, chosen, [params] * len(chosen)) if batched
                 else [_run(engine, [p], [params])[0] for p in chosen])
@@ -113,6 +116,45 @@ def test_a_confidence_threshold_ends_chains_early_and_stays_lossless(prompts, pl
     assert len(plain_outputs[long]) == 32 > len(plain_outputs[short])
     assert run(0.5, [long, 2], batched=True)[0] == 0  # 0.5 x 2 sequences: nothing drafted
     assert run(0.5, [long, short], batched=True)[0] > 0  # drafting resumes once `short` finished
+    assert run(0.0, [long, 2], batched=True, batch_limit=1)[0] == 0  # more sequences than the limit
+    assert run(0.0, [long, short], batched=True, batch_limit=1)[0] > 0
+
+
+def test_draft_caches_left_behind_catch_up_to_what_one_forward_computes(prompts):
+    """Sequences that draft nothing (here: K=0 for the request) get their draft caches brought up
+    to date only past CATCH_UP positions, by a call that writes keys and values alone, from the
+    target's features gathered over steps (projected for the whole batch at once); each must hold
+    what one full draft forward over the same tokens writes."""
+    config = EngineConfig(num_kv_blocks=64, speculative={"method": "eagle3", "num_speculative_tokens": 5})
+    lagging, reference = Engine(config), Engine(config)
+    params = SamplingParams(max_tokens=64, num_speculative_tokens=0, ignore_eos=True)
+    ids = [lagging.add_request(prompts[i], params) for i in (0, 3)]
+    seqs = [lagging.seqs[i] for i in ids]
+    while min(s.num_generated for s in seqs) < CATCH_UP + 8:
+        lagging.step()
+    assert lagging.counters["draft_tokens"] == 0
+    for rid, seq in zip(ids, seqs):
+        caught_up, _ = lagging.proposer.pending[rid]  # positions before it are in the draft cache
+        assert caught_up > seq.num_prompt_tokens + 8  # caught up past the prompt, from decode steps' features
+        # The reference: one full draft forward over positions [0, caught_up), from the target's
+        # features over the same tokens (in blocks a prefill hand-off pins).
+        tokens = seq.token_ids[: caught_up + 1]
+        ref = reference.add_request(tokens, SamplingParams(max_tokens=1), prefill_only=True)
+        while reference.has_unfinished():
+            reference.step()
+        table, runner = reference.blocks.block_table(ref), reference.runner
+        aux = runner.forward([SeqChunk(tokens, 0, table, num_logits=0)], return_aux=True).aux_hidden
+        runner.forward_draft([SeqChunk(tokens[1:], 0, table, num_logits=0)], runner.draft.project(aux[:caught_up]))
+        torch.testing.assert_close(_draft_kv(lagging, rid, caught_up), _draft_kv(reference, ref, caught_up),
+                                   atol=1e-4, rtol=1e-4)
+
+
+def _draft_kv(engine: Engine, request_id: str, num_positions: int) -> torch.Tensor:
+    """The draft cache's keys and values for a sequence's first positions: [positions, 2, heads, dim]."""
+    table = torch.tensor(engine.blocks.block_table(request_id))
+    positions = torch.arange(num_positions)
+    block_size = engine.config.block_size
+    return engine.runner.draft_cache[table[positions // block_size], 0, :, positions % block_size]
 
 
 def test_per_position_acceptance_covers_every_drafted_position():

@@ -16,8 +16,18 @@ sequences drafting. The product is the draft's estimate that the token and every
 are accepted (the head is calibrated: see its model card), i.e. the tokens it is expected to
 add. A draft token costs about the same wall time at any batch size (a draft row and a
 verification row), while a step's output grows with the batch, so it pays at batch B only if it
-adds about B times what it must add at batch 1. Once P times the batch reaches 1 no chain can
-pass: the draft forward then only brings the draft's cache up to date (no logits).
+adds about B times what it must add at batch 1.
+
+A sequence that drafts nothing this step (no slots reserved, e.g. above the engine's
+`disable_by_batch_size`, or P times the batch reached 1 so no chain can pass) only needs its
+draft cache up to date for when it drafts again. Once some sequence lags more than CATCH_UP
+positions behind, every sequence's pending positions but the last get their draft KV written in
+one batched call that computes only the keys and values (not attention, MLP or logits: about a
+tenth of a draft forward's arithmetic) and reads the weights once instead of once per step. The
+same call covers a prompt before its first draft, and a prompt whose prefill is handed off.
+
+The target's features reach `observe` one sequence at a time; they are projected by `fc` for the
+whole batch at once, when next needed.
 """
 
 import torch
@@ -25,6 +35,8 @@ import torch
 from engine.batch import SeqChunk
 from engine.sequence import Sequence
 from engine.spec.proposer import Proposal
+
+CATCH_UP = 32  # pending positions past which a sequence's draft cache is brought up to date
 
 
 class Eagle3Proposer:
@@ -39,27 +51,36 @@ class Eagle3Proposer:
         self.draft = runner.draft
         self.block_table = block_table
         self.pending: dict[str, tuple[int, torch.Tensor]] = {}  # seq -> (first position, hidden [n, H])
+        self.unprojected: list[tuple[str, int, torch.Tensor]] = []  # (seq, first position, aux [n, 3H])
         self.positions_drafted = 0  # positions run through the draft with target features (a metric)
 
     def observe(self, seq: Sequence, start: int, aux: torch.Tensor | None) -> None:
-        hidden = self.draft.project(aux)
-        first, old = self.pending.get(seq.seq_id, (start, hidden[:0]))
-        if first + old.shape[0] != start:  # not contiguous (e.g. recomputed after preemption): restart
-            first, old = start, hidden[:0]
-        self.pending[seq.seq_id] = (first, torch.cat([old, hidden]))
+        self.unprojected.append((seq.seq_id, start, aux))
 
     def release(self, seq_id: str) -> None:
         self.pending.pop(seq_id, None)
+        self.unprojected = [u for u in self.unprojected if u[0] != seq_id]
+
+    def _project(self) -> None:
+        """Move the observed target features into `pending`, through one `fc` for all of them."""
+        if not self.unprojected:
+            return
+        hidden = self.draft.project(torch.cat([aux for _, _, aux in self.unprojected]))
+        row = 0
+        for seq_id, start, aux in self.unprojected:
+            h, row = hidden[row : row + aux.shape[0]], row + aux.shape[0]
+            first, old = self.pending.get(seq_id, (start, h[:0]))
+            if first + old.shape[0] != start:  # not contiguous (e.g. recomputed after preemption): restart
+                first, old = start, h[:0]
+            self.pending[seq_id] = (first, torch.cat([old, h]))
+        self.unprojected = []
 
     @torch.inference_mode()
     def prefill_draft(self, seq: Sequence) -> torch.Tensor | None:
-        first, hidden = self.pending.pop(seq.seq_id)
-        last = len(seq.token_ids) - 1  # the prompt's last position: its next token is not chosen yet here
-        if last > first:
-            chunk = SeqChunk(seq.token_ids[first + 1 : last + 1], first, self.block_table(seq.seq_id), num_logits=0)
-            self.runner.forward_draft([chunk], hidden[: last - first])
-            self.positions_drafted += last - first
-        return hidden[last - first :].contiguous()
+        self._project()
+        self._catch_up([seq])
+        # Left pending: the prompt's last position, whose next token is not chosen yet here.
+        return self.pending.pop(seq.seq_id)[1].contiguous()
 
     def adopt(self, seq: Sequence, position: int, hidden: torch.Tensor | None) -> None:
         if hidden is not None:
@@ -67,22 +88,43 @@ class Eagle3Proposer:
 
     @torch.inference_mode()
     def propose(self, seqs: list[Sequence], num_tokens: list[int]) -> list[Proposal]:
-        active = [(s, k) for s, k in zip(seqs, num_tokens) if k > 0 and s.seq_id in self.pending]
-        drafts: dict[str, list[int]] = {s.seq_id: [] for s, _ in active}
-        if active and self.confidence_threshold * len(active) >= 1.0:
-            self.runner.forward_draft(*self._take_pending([s for s, _ in active], num_logits=0))
-        elif active:
-            self._draft(active, drafts)
+        self._project()
+        known = [(s, k) for s, k in zip(seqs, num_tokens) if s.seq_id in self.pending]
+        if any(self.pending[s.seq_id][1].shape[0] > CATCH_UP for s, _ in known):
+            self._catch_up([s for s, _ in known])
+        drafting = [(s, k) for s, k in known if k > 0]
+        drafts: dict[str, list[int]] = {s.seq_id: [] for s, _ in drafting}
+        if drafting and self.confidence_threshold * len(drafting) < 1.0:
+            self._draft(drafting, drafts)
         return [Proposal(drafts.get(s.seq_id, [])) for s in seqs]
 
-    def _take_pending(self, seqs: list[Sequence], num_logits: int) -> tuple[list[SeqChunk], torch.Tensor]:
-        """The draft forward's input over each sequence's pending positions (target features)."""
+    def _catch_up(self, seqs: list[Sequence]) -> None:
+        """Write the draft cache's KV for every pending position but the last (which the next
+        draft step reads), in one batched call that computes nothing else."""
+        chunks, hidden = [], []
+        for seq in seqs:
+            first, h = self.pending[seq.seq_id]
+            if h.shape[0] > 1:
+                chunks.append(self._chunk(seq, first, h.shape[0] - 1, num_logits=0))
+                hidden.append(h[:-1])
+                self.pending[seq.seq_id] = (first + h.shape[0] - 1, h[-1:])
+        if chunks:
+            hidden = torch.cat(hidden)
+            self.runner.write_draft_kv(chunks, hidden)
+            self.positions_drafted += hidden.shape[0]
+
+    def _chunk(self, seq: Sequence, first: int, num_positions: int, num_logits: int) -> SeqChunk:
+        """Draft input over positions [first, first + num_positions): position p reads token p+1
+        (the last pending position reads the newest token)."""
+        return SeqChunk(seq.token_ids[first + 1 : first + 1 + num_positions], first,
+                        self.block_table(seq.seq_id), num_logits=num_logits)
+
+    def _take_pending(self, seqs: list[Sequence]) -> tuple[list[SeqChunk], torch.Tensor]:
+        """The first draft forward's input: each sequence's pending positions (target features)."""
         chunks, hidden = [], []
         for seq in seqs:
             first, h = self.pending.pop(seq.seq_id)
-            # Position p reads token p+1; the last pending position reads the newest token.
-            chunks.append(SeqChunk(seq.token_ids[first + 1 : first + 1 + h.shape[0]], first,
-                                   self.block_table(seq.seq_id), num_logits=num_logits))
+            chunks.append(self._chunk(seq, first, h.shape[0], num_logits=1))
             hidden.append(h)
         hidden = torch.cat(hidden)
         self.positions_drafted += hidden.shape[0]
@@ -90,7 +132,7 @@ class Eagle3Proposer:
 
     def _draft(self, active: list[tuple[Sequence, int]], drafts: dict[str, list[int]]) -> None:
         seqs, limits = [s for s, _ in active], [k for _, k in active]
-        chunks, hidden = self._take_pending(seqs, num_logits=1)
+        chunks, hidden = self._take_pending(seqs)
         chain_prob = torch.ones(len(seqs), device=hidden.device)
         threshold = self.confidence_threshold * len(seqs)
         while True:

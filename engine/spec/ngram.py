@@ -14,7 +14,7 @@ class NgramProposer(StatelessProposer):
         self.min_n, self.max_n = min_n, max_n
 
     def propose(self, seqs: list[Sequence], num_tokens: list[int]) -> list[Proposal]:
-        return [Proposal(self._lookup(s.token_ids, k)) for s, k in zip(seqs, num_tokens)]
+        return [Proposal(self._lookup(s.token_ids, k) if k else []) for s, k in zip(seqs, num_tokens)]
 
     def _lookup(self, tokens: list[int], k: int) -> list[int]:
         for n in range(min(self.max_n, len(tokens) - 1), self.min_n - 1, -1):

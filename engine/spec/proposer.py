@@ -1,6 +1,7 @@
 """The interface every draft proposer implements, and the trivial one.
 
-The engine calls, per step: `propose` for the running sequences that reserved draft slots;
+The engine calls, per step: `propose` for the sequences whose next token is sampled, with the
+draft slots each reserved (0: propose nothing; a stateful proposer may catch up instead);
 after the target forward, `observe` with the span of positions whose KV became final (the
 prefill chunk, or the last token plus the accepted drafts) and the target's auxiliary hidden
 states for them (when `needs_aux`); `release` when a sequence leaves the batch. Across a

@@ -19,6 +19,7 @@ from engine.config import EngineConfig
 from engine.engine import Engine
 from engine.params import SamplingParams
 from engine.sequence import Sequence
+from engine.spec.proposer import Proposal
 
 
 class FeatureRecorder:
@@ -31,8 +32,10 @@ class FeatureRecorder:
         self.seqs: dict[str, Sequence] = {}
         self.finished: list[tuple[Sequence, torch.Tensor]] = []
 
-    def propose(self, seqs, num_tokens):
-        raise AssertionError("FeatureRecorder runs with speculation off")
+    def propose(self, seqs: list[Sequence], num_tokens: list[int]) -> list[Proposal]:
+        if any(num_tokens):
+            raise AssertionError("FeatureRecorder runs with speculation off")
+        return [Proposal([]) for _ in seqs]
 
     def observe(self, seq: Sequence, start: int, aux: torch.Tensor) -> None:
         parts = self.features.setdefault(seq.seq_id, [])
