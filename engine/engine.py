@@ -132,7 +132,7 @@ class Engine:
             draft_hidden=self.proposer.prefill_draft(seq),
             cached_prompt_tokens=seq.num_cached_prompt,
         )
-        self.proposer.release(seq.seq_id)
+        self.proposer.release(seq)
         del self.seqs[seq.seq_id], self.streams[seq.seq_id]
         self.handed_off[seq.seq_id] = seq
         return RequestOutput(seq.seq_id, [first_token], "", finished=True, finish_reason="prefilled", handoff=handoff)
@@ -216,8 +216,8 @@ class Engine:
     def _finish(self, seq: Sequence, reason: str, ids: list[int], text: str) -> RequestOutput:
         self.counters[f"finished_{reason}"] += 1
         self.counters["generated_tokens"] += seq.num_generated
+        self.proposer.release(seq)  # before the blocks are freed: it may still write into them
         self.scheduler.remove(seq)
-        self.proposer.release(seq.seq_id)
         seq.finish_reason = reason
         stream = self.streams.pop(seq.seq_id)
         if reason != "stop":

@@ -79,9 +79,13 @@ def test_ngram_accepts_drafts_on_copying_text(spec_engines, prompts, plain_outpu
     assert stats.accepted > 0 and stats.mean_acceptance_length > 1.0
 
 
-def test_a_stop_token_inside_an_accepted_run_ends_the_output_there(spec_engines, prompts, plain_outputs):
-    """Drafts accepted after a stop token are not output, and usage counts only what was."""
-    engine, plain = spec_engines["ngram"], plain_outputs[7]  # copying text: long accepted runs
+@pytest.mark.parametrize("method", ["ngram", "eagle3"])
+def test_a_stop_token_inside_an_accepted_run_ends_the_output_there(spec_engines, prompts, plain_outputs, method):
+    """Drafts accepted after a stop token are not output, and usage counts only what was (eagle3:
+    the shipped head; its draft cache is written up to the last kept token when the request ends)."""
+    engine = spec_engines["ngram"] if method == "ngram" else Engine(EngineConfig(
+        num_kv_blocks=256, speculative={"method": "eagle3", "num_speculative_tokens": 5}))
+    plain = plain_outputs[7]  # copying text: long accepted runs
     for end in range(4, len(plain) - 1):
         if plain[end] in plain[:end]:
             continue  # stop at the first occurrence only
@@ -122,36 +126,41 @@ def test_a_confidence_threshold_ends_chains_early_and_stays_lossless(prompts, pl
 
 def test_draft_caches_left_behind_catch_up_to_what_one_forward_computes(prompts):
     """Sequences that draft nothing (here: K=0 for the request) get their draft caches brought up
-    to date only past CATCH_UP positions, by a call that writes keys and values alone, from the
-    target's features gathered over steps (projected for the whole batch at once); each must hold
-    what one full draft forward over the same tokens writes."""
+    to date only past CATCH_UP positions, and when they finish, by a call that writes keys and
+    values alone, from the target's features gathered over steps (projected for the whole batch
+    at once). Each must end up holding what one full draft forward over the same tokens writes:
+    its blocks stay in the prefix cache, draft entries included."""
     config = EngineConfig(num_kv_blocks=64, speculative={"method": "eagle3", "num_speculative_tokens": 5})
     lagging, reference = Engine(config), Engine(config)
-    params = SamplingParams(max_tokens=64, num_speculative_tokens=0, ignore_eos=True)
+    params = SamplingParams(max_tokens=CATCH_UP + 16, num_speculative_tokens=0, ignore_eos=True)
     ids = [lagging.add_request(prompts[i], params) for i in (0, 3)]
     seqs = [lagging.seqs[i] for i in ids]
-    while min(s.num_generated for s in seqs) < CATCH_UP + 8:
+    tables, caught_up_midway = {}, False
+    while lagging.has_unfinished():
+        tables.update({s.seq_id: lagging.blocks.block_table(s.seq_id) for s in lagging.scheduler.running})
+        caught_up_midway |= all(lagging.proposer.pending.get(i, (0,))[0] > len(prompts[0]) + 8 for i in ids)
         lagging.step()
-    assert lagging.counters["draft_tokens"] == 0
+    assert caught_up_midway  # past the prompt, from decode steps' features, before finishing
+    assert lagging.counters["draft_tokens"] == 0 and not lagging.proposer.pending
     for rid, seq in zip(ids, seqs):
-        caught_up, _ = lagging.proposer.pending[rid]  # positions before it are in the draft cache
-        assert caught_up > seq.num_prompt_tokens + 8  # caught up past the prompt, from decode steps' features
-        # The reference: one full draft forward over positions [0, caught_up), from the target's
-        # features over the same tokens (in blocks a prefill hand-off pins).
-        tokens = seq.token_ids[: caught_up + 1]
+        # Every position whose next token is known: all but the last (never run through the target).
+        tokens = seq.token_ids
+        n = len(tokens) - 1
+        # The reference: one full draft forward over positions [0, n), from the target's features
+        # over the same tokens (in blocks a prefill hand-off pins).
         ref = reference.add_request(tokens, SamplingParams(max_tokens=1), prefill_only=True)
         while reference.has_unfinished():
             reference.step()
         table, runner = reference.blocks.block_table(ref), reference.runner
         aux = runner.forward([SeqChunk(tokens, 0, table, num_logits=0)], return_aux=True).aux_hidden
-        runner.forward_draft([SeqChunk(tokens[1:], 0, table, num_logits=0)], runner.draft.project(aux[:caught_up]))
-        torch.testing.assert_close(_draft_kv(lagging, rid, caught_up), _draft_kv(reference, ref, caught_up),
+        runner.forward_draft([SeqChunk(tokens[1:], 0, table, num_logits=0)], runner.draft.project(aux[:n]))
+        torch.testing.assert_close(_draft_kv(lagging, tables[rid], n), _draft_kv(reference, table, n),
                                    atol=1e-4, rtol=1e-4)
 
 
-def _draft_kv(engine: Engine, request_id: str, num_positions: int) -> torch.Tensor:
-    """The draft cache's keys and values for a sequence's first positions: [positions, 2, heads, dim]."""
-    table = torch.tensor(engine.blocks.block_table(request_id))
+def _draft_kv(engine: Engine, block_table: list[int], num_positions: int) -> torch.Tensor:
+    """The draft cache's keys and values at a block table's first positions: [positions, 2, heads, dim]."""
+    table = torch.tensor(block_table)
     positions = torch.arange(num_positions)
     block_size = engine.config.block_size
     return engine.runner.draft_cache[table[positions // block_size], 0, :, positions % block_size]

@@ -24,7 +24,9 @@ draft cache up to date for when it drafts again. Once some sequence lags more th
 positions behind, every sequence's pending positions but the last get their draft KV written in
 one batched call that computes only the keys and values (not attention, MLP or logits: about a
 tenth of a draft forward's arithmetic) and reads the weights once instead of once per step. The
-same call covers a prompt before its first draft, and a prompt whose prefill is handed off.
+same call covers a prompt before its first draft, a prompt whose prefill is handed off, and what
+is still pending when a sequence leaves (its full blocks stay in the prefix cache, and a request
+that reuses them reads their draft entries too).
 
 The target's features reach `observe` one sequence at a time; they are projected by `fc` for the
 whole batch at once, when next needed.
@@ -33,7 +35,7 @@ whole batch at once, when next needed.
 import torch
 
 from engine.batch import SeqChunk
-from engine.sequence import Sequence
+from engine.sequence import Sequence, SeqStatus
 from engine.spec.proposer import Proposal
 
 CATCH_UP = 32  # pending positions past which a sequence's draft cache is brought up to date
@@ -57,9 +59,14 @@ class Eagle3Proposer:
     def observe(self, seq: Sequence, start: int, aux: torch.Tensor | None) -> None:
         self.unprojected.append((seq.seq_id, start, aux))
 
-    def release(self, seq_id: str) -> None:
-        self.pending.pop(seq_id, None)
-        self.unprojected = [u for u in self.unprojected if u[0] != seq_id]
+    @torch.inference_mode()
+    def release(self, seq: Sequence) -> None:
+        """Write the draft KV still pending: full blocks become prefix-cacheable, and a request
+        that reuses them later reads their draft entries as well as the target's."""
+        self._project()
+        if seq.seq_id in self.pending and seq.status is SeqStatus.RUNNING:  # else it holds no blocks
+            self._catch_up([seq], keep_last=False)
+        self.pending.pop(seq.seq_id, None)
 
     def _project(self) -> None:
         """Move the observed target features into `pending`, through one `fc` for all of them."""
@@ -98,16 +105,18 @@ class Eagle3Proposer:
             self._draft(drafting, drafts)
         return [Proposal(drafts.get(s.seq_id, [])) for s in seqs]
 
-    def _catch_up(self, seqs: list[Sequence]) -> None:
-        """Write the draft cache's KV for every pending position but the last (which the next
-        draft step reads), in one batched call that computes nothing else."""
+    def _catch_up(self, seqs: list[Sequence], keep_last: bool = True) -> None:
+        """Write the draft cache's KV for the pending positions, in one batched call that computes
+        nothing else. keep_last: leave the last position pending (the next draft step reads it)."""
         chunks, hidden = [], []
         for seq in seqs:
             first, h = self.pending[seq.seq_id]
-            if h.shape[0] > 1:
-                chunks.append(self._chunk(seq, first, h.shape[0] - 1, num_logits=0))
-                hidden.append(h[:-1])
-                self.pending[seq.seq_id] = (first + h.shape[0] - 1, h[-1:])
+            # Position p needs token p+1: after a stop token, accepted drafts beyond it are not kept.
+            n = min(h.shape[0] - keep_last, len(seq.token_ids) - 1 - first)
+            if n > 0:
+                chunks.append(self._chunk(seq, first, n, num_logits=0))
+                hidden.append(h[:n])
+                self.pending[seq.seq_id] = (first + n, h[n:])
         if chunks:
             hidden = torch.cat(hidden)
             self.runner.write_draft_kv(chunks, hidden)

@@ -33,7 +33,9 @@ class Proposer(Protocol):
 
     def observe(self, seq: Sequence, start: int, aux: torch.Tensor | None) -> None: ...
 
-    def release(self, seq_id: str) -> None: ...
+    def release(self, seq: Sequence) -> None:
+        """`seq` leaves the batch; its blocks are still allocated until this returns."""
+        ...
 
     def prefill_draft(self, seq: Sequence) -> torch.Tensor | None:
         """Disaggregated prefill: run the draft over the prompt but its last position; return
@@ -51,7 +53,7 @@ class StatelessProposer:
     def observe(self, seq: Sequence, start: int, aux: torch.Tensor | None) -> None:
         pass
 
-    def release(self, seq_id: str) -> None:
+    def release(self, seq: Sequence) -> None:
         pass
 
     def prefill_draft(self, seq: Sequence) -> torch.Tensor | None:

@@ -29,7 +29,6 @@ class FeatureRecorder:
 
     def __init__(self):
         self.features: dict[str, list[torch.Tensor]] = {}
-        self.seqs: dict[str, Sequence] = {}
         self.finished: list[tuple[Sequence, torch.Tensor]] = []
 
     def propose(self, seqs: list[Sequence], num_tokens: list[int]) -> list[Proposal]:
@@ -42,11 +41,9 @@ class FeatureRecorder:
         if start == 0:  # (re)computed from the start, e.g. after preemption
             parts.clear()
         parts.append(aux.to(torch.float16))
-        self.seqs[seq.seq_id] = seq
 
-    def release(self, seq_id: str) -> None:
-        seq = self.seqs.pop(seq_id)
-        features = torch.cat(self.features.pop(seq_id))
+    def release(self, seq: Sequence) -> None:
+        features = torch.cat(self.features.pop(seq.seq_id))
         pad = features.new_zeros(len(seq.token_ids) - features.shape[0], features.shape[1])
         self.finished.append((seq, torch.cat([features, pad])))
 
