@@ -37,8 +37,10 @@ class Engine:
         self.runner = ModelRunner(config)
         self.tokenizer = Tokenizer.from_dir(self.runner.model_dir)
         self.blocks = BlockManager(config.num_kv_blocks, config.block_size, config.enable_prefix_caching)
-        self.scheduler = Scheduler(config, self.blocks)
         self.proposer = make_proposer(config.speculative, self.runner, self.blocks.block_table)
+        # A preempted sequence is recomputed later (mostly from the prefix cache): the proposer
+        # leaves its state as after a finish.
+        self.scheduler = Scheduler(config, self.blocks, on_preempt=lambda seq: self.proposer.release(seq))
         self.verify = verify if config.device == "cpu" else _triton_verify()
         self.max_model_len = self.runner.max_model_len
         self.seqs: dict[str, Sequence] = {}
@@ -216,9 +218,9 @@ class Engine:
     def _finish(self, seq: Sequence, reason: str, ids: list[int], text: str) -> RequestOutput:
         self.counters[f"finished_{reason}"] += 1
         self.counters["generated_tokens"] += seq.num_generated
+        seq.finish_reason = reason
         self.proposer.release(seq)  # before the blocks are freed: it may still write into them
         self.scheduler.remove(seq)
-        seq.finish_reason = reason
         stream = self.streams.pop(seq.seq_id)
         if reason != "stop":
             text += stream.finish()

@@ -31,9 +31,12 @@ class ScheduledSeq:
 
 
 class Scheduler:
-    def __init__(self, config: EngineConfig, block_manager: BlockManager):
+    def __init__(self, config: EngineConfig, block_manager: BlockManager,
+                 on_preempt: Callable[[Sequence], None] = lambda seq: None):
+        """on_preempt(seq): called while a preempted sequence still holds its blocks."""
         self.config = config
         self.blocks = block_manager
+        self.on_preempt = on_preempt
         self.waiting: deque[Sequence] = deque()
         self.running: list[Sequence] = []
 
@@ -106,6 +109,7 @@ class Scheduler:
                 return None
 
     def _preempt(self, seq: Sequence) -> None:
+        self.on_preempt(seq)
         self.running.remove(seq)
         self.blocks.free(seq.seq_id)
         seq.num_computed = 0

@@ -174,6 +174,25 @@ def test_per_position_acceptance_covers_every_drafted_position():
     assert stats.mean_acceptance_length == 1.5
 
 
+def test_a_preempted_sequence_is_released_while_it_still_holds_its_blocks(prompts, plain_outputs):
+    """The proposer writes what is pending into the draft cache at preemption, as at a finish, so
+    both must come while the sequence's blocks are allocated (they may stay in the prefix cache
+    and be reused when the sequence is recomputed)."""
+    tight = Engine(EngineConfig(num_kv_blocks=12, max_num_seqs=4, speculative={"method": "eagle3"}))
+    released, release = [], tight.proposer.release
+
+    def recording_release(seq):
+        released.append((seq.seq_id, tight.blocks.num_committed(seq.seq_id)))  # raises once freed
+        release(seq)
+
+    tight.proposer.release = recording_release
+    assert _run(tight, prompts[:4], [SamplingParams(max_tokens=32)] * 4) == plain_outputs[:4]
+    ids = [seq_id for seq_id, _ in released]
+    assert len(ids) > len(set(ids)) == 4  # some were released twice: preempted, then finished
+    assert all(committed > 0 for _, committed in released)
+    assert tight.blocks.num_used_blocks == 0
+
+
 def test_short_pool_degrades_to_plain_decoding(random_head, prompts, plain_outputs):
     """With barely enough blocks, reservations fail and sequences fall back to K=0, not to errors."""
     tight = Engine(EngineConfig(num_kv_blocks=10, max_num_seqs=4,

@@ -4,9 +4,9 @@ The engine calls, per step: `propose` for the sequences whose next token is samp
 draft slots each reserved (0: propose nothing; a stateful proposer may catch up instead);
 after the target forward, `observe` with the span of positions whose KV became final (the
 prefill chunk, or the last token plus the accepted drafts) and the target's auxiliary hidden
-states for them (when `needs_aux`); `release` when a sequence leaves the batch. Across a
-prefill/decode split, `prefill_draft` (prefill side) and `adopt` (decode side) move the
-proposer's state with the KV.
+states for them (when `needs_aux`); `release` when a sequence leaves the batch (finished, or
+preempted). Across a prefill/decode split, `prefill_draft` (prefill side) and `adopt` (decode
+side) move the proposer's state with the KV.
 
 A `Proposal` is a chain of draft tokens. `parents` is reserved for tree drafting (token i
 continues token parents[i]); the verifier accepts chains only, so proposers leave it None.
@@ -34,7 +34,8 @@ class Proposer(Protocol):
     def observe(self, seq: Sequence, start: int, aux: torch.Tensor | None) -> None: ...
 
     def release(self, seq: Sequence) -> None:
-        """`seq` leaves the batch; its blocks are still allocated until this returns."""
+        """`seq` leaves the batch: finished (`seq.finish_reason` set) or preempted (to be recomputed
+        later). Its blocks are still allocated until this returns."""
         ...
 
     def prefill_draft(self, seq: Sequence) -> torch.Tensor | None:

@@ -43,6 +43,8 @@ class FeatureRecorder:
         parts.append(aux.to(torch.float16))
 
     def release(self, seq: Sequence) -> None:
+        if seq.finish_reason is None:  # preempted: recomputed from the start, observed again
+            return
         features = torch.cat(self.features.pop(seq.seq_id))
         pad = features.new_zeros(len(seq.token_ids) - features.shape[0], features.shape[1])
         self.finished.append((seq, torch.cat([features, pad])))
