@@ -3,8 +3,8 @@
 Runs on the embedded default model (or --model), fp32, same weights, same process:
 - decode tokens/s at batch 1, 4, 16: 128 new tokens after a 256-token prompt (EOS ignored);
 - the cost of one forward over n new tokens (default 1, 2, 4, 6, 8; logits at every row) after a
-  256-token context, relative to n = 1 (what a speculative verification step costs against a
-  decode step).
+  256-token context, relative to the first n (1 by default: what a speculative verification step
+  costs against a decode step).
 Prints one JSON object, then a table.
 
     python -m bench.engine [--threads 2] [--batches 1 4 16] [--spans 1 2 4 6 8] [--skip-hf]

@@ -134,6 +134,7 @@ class Engine:
             draft_hidden=self.proposer.prefill_draft(seq),
             cached_prompt_tokens=seq.num_cached_prompt,
         )
+        seq.finish_reason = "prefilled"
         self.proposer.release(seq)
         del self.seqs[seq.seq_id], self.streams[seq.seq_id]
         self.handed_off[seq.seq_id] = seq
@@ -177,9 +178,11 @@ class Engine:
 
     def _lookahead(self, seq: Sequence) -> int:
         """Draft tokens to reserve for a decoding sequence: never more than it may still emit - 1,
-        none while the batch is larger than speculative.disable_by_batch_size."""
+        none while the batch is larger than speculative.disable_by_batch_size, and none for a
+        prefill that is handed off after its first token (a prompt cached but for its last token
+        looks like a decoding sequence)."""
         limit = self.config.speculative.disable_by_batch_size
-        if limit is not None and len(self.scheduler.running) > limit:
+        if seq.prefill_only or (limit is not None and len(self.scheduler.running) > limit):
             return 0
         k = seq.params.num_speculative_tokens
         k = self.num_speculative_tokens if k is None else min(k, self.num_speculative_tokens)

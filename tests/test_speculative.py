@@ -82,7 +82,8 @@ def test_ngram_accepts_drafts_on_copying_text(spec_engines, prompts, plain_outpu
 @pytest.mark.parametrize("method", ["ngram", "eagle3"])
 def test_a_stop_token_inside_an_accepted_run_ends_the_output_there(spec_engines, prompts, plain_outputs, method):
     """Drafts accepted after a stop token are not output, and usage counts only what was (eagle3:
-    the shipped head; its draft cache is written up to the last kept token when the request ends)."""
+    the shipped head; when the request ends, writing its pending draft KV stops at the last kept
+    token: the positions after it have no next token)."""
     engine = spec_engines["ngram"] if method == "ngram" else Engine(EngineConfig(
         num_kv_blocks=256, speculative={"method": "eagle3", "num_speculative_tokens": 5}))
     plain = plain_outputs[7]  # copying text: long accepted runs
@@ -97,7 +98,7 @@ def test_a_stop_token_inside_an_accepted_run_ends_the_output_there(spec_engines,
 def test_a_confidence_threshold_ends_chains_early_and_stays_lossless(prompts, plain_outputs):
     """With the shipped head, a threshold drafts fewer tokens, a larger share of them accepted; in a
     batch of B the threshold is B times higher per sequence, so fewer still are drafted, and none
-    once it reaches 1 (the draft's cache is still kept up to date for when the batch shrinks)."""
+    once it reaches 1 (the draft's cache is still brought up to date, for when the batch shrinks)."""
     params = SamplingParams(max_tokens=32)
 
     def run(threshold: float, which: list[int], batched: bool, batch_limit: int | None = None) -> tuple[int, int]:
@@ -135,9 +136,15 @@ def test_draft_caches_left_behind_catch_up_to_what_one_forward_computes(prompts)
     params = SamplingParams(max_tokens=CATCH_UP + 16, num_speculative_tokens=0, ignore_eos=True)
     ids = [lagging.add_request(prompts[i], params) for i in (0, 3)]
     seqs = [lagging.seqs[i] for i in ids]
-    tables, caught_up_midway = {}, False
+    tables, release = {}, lagging.proposer.release
+
+    def recording_release(seq):  # the block table, while the blocks are still allocated
+        tables[seq.seq_id] = lagging.blocks.block_table(seq.seq_id)
+        release(seq)
+
+    lagging.proposer.release = recording_release
+    caught_up_midway = False
     while lagging.has_unfinished():
-        tables.update({s.seq_id: lagging.blocks.block_table(s.seq_id) for s in lagging.scheduler.running})
         caught_up_midway |= all(lagging.proposer.pending.get(i, (0,))[0] > len(prompts[0]) + 8 for i in ids)
         lagging.step()
     assert caught_up_midway  # past the prompt, from decode steps' features, before finishing
@@ -172,6 +179,24 @@ def test_per_position_acceptance_covers_every_drafted_position():
     stats.record(num_drafted=3, num_accepted=0)
     assert stats.to_dict()["per_position_acceptance_rate"] == [0.5, 0.0, 0.0, 0.0, 0.0]
     assert stats.mean_acceptance_length == 1.5
+
+
+def test_a_prefill_that_is_handed_off_never_drafts():
+    """A chunked prefill whose last chunk is one token looks like a decoding sequence to the
+    scheduler; a prefill-only request must still stop at its first token, with no draft slots
+    reserved and nothing drafted or committed past the prompt (a repeating prompt: ngram would
+    draft)."""
+    engine = Engine(EngineConfig(num_kv_blocks=64, max_num_batched_tokens=16,
+                                 speculative={"method": "ngram", "num_speculative_tokens": 8}))
+    prompt = [1000, 1001, 1002, 1003] * 8 + [1000]  # chunks of 16, 16, then 1 token
+    rid = engine.add_request(prompt, SamplingParams(max_tokens=16), prefill_only=True)
+    outs = []
+    while engine.has_unfinished():
+        outs += engine.step()
+    assert [(o.request_id, o.finish_reason, len(o.token_ids)) for o in outs] == [(rid, "prefilled", 1)]
+    assert engine.counters["verify_steps"] == engine.counters["draft_tokens"] == 0
+    assert engine.blocks.num_committed(rid) == len(prompt)
+    assert engine.release(rid)
 
 
 def test_a_preempted_sequence_is_released_while_it_still_holds_its_blocks(prompts, plain_outputs):

@@ -26,7 +26,9 @@ one batched call that computes only the keys and values (not attention, MLP or l
 tenth of a draft forward's arithmetic) and reads the weights once instead of once per step. The
 same call covers a prompt before its first draft, a prompt whose prefill is handed off, and what
 is still pending when a sequence leaves (its full blocks stay in the prefix cache, and a request
-that reuses them reads their draft entries too).
+that reuses them reads their draft entries too). While a sequence lags, up to CATCH_UP of its
+positions have no draft entries yet; a request reusing those blocks meanwhile drafts from stale
+ones there, which costs acceptance, never correctness (verification decides every token).
 
 The target's features reach `observe` one sequence at a time; they are projected by `fc` for the
 whole batch at once, when next needed.
@@ -91,7 +93,7 @@ class Eagle3Proposer:
 
     def adopt(self, seq: Sequence, position: int, hidden: torch.Tensor | None) -> None:
         if hidden is not None:
-            self.pending[seq.seq_id] = (position, hidden.to(self.runner.dtype))
+            self.pending[seq.seq_id] = (position, hidden.to(self.runner.device, self.runner.dtype))
 
     @torch.inference_mode()
     def propose(self, seqs: list[Sequence], num_tokens: list[int]) -> list[Proposal]:
