@@ -37,10 +37,11 @@ def test_bench_spec_reports_a_lossless_comparison(tmp_path):
                        + json.dumps({"turns": ["What is 12 times 7?", "And times 8?"]}) + "\n"
                        + json.dumps({"prompt": "Say hello in French."}) + "\n")
     result = _pdspec("bench", "spec", "--prompts", str(prompts), "--max-tokens", "12", "--max-prompts", "2",
-                     "--speculative", "eagle3", "--num-speculative-tokens", "3", "--json")
+                     "--speculative", "eagle3", "--num-speculative-tokens", "3", "--disable-by-batch-size", "1", "--json")
     assert result.returncode == 0, result.stderr
     out = json.loads(result.stdout.strip().splitlines()[-1])
     assert out["num_prompts"] == 2 and out["lossless"] is True
+    assert out["disable_by_batch_size"] == 1  # batch 1 is within the limit: drafting goes on
     assert out["drafted"] > 0 and 1.0 <= out["tau"] <= 4.0
     low, high = out["speedup_ci95"]  # two batches: the pooled speedup lies between theirs
     assert low < high and low <= out["speedup"] <= high
