@@ -179,8 +179,8 @@ class Engine:
     def _lookahead(self, seq: Sequence) -> int:
         """Draft tokens to reserve for a decoding sequence: never more than it may still emit - 1,
         none while the batch is larger than speculative.disable_by_batch_size, and none for a
-        prefill that is handed off after its first token (a prompt cached but for its last token
-        looks like a decoding sequence)."""
+        prefill that is handed off after its first token (a chunked prefill whose last chunk is
+        one token looks like a decoding sequence)."""
         limit = self.config.speculative.disable_by_batch_size
         if seq.prefill_only or (limit is not None and len(self.scheduler.running) > limit):
             return 0
