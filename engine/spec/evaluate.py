@@ -33,7 +33,6 @@ def _run_batch(engine: Engine, prompts: list[list[int]], params: SamplingParams)
 def evaluate(base: Engine, spec: Engine, prompts: list[list[int]], max_tokens: int, batch_size: int = 1,
              temperature: float = 0.0) -> dict:
     params = SamplingParams(max_tokens=max_tokens, temperature=temperature, seed=0 if temperature else None)
-    totals = {"base_s": 0.0, "spec_s": 0.0, "base_tokens": 0, "spec_tokens": 0}
     per_batch: list[tuple[int, float, int, float]] = []  # (base tokens, base s, spec tokens, spec s)
     merged, identical = AcceptanceStats(), True
     for start in tqdm(range(0, len(prompts), batch_size), desc="bench spec", unit="batch"):
@@ -41,15 +40,10 @@ def evaluate(base: Engine, spec: Engine, prompts: list[list[int]], max_tokens: i
         base_out, base_s, _ = _run_batch(base, batch, params)
         spec_out, spec_s, stats = _run_batch(spec, batch, params)
         identical &= base_out == spec_out
-        totals["base_s"] += base_s
-        totals["spec_s"] += spec_s
-        totals["base_tokens"] += sum(map(len, base_out))
-        totals["spec_tokens"] += sum(map(len, spec_out))
         per_batch.append((sum(map(len, base_out)), base_s, sum(map(len, spec_out)), spec_s))
         for s in stats:
             merged.merge(s)
-    base_tps = totals["base_tokens"] / totals["base_s"]
-    spec_tps = totals["spec_tokens"] / totals["spec_s"]
+    base_tps, spec_tps = _tokens_per_s(per_batch)
     summary = merged.to_dict()
     return {
         "num_prompts": len(prompts),
@@ -80,7 +74,13 @@ def _bootstrap_speedup(per_batch: list[tuple[int, float, int, float]], resamples
     speedups = []
     for _ in range(resamples):
         sample = rng.choices(per_batch, k=len(per_batch))
-        base_tokens, base_s, spec_tokens, spec_s = (sum(col) for col in zip(*sample))
-        speedups.append((spec_tokens / spec_s) / (base_tokens / base_s))
+        base_tps, spec_tps = _tokens_per_s(sample)
+        speedups.append(spec_tps / base_tps)
     speedups.sort()
     return round(speedups[int(0.025 * resamples)], 3), round(speedups[int(0.975 * resamples) - 1], 3)
+
+
+def _tokens_per_s(batches: list[tuple[int, float, int, float]]) -> tuple[float, float]:
+    """Pooled (base, spec) tokens/s over (base tokens, base s, spec tokens, spec s) batches."""
+    base_tokens, base_s, spec_tokens, spec_s = (sum(col) for col in zip(*batches))
+    return base_tokens / base_s, spec_tokens / spec_s
