@@ -79,8 +79,7 @@ class Eagle3Draft:
         self.norm = w["norm.weight"]
         device, dtype = self.norm.device, self.norm.dtype
         mid = {k.removeprefix("midlayer."): v for k, v in w.items() if k.startswith("midlayer.")}
-        self.midlayer = DecoderLayer(c, mid, attention_for(c, device, dtype, block_size), packed_dtype=packed,
-                                     kv_only=True)
+        self.midlayer = DecoderLayer(c, mid, attention_for(c, device, dtype, block_size), packed_dtype=packed)
         self.lm_head = Linear(w["lm_head.weight"], packed_dtype=packed)
         self.d2t = w["d2t"].long() if "d2t" in w else None
         own_embed = w.get("embed_tokens.weight")

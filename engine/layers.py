@@ -34,10 +34,21 @@ class Linear:
             self.weight = weight.contiguous()
         self.bias = bias.contiguous() if bias is not None else None
 
-    def __call__(self, x: torch.Tensor) -> torch.Tensor:
+    def __call__(self, x: torch.Tensor, first_output: int = 0) -> torch.Tensor:
+        """first_output: compute only output features [first_output:] (e.g. k and v of a fused
+        qkv projection), reading only their weights."""
+        bias = self.bias
         if self.packed:
-            return cpu_kernels.packed_gemm(x, self.weight, self.out_features, self.bias)
-        return F.linear(x, self.weight, self.bias)
+            # Start at the panel holding first_output; drop the columns before it.
+            panel, skip = divmod(first_output, self.weight.shape[2])
+            start = first_output - skip
+            bias = bias[start:] if bias is not None else None
+            y = cpu_kernels.packed_gemm(x, self.weight[panel:], self.out_features - start, bias)
+            return y[:, skip:] if skip else y
+        if first_output:
+            bias = bias[first_output:] if bias is not None else None
+            return F.linear(x, self.weight[first_output:], bias)
+        return F.linear(x, self.weight, bias)
 
     def rows(self, ids: torch.Tensor) -> torch.Tensor:
         """Rows of W (an embedding lookup when the head is tied to the embeddings)."""

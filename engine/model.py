@@ -56,10 +56,9 @@ class DecoderLayer:
     target feeds rms_norm(x); the EAGLE3 midlayer feeds its 2H-wide [embedding, hidden] input."""
 
     def __init__(self, config: ModelConfig, w: dict[str, torch.Tensor], attend: AttentionFn,
-                 tp: TensorParallel = TensorParallel(), packed_dtype: torch.dtype | None = None,
-                 kv_only: bool = False):
+                 tp: TensorParallel = TensorParallel(), packed_dtype: torch.dtype | None = None):
         """config: the shapes this rank computes (heads and MLP already divided by the TP size);
-        packed_dtype: see Linear; kv_only: also keep the k/v projection apart, for `write_kv_only`."""
+        packed_dtype: see Linear."""
         self.config = config
         self.attend = attend
         self.tp = tp
@@ -69,8 +68,6 @@ class DecoderLayer:
             bias = torch.cat([w["self_attn.q_proj.bias"], w["self_attn.k_proj.bias"], w["self_attn.v_proj.bias"]])
         # Fused projections: one GEMM reads all of q/k/v (and gate/up) weights in one pass.
         self.qkv = Linear(torch.cat([q, k, v]), bias, packed_dtype)
-        self.kv = Linear(torch.cat([k, v]), bias[q.shape[0] :] if bias is not None else None,
-                         packed_dtype) if kv_only else None
         self.o = Linear(w["self_attn.o_proj.weight"], packed_dtype=packed_dtype)
         self.gate_up = Linear(torch.cat([w["mlp.gate_proj.weight"], w["mlp.up_proj.weight"]]), packed_dtype=packed_dtype)
         self.down = Linear(w["mlp.down_proj.weight"], packed_dtype=packed_dtype)
@@ -97,7 +94,7 @@ class DecoderLayer:
     def write_kv_only(self, attn_input, cos, sin, layer_cache, meta: AttentionMetadata) -> None:
         """Only the cache's keys and values at the batch's slots: the same values a full call
         writes, without the queries, attention and MLP (for positions whose output is not needed)."""
-        k, v = self.kv(attn_input).split([self.kv_size, self.kv_size], dim=-1)
+        k, v = self.qkv(attn_input, first_output=self.q_size).split([self.kv_size, self.kv_size], dim=-1)
         self._store_kv(k, v, cos, sin, layer_cache, meta)
 
     def _store_kv(self, k, v, cos, sin, layer_cache, meta: AttentionMetadata) -> None:

@@ -7,6 +7,7 @@ import torch
 
 from engine import cpu_kernels
 from engine.attention import AttentionMetadata, native_paged_attention, paged_attention
+from engine.layers import Linear
 
 
 @pytest.mark.parametrize("m", [1, 3, 8, 9, 17, 40])
@@ -60,3 +61,17 @@ def test_bf16_packed_gemm_widens_weights_exactly(m):
     packed = cpu_kernels.pack_weight(w)
     assert packed.dtype == torch.bfloat16
     assert torch.allclose(cpu_kernels.packed_gemm(x, packed, 100, b), x @ w.float().T + b, atol=1e-4)
+
+
+@pytest.mark.parametrize("packed_dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("first", [0, 5, 32, 64, 70, 99])
+def test_linear_first_output_computes_a_tail_of_the_outputs(packed_dtype, first):
+    """Linear(x, first_output=f) is Linear(x)[:, f:], on the packed path (panel-aligned or not)
+    and on torch's."""
+    w, b, x = torch.randn(100, 64), torch.randn(100), torch.randn(3, 64)
+    packed = Linear(w, b, packed_dtype)
+    assert packed.packed
+    assert torch.allclose(packed(x, first_output=first), packed(x)[:, first:], atol=1e-5)
+    plain = Linear(w.double(), b.double())
+    assert not plain.packed
+    assert torch.allclose(plain(x.double(), first_output=first), plain(x.double())[:, first:])
