@@ -9,6 +9,12 @@ A forward's sequences fall in two groups:
   their block table.
 Keys and values of the new tokens are written into the cache first, then read back through
 the block tables, so a sequence attends to its cached prefix and to itself the same way.
+
+A verification span may be a tree (several candidates for one position, see
+spec/proposer.py): its tokens sit in consecutive cache slots in proposal order, and each sees
+the cached prefix plus its own ancestors in the span. `span_masks` says which: bit j of a
+row's mask is set when the row may see its sequence's j-th query token. Rows that are not part
+of a tree carry -1 (every bit), so the causal rule alone applies to them.
 """
 
 import functools
@@ -53,6 +59,7 @@ class AttentionMetadata:
     block_tables: torch.Tensor  # [B, max_blocks] int64, padded with 0
     long: list[LongQuery]  # the sequences with more than SHORT_QUERY query tokens
     lists: tuple[list[int], list[int], list[list[int]], int]  # query lens, context lens, tables, block size
+    span_masks: torch.Tensor | None = None  # [T] int32 tree masks (see the module doc); None = all causal
 
     @classmethod
     def build(
@@ -63,7 +70,9 @@ class AttentionMetadata:
         slot_mapping: torch.Tensor,
         block_size: int,
         device: torch.device,
+        span_masks: list[int] | None = None,
     ) -> "AttentionMetadata":
+        """span_masks: one per query row (trees must be short queries); None when no span is a tree."""
         starts = [0]
         for n in query_lens:
             starts.append(starts[-1] + n)
@@ -80,6 +89,7 @@ class AttentionMetadata:
             block_tables=_pad_tables(block_tables, device),
             long=long,
             lists=(query_lens, context_lens, block_tables, block_size),
+            span_masks=torch.tensor(span_masks, dtype=torch.int32, device=device) if span_masks else None,
         )
 
     @functools.cached_property
@@ -90,7 +100,8 @@ class AttentionMetadata:
         if not ids:
             return None
         starts = self.query_start_loc.tolist()
-        return _short_group(ids, starts, query_lens, context_lens, tables, block_size, self.block_tables.device)
+        return _short_group(ids, starts, query_lens, context_lens, tables, block_size, self.block_tables.device,
+                            self.span_masks)
 
 
 def _pad_tables(tables: list[list[int]], device: torch.device) -> torch.Tensor:
@@ -111,7 +122,7 @@ def _causal_mask(query_len: int, context_len: int, device: torch.device) -> torc
     return torch.arange(context_len, device=device).unsqueeze(0) <= q_pos
 
 
-def _short_group(ids, starts, query_lens, context_lens, block_tables, block_size, device) -> ShortGroup:
+def _short_group(ids, starts, query_lens, context_lens, block_tables, block_size, device, span_masks) -> ShortGroup:
     q = max(query_lens[i] for i in ids)
     max_ctx = max(context_lens[i] for i in ids)
     blocks = -(-max_ctx // block_size)
@@ -125,7 +136,6 @@ def _short_group(ids, starts, query_lens, context_lens, block_tables, block_size
     q_pos = ctx[:, None] - q_lens[:, None] + torch.arange(q, device=device)[None, :]
     q_pos = torch.where(q_pos >= ctx[:, None], torch.zeros_like(q_pos), q_pos)
     allowed = key_pos[None, None, :] <= q_pos[:, :, None]
-    mask = torch.zeros(allowed.shape, device=device).masked_fill_(~allowed, float("-inf"))
     dense = all(query_lens[i] == q for i in ids) and ids == list(range(len(query_lens))) and starts[-1] == len(ids) * q
     if dense:
         rows = valid = out_rows = None
@@ -135,6 +145,12 @@ def _short_group(ids, starts, query_lens, context_lens, block_tables, block_size
         rows = torch.tensor(flat, dtype=torch.long, device=device)
         valid = torch.tensor(keep, dtype=torch.long, device=device)
         out_rows = rows[valid]
+    if span_masks is not None:  # padded rows repeat their sequence's last row: every mask sees the root
+        row_masks = (span_masks if rows is None else span_masks[rows]).view(len(ids), q, 1)
+        span_key = key_pos[None, None, :] - (ctx - q_lens)[:, None, None]  # key's index in the span
+        in_tree = (row_masks >> span_key.clamp(0, 31)) & 1 == 1
+        allowed &= (span_key < 0) | in_tree
+    mask = torch.zeros(allowed.shape, device=device).masked_fill_(~allowed, float("-inf"))
     return ShortGroup(rows, valid, out_rows, torch.tensor(tables, dtype=torch.long, device=device),
                       mask.view(len(ids), 1, 1, q, s), len(ids), q)
 
@@ -162,7 +178,7 @@ def native_paged_attention(q: torch.Tensor, layer_cache: torch.Tensor, meta: Att
     t, heads, d = q.shape
     out = q.new_empty(t, heads * d)
     cpu_kernels.paged_attention(q, layer_cache, meta.block_tables, meta.query_start_loc, meta.context_lens,
-                                SHORT_QUERY, scale, out)
+                                SHORT_QUERY, scale, out, meta.span_masks)
     for lq in meta.long:
         _long_attention(q, layer_cache, lq, scale, out)
     return out

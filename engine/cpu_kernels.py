@@ -64,7 +64,7 @@ def load_library() -> ctypes.CDLL:
     lib.pd_paged_attention.restype = ctypes.c_int
     lib.pd_paged_attention.argtypes = (
         [ctypes.c_void_p] * 2 + [ctypes.c_long] * 3 + [ctypes.c_void_p, ctypes.c_int] + [ctypes.c_void_p] * 2
-        + [ctypes.c_int] * 6 + [ctypes.c_float, ctypes.c_void_p, ctypes.c_int]
+        + [ctypes.c_int] * 6 + [ctypes.c_float] + [ctypes.c_void_p] * 2 + [ctypes.c_int]
     )
     return lib
 
@@ -121,12 +121,12 @@ def attention_supported(heads: int, kv_heads: int, head_dim: int, block_size: in
 
 def paged_attention(q: torch.Tensor, layer_cache: torch.Tensor, block_tables: torch.Tensor,
                     query_start_loc: torch.Tensor, context_lens: torch.Tensor, max_query_len: int,
-                    scale: float, out: torch.Tensor) -> None:
+                    scale: float, out: torch.Tensor, span_masks: torch.Tensor | None = None) -> None:
     """Fill out[T, heads*D] for every sequence with at most max_query_len query tokens.
 
     q: [T, heads, D] fp32; layer_cache: [blocks, 2, block_size, kv_heads, D] (any block/kv/offset
     strides, heads and D contiguous); block_tables int64 [B, max_blocks]; query_start_loc and
-    context_lens int32."""
+    context_lens int32; span_masks: int32 [T] tree masks (see engine/attention.py) or None."""
     q = q.contiguous()
     _, heads, dim = q.shape
     s_block, s_kv, s_offset, s_head, s_dim = layer_cache.stride()
@@ -136,7 +136,7 @@ def paged_attention(q: torch.Tensor, layer_cache: torch.Tensor, block_tables: to
         q.data_ptr(), layer_cache.data_ptr(), s_block, s_kv, s_offset,
         block_tables.data_ptr(), block_tables.shape[1], query_start_loc.data_ptr(), context_lens.data_ptr(),
         context_lens.shape[0], max_query_len, heads, layer_cache.shape[3], dim, layer_cache.shape[2], scale,
-        out.data_ptr(), torch.get_num_threads(),
+        out.data_ptr(), span_masks.data_ptr() if span_masks is not None else None, torch.get_num_threads(),
     )
     if rc != 0:
         raise ValueError(f"paged_attention: shapes outside the kernel's limits (heads={heads}, head_dim={dim})")

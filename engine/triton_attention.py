@@ -9,7 +9,9 @@ fills the rows of `tl.dot`. Tiles are numbered without a host sync: sequence b o
 them, so T // BLOCK_Q + B programs cover any mix of prefill chunks, decodes and verification
 spans; each program finds its sequence by binary search over query_start_loc and exits if it
 owns no tokens. Keys are walked in BLOCK_N-position tiles, each position mapped to its cache
-block through the block table, so block_size is independent of the tile width.
+block through the block table, so block_size is independent of the tile width. A tree-shaped
+verification span (span_masks, see engine/attention.py) narrows each row's keys inside its
+sequence's query to the row's ancestors.
 """
 
 import torch
@@ -42,14 +44,14 @@ def _find_sequence(query_start_loc, tile, num_seqs, BLOCK_Q: tl.constexpr):
 
 @triton.jit
 def _paged_attention_kernel(
-    q, cache, out, query_start_loc, context_lens, block_tables,
+    q, cache, out, query_start_loc, context_lens, block_tables, span_masks,
     num_seqs, qk_scale,
     stride_qt, stride_qh, stride_qd,
     stride_cb, stride_ckv, stride_co, stride_ch, stride_cd,
     stride_bt,
     NUM_HEADS: tl.constexpr, GROUP: tl.constexpr, GROUP_PAD: tl.constexpr,
     HEAD_DIM: tl.constexpr, BLOCK_SIZE: tl.constexpr,
-    BLOCK_Q: tl.constexpr, BLOCK_N: tl.constexpr, IEEE: tl.constexpr,
+    BLOCK_Q: tl.constexpr, BLOCK_N: tl.constexpr, IEEE: tl.constexpr, HAS_TREE: tl.constexpr,
 ):
     BLOCK_M: tl.constexpr = BLOCK_Q * GROUP_PAD
     tile = tl.program_id(0)
@@ -74,6 +76,8 @@ def _paged_attention_kernel(
 
     q_ptrs = q + (q_start + token)[:, None] * stride_qt + head[:, None] * stride_qh + dims[None, :] * stride_qd
     q_tile = tl.load(q_ptrs, mask=row_valid[:, None], other=0.0)
+    if HAS_TREE:
+        row_tree = tl.load(span_masks + q_start + token, mask=row_valid, other=-1)
 
     m_i = tl.full([BLOCK_M], float("-inf"), tl.float32)
     l_i = tl.zeros([BLOCK_M], tl.float32)
@@ -100,6 +104,10 @@ def _paged_attention_kernel(
         # Scores in log2 units (qk_scale folds in log2(e)) so the exponentials are exp2.
         s = s * qk_scale
         allowed = (k_pos[None, :] <= q_pos[:, None]) & k_valid[None, :]
+        if HAS_TREE:  # inside the query span, a row sees its ancestors only (the root always)
+            span_key = k_pos - prefix
+            ancestor = ((row_tree[:, None] >> (span_key & 31)[None, :]) & 1) != 0
+            allowed = allowed & ((span_key < 0)[None, :] | ancestor)
         s = tl.where(allowed, s, float("-inf"))
 
         m_new = tl.maximum(m_i, tl.max(s, axis=1))
@@ -146,9 +154,10 @@ def triton_paged_attention(
     grid = (t // block_q + num_seqs, kv_heads)
     _paged_attention_kernel[grid](
         q, layer_cache, out, meta.query_start_loc, meta.context_lens, meta.block_tables,
+        meta.span_masks if meta.span_masks is not None else meta.context_lens,  # unread without a tree
         num_seqs, scale * 1.4426950408889634,  # log2(e)
         *q.stride(), *layer_cache.stride(), meta.block_tables.stride(0),
         NUM_HEADS=heads, GROUP=group, GROUP_PAD=group_pad, HEAD_DIM=d, BLOCK_SIZE=block_size,
-        BLOCK_Q=block_q, BLOCK_N=BLOCK_N, IEEE=q.dtype == torch.float32,
+        BLOCK_Q=block_q, BLOCK_N=BLOCK_N, IEEE=q.dtype == torch.float32, HAS_TREE=meta.span_masks is not None,
     )
     return out

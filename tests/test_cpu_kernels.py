@@ -7,6 +7,7 @@ import torch
 
 from engine import cpu_kernels
 from engine.attention import AttentionMetadata, native_paged_attention, paged_attention
+from engine.batch import tree_layout
 from engine.layers import Linear
 
 
@@ -21,7 +22,7 @@ def test_packed_gemm_matches_torch(m, n, k):
     assert torch.equal(cpu_kernels.unpack_rows(packed, rows), w[rows])
 
 
-def _case(query_lens, context_lens, heads, kv_heads, dim, block_size, seed):
+def _case(query_lens, context_lens, heads, kv_heads, dim, block_size, seed, span_masks=None):
     rng = random.Random(seed)
     torch.manual_seed(seed)
     num_blocks = sum(-(-c // block_size) for c in context_lens) + 3
@@ -33,9 +34,27 @@ def _case(query_lens, context_lens, heads, kv_heads, dim, block_size, seed):
         n = -(-c // block_size)
         tables.append([ids.pop() for _ in range(n)])
         slots += [tables[-1][p // block_size] * block_size + p % block_size for p in range(c - q, c)]
-    meta = AttentionMetadata.build(query_lens, context_lens, tables, torch.tensor(slots), block_size, torch.device("cpu"))
+    meta = AttentionMetadata.build(query_lens, context_lens, tables, torch.tensor(slots), block_size,
+                                   torch.device("cpu"), span_masks)
     q = torch.randn(sum(query_lens), heads, dim)
     return q, cache[:, 2], meta
+
+
+def _explicit_attention(q, layer_cache, meta, scale, visible):
+    """Row by row: softmax over the keys at the cache positions visible(seq, row, context) lists."""
+    query_lens, context_lens, tables, block_size = meta.lists
+    kv_heads = layer_cache.shape[3]
+    out, row = [], 0
+    for b, (n, ctx) in enumerate(zip(query_lens, context_lens)):
+        for i in range(n):
+            pos = torch.tensor(visible(b, i, ctx - n))
+            slots = torch.tensor(tables[b])[pos // block_size], pos % block_size
+            k, v = layer_cache[slots[0], 0, slots[1]], layer_cache[slots[0], 1, slots[1]]  # [P, kvh, D]
+            qh = q[row].view(kv_heads, -1, q.shape[-1])  # [kvh, group, D]
+            probs = torch.softmax(torch.einsum("hgd,phd->hgp", qh, k) * scale, -1)
+            out.append(torch.einsum("hgp,phd->hgd", probs, v).reshape(-1))
+            row += 1
+    return torch.stack(out)
 
 
 @pytest.mark.parametrize("heads, kv_heads, dim, block_size", [(9, 3, 64, 16), (4, 4, 32, 8), (8, 2, 128, 16)])
@@ -52,6 +71,34 @@ def test_native_attention_matches_torch_path(heads, kv_heads, dim, block_size):
 def test_native_attention_dense_decode_batch():
     q, layer_cache, meta = _case([1] * 8, [5 + 13 * i for i in range(8)], 9, 3, 64, 16, seed=1)
     assert (native_paged_attention(q, layer_cache, meta, 0.125) - paged_attention(q, layer_cache, meta, 0.125)).abs().max() < 1e-4
+
+
+@pytest.mark.parametrize("heads, kv_heads, dim, block_size", [(9, 3, 64, 16), (4, 4, 32, 8)])
+def test_tree_spans_see_the_prefix_and_their_ancestors_only(heads, kv_heads, dim, block_size):
+    """Span masks: tree rows see their ancestors in the span, other rows stay causal (torch path
+    against an explicit per-row computation, the C kernel against the torch path)."""
+    trees = {1: [-1, 0, 0, 1, -1, 4], 3: [-1, 0, 1, 2, 3, 4, 0, 1, 2, 3, 4, -1, 11, 0, 6]}  # seq -> parents
+    query_lens = [1, 7, 1, 16, 5, 40]
+    context_lens = [9, 37, 300, 50, 18, 61]
+    masks, ancestors = [], {}
+    for b, n in enumerate(query_lens):
+        if b in trees:
+            _, tree_masks = tree_layout(trees[b])
+            masks += tree_masks
+            ancestors[b] = [[j for j in range(n) if m >> j & 1] for m in tree_masks]
+        else:
+            masks += [-1] * n
+
+    def visible(b, i, first):
+        return list(range(first)) + [first + j for j in ancestors[b][i]] if b in ancestors else list(range(first + i + 1))
+
+    q, layer_cache, meta = _case(query_lens, context_lens, heads, kv_heads, dim, block_size, seed=dim, span_masks=masks)
+    ref = paged_attention(q, layer_cache, meta, dim**-0.5)
+    assert (ref - _explicit_attention(q, layer_cache, meta, dim**-0.5, visible)).abs().max() < 1e-4
+    assert (native_paged_attention(q, layer_cache, meta, dim**-0.5) - ref).abs().max() < 1e-4
+    slots = meta.slot_blocks * block_size + meta.slot_offsets
+    causal = AttentionMetadata.build(*meta.lists[:3], slots, block_size, torch.device("cpu"))
+    assert (paged_attention(q, layer_cache, causal, dim**-0.5) - ref).abs().max() > 1e-2  # the masks matter
 
 
 @pytest.mark.parametrize("m", [1, 5, 8, 19])

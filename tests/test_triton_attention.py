@@ -23,7 +23,11 @@ ROOT = Path(__file__).resolve().parent.parent
 # span at positions 13..18 that crosses a block boundary for block sizes 8 and 16.
 MIXED = [(20, 40), (17, 17), (1, 1), (1, 9), (1, 33), (6, 19)]
 DECODE = [(1, 5), (1, 16), (1, 17), (1, 30)]
+# A third element makes the span a tree with these draft parents (span masks, engine/attention.py).
+TREES = [(20, 40), (1, 9), (7, 30, [-1, 0, 0, 1, -1, 4]), (6, 19), (16, 50, [-1, 0, 1, 2, 3, 4, 0, 1, 2, 3, 4, -1, 11, 0, 6])]
 CASES = [
+    ("trees-gqa-d32-bs8-fp32", 6, 2, 32, 8, "float32", TREES),
+    ("trees-gqa-d64-bs16-fp16", 6, 2, 64, 16, "float16", TREES),
     ("gqa-d32-bs16-fp32", 6, 2, 32, 16, "float32", MIXED),
     ("gqa-d64-bs8-fp32", 6, 2, 64, 8, "float32", MIXED),
     ("mha-d32-bs8-fp32-decode", 4, 4, 32, 8, "float32", DECODE),
@@ -39,11 +43,12 @@ def _run_case(heads: int, kv_heads: int, head_dim: int, block_size: int, dtype: 
     import torch
 
     from engine.attention import AttentionMetadata, paged_attention
+    from engine.batch import tree_layout
     from engine.triton_attention import triton_paged_attention
 
     rng = random.Random(seed)
     torch.manual_seed(seed)
-    needed = [-(-ctx // block_size) + 1 for _, ctx in batch]  # one spare block past the context
+    needed = [-(-ctx // block_size) + 1 for _, ctx, *_ in batch]  # one spare block past the context
     num_blocks = sum(needed) + 3
     ids = list(range(num_blocks))
     rng.shuffle(ids)  # non-contiguous, unordered block tables
@@ -58,12 +63,13 @@ def _run_case(heads: int, kv_heads: int, head_dim: int, block_size: int, dtype: 
     layer_cache = cache[:, layer]
     assert not layer_cache.is_contiguous()
 
-    query_lens = [n for n, _ in batch]
-    context_lens = [ctx for _, ctx in batch]
+    query_lens = [n for n, *_ in batch]
+    context_lens = [ctx for _, ctx, *_ in batch]
     slots = [tables[b][pos // block_size] * block_size + pos % block_size
-             for b, (n, ctx) in enumerate(batch) for pos in range(ctx - n, ctx)]
+             for b, (n, ctx, *_) in enumerate(batch) for pos in range(ctx - n, ctx)]
+    masks = [m for n, _, *tree in batch for m in (tree_layout(tree[0])[1] if tree else [-1] * n)]
     meta = AttentionMetadata.build(query_lens, context_lens, tables, torch.tensor(slots), block_size,
-                                   torch.device("cpu"))
+                                   torch.device("cpu"), masks if any(len(b) == 3 for b in batch) else None)
     q = torch.randn(sum(query_lens), heads, head_dim).to(cache.dtype)
     scale = head_dim ** -0.5
 

@@ -38,7 +38,7 @@ ALMOST_ONE = 1.0 - 2.0 ** -24
 # sampled, two drafts on the rows of _precision_edge.
 # forced = k: exactly k drafts accepted (k = num_drafts: full acceptance, 0: immediate rejection)
 # with the edge cases above; None: random drafts and uniforms. BLOCK_V is 1024, so vocab 2500
-# samples across three chunks.
+# samples across three chunks. A trailing True turns the greedy sequences' drafts into trees.
 GREEDY = [(0, "g", 0), (1, "g", 1), (3, "g", 0), (5, "g", 5), (5, "g", 2), (3, "g", None), (5, "g", None)]
 SAMPLED = [(0, "s", 0), (1, "s", 1), (3, "s", 0), (5, "s", 5), (5, "s", 2), (3, "s", None), (5, "s", None),
            (5, "s", None), (0, "f", 0), (2, "x", None)]
@@ -54,6 +54,9 @@ CASES = [
     ("mixed-onehot-v1000", 1000, False, "float32", MIXED),
     ("mixed-dense-v2500", 2500, True, "float32", MIXED),
     ("mixed-dense-v1000-bf16", 1000, True, "bfloat16", MIXED),
+    # Greedy sequences draft trees (see _with_trees); sampled ones chains, as the engine does.
+    ("trees-v37", 37, False, "float32", GREEDY + GREEDY, True),
+    ("trees-mixed-v1000", 1000, False, "float32", MIXED, True),
 ]
 
 
@@ -187,16 +190,40 @@ def _make_input(vocab: int, dense_q: bool, dtype: str, seqs: list, seed: int):
     )
 
 
-def _run_case(vocab: int, dense_q: bool, dtype: str, seqs: list, seed: int) -> dict:
+def _with_trees(inp, seqs: list, seed: int):
+    """inp with its greedy sequences' drafts re-parented into random trees, each draft set to the
+    target's argmax after its parent half of the time (so paths go deep and also end at siblings);
+    sampled sequences keep chains."""
+    import torch
+
+    gen = torch.Generator().manual_seed(seed)
+    argmax = inp.target_logits.argmax(-1)
+    parents, drafts = [], inp.draft_ids.clone()
+    row = draft = 0
+    for n, kind, _ in seqs:
+        for i in range(n):
+            parent = int(torch.randint(-1, i, (1,), generator=gen)) if kind == "g" else i - 1
+            parents.append(parent)
+            if kind == "g" and torch.rand(1, generator=gen).item() < 0.5:
+                drafts[draft + i] = argmax[row + 1 + parent]
+        row += n + 1
+        draft += n
+    inp.draft_ids, inp.draft_parents = drafts, torch.tensor(parents, dtype=torch.long)
+    return inp
+
+
+def _run_case(vocab: int, dense_q: bool, dtype: str, seqs: list, trees: bool = False, *, seed: int) -> dict:
     import torch
 
     from engine.spec.rejection import verify
     from engine.spec.triton_rejection import post_verify, triton_post_verify, triton_verify
 
     inp = _make_input(vocab, dense_q, dtype, seqs, seed)
+    if trees:
+        inp = _with_trees(inp, seqs, seed)
     expected = verify(inp)
     got = triton_verify(inp)
-    forced = [(i, k) for i, (_, _, k) in enumerate(seqs) if k is not None]
+    forced = [(i, k) for i, (_, _, k) in enumerate(seqs) if k is not None and not trees]
     # Alternate int64 / int32 num_computed to check the output dtype follows the reference's promotion.
     num_computed = torch.randint(0, 500, (len(seqs),)).to(torch.int32 if seed % 2 else torch.int64)
     ref_post = post_verify(expected.tokens, expected.num_accepted, num_computed)
@@ -206,10 +233,14 @@ def _run_case(vocab: int, dense_q: bool, dtype: str, seqs: list, seed: int) -> d
         "expected_tokens": expected.tokens.tolist(),
         "num_accepted": got.num_accepted.tolist(),
         "expected_num_accepted": expected.num_accepted.tolist(),
+        "path": got.path.tolist(),
+        "expected_path": expected.path.tolist(),
         "dtypes_match": (got.tokens.dtype, got.num_accepted.dtype) == (expected.tokens.dtype,
                                                                         expected.num_accepted.dtype),
         # The forced outcomes hold in the reference, so the case covers what it claims to.
         "forced_hold": all(int(expected.num_accepted[i]) == k for i, k in forced),
+        # Some accepted path leaves the chain (a tree case covers what it claims to).
+        "branches": any(p[:a] != list(range(a)) for p, a in zip(expected.path.tolist(), expected.num_accepted.tolist())),
         "post_verify_match": all(torch.equal(g, r) and g.dtype == r.dtype for g, r in zip(got_post, ref_post)),
     }
 
@@ -242,6 +273,8 @@ def test_verify_matches_torch_reference(results: dict, name: str) -> None:
     assert result["forced_hold"], f"{name}: forced acceptances do not hold: {result['expected_num_accepted']}"
     assert result["num_accepted"] == result["expected_num_accepted"]
     assert result["tokens"] == result["expected_tokens"]
+    assert result["path"] == result["expected_path"]
+    assert result["branches"] or not name.startswith("trees"), f"{name}: every accepted path is a chain prefix"
     assert result["dtypes_match"]
 
 

@@ -9,7 +9,9 @@
  * Cache addressing (one layer of the block-major cache, any strides):
  *   key(block, offset, kv_head)   = cache + block*s_block + offset*s_offset + kv_head*D
  *   value(block, offset, kv_head) = the same + s_kv
- * Query token i of sequence b sits at position ctx_b - qlen_b + i and sees keys 0..position.
+ * Query token i of sequence b sits at position ctx_b - qlen_b + i and sees keys 0..position; with
+ * span_masks (a tree-shaped verification span), of the sequence's own query tokens only those
+ * whose bit is set in the row's mask (bit j: query token j; -1 = all, the causal rule alone).
  * Softmax is computed online, 16 keys at a time (flash-attention style), with a vectorised exp.
  */
 #include <math.h>
@@ -28,6 +30,7 @@ typedef int i16 __attribute__((vector_size(64)));
 static inline v16 load16(const float *p) { v16 v; memcpy(&v, p, 64); return v; }
 static inline void store16(float *p, v16 v) { memcpy(p, &v, 64); }
 static inline v16 splat(float x) { return (v16){0} + x; }
+static inline i16 splat_i(int x) { return (i16){0} + x; }
 
 /* Lane-wise mask ? a : b (GCC's C front end has no vector ternary). */
 static inline v16 select(i16 mask, v16 a, v16 b) {
@@ -99,9 +102,9 @@ static inline v16 sum16(v16 *d) {
  * compile-time constant in each inlined copy (see attend_tile_dim), so the loops over it unroll
  * and the accumulators stay in registers. */
 static inline __attribute__((always_inline)) void attend_tile(
-    const float **qrows, const int *pos, int nrows, const float *cache, long s_block, long s_kv,
-    long s_offset, const long *table, int block_size, int kv_head, const int dim, float scale,
-    float **outs) {
+    const float **qrows, const int *pos, const int *tree, int span0, int nrows, const float *cache,
+    long s_block, long s_kv, long s_offset, const long *table, int block_size, int kv_head, const int dim,
+    float scale, float **outs) {
     const int chunks = dim / 16;
     float m[MAX_ROWS], l[MAX_ROWS];
     v16 acc[MAX_ROWS][MAX_DIM / 16];
@@ -131,6 +134,10 @@ static inline __attribute__((always_inline)) void attend_tile(
                 for (int c = 1; c < chunks; c++) d[o] += load16(qrows[r] + 16 * c) * load16(keys[o] + 16 * c);
             }
             i16 valid = lane < visible;
+            if (tree[r] != -1) {  /* keys in the span: only the row's ancestors (and itself) */
+                i16 span_key = lane + (start - span0);
+                valid &= (span_key < 0) | (((splat_i(tree[r]) >> (span_key & 31)) & 1) != 0);
+            }
             v16 s = select(valid, sum16(d) * scale, splat(-INFINITY));
             float mnew = s[0];
             for (int o = 1; o < visible; o++) mnew = s[o] > mnew ? s[o] : mnew;
@@ -156,29 +163,28 @@ static inline __attribute__((always_inline)) void attend_tile(
     }
 }
 
-static void attend_tile_dim(const float **qrows, const int *pos, int nrows, const float *cache,
-                            long s_block, long s_kv, long s_offset, const long *table, int block_size,
-                            int kv_head, int dim, float scale, float **outs) {
+static void attend_tile_dim(const float **qrows, const int *pos, const int *tree, int span0, int nrows,
+                            const float *cache, long s_block, long s_kv, long s_offset, const long *table,
+                            int block_size, int kv_head, int dim, float scale, float **outs) {
+#define ATTEND(D) attend_tile(qrows, pos, tree, span0, nrows, cache, s_block, s_kv, s_offset, table, \
+                              block_size, kv_head, D, scale, outs)
     switch (dim) {  /* the common head sizes get fully unrolled copies */
-        case 64:
-            attend_tile(qrows, pos, nrows, cache, s_block, s_kv, s_offset, table, block_size, kv_head, 64, scale, outs);
-            break;
-        case 128:
-            attend_tile(qrows, pos, nrows, cache, s_block, s_kv, s_offset, table, block_size, kv_head, 128, scale, outs);
-            break;
-        default:
-            attend_tile(qrows, pos, nrows, cache, s_block, s_kv, s_offset, table, block_size, kv_head, dim, scale, outs);
+        case 64: ATTEND(64); break;
+        case 128: ATTEND(128); break;
+        default: ATTEND(dim);
     }
+#undef ATTEND
 }
 
-/* q: [T, heads, dim]; out: [T, heads*dim]; block_tables: [num_seqs, max_blocks]. Sequences with
+/* q: [T, heads, dim]; out: [T, heads*dim]; block_tables: [num_seqs, max_blocks]; span_masks:
+ * [T] tree masks, or NULL (all causal). Sequences with
  * more than max_query_len query tokens are skipped (prefill chunks go to a GEMM-based path).
  * Returns 0, or -1 if a shape is outside the kernel's limits (the caller checks these first). */
 int pd_paged_attention(const float *q, const float *cache, long s_block, long s_kv, long s_offset,
                        const long *block_tables, int max_blocks, const int *query_start_loc,
                        const int *context_lens, int num_seqs, int max_query_len, int heads,
                        int kv_heads, int dim, int block_size, float scale, float *out,
-                       int num_threads) {
+                       const int *span_masks, int num_threads) {
     int group = heads / kv_heads;
     if (dim % 16 || dim > MAX_DIM || group > MAX_ROWS) return -1;
     int tokens_per_tile = MAX_ROWS / group;
@@ -191,16 +197,17 @@ int pd_paged_attention(const float *q, const float *cache, long s_block, long s_
             for (int t0 = 0; t0 < qlen; t0 += tokens_per_tile) {
                 const float *qrows[MAX_ROWS];
                 float *outs[MAX_ROWS];
-                int pos[MAX_ROWS], nrows = 0;
+                int pos[MAX_ROWS], tree[MAX_ROWS], nrows = 0;
                 for (int i = t0; i < qlen && i < t0 + tokens_per_tile; i++) {
                     for (int g = 0; g < group; g++, nrows++) {
                         long row = (long)(first + i) * heads + h * group + g;
                         qrows[nrows] = q + row * dim;
                         outs[nrows] = out + row * dim;
                         pos[nrows] = pos0 + i;
+                        tree[nrows] = span_masks ? span_masks[first + i] : -1;
                     }
                 }
-                attend_tile_dim(qrows, pos, nrows, cache, s_block, s_kv, s_offset,
+                attend_tile_dim(qrows, pos, tree, pos0, nrows, cache, s_block, s_kv, s_offset,
                                 block_tables + (long)b * max_blocks, block_size, h, dim, scale, outs);
             }
         }

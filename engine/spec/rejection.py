@@ -9,7 +9,15 @@ num_drafts + 1. Per sequence:
 - sampled: accept draft d at step i with probability min(1, p_i(d) / q_i(d)); on rejection emit
   a sample of normalize(max(0, p_i - q_i)); after full acceptance a bonus sample of p_K. This
   reproduces the target distribution p exactly (Leviathan et al.; Chen et al., 2023).
-With no drafts this is plain sampling, so the engine has one sampling path. Randomness comes
+With no drafts this is plain sampling, so the engine has one sampling path.
+
+Greedy sequences may propose a tree (`draft_parents`: draft i continues draft parents[i], -1 the
+last real token; parents come first). Its row i + 1 holds the target's logits after draft i's
+path, so acceptance walks down from the root: a child is accepted when it is the target's argmax
+at its parent's row, and siblings are distinct tokens, so at most one child is. The output names
+the accepted drafts' indices (`path`): their KV must move to consecutive slots. A chain is the
+tree whose parents are i - 1, and the walk is then the longest-prefix rule above. Sampled
+sequences propose chains. Randomness comes
 in as uniforms drawn from each request's own generator (two per row: the accept test and the
 inverse-CDF sample), so a seeded request is reproducible. The Triton kernel in
 triton_rejection.py computes the same from the same inputs on CUDA.
@@ -32,19 +40,28 @@ class VerifyInput:
     draft_probs: torch.Tensor | None  # [D, V] proposal distribution q; None = one-hot at the draft token
     greedy: torch.Tensor  # [B] bool
     uniforms: torch.Tensor  # [D + B, 2] fp32 in [0, 1)
+    draft_parents: torch.Tensor | None = None  # [D] int64, each draft's parent in its sequence; None = chains
 
 
 @dataclass
 class VerifyOutput:
     tokens: torch.Tensor  # [B, max_drafts + 1]: accepted drafts then one more token, padded with -1
     num_accepted: torch.Tensor  # [B] int64; sequence b emits num_accepted[b] + 1 tokens
+    path: torch.Tensor  # [B, max(max_drafts, 1)] int64: index of each accepted draft in its sequence, -1 padded
 
 
 def make_verify_input(params: list[SamplingParams], generators: list[torch.Generator], drafts: list[list[int]],
-                      logits: torch.Tensor) -> VerifyInput:
-    """Inputs for sequences with these params and drafts; logits: [sum(len(d) + 1), V] in order.
+                      logits: torch.Tensor, parents: list[list[int] | None] | None = None) -> VerifyInput:
+    """Inputs for sequences with these params and drafts; logits: [sum(len(d) + 1), V] in order;
+    parents: per sequence, its drafts' parents for a tree (greedy only), or None for a chain.
 
     Drafts are greedy (argmax of the draft model, or n-gram lookups), so q is one-hot."""
+    tree = None
+    if parents is not None and any(t is not None for t in parents):
+        if any(t is not None and not p.greedy for p, t in zip(params, parents)):
+            raise ValueError("tree drafts are verified for greedy requests only")
+        tree = torch.tensor([i for d, t in zip(drafts, parents) for i in (t if t is not None else range(-1, len(d) - 1))],
+                            dtype=torch.long)
     probs = None
     if not all(p.greedy for p in params):
         probs = torch.empty_like(logits)
@@ -62,6 +79,7 @@ def make_verify_input(params: list[SamplingParams], generators: list[torch.Gener
         draft_probs=None,
         greedy=torch.tensor([p.greedy for p in params], dtype=torch.bool),
         uniforms=torch.cat(uniforms) if uniforms else torch.empty(0, 2),
+        draft_parents=tree,
     )
 
 
@@ -69,23 +87,39 @@ def verify(inp: VerifyInput) -> VerifyOutput:
     b = inp.num_drafts.shape[0]
     width = int(inp.num_drafts.max()) + 1 if b else 1
     tokens = torch.full((b, width), -1, dtype=torch.long)
+    path = torch.full((b, max(width - 1, 1)), -1, dtype=torch.long)
     num_accepted = torch.zeros(b, dtype=torch.long)
     argmax = inp.target_logits.argmax(dim=-1).tolist()
     drafts = inp.draft_ids.tolist()
+    parents = inp.draft_parents.tolist() if inp.draft_parents is not None else None
     row = draft = 0
     for s, n in enumerate(inp.num_drafts.tolist()):
         seq_drafts = drafts[draft : draft + n]
         if inp.greedy[s]:
-            a = next((i for i in range(n) if seq_drafts[i] != argmax[row + i]), n)
-            last = argmax[row + a]
+            accepted = _greedy_path(seq_drafts, parents[draft : draft + n] if parents else range(-1, n - 1), argmax[row:])
+            last = argmax[row + 1 + accepted[-1]] if accepted else argmax[row]
         else:
             a, last = _stochastic(inp, row, draft, seq_drafts)
-        tokens[s, :a] = torch.tensor(seq_drafts[:a], dtype=torch.long)
+            accepted = list(range(a))
+        a = len(accepted)
+        tokens[s, :a] = torch.tensor([seq_drafts[i] for i in accepted], dtype=torch.long)
         tokens[s, a] = last
+        path[s, :a] = torch.tensor(accepted, dtype=torch.long)
         num_accepted[s] = a
         row += n + 1
         draft += n
-    return VerifyOutput(tokens, num_accepted)
+    return VerifyOutput(tokens, num_accepted, path)
+
+
+def _greedy_path(drafts: list[int], parents, argmax: list[int]) -> list[int]:
+    """The drafts accepted from the root down: argmax[0] is the target's choice after the root,
+    argmax[i + 1] after draft i."""
+    accepted, at = [], -1
+    for i, (token, parent) in enumerate(zip(drafts, parents)):
+        if parent == at and token == argmax[at + 1]:
+            accepted.append(i)
+            at = i
+    return accepted
 
 
 def _stochastic(inp: VerifyInput, row: int, draft: int, drafts: list[int]) -> tuple[int, int]:

@@ -2,11 +2,12 @@
 per-sequence bookkeeping that follows it.
 
 Design: one program per sequence. Its rows start at draft_start_b + b (each earlier sequence owns
-its drafts plus a bonus row), so a device-side cumsum of num_drafts is the only set-up. The
-program walks its drafts until the first rejection -- greedy rows compare against a precomputed
-argmax, sampled rows run the accept test -- then emits the last token: the argmax for greedy
-sequences, otherwise an inverse-CDF sample over the vocabulary in BLOCK_V chunks (one pass for
-the total weight, a second that stops at the chunk holding the sample), with the residual
+its drafts plus a bonus row), so a device-side cumsum of num_drafts is the only set-up. A greedy
+program walks its drafts (a chain, or a tree by draft_parents) down from the root against a
+precomputed argmax and emits the argmax after the last accepted draft. A sampled program walks
+its chain until the accept test first fails, then emits an inverse-CDF sample over the
+vocabulary in BLOCK_V chunks (one pass for the total weight, a second that stops at the chunk
+holding the sample), with the residual
 max(0, p - q) (or p with the draft zeroed) formed on the fly from the rows already in memory.
 
 Greedy rows use torch's argmax over the logits, so ties break exactly as in the reference.
@@ -91,42 +92,58 @@ def _sample(p_row, q_row, draft, q_end, u, vocab, stride_pv, stride_qv,
 
 @triton.jit
 def _verify_kernel(
-    draft_ids, num_drafts, draft_start, greedy, argmax, target_probs, draft_probs, uniforms,
-    tokens, num_accepted,
-    vocab, width,
+    draft_ids, draft_parents, num_drafts, draft_start, greedy, argmax, target_probs, draft_probs, uniforms,
+    tokens, num_accepted, path,
+    vocab, width, path_width,
     stride_pt, stride_pv, stride_qt, stride_qv, stride_ut, stride_uc,
-    HAS_Q: tl.constexpr, RESIDUAL_DTYPE: tl.constexpr, BLOCK_V: tl.constexpr,
+    HAS_Q: tl.constexpr, HAS_TREE: tl.constexpr, RESIDUAL_DTYPE: tl.constexpr, BLOCK_V: tl.constexpr,
 ):
     seq = tl.program_id(0)
     n = tl.load(num_drafts + seq).to(tl.int32)
     first_draft = tl.load(draft_start + seq)
     first_row = first_draft + seq
     is_greedy = tl.load(greedy + seq) != 0
+    out = tokens + seq.to(tl.int64) * width
+    accepted = path + seq.to(tl.int64) * path_width
 
-    # Longest accepted prefix.
-    a = 0
-    accepting = 1
-    while (a < n) & (accepting != 0):
-        draft = tl.load(draft_ids + first_draft + a)
-        row = first_row + a
-        if is_greedy:
-            ok = tl.load(argmax + row) == draft
-        else:
-            # Accept with probability min(1, p/q): u * q(d) < p(d), q(d) = 1 for one-hot q.
+    if is_greedy:
+        # Walk down from the root: a draft is accepted when it continues the last accepted one
+        # and is the target's argmax there (row 1 + at holds the logits after draft `at`).
+        a = 0
+        at = -1
+        for i in range(0, n):
+            draft = tl.load(draft_ids + first_draft + i)
+            if HAS_TREE:
+                parent = tl.load(draft_parents + first_draft + i).to(tl.int32)
+            else:
+                parent = i - 1
+            if (parent == at) & (tl.load(argmax + first_row + 1 + at) == draft):
+                tl.store(out + a, draft)
+                tl.store(accepted + a, i)
+                a += 1
+                at = i
+        last = tl.load(argmax + first_row + 1 + at)
+    else:
+        # Longest accepted prefix: accept with probability min(1, p/q), i.e. u * q(d) < p(d),
+        # q(d) = 1 for one-hot q.
+        a = 0
+        accepting = 1
+        while (a < n) & (accepting != 0):
+            draft = tl.load(draft_ids + first_draft + a)
+            row = first_row + a
             p_d = tl.load(target_probs + row * stride_pt + draft * stride_pv).to(tl.float32).to(tl.float64)
             u = tl.load(uniforms + row * stride_ut).to(tl.float64)
             if HAS_Q:
                 q_d = tl.load(draft_probs + (first_draft + a) * stride_qt + draft * stride_qv)
                 u = u * q_d.to(tl.float32).to(tl.float64)
             ok = u < p_d
-        a += ok.to(tl.int32)
-        accepting = ok.to(tl.int32)
-
-    # The token after the accepted prefix: from the rejected draft's row, or the bonus row.
-    row = first_row + a
-    if is_greedy:
-        last = tl.load(argmax + row)
-    else:
+            a += ok.to(tl.int32)
+            accepting = ok.to(tl.int32)
+        for j in range(0, a):
+            tl.store(out + j, tl.load(draft_ids + first_draft + j))
+            tl.store(accepted + j, j)
+        # The token after the accepted prefix: from the rejected draft's row, or the bonus row.
+        row = first_row + a
         rejected = a < n
         draft = tl.load(draft_ids + first_draft + a, mask=rejected, other=-1)
         u = tl.load(uniforms + row * stride_ut + stride_uc)
@@ -134,9 +151,6 @@ def _verify_kernel(
                        draft, tl.where(rejected, vocab, 0), u, vocab, stride_pv, stride_qv,
                        HAS_Q, RESIDUAL_DTYPE, BLOCK_V).to(tl.int64)
 
-    out = tokens + seq.to(tl.int64) * width
-    for j in range(0, a):
-        tl.store(out + j, tl.load(draft_ids + first_draft + j))
     tl.store(out + a, last)
     tl.store(num_accepted + seq, a)
 
@@ -153,8 +167,9 @@ def triton_verify(inp: VerifyInput) -> VerifyOutput:
     width = int(inp.num_drafts.max()) + 1 if b else 1
     tokens = torch.full((b, width), -1, dtype=torch.long, device=device)
     num_accepted = torch.zeros(b, dtype=torch.long, device=device)
+    path = torch.full((b, max(width - 1, 1)), -1, dtype=torch.long, device=device)
     if b == 0:
-        return VerifyOutput(tokens, num_accepted)
+        return VerifyOutput(tokens, num_accepted, path)
     assert inp.target_probs is not None or bool(inp.greedy.all()), "sampled sequences need target_probs"
 
     num_drafts = inp.num_drafts.to(device, torch.long)
@@ -166,15 +181,16 @@ def triton_verify(inp: VerifyInput) -> VerifyOutput:
     probs = inp.target_probs if inp.target_probs is not None else inp.target_logits
     q = inp.draft_probs if inp.draft_probs is not None else probs
     vocab = inp.target_logits.shape[-1]
+    parents = inp.draft_parents.to(device, torch.long) if inp.draft_parents is not None else draft_ids  # unread
     _verify_kernel[(b,)](
-        draft_ids, num_drafts, torch.cumsum(num_drafts, 0) - num_drafts, greedy, argmax, probs, q, uniforms,
-        tokens, num_accepted,
-        vocab, width,
+        draft_ids, parents, num_drafts, torch.cumsum(num_drafts, 0) - num_drafts, greedy, argmax, probs, q, uniforms,
+        tokens, num_accepted, path,
+        vocab, width, path.shape[1],
         *probs.stride(), *q.stride(), *uniforms.stride(),
-        HAS_Q=inp.draft_probs is not None, RESIDUAL_DTYPE=_TL_DTYPES[torch.promote_types(probs.dtype, q.dtype)],
+        HAS_Q=inp.draft_probs is not None, HAS_TREE=inp.draft_parents is not None, RESIDUAL_DTYPE=_TL_DTYPES[torch.promote_types(probs.dtype, q.dtype)],
         BLOCK_V=min(BLOCK_V, triton.next_power_of_2(vocab)),
     )
-    return VerifyOutput(tokens, num_accepted)
+    return VerifyOutput(tokens, num_accepted, path)
 
 
 def post_verify(tokens: torch.Tensor, num_accepted: torch.Tensor,
