@@ -22,6 +22,9 @@ def _add_engine_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--draft-confidence-threshold", type=float, default=0.0,
                    help="eagle3: draft only while the chain's probability (the product of the draft's "
                         "probabilities) is at least this times the number of sequences drafting (none from 1/P sequences)")
+    p.add_argument("--draft-top-k", type=int, default=1,
+                   help="eagle3, greedy requests: also verify the head's next k-1 choices at each draft "
+                        "position, as leaves of a tree (default 1: a chain)")
     p.add_argument("--disable-by-batch-size", type=int, default=None,
                    help="no drafting while more than this many sequences run (default: no limit)")
 
@@ -31,7 +34,7 @@ def _engine_config(args: argparse.Namespace, **overrides) -> EngineConfig:
         model=args.model, dtype=args.dtype, max_model_len=args.max_model_len,
         speculative={"method": args.speculative, "num_speculative_tokens": args.num_speculative_tokens,
                      "model": args.draft, "draft_confidence_threshold": args.draft_confidence_threshold,
-                     "disable_by_batch_size": args.disable_by_batch_size},
+                     "draft_top_k": args.draft_top_k, "disable_by_batch_size": args.disable_by_batch_size},
         **overrides,
     )
 

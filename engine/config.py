@@ -108,6 +108,10 @@ class SpeculativeConfig(BaseModel):
         0.0, ge=0.0, lt=1.0, description="eagle3: end a sequence's draft chain before the first token at which "
         "the product of the draft's probabilities along it falls below this times the number of sequences "
         "drafting (0 = always draft K tokens; once it times the batch reaches 1, nothing is drafted)")
+    draft_top_k: int = Field(
+        1, ge=1, le=8, description="eagle3, greedy requests: verify the head's k most likely tokens at each "
+        "draft position, the chain continuing from the first and the others as leaves of a tree (each held "
+        "to the confidence threshold by its path's probability); 1 = a chain")
     disable_by_batch_size: int | None = Field(
         None, ge=1, description="no drafting while more than this many sequences run (a draft's cost per "
         "step stays while its gain per sequence shrinks as the batch grows); None = no limit")
@@ -116,6 +120,8 @@ class SpeculativeConfig(BaseModel):
     def _check(self) -> "SpeculativeConfig":
         if self.method != "none" and self.num_speculative_tokens == 0:
             raise ValueError(f"num_speculative_tokens must be >= 1 with method {self.method!r} (got 0)")
+        if self.draft_top_k > 1 and self.method != "eagle3":
+            raise ValueError(f"draft_top_k > 1 needs method 'eagle3' (got {self.method!r}); set it to 1")
         if self.prompt_lookup_min > self.prompt_lookup_max:
             raise ValueError(
                 f"prompt_lookup_min ({self.prompt_lookup_min}) must not exceed prompt_lookup_max ({self.prompt_lookup_max})"

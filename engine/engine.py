@@ -27,6 +27,7 @@ from engine.params import SamplingParams
 from engine.scheduler import ScheduledSeq, Scheduler
 from engine.sequence import Sequence
 from engine.spec.factory import make_proposer
+from engine.spec.proposer import Proposal
 from engine.spec.rejection import make_verify_input, verify
 from engine.tokenizer import Tokenizer
 
@@ -82,36 +83,50 @@ class Engine:
         scheduled = self.scheduler.schedule(self._lookahead)
         if not scheduled:
             return []
-        drafts = self._propose(scheduled)
-        chunks = [self._chunk(s, d) for s, d in zip(scheduled, drafts)]
+        proposals = self._propose(scheduled)
+        chunks = [self._chunk(s, p) for s, p in zip(scheduled, proposals)]
         out = self.runner.forward(chunks, return_aux=self.proposer.needs_aux)
         sampling = [i for i, s in enumerate(scheduled) if s.samples]
         seqs = [scheduled[i].seq for i in sampling]
         verdict = self.verify(make_verify_input([s.params for s in seqs], [s.generator for s in seqs],
-                                           [drafts[i] for i in sampling], out.logits))
-        accepted = dict(zip(sampling, verdict.num_accepted.tolist()))
+                                                [proposals[i].token_ids for i in sampling], out.logits,
+                                                [proposals[i].parents for i in sampling]))
+        paths = dict(zip(sampling, (p[:a] for p, a in zip(verdict.path.tolist(), verdict.num_accepted.tolist()))))
         row = 0
         for i, (s, chunk) in enumerate(zip(scheduled, chunks)):
             # KV stays for the chunk's real tokens and the accepted drafts; the rest rolls back.
-            keep = len(chunk.token_ids) - len(drafts[i]) + accepted.get(i, 0)
-            self.blocks.commit(s.seq.seq_id, chunk.token_ids[:keep])
+            rows = self._kept_rows(chunk, len(proposals[i].token_ids), paths.get(i, []))
+            self.blocks.commit(s.seq.seq_id, [chunk.token_ids[r] for r in rows])
             if s.num_lookahead:
                 self.blocks.rollback(s.seq.seq_id)
-            aux = out.aux_hidden[row : row + keep] if out.aux_hidden is not None else None
+            aux = out.aux_hidden[row + rows[0] : row + rows[-1] + 1] if out.aux_hidden is not None else None
+            if aux is not None and rows[-1] - rows[0] + 1 != len(rows):  # a tree's path: its rows only
+                aux = out.aux_hidden[[row + r for r in rows]]
             self.proposer.observe(s.seq, chunk.start, aux)
-            s.seq.num_computed += keep
+            s.seq.num_computed += len(rows)
             row += len(chunk.token_ids)
         outputs = []
         for j, i in enumerate(sampling):
-            seq, a = scheduled[i].seq, accepted[i]
+            seq, a = scheduled[i].seq, len(paths[i])
             if scheduled[i].num_lookahead:
-                seq.acceptance.record(len(drafts[i]), a)
-                self.counters["draft_tokens"] += len(drafts[i])
+                seq.acceptance.record(len(proposals[i].token_ids), a, depth=proposals[i].chain_length)
+                self.counters["draft_tokens"] += len(proposals[i].token_ids)
                 self.counters["accepted_tokens"] += a
                 self.counters["verify_steps"] += 1
             tokens = verdict.tokens[j, : a + 1].tolist()
             outputs.append(self._hand_off(seq, tokens[0]) if seq.prefill_only else self._append(seq, tokens))
         return outputs
+
+    def _kept_rows(self, chunk: SeqChunk, num_drafts: int, path: list[int]) -> list[int]:
+        """The chunk's rows whose KV stays: its real tokens and the accepted drafts. A tree's
+        accepted path may skip rows: their KV moves down so that the kept tokens sit in
+        consecutive slots, as if the path had been verified alone."""
+        first_draft = len(chunk.token_ids) - num_drafts
+        rows = list(range(first_draft)) + [first_draft + d for d in path]
+        moved = [(r, k) for k, r in enumerate(rows) if r != k]
+        if moved:
+            self.runner.move_kv(chunk.block_table, [chunk.start + r for r, _ in moved], [chunk.start + k for _, k in moved])
+        return rows
 
     def generate(self, prompt_token_ids: Seq[int], params: SamplingParams) -> Iterator[RequestOutput]:
         """Run one request to completion, yielding its outputs as they come."""
@@ -194,18 +209,25 @@ class Engine:
         spec = self.config.speculative
         return spec.num_speculative_tokens if spec.method != "none" else 0
 
-    def _propose(self, scheduled: list[ScheduledSeq]) -> list[list[int]]:
-        """Drafts for every sampling sequence, up to its reserved slots (0: the proposer may still
-        use the call to keep its state current)."""
+    def _propose(self, scheduled: list[ScheduledSeq]) -> list[Proposal]:
+        """Drafts for every sampling sequence, a chain up to its reserved slots (0: the proposer
+        may still use the call to keep its state current) and perhaps a tree's leaves past them,
+        which get slots here or are dropped when the pool is short."""
         sampling = [s for s in scheduled if s.samples]
         proposals = self.proposer.propose([s.seq for s in sampling], [s.num_lookahead for s in sampling])
-        by_seq = {s.seq.seq_id: p.token_ids for s, p in zip(sampling, proposals)}
-        return [by_seq.get(s.seq.seq_id, []) for s in scheduled]
+        for s, p in zip(sampling, proposals):
+            extra = len(p.token_ids) - s.num_lookahead
+            if extra > 0 and not self.blocks.reserve(s.seq.seq_id, extra):
+                p.token_ids, p.parents = p.chain().token_ids, None
+        by_seq = {s.seq.seq_id: p for s, p in zip(sampling, proposals)}
+        return [by_seq.get(s.seq.seq_id, Proposal([])) for s in scheduled]
 
-    def _chunk(self, s: ScheduledSeq, drafts: list[int]) -> SeqChunk:
+    def _chunk(self, s: ScheduledSeq, proposal: Proposal) -> SeqChunk:
         start = s.seq.num_computed
+        drafts = proposal.token_ids
         tokens = s.seq.token_ids[start : start + s.num_tokens] + drafts
-        return SeqChunk(tokens, start, self.blocks.block_table(s.seq.seq_id), 1 + len(drafts) if s.samples else 0)
+        return SeqChunk(tokens, start, self.blocks.block_table(s.seq.seq_id), 1 + len(drafts) if s.samples else 0,
+                        draft_parents=proposal.parents)
 
     def _append(self, seq: Sequence, new_tokens: list[int]) -> RequestOutput:
         room = min(seq.params.max_tokens - seq.num_generated, self.max_model_len - len(seq.token_ids))

@@ -20,7 +20,7 @@ EMBEDDED_DRAFT_DIR = Path(__file__).parent / "spec" / "heads" / "SmolLM2-135M-In
 
 class ModelRunner:
     """With tensor_parallel_size N > 1, the runner created by the engine is rank 0: it starts
-    ranks 1..N-1 (`follow` in their own processes) and broadcasts every forward to them."""
+    ranks 1..N-1 (`follow` in their own processes) and broadcasts every forward and KV move to them."""
 
     def __init__(self, config: EngineConfig, tp: TensorParallel | None = None):
         self.config = config
@@ -56,18 +56,35 @@ class ModelRunner:
     @torch.inference_mode()
     def forward(self, chunks: list[SeqChunk], return_aux: bool = False) -> ForwardOutput:
         if self.tp.size > 1:
-            self.tp.broadcast((chunks, return_aux))
+            self.tp.broadcast(("forward", chunks, return_aux))
         batch = build_batch(chunks, self.config.block_size, self.device, return_aux)
         return self.model.forward(batch, self.kv_cache)
 
-    def follow(self) -> None:
-        """Ranks > 0: run every forward rank 0 broadcasts, until it says stop."""
-        while (message := self.tp.broadcast(None)) is not None:
-            self._follow_one(*message)
+    @torch.inference_mode()
+    def move_kv(self, block_table: list[int], src: list[int], dst: list[int]) -> None:
+        """Copy one sequence's target KV (every layer) from positions src to positions dst: an
+        accepted tree path into consecutive slots. dst[i] < src[i], both increasing, so copying all
+        at once never reads a slot it already wrote."""
+        if self.tp.size > 1:
+            self.tp.broadcast(("move_kv", block_table, src, dst))
+        self._move_kv(block_table, src, dst)
+
+    def _move_kv(self, block_table: list[int], src: list[int], dst: list[int]) -> None:
+        bs = self.config.block_size
+        table = torch.tensor(block_table, device=self.device)
+        src_t, dst_t = torch.tensor(src, device=self.device), torch.tensor(dst, device=self.device)
+        self.kv_cache[table[dst_t // bs], :, :, dst_t % bs] = self.kv_cache[table[src_t // bs], :, :, src_t % bs]
 
     @torch.inference_mode()
-    def _follow_one(self, chunks: list[SeqChunk], return_aux: bool) -> None:
-        self.model.forward(build_batch(chunks, self.config.block_size, self.device, return_aux), self.kv_cache)
+    def follow(self) -> None:
+        """Ranks > 0: run every forward and KV move rank 0 broadcasts, until it says stop."""
+        while (message := self.tp.broadcast(None)) is not None:
+            kind, *args = message
+            if kind == "forward":
+                chunks, return_aux = args
+                self.model.forward(build_batch(chunks, self.config.block_size, self.device, return_aux), self.kv_cache)
+            else:
+                self._move_kv(*args)
 
     def close(self) -> None:
         """Stop the other ranks (rank 0 only); a no-op without tensor parallelism."""

@@ -13,11 +13,12 @@ class AcceptanceStats:
     drafted_at: list[int] = field(default_factory=list)  # per draft position: times drafted
     accepted_at: list[int] = field(default_factory=list)  # per draft position: times accepted
 
-    def record(self, num_drafted: int, num_accepted: int) -> None:
+    def record(self, num_drafted: int, num_accepted: int, depth: int | None = None) -> None:
+        """depth: draft positions reached (a tree's chain; default num_drafted, a chain)."""
         self.steps += 1
         self.drafted += num_drafted
         self.accepted += num_accepted
-        for counts, n in ((self.drafted_at, num_drafted), (self.accepted_at, num_accepted)):
+        for counts, n in ((self.drafted_at, num_drafted if depth is None else depth), (self.accepted_at, num_accepted)):
             counts.extend([0] * (n - len(counts)))
             for i in range(n):
                 counts[i] += 1

@@ -3,9 +3,10 @@ the pool is short, and stochastic acceptance that reproduces the target's distri
 
 import pytest
 import torch
+from pydantic import ValidationError
 
 from engine.batch import SeqChunk
-from engine.config import EngineConfig
+from engine.config import EngineConfig, SpeculativeConfig
 from engine.engine import Engine
 from engine.loader import load_weights
 from engine.params import SamplingParams
@@ -123,6 +124,54 @@ def test_a_confidence_threshold_ends_chains_early_and_stays_lossless(prompts, pl
     assert run(0.5, [long, short], batched=True)[0] > 0  # drafting resumes once `short` finished
     assert run(0.0, [long, 2], batched=True, batch_limit=1)[0] == 0  # more sequences than the limit
     assert run(0.0, [long, short], batched=True, batch_limit=1)[0] > 0
+
+
+def test_tree_drafts_are_lossless_and_return_every_block(prompts, plain_outputs):
+    """draft_top_k: greedy requests verify trees (the chain plus its positions' runner-up tokens);
+    some accepted paths end in a leaf, whose KV moves next to its chain (else the tokens after it
+    would differ from plain decoding). Sampled requests in the same batch keep plain chains: a
+    seeded one samples what it samples without trees."""
+    def engine(top_k: int, num_kv_blocks: int = 256) -> Engine:
+        return Engine(EngineConfig(num_kv_blocks=num_kv_blocks, max_num_seqs=8, speculative={
+            "method": "eagle3", "num_speculative_tokens": 8, "draft_top_k": top_k}))
+
+    tree = engine(4)
+    moves, move_kv = [], tree.runner.move_kv
+    tree.runner.move_kv = lambda table, src, dst: (moves.append(len(src)), move_kv(table, src, dst))
+    for batch in (1, 3, 8):
+        params = [SamplingParams(max_tokens=32, num_speculative_tokens=1 + (i + batch) % 8) for i in range(batch)]
+        assert _run(tree, prompts[:batch], params) == plain_outputs[:batch]
+    assert moves and tree.blocks.num_used_blocks == 0
+    sampled = SamplingParams(max_tokens=32, temperature=0.8, seed=7)
+    mixed = _run(tree, prompts[:3], [SamplingParams(max_tokens=32), sampled, SamplingParams(max_tokens=32)])
+    assert mixed[0] == plain_outputs[0] and mixed[2] == plain_outputs[2]
+    assert mixed[1] == _run(engine(1), prompts[1:2], [sampled])[0]
+    # A pool too short for the leaves' slots drops them (and may preempt): still lossless.
+    tight = engine(4, num_kv_blocks=12)
+    assert _run(tight, prompts[:4], [SamplingParams(max_tokens=32)] * 4) == plain_outputs[:4]
+    assert tight.blocks.num_used_blocks == 0
+
+
+@pytest.mark.parametrize("spec, message", [({"method": "ngram", "draft_top_k": 2}, "draft_top_k > 1 needs method 'eagle3'"),
+                                           ({"method": "eagle3", "draft_top_k": 9}, "draft_top_k")])
+def test_bad_draft_top_k_names_the_field(spec, message):
+    with pytest.raises(ValidationError, match=message):
+        SpeculativeConfig(**spec)
+
+
+def test_tree_verification_walks_down_from_the_root():
+    """Greedy tree acceptance: a child is accepted when it is the argmax at its parent's row; the
+    walk ends at the first node none of whose children match, and the argmax there follows."""
+    vocab = 10
+    # drafts (parent): 0:5(-1) 1:6(0) 2:7(-1) 3:8(2) 4:9(2)   target argmax per row: root 7, after
+    # draft 0: 1, after 1: 1, after 2: 9, after 3: 1, after 4: 3
+    drafts, parents, argmax = [5, 6, 7, 8, 9], [-1, 0, -1, 2, 2], [7, 1, 1, 9, 1, 3]
+    logits = torch.zeros(len(argmax), vocab)
+    logits[torch.arange(len(argmax)), torch.tensor(argmax)] = 1.0
+    out = verify(VerifyInput(torch.tensor(drafts), torch.tensor([5]), logits, None, None, torch.tensor([True]),
+                             torch.zeros(6, 2), draft_parents=torch.tensor(parents)))
+    assert out.num_accepted.tolist() == [2] and out.path[0, :2].tolist() == [2, 4]
+    assert out.tokens[0, :3].tolist() == [7, 9, 3]
 
 
 def test_draft_caches_left_behind_catch_up_to_what_one_forward_computes(prompts):

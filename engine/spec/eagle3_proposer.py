@@ -30,28 +30,38 @@ that reuses them reads their draft entries too). While a sequence lags, up to CA
 positions have no draft entries yet; a request reusing those blocks meanwhile drafts from stale
 ones there, which costs acceptance, never correctness (verification decides every token).
 
+With top_k > 1 (greedy requests only), each draft step also proposes the head's next k - 1
+choices at that position as leaves of a tree: siblings of the chain's token, verified in the
+same target forward but not drafted further. They cost no draft work (the chain's logits hold
+them) and one verification row each, so they pass the same rule as the chain, by their path's
+probability (the chain's before them times their own), and the most likely are kept when the
+tree would outgrow a verification span.
+
 The target's features reach `observe` one sequence at a time; they are projected by `fc` for the
 whole batch at once, when next needed.
 """
 
 import torch
 
+from engine.attention import SHORT_QUERY
 from engine.batch import SeqChunk
 from engine.sequence import Sequence, SeqStatus
 from engine.spec.proposer import Proposal
 
 CATCH_UP = 32  # pending positions past which a sequence's draft cache is brought up to date
+MAX_TREE_TOKENS = SHORT_QUERY - 1  # a tree span ([last token] + drafts) is a short attention query
 
 
 class Eagle3Proposer:
     needs_aux = True
 
-    def __init__(self, runner, block_table, confidence_threshold: float = 0.0):
+    def __init__(self, runner, block_table, confidence_threshold: float = 0.0, top_k: int = 1):
         """runner: the ModelRunner holding the draft and its cache; block_table(seq_id) -> block ids;
         confidence_threshold: per sequence drafting, the least product of draft probabilities a
-        proposed chain may have."""
+        proposed chain may have; top_k: candidates per draft position for greedy requests."""
         self.runner = runner
         self.confidence_threshold = confidence_threshold
+        self.top_k = top_k
         self.draft = runner.draft
         self.block_table = block_table
         self.pending: dict[str, tuple[int, torch.Tensor]] = {}  # seq -> (first position, hidden [n, H])
@@ -103,9 +113,10 @@ class Eagle3Proposer:
             self._catch_up([s for s, _ in known])
         drafting = [(s, k) for s, k in known if k > 0]
         drafts: dict[str, list[int]] = {s.seq_id: [] for s, _ in drafting}
+        leaves: dict[str, list[tuple[float, int, int]]] = {s.seq_id: [] for s, _ in drafting}
         if drafting and self.confidence_threshold * len(drafting) < 1.0:
-            self._draft(drafting, drafts)
-        return [Proposal(drafts.get(s.seq_id, [])) for s in seqs]
+            self._draft(drafting, drafts, leaves)
+        return [_proposal(drafts.get(s.seq_id, []), leaves.get(s.seq_id, [])) for s in seqs]
 
     def _catch_up(self, seqs: list[Sequence], keep_last: bool = True) -> None:
         """Write the draft cache's KV for the pending positions, in one batched call that computes
@@ -141,31 +152,48 @@ class Eagle3Proposer:
         self.positions_drafted += hidden.shape[0]
         return chunks, hidden
 
-    def _draft(self, active: list[tuple[Sequence, int]], drafts: dict[str, list[int]]) -> None:
+    def _draft(self, active: list[tuple[Sequence, int]], drafts: dict[str, list[int]],
+               leaves: dict[str, list[tuple[float, int, int]]]) -> None:
+        """Fill each sequence's chain (drafts) and, for greedy ones with top_k > 1, its leaves
+        (path probability, parent's index in the chain, token)."""
         seqs, limits = [s for s, _ in active], [k for _, k in active]
         chunks, hidden = self._take_pending(seqs)
         chain_prob = torch.ones(len(seqs), device=hidden.device)
         threshold = self.confidence_threshold * len(seqs)
         while True:
             out = self.runner.forward_draft(chunks, hidden)
-            tokens, chain_prob = self._choose(out.logits, chain_prob)
-            confident = (chain_prob >= threshold).tolist()
+            choices, path_prob = self._choose(out.logits, chain_prob)
+            chain_prob = path_prob[:, 0]
+            passes = (path_prob >= threshold).tolist()
             last_rows = torch.tensor([len(c.token_ids) for c in chunks], device=hidden.device).cumsum(0) - 1
             last_hidden = out.hidden.index_select(0, last_rows)
-            for seq, token, ok in zip(seqs, tokens, confident):
-                if ok:
-                    drafts[seq.seq_id].append(token)
-            keep = [i for i, seq in enumerate(seqs) if confident[i] and len(drafts[seq.seq_id]) < limits[i]]
+            for seq, tokens, ok, probs in zip(seqs, choices, passes, path_prob.tolist()):
+                chain = drafts[seq.seq_id]
+                if seq.params.greedy:
+                    leaves[seq.seq_id] += [(p, len(chain) - 1, t) for t, o, p in zip(tokens[1:], ok[1:], probs[1:]) if o]
+                if ok[0]:
+                    chain.append(tokens[0])
+            keep = [i for i, seq in enumerate(seqs) if passes[i][0] and len(drafts[seq.seq_id]) < limits[i]]
             if not keep:
                 return
             # Next step: one row per sequence at the next position, fed its own last hidden state.
-            chunks = [SeqChunk([tokens[i]], chunks[i].end, chunks[i].block_table, num_logits=1) for i in keep]
+            chunks = [SeqChunk([choices[i][0]], chunks[i].end, chunks[i].block_table, num_logits=1) for i in keep]
             hidden, chain_prob = last_hidden[keep], chain_prob[keep]
             seqs, limits = [seqs[i] for i in keep], [limits[i] for i in keep]
 
-    def _choose(self, logits: torch.Tensor, chain_prob: torch.Tensor) -> tuple[list[int], torch.Tensor]:
-        """Each row's most likely token (target ids), and the chain's probability extended by it."""
+    def _choose(self, logits: torch.Tensor, chain_prob: torch.Tensor) -> tuple[list[list[int]], torch.Tensor]:
+        """Each row's top_k tokens (target ids, most likely first) and the chain's probability
+        extended by each (all ones when no threshold needs them)."""
         if self.confidence_threshold == 0.0:  # the probabilities are not needed
-            return self.draft.to_target_ids(logits.argmax(dim=-1)).tolist(), chain_prob
-        prob, choice = torch.softmax(logits.float(), dim=-1).max(dim=-1)
-        return self.draft.to_target_ids(choice).tolist(), chain_prob * prob
+            choice = logits.topk(self.top_k, dim=-1).indices if self.top_k > 1 else logits.argmax(-1, keepdim=True)
+            return self.draft.to_target_ids(choice).tolist(), torch.ones(choice.shape, device=logits.device)
+        prob, choice = torch.softmax(logits.float(), dim=-1).topk(self.top_k, dim=-1)
+        return self.draft.to_target_ids(choice).tolist(), chain_prob[:, None] * prob
+
+
+def _proposal(chain: list[int], leaves: list[tuple[float, int, int]]) -> Proposal:
+    """The chain, then the most likely leaves that fit in a verification span."""
+    leaves = sorted(leaves, key=lambda leaf: -leaf[0])[: max(0, MAX_TREE_TOKENS - len(chain))]
+    if not leaves:
+        return Proposal(chain)
+    return Proposal(chain + [t for _, _, t in leaves], list(range(-1, len(chain) - 1)) + [p for _, p, _ in leaves])

@@ -52,6 +52,7 @@ def evaluate(base: Engine, spec: Engine, prompts: list[list[int]], max_tokens: i
         "method": spec.config.speculative.method,
         "num_speculative_tokens": spec.config.speculative.num_speculative_tokens,
         "draft_confidence_threshold": spec.config.speculative.draft_confidence_threshold,
+        "draft_top_k": spec.config.speculative.draft_top_k,
         "disable_by_batch_size": spec.config.speculative.disable_by_batch_size,
         "tau": summary["mean_acceptance_length"],
         "speedup": round(spec_tps / base_tps, 3),

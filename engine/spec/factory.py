@@ -10,7 +10,7 @@ def make_proposer(config: SpeculativeConfig, runner, block_table: Callable[[str]
     if config.method == "eagle3":
         from engine.spec.eagle3_proposer import Eagle3Proposer
 
-        return Eagle3Proposer(runner, block_table, config.draft_confidence_threshold)
+        return Eagle3Proposer(runner, block_table, config.draft_confidence_threshold, config.draft_top_k)
     if config.method == "ngram":
         from engine.spec.ngram import NgramProposer
 

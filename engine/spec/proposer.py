@@ -8,8 +8,12 @@ states for them (when `needs_aux`); `release` when a sequence leaves the batch (
 preempted). Across a prefill/decode split, `prefill_draft` (prefill side) and `adopt` (decode
 side) move the proposer's state with the KV.
 
-A `Proposal` is a chain of draft tokens. `parents` is reserved for tree drafting (token i
-continues token parents[i]); the verifier accepts chains only, so proposers leave it None.
+A `Proposal` is a chain of draft tokens, or a tree: with `parents`, token i continues token
+parents[i] (-1: the sequence's last token), parents come before their children, and siblings
+are distinct. The engine verifies trees for greedy requests only. `num_tokens` counts the slots
+reserved before drafting, which bound the proposal's leading chain (a stateful proposer writes
+its own cache there); tokens past it are leaves the engine reserves slots for afterwards, or
+drops when the pool is short.
 """
 
 from dataclasses import dataclass
@@ -22,8 +26,18 @@ from engine.sequence import Sequence
 
 @dataclass
 class Proposal:
-    token_ids: list[int]  # target-vocabulary ids, at most the requested count
-    parents: list[int] | None = None
+    token_ids: list[int]  # target-vocabulary ids
+    parents: list[int] | None = None  # None: a chain
+
+    @property
+    def chain_length(self) -> int:
+        """Leading tokens that form a chain from the root."""
+        if self.parents is None:
+            return len(self.token_ids)
+        return next((i for i, p in enumerate(self.parents) if p != i - 1), len(self.parents))
+
+    def chain(self) -> "Proposal":
+        return Proposal(self.token_ids[: self.chain_length])
 
 
 class Proposer(Protocol):
