@@ -17,6 +17,8 @@ import collections
 import itertools
 from collections.abc import Iterator, Sequence as Seq
 
+import torch
+
 from engine.batch import SeqChunk
 from engine.block_manager import BlockManager
 from engine.config import EngineConfig
@@ -99,10 +101,7 @@ class Engine:
             self.blocks.commit(s.seq.seq_id, [chunk.token_ids[r] for r in rows])
             if s.num_lookahead:
                 self.blocks.rollback(s.seq.seq_id)
-            aux = out.aux_hidden[row + rows[0] : row + rows[-1] + 1] if out.aux_hidden is not None else None
-            if aux is not None and rows[-1] - rows[0] + 1 != len(rows):  # a tree's path: its rows only
-                aux = out.aux_hidden[[row + r for r in rows]]
-            self.proposer.observe(s.seq, chunk.start, aux)
+            self.proposer.observe(s.seq, chunk.start, _rows(out.aux_hidden, row, rows))
             s.seq.num_computed += len(rows)
             row += len(chunk.token_ids)
         outputs = []
@@ -268,6 +267,15 @@ class Engine:
         blocks = -(-(len(prompt) + 1) // self.config.block_size)
         if blocks > self.config.num_kv_blocks:
             raise CapacityExceeded(f"prompt needs {blocks} KV blocks; this worker's pool has {self.config.num_kv_blocks}")
+
+
+def _rows(hidden: torch.Tensor | None, first: int, rows: list[int]) -> torch.Tensor | None:
+    """hidden's rows first + r for r in rows (ascending from 0)."""
+    if hidden is None:
+        return None
+    if rows[-1] == len(rows) - 1:  # consecutive (a tree's path may skip rows): a view, no copy
+        return hidden[first : first + len(rows)]
+    return hidden[[first + r for r in rows]]
 
 
 def _triton_verify():
