@@ -23,7 +23,7 @@ def _add_engine_args(p: argparse.ArgumentParser) -> None:
                    help="eagle3: draft only while the chain's probability (the product of the draft's "
                         "probabilities) is at least this times the number of sequences drafting (none from 1/P sequences)")
     p.add_argument("--draft-top-k", type=int, default=1,
-                   help="eagle3, greedy requests: also verify the head's next k-1 choices at each draft "
+                   help="eagle3: also verify the head's next k-1 choices at each draft "
                         "position, as leaves of a tree (default 1: a chain)")
     p.add_argument("--disable-by-batch-size", type=int, default=None,
                    help="no drafting while more than this many sequences run (default: no limit)")

@@ -109,7 +109,7 @@ class SpeculativeConfig(BaseModel):
         "the product of the draft's probabilities along it falls below this times the number of sequences "
         "drafting (0 = always draft K tokens; once it times the batch reaches 1, nothing is drafted)")
     draft_top_k: int = Field(
-        1, ge=1, le=8, description="eagle3, greedy requests: verify the head's k most likely tokens at each "
+        1, ge=1, le=8, description="eagle3: verify the head's k most likely tokens at each "
         "draft position, the chain continuing from the first and the others as leaves of a tree (each held "
         "to the confidence threshold by its path's probability); 1 = a chain")
     disable_by_batch_size: int | None = Field(

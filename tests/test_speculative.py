@@ -1,6 +1,8 @@
 """Speculative decoding end to end: lossless greedy output, block accounting, degradation when
 the pool is short, and stochastic acceptance that reproduces the target's distribution."""
 
+import functools
+
 import pytest
 import torch
 from pydantic import ValidationError
@@ -127,10 +129,10 @@ def test_a_confidence_threshold_ends_chains_early_and_stays_lossless(prompts, pl
 
 
 def test_tree_drafts_are_lossless_and_return_every_block(prompts, plain_outputs):
-    """draft_top_k: greedy requests verify trees (the chain plus its positions' runner-up tokens);
-    some accepted paths end in a leaf, whose KV moves next to its chain (else the tokens after it
-    would differ from plain decoding). Sampled requests in the same batch keep plain chains: a
-    seeded one samples what it samples without trees."""
+    """draft_top_k: requests verify trees (the chain plus its positions' runner-up tokens); some
+    accepted paths end in a leaf, whose KV moves next to its chain (else the tokens after it
+    would differ from plain decoding). A sampled request in the batch leaves the greedy ones
+    lossless (its distribution: test_sampled_speculation_matches_plain_sampling_frequencies)."""
     def engine(top_k: int, num_kv_blocks: int = 256) -> Engine:
         return Engine(EngineConfig(num_kv_blocks=num_kv_blocks, max_num_seqs=8, speculative={
             "method": "eagle3", "num_speculative_tokens": 8, "draft_top_k": top_k}))
@@ -145,7 +147,6 @@ def test_tree_drafts_are_lossless_and_return_every_block(prompts, plain_outputs)
     sampled = SamplingParams(max_tokens=32, temperature=0.8, seed=7)
     mixed = _run(tree, prompts[:3], [SamplingParams(max_tokens=32), sampled, SamplingParams(max_tokens=32)])
     assert mixed[0] == plain_outputs[0] and mixed[2] == plain_outputs[2]
-    assert mixed[1] == _run(engine(1), prompts[1:2], [sampled])[0]
     # A pool too short for the leaves' slots drops them (and may preempt): still lossless.
     tight = engine(4, num_kv_blocks=12)
     assert _run(tight, prompts[:4], [SamplingParams(max_tokens=32)] * 4) == plain_outputs[:4]
@@ -295,17 +296,49 @@ def test_rejection_sampling_reproduces_the_target_distribution():
     assert abs(accept_rate - torch.minimum(p, q).sum()) < 0.015  # P(accept) = sum min(p, q)
 
 
-def test_sampled_speculation_matches_plain_sampling_frequencies(engine, spec_engines, prompts):
-    """End to end: the 2nd..4th tokens' distribution with speculation equals plain sampling's."""
-    spec = spec_engines["ngram"]
-    prompt = prompts[7]
+def test_tree_rejection_sampling_reproduces_the_target_distribution():
+    """One-hot candidates in a tree: tokens 1 and 2 as the root's children, token 3 under 1. The
+    first token follows the root's p, the second the p after whichever token came first."""
+    gen = torch.Generator().manual_seed(0)
+    p = torch.tensor([[0.05, 0.4, 0.25, 0.2, 0.1],  # after the root
+                      [0.3, 0.1, 0.2, 0.3, 0.1],  # after token 1
+                      [0.1, 0.1, 0.1, 0.1, 0.6],  # after token 2
+                      [0.2, 0.2, 0.2, 0.2, 0.2]])  # after 1, 3
+    n = 20000
+    out = verify(VerifyInput(
+        draft_ids=torch.tensor([1, 2, 3]).repeat(n), num_drafts=torch.full((n,), 3), target_logits=torch.zeros(4 * n, 5),
+        target_probs=p.repeat(n, 1), draft_probs=None, greedy=torch.zeros(n, dtype=torch.bool),
+        uniforms=torch.rand(4 * n, 2, generator=gen), draft_parents=torch.tensor([-1, -1, 0]).repeat(n),
+    ))
+    first, second = out.tokens[:, 0], out.tokens[:, 1]
+    assert (torch.bincount(first, minlength=5).float() / n - p[0]).abs().max() < 0.015
+    for token, row in ((1, 1), (2, 2)):
+        after = second[first == token]
+        assert (torch.bincount(after, minlength=5).float() / len(after) - p[row]).abs().max() < 0.025
+    assert ((first == 2) & (out.path[:, 0] == 1)).any()  # a sibling was accepted
 
+
+@pytest.fixture(scope="module")
+def sampled_histogram(prompts):
+    """The 2nd..4th sampled tokens' frequencies over 600 seeds, for an engine (kept per engine)."""
+    @functools.cache
     def histogram(e: Engine) -> torch.Tensor:
-        counts = torch.zeros(engine.runner.model_config.vocab_size)
-        for seed in range(150):
-            toks = _run(e, [prompt], [SamplingParams(max_tokens=4, temperature=1.0, top_k=20, seed=seed, ignore_eos=True)])[0]
+        counts = torch.zeros(e.runner.model_config.vocab_size)
+        params = [SamplingParams(max_tokens=4, temperature=1.0, top_k=3, seed=seed, ignore_eos=True) for seed in range(600)]
+        for toks in _run(e, [prompts[7]] * len(params), params):  # in batches of max_num_seqs
             counts[toks[1:]] += 1
         return counts / counts.sum()
 
-    tv = 0.5 * (histogram(engine) - histogram(spec)).abs().sum()
-    assert tv < 0.12  # total variation; distinct distributions would differ far more
+    return histogram
+
+
+@pytest.mark.parametrize("method", ["ngram", "eagle3-tree"])
+def test_sampled_speculation_matches_plain_sampling_frequencies(engine, spec_engines, sampled_histogram, method):
+    """End to end, the 2nd..4th tokens' distribution with speculation is plain sampling's
+    (eagle3-tree: the shipped head, verifying trees of its top 4 tokens per position). Its power
+    is limited: two plain runs with other seeds differ by 0.05, speculation measured 0.02, so it
+    catches gross errors (wrong rows or KV); exactness is tested on known distributions above."""
+    spec = spec_engines["ngram"] if method == "ngram" else Engine(EngineConfig(num_kv_blocks=256, speculative={
+        "method": "eagle3", "num_speculative_tokens": 5, "draft_top_k": 4}))
+    tv = 0.5 * (sampled_histogram(engine) - sampled_histogram(spec)).abs().sum()
+    assert tv < 0.1  # total variation

@@ -54,9 +54,11 @@ CASES = [
     ("mixed-onehot-v1000", 1000, False, "float32", MIXED),
     ("mixed-dense-v2500", 2500, True, "float32", MIXED),
     ("mixed-dense-v1000-bf16", 1000, True, "bfloat16", MIXED),
-    # Greedy sequences draft trees (see _with_trees); sampled ones chains, as the engine does.
+    # Trees (see _with_trees): one-hot q only.
     ("trees-v37", 37, False, "float32", GREEDY + GREEDY, True),
+    ("trees-sampled-v37", 37, False, "float32", SAMPLED + SAMPLED, True),
     ("trees-mixed-v1000", 1000, False, "float32", MIXED, True),
+    ("trees-mixed-v2500-bf16", 2500, False, "bfloat16", MIXED + MIXED, True),
 ]
 
 
@@ -191,9 +193,9 @@ def _make_input(vocab: int, dense_q: bool, dtype: str, seqs: list, seed: int):
 
 
 def _with_trees(inp, seqs: list, seed: int):
-    """inp with its greedy sequences' drafts re-parented into random trees, each draft set to the
-    target's argmax after its parent half of the time (so paths go deep and also end at siblings);
-    sampled sequences keep chains."""
+    """inp with its greedy and sampled sequences' drafts re-parented into random trees, each draft
+    set to the target's argmax after its parent half of the time (so paths go deep and also end
+    at siblings); the edge-case kinds keep chains."""
     import torch
 
     gen = torch.Generator().manual_seed(seed)
@@ -202,9 +204,10 @@ def _with_trees(inp, seqs: list, seed: int):
     row = draft = 0
     for n, kind, _ in seqs:
         for i in range(n):
-            parent = int(torch.randint(-1, i, (1,), generator=gen)) if kind == "g" else i - 1
+            tree = kind in ("g", "s")
+            parent = int(torch.randint(-1, i, (1,), generator=gen)) if tree else i - 1
             parents.append(parent)
-            if kind == "g" and torch.rand(1, generator=gen).item() < 0.5:
+            if tree and torch.rand(1, generator=gen).item() < 0.5:
                 drafts[draft + i] = argmax[row + 1 + parent]
         row += n + 1
         draft += n

@@ -30,7 +30,7 @@ that reuses them reads their draft entries too). While a sequence lags, up to CA
 positions have no draft entries yet; a request reusing those blocks meanwhile drafts from stale
 ones there, which costs acceptance, never correctness (verification decides every token).
 
-With top_k > 1 (greedy requests only), each draft step also proposes the head's next k - 1
+With top_k > 1, each draft step also proposes the head's next k - 1
 choices at that position as leaves of a tree: siblings of the chain's token, verified in the
 same target forward but not drafted further. They cost no draft work (the chain's logits hold
 them) and one verification row each, so they pass the same rule as the chain, by their path's
@@ -58,7 +58,7 @@ class Eagle3Proposer:
     def __init__(self, runner, block_table, confidence_threshold: float = 0.0, top_k: int = 1):
         """runner: the ModelRunner holding the draft and its cache; block_table(seq_id) -> block ids;
         confidence_threshold: per sequence drafting, the least product of draft probabilities a
-        proposed chain may have; top_k: candidates per draft position for greedy requests."""
+        proposed chain may have; top_k: candidates per draft position."""
         self.runner = runner
         self.confidence_threshold = confidence_threshold
         self.top_k = top_k
@@ -154,8 +154,8 @@ class Eagle3Proposer:
 
     def _draft(self, active: list[tuple[Sequence, int]], drafts: dict[str, list[int]],
                leaves: dict[str, list[tuple[float, int, int]]]) -> None:
-        """Fill each sequence's chain (drafts) and, for greedy ones with top_k > 1, its leaves
-        (path probability, parent's index in the chain, token)."""
+        """Fill each sequence's chain (drafts) and, with top_k > 1, its leaves (path probability,
+        parent's index in the chain, token)."""
         seqs, limits = [s for s, _ in active], [k for _, k in active]
         chunks, hidden = self._take_pending(seqs)
         chain_prob = torch.ones(len(seqs), device=hidden.device)
@@ -169,8 +169,7 @@ class Eagle3Proposer:
             last_hidden = out.hidden.index_select(0, last_rows)
             for seq, tokens, ok, probs in zip(seqs, choices, passes, path_prob.tolist()):
                 chain = drafts[seq.seq_id]
-                if seq.params.greedy:
-                    leaves[seq.seq_id] += [(p, len(chain) - 1, t) for t, o, p in zip(tokens[1:], ok[1:], probs[1:]) if o]
+                leaves[seq.seq_id] += [(p, len(chain) - 1, t) for t, o, p in zip(tokens[1:], ok[1:], probs[1:]) if o]
                 if ok[0]:
                     chain.append(tokens[0])
             keep = [i for i, seq in enumerate(seqs) if passes[i][0] and len(drafts[seq.seq_id]) < limits[i]]

@@ -10,7 +10,7 @@ side) move the proposer's state with the KV.
 
 A `Proposal` is a chain of draft tokens, or a tree: with `parents`, token i continues token
 parents[i] (-1: the sequence's last token), parents come before their children, and siblings
-are distinct. The engine verifies trees for greedy requests only. `num_tokens` counts the slots
+are distinct. `num_tokens` counts the slots
 reserved before drafting, which bound the proposal's leading chain (a stateful proposer writes
 its own cache there); tokens past it are leaves the engine reserves slots for afterwards, or
 drops when the pool is short.

@@ -11,15 +11,24 @@ num_drafts + 1. Per sequence:
   reproduces the target distribution p exactly (Leviathan et al.; Chen et al., 2023).
 With no drafts this is plain sampling, so the engine has one sampling path.
 
-Greedy sequences may propose a tree (`draft_parents`: draft i continues draft parents[i], -1 the
-last real token; parents come first). Its row i + 1 holds the target's logits after draft i's
-path, so acceptance walks down from the root: a child is accepted when it is the target's argmax
-at its parent's row, and siblings are distinct tokens, so at most one child is. The output names
-the accepted drafts' indices (`path`): their KV must move to consecutive slots. A chain is the
-tree whose parents are i - 1, and the walk is then the longest-prefix rule above. Sampled
-sequences propose chains. Randomness comes
-in as uniforms drawn from each request's own generator (two per row: the accept test and the
-inverse-CDF sample), so a seeded request is reproducible. The Triton kernel in
+A proposal may be a tree (`draft_parents`: draft i continues draft parents[i], -1 the last real
+token; parents come first, siblings are distinct tokens). Its row i + 1 holds the target's
+logits after draft i's path, and acceptance walks down from the root, testing the current
+node's children in proposal order:
+- greedy: a child is accepted when it is the target's argmax at the current node's row (at most
+  one can be);
+- sampled (one-hot q: the candidates are the draft's top choices, not samples): a child d is
+  accepted with probability p(d) / (1 - the mass of p its rejected elder siblings hold); when all
+  are rejected, the emitted token is a sample of p without them. Each token then comes out with
+  probability p exactly: p(c1), (1 - p(c1)) p(c2) / (1 - p(c1)) = p(c2), ..., and for the others
+  (1 - sum p(ci)) p(x) / (1 - sum p(ci)) (the one-hot case of SpecInfer's multi-candidate rule).
+A chain is the tree whose parents are i - 1, and the walk is then the rules above. Trees take
+one-hot q only. The output names the accepted drafts' indices (`path`): their KV must move to
+consecutive slots.
+
+Randomness comes in as uniforms drawn from each request's own generator, two per row: the
+first of row start_b + i is draft i's accept test, the second of the row where the walk ends
+its inverse-CDF sample. So a seeded request is reproducible. The Triton kernel in
 triton_rejection.py computes the same from the same inputs on CUDA.
 """
 
@@ -53,13 +62,11 @@ class VerifyOutput:
 def make_verify_input(params: list[SamplingParams], generators: list[torch.Generator], drafts: list[list[int]],
                       logits: torch.Tensor, parents: list[list[int] | None] | None = None) -> VerifyInput:
     """Inputs for sequences with these params and drafts; logits: [sum(len(d) + 1), V] in order;
-    parents: per sequence, its drafts' parents for a tree (greedy only), or None for a chain.
+    parents: per sequence, its drafts' parents for a tree, or None for a chain.
 
     Drafts are greedy (argmax of the draft model, or n-gram lookups), so q is one-hot."""
     tree = None
     if parents is not None and any(t is not None for t in parents):
-        if any(t is not None and not p.greedy for p, t in zip(params, parents)):
-            raise ValueError("tree drafts are verified for greedy requests only")
         tree = torch.tensor([i for d, t in zip(drafts, parents) for i in (t if t is not None else range(-1, len(d) - 1))],
                             dtype=torch.long)
     probs = None
@@ -92,15 +99,17 @@ def verify(inp: VerifyInput) -> VerifyOutput:
     argmax = inp.target_logits.argmax(dim=-1).tolist()
     drafts = inp.draft_ids.tolist()
     parents = inp.draft_parents.tolist() if inp.draft_parents is not None else None
+    if parents is not None and inp.draft_probs is not None:
+        raise ValueError("tree drafts are verified with one-hot draft probabilities only")
     row = draft = 0
     for s, n in enumerate(inp.num_drafts.tolist()):
         seq_drafts = drafts[draft : draft + n]
+        seq_parents = parents[draft : draft + n] if parents else list(range(-1, n - 1))
         if inp.greedy[s]:
-            accepted = _greedy_path(seq_drafts, parents[draft : draft + n] if parents else range(-1, n - 1), argmax[row:])
+            accepted = _greedy_path(seq_drafts, seq_parents, argmax[row:])
             last = argmax[row + 1 + accepted[-1]] if accepted else argmax[row]
         else:
-            a, last = _stochastic(inp, row, draft, seq_drafts)
-            accepted = list(range(a))
+            accepted, last = _stochastic(inp, row, draft, seq_drafts, seq_parents)
         a = len(accepted)
         tokens[s, :a] = torch.tensor([seq_drafts[i] for i in accepted], dtype=torch.long)
         tokens[s, a] = last
@@ -122,21 +131,31 @@ def _greedy_path(drafts: list[int], parents, argmax: list[int]) -> list[int]:
     return accepted
 
 
-def _stochastic(inp: VerifyInput, row: int, draft: int, drafts: list[int]) -> tuple[int, int]:
+def _stochastic(inp: VerifyInput, row: int, draft: int, drafts: list[int], parents: list[int]) -> tuple[list[int], int]:
+    """The accepted drafts (walking down as the module doc says) and the token that follows."""
     p, u = inp.target_probs, inp.uniforms
-    for i, d in enumerate(drafts):
-        q = inp.draft_probs[draft + i] if inp.draft_probs is not None else None
-        q_d = float(q[d]) if q is not None else 1.0
-        if float(u[row + i, 0]) * q_d < float(p[row + i, d]):  # accept with probability min(1, p/q)
+    accepted, at, rejected, q = [], -1, [], None
+    for i, (d, parent) in enumerate(zip(drafts, parents)):
+        if parent != at:
             continue
-        if q is not None:
-            residual = (p[row + i] - q).clamp_min(0.0)
+        at_row = row + 1 + at
+        if inp.draft_probs is not None:  # a chain with a dense q: accept with min(1, p/q)
+            q = inp.draft_probs[draft + i]
+            mass = float(q[d])
+        else:  # one-hot q: p's mass not yet rejected at this node
+            mass = 1.0 - sum(float(p[at_row, t]) for t in rejected)
+        if float(u[row + i, 0]) * mass < float(p[at_row, d]):
+            accepted.append(i)
+            at, rejected = i, []
         else:
-            residual = p[row + i].clone()
-            residual[d] = 0.0
-        return i, inverse_cdf(residual, float(u[row + i, 1]))
-    n = len(drafts)
-    return n, inverse_cdf(p[row + n], float(u[row + n, 1]))
+            rejected.append(d)
+    at_row = row + 1 + at
+    if q is not None and rejected:
+        residual = (p[at_row] - q).clamp_min(0.0)
+    else:
+        residual = p[at_row].clone()
+        residual[rejected] = 0.0
+    return accepted, inverse_cdf(residual, float(u[at_row, 1]))
 
 
 def inverse_cdf(weights: torch.Tensor, u: float) -> int:

@@ -2,13 +2,14 @@
 per-sequence bookkeeping that follows it.
 
 Design: one program per sequence. Its rows start at draft_start_b + b (each earlier sequence owns
-its drafts plus a bonus row), so a device-side cumsum of num_drafts is the only set-up. A greedy
-program walks its drafts (a chain, or a tree by draft_parents) down from the root against a
-precomputed argmax and emits the argmax after the last accepted draft. A sampled program walks
-its chain until the accept test first fails, then emits an inverse-CDF sample over the
-vocabulary in BLOCK_V chunks (one pass for the total weight, a second that stops at the chunk
-holding the sample), with the residual
-max(0, p - q) (or p with the draft zeroed) formed on the fly from the rows already in memory.
+its drafts plus a bonus row), so a device-side cumsum of num_drafts is the only set-up. The
+program walks its drafts (a chain, or a tree by draft_parents) down from the root in one pass
+over them, each tested only if it continues the last accepted one: greedy rows against a
+precomputed argmax, sampled rows by the accept test. Then it emits the argmax at the row where
+the walk ended, or an inverse-CDF sample there over the vocabulary in BLOCK_V chunks (one pass
+for the total weight, a second that stops at the chunk holding the sample), with the residual
+max(0, p - q) (or p with the rejected drafts zeroed) formed on the fly from the rows already in
+memory.
 
 Greedy rows use torch's argmax over the logits, so ties break exactly as in the reference.
 
@@ -46,29 +47,38 @@ def _round(x, DTYPE: tl.constexpr):
 
 
 @triton.jit
-def _weights(p_row, q_row, offs, draft, q_end, vocab, stride_pv, stride_qv,
-             HAS_Q: tl.constexpr, RESIDUAL_DTYPE: tl.constexpr):
-    """Sampling weights at offs: the residual after rejecting `draft`, or p itself for the bonus
-    row (draft = -1, q_end = 0). q_end is a bound rather than a flag because the interpreter
-    mishandles a scalar bool broadcast into a load mask."""
+def _weights(p_row, q_row, offs, q_end, drafts, parents, n, at, vocab, stride_pv, stride_qv,
+             HAS_Q: tl.constexpr, HAS_TREE: tl.constexpr, RESIDUAL_DTYPE: tl.constexpr):
+    """Sampling weights at offs for a walk that ended at draft `at` (-1: the root): dense q, the
+    residual max(0, p - q) after a rejection (q_end = vocab; 0: p itself, the bonus row); one-hot
+    q, p without at's children (all were tried and rejected). q_end is a bound rather than a flag
+    because the interpreter mishandles a scalar bool broadcast into a load mask."""
     p = tl.load(p_row + offs * stride_pv, mask=offs < vocab, other=0.0).to(tl.float32)
     if HAS_Q:
         q = tl.load(q_row + offs * stride_qv, mask=offs < q_end, other=0.0).to(tl.float32)
         # torch rounds p - q to the promoted dtype of p and q (bf16 for bf16 inputs); so do we.
         w = _round(tl.maximum(p - q, 0.0), RESIDUAL_DTYPE)
     else:
-        w = tl.where(offs == draft, 0.0, p)
+        w = p
+        for j in range(0, n):
+            if HAS_TREE:
+                parent = tl.load(parents + j).to(tl.int32)
+            else:
+                parent = j - 1
+            excluded = tl.where(parent == at, tl.load(drafts + j), -1)
+            w = tl.where(offs == excluded, 0.0, w)
     return w
 
 
 @triton.jit
-def _sample(p_row, q_row, draft, q_end, u, vocab, stride_pv, stride_qv,
-            HAS_Q: tl.constexpr, RESIDUAL_DTYPE: tl.constexpr, BLOCK_V: tl.constexpr):
+def _sample(p_row, q_row, q_end, drafts, parents, n, at, u, vocab, stride_pv, stride_qv,
+            HAS_Q: tl.constexpr, HAS_TREE: tl.constexpr, RESIDUAL_DTYPE: tl.constexpr, BLOCK_V: tl.constexpr):
     """inverse_cdf(weights, u): the first index whose cumulative weight exceeds u * total."""
     total = 0.0
     for start in range(0, vocab, BLOCK_V):
         offs = start + tl.arange(0, BLOCK_V)
-        w = _weights(p_row, q_row, offs, draft, q_end, vocab, stride_pv, stride_qv, HAS_Q, RESIDUAL_DTYPE)
+        w = _weights(p_row, q_row, offs, q_end, drafts, parents, n, at, vocab, stride_pv, stride_qv,
+                     HAS_Q, HAS_TREE, RESIDUAL_DTYPE)
         total += tl.sum(w, 0)
     threshold = u * total
 
@@ -78,7 +88,8 @@ def _sample(p_row, q_row, draft, q_end, u, vocab, stride_pv, stride_qv,
     start = 0
     while (start < vocab) & (found == vocab):
         offs = start + tl.arange(0, BLOCK_V)
-        w = _weights(p_row, q_row, offs, draft, q_end, vocab, stride_pv, stride_qv, HAS_Q, RESIDUAL_DTYPE)
+        w = _weights(p_row, q_row, offs, q_end, drafts, parents, n, at, vocab, stride_pv, stride_qv,
+                     HAS_Q, HAS_TREE, RESIDUAL_DTYPE)
         cdf = running + tl.cumsum(w, 0)
         found = tl.min(tl.where(cdf > threshold, offs, vocab), 0)  # padding adds 0: never first
         last_positive = tl.maximum(last_positive, tl.max(tl.where(w > 0.0, offs, -1), 0))
@@ -106,50 +117,55 @@ def _verify_kernel(
     out = tokens + seq.to(tl.int64) * width
     accepted = path + seq.to(tl.int64) * path_width
 
-    if is_greedy:
-        # Walk down from the root: a draft is accepted when it continues the last accepted one
-        # and is the target's argmax there (row 1 + at holds the logits after draft `at`).
-        a = 0
-        at = -1
-        for i in range(0, n):
+    # Walk down from the root (a chain is the tree with parents i - 1), testing the children of
+    # the last accepted draft `at` in order (row 1 + at holds the logits after it).
+    a = 0
+    at = -1
+    rejected = 0  # children of `at` rejected so far
+    rejected_mass = tl.load(uniforms).to(tl.float64) * 0.0  # their p (fp64, as the reference's floats)
+    rejected_q = first_draft  # the rejected draft's row of a dense q (chains only)
+    for i in range(0, n):
+        if HAS_TREE:
+            parent = tl.load(draft_parents + first_draft + i).to(tl.int32)
+        else:
+            parent = i - 1
+        if parent == at:
             draft = tl.load(draft_ids + first_draft + i)
-            if HAS_TREE:
-                parent = tl.load(draft_parents + first_draft + i).to(tl.int32)
+            at_row = first_row + 1 + at
+            if is_greedy:
+                ok = tl.load(argmax + at_row) == draft
             else:
-                parent = i - 1
-            if (parent == at) & (tl.load(argmax + first_row + 1 + at) == draft):
+                # Accept with probability p(d) / (p's mass not yet rejected here) for one-hot q,
+                # min(1, p(d) / q(d)) for a dense q: u * mass < p(d), exact in fp64.
+                p_d = tl.load(target_probs + at_row * stride_pt + draft * stride_pv).to(tl.float32).to(tl.float64)
+                u = tl.load(uniforms + (first_row + i) * stride_ut).to(tl.float64)
+                if HAS_Q:
+                    q_d = tl.load(draft_probs + (first_draft + i) * stride_qt + draft * stride_qv)
+                    mass = q_d.to(tl.float32).to(tl.float64)
+                else:
+                    mass = 1.0 - rejected_mass
+                ok = u * mass < p_d
+                rejected_mass += tl.where(ok, 0.0, p_d)
+            if ok:
                 tl.store(out + a, draft)
                 tl.store(accepted + a, i)
                 a += 1
                 at = i
-        last = tl.load(argmax + first_row + 1 + at)
+                rejected = 0
+                rejected_mass = rejected_mass * 0.0
+            else:
+                rejected += 1
+                rejected_q = first_draft + i
+
+    # The token after the walk: the argmax at its last row, or a sample of the residual there.
+    at_row = first_row + 1 + at
+    if is_greedy:
+        last = tl.load(argmax + at_row)
     else:
-        # Longest accepted prefix: accept with probability min(1, p/q), i.e. u * q(d) < p(d),
-        # q(d) = 1 for one-hot q.
-        a = 0
-        accepting = 1
-        while (a < n) & (accepting != 0):
-            draft = tl.load(draft_ids + first_draft + a)
-            row = first_row + a
-            p_d = tl.load(target_probs + row * stride_pt + draft * stride_pv).to(tl.float32).to(tl.float64)
-            u = tl.load(uniforms + row * stride_ut).to(tl.float64)
-            if HAS_Q:
-                q_d = tl.load(draft_probs + (first_draft + a) * stride_qt + draft * stride_qv)
-                u = u * q_d.to(tl.float32).to(tl.float64)
-            ok = u < p_d
-            a += ok.to(tl.int32)
-            accepting = ok.to(tl.int32)
-        for j in range(0, a):
-            tl.store(out + j, tl.load(draft_ids + first_draft + j))
-            tl.store(accepted + j, j)
-        # The token after the accepted prefix: from the rejected draft's row, or the bonus row.
-        row = first_row + a
-        rejected = a < n
-        draft = tl.load(draft_ids + first_draft + a, mask=rejected, other=-1)
-        u = tl.load(uniforms + row * stride_ut + stride_uc)
-        last = _sample(target_probs + row * stride_pt, draft_probs + (first_draft + a) * stride_qt,
-                       draft, tl.where(rejected, vocab, 0), u, vocab, stride_pv, stride_qv,
-                       HAS_Q, RESIDUAL_DTYPE, BLOCK_V).to(tl.int64)
+        u = tl.load(uniforms + at_row * stride_ut + stride_uc)
+        last = _sample(target_probs + at_row * stride_pt, draft_probs + rejected_q * stride_qt,
+                       tl.where(rejected > 0, vocab, 0), draft_ids + first_draft, draft_parents + first_draft,
+                       n, at, u, vocab, stride_pv, stride_qv, HAS_Q, HAS_TREE, RESIDUAL_DTYPE, BLOCK_V).to(tl.int64)
 
     tl.store(out + a, last)
     tl.store(num_accepted + seq, a)
