@@ -17,7 +17,8 @@ from engine.params import SamplingParams
 from engine.stats import AcceptanceStats
 
 
-def _run_batch(engine: Engine, prompts: list[list[int]], params: SamplingParams):
+def run_batch(engine: Engine, prompts: list[list[int]], params: SamplingParams):
+    """Run prompts to completion together: (token ids per prompt, seconds, acceptance stats)."""
     ids = [engine.add_request(p, params) for p in prompts]
     tokens = {i: [] for i in ids}
     stats = []
@@ -37,8 +38,8 @@ def evaluate(base: Engine, spec: Engine, prompts: list[list[int]], max_tokens: i
     merged, identical = AcceptanceStats(), True
     for start in tqdm(range(0, len(prompts), batch_size), desc="bench spec", unit="batch"):
         batch = prompts[start : start + batch_size]
-        base_out, base_s, _ = _run_batch(base, batch, params)
-        spec_out, spec_s, stats = _run_batch(spec, batch, params)
+        base_out, base_s, _ = run_batch(base, batch, params)
+        spec_out, spec_s, stats = run_batch(spec, batch, params)
         identical &= base_out == spec_out
         per_batch.append((sum(map(len, base_out)), base_s, sum(map(len, spec_out)), spec_s))
         for s in stats:

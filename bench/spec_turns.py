@@ -1,0 +1,84 @@
+"""Speculative settings against each other: plain decoding and EAGLE3 with each `draft_top_k`
+(a chain, then trees with more leaves per position) in one process, the engines taking turns on
+every prompt batch (in alternating order) so the machine's drift hits all alike. Per setting:
+tokens/s, and its time per batch against the others' as a median of per-batch ratios, a
+paired figure steadier than a ratio of two runs' speeds. Greedy; every output must be
+token-identical to plain decoding. Prints one JSON object, then a table.
+
+    python -m bench.spec_turns [--prompts bench/prompts/chat_eval.jsonl] [--max-prompts 40]
+        [--batch-size 1] [--top-k 1 4] [--num-speculative-tokens 5] [--threshold 0.08]
+"""
+
+import argparse
+import json
+import statistics
+from pathlib import Path
+
+from tqdm import tqdm
+
+from engine.config import EngineConfig
+from engine.engine import Engine
+from engine.params import SamplingParams
+from engine.spec.evaluate import run_batch
+from engine.spec.prompts import read_prompts
+from engine.stats import AcceptanceStats
+
+
+def main() -> None:
+    p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    p.add_argument("--prompts", type=Path, default=Path(__file__).parent / "prompts" / "chat_eval.jsonl")
+    p.add_argument("--max-prompts", type=int, default=40)
+    p.add_argument("--batch-size", type=int, default=1)
+    p.add_argument("--max-tokens", type=int, default=128)
+    p.add_argument("--top-k", type=int, nargs="+", default=[1, 4])
+    p.add_argument("--num-speculative-tokens", type=int, default=5)
+    p.add_argument("--threshold", type=float, default=0.08, help="draft_confidence_threshold")
+    p.add_argument("--disable-by-batch-size", type=int, default=4)
+    args = p.parse_args()
+
+    engines = {"plain": Engine(EngineConfig())}
+    for k in args.top_k:
+        engines[f"top_k={k}"] = Engine(EngineConfig(speculative={
+            "method": "eagle3", "num_speculative_tokens": args.num_speculative_tokens, "draft_top_k": k,
+            "draft_confidence_threshold": args.threshold, "disable_by_batch_size": args.disable_by_batch_size}))
+    tokenizer = engines["plain"].tokenizer
+    prompts = [tokenizer.encode_chat([{"role": "user", "content": text}])
+               for text in read_prompts(args.prompts)[: args.max_prompts]]
+    params = SamplingParams(max_tokens=args.max_tokens)
+    seconds = {name: [] for name in engines}
+    tokens = {name: 0 for name in engines}
+    acceptance = {name: AcceptanceStats() for name in engines}
+    lossless = True
+    batches = range(0, len(prompts), args.batch_size)
+    for turn, start in enumerate(tqdm(batches, desc="bench spec_turns", unit="batch")):
+        batch = prompts[start : start + args.batch_size]
+        outputs = {}
+        for name in list(engines)[:: 1 if turn % 2 == 0 else -1]:
+            outputs[name], elapsed, stats = run_batch(engines[name], batch, params)
+            for s in stats:
+                acceptance[name].merge(s)
+            seconds[name].append(elapsed)
+            tokens[name] += sum(map(len, outputs[name]))
+        lossless &= all(out == outputs["plain"] for out in outputs.values())
+    names = list(engines)
+    result = {
+        "num_prompts": len(prompts), "batch_size": args.batch_size, "max_tokens": args.max_tokens,
+        "num_speculative_tokens": args.num_speculative_tokens, "draft_confidence_threshold": args.threshold,
+        "tokens_per_s": {n: round(tokens[n] / sum(seconds[n]), 2) for n in names},
+        "tau": {n: round(acceptance[n].mean_acceptance_length, 3) for n in names[1:]},
+        "drafted": {n: acceptance[n].drafted for n in names[1:]},
+        # time of the row's setting over the column's, median over batches: > 1 = the column is faster
+        "median_time_ratio": {a: {b: round(statistics.median(x / y for x, y in zip(seconds[a], seconds[b])), 3)
+                                  for b in names if b != a} for a in names},
+        "lossless": lossless,
+    }
+    print(json.dumps(result))
+    print(f"\n| setting | tau | tok/s | {' | '.join(f'time / {n}' for n in names)} |")
+    print("|---" * (len(names) + 3) + "|")
+    for a in names:
+        cells = " | ".join("" if a == b else f"{result['median_time_ratio'][a][b]:.3f}" for b in names)
+        print(f"| {a} | {result['tau'].get(a, 1.0):.3f} | {result['tokens_per_s'][a]:.1f} | {cells} |")
+
+
+if __name__ == "__main__":
+    main()
