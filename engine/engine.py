@@ -3,13 +3,15 @@
 Each step:
 1. the scheduler picks prefill chunks and decoding sequences, reserving K draft slots for the
    latter when speculation is on (fewer, or none, when the pool is short);
-2. the proposer drafts up to K tokens per decoding sequence;
-3. one target forward runs over everything: prefill chunks, and [last token + drafts] spans;
-4. the verifier accepts a prefix of each span's drafts and adds one token (plain sampling is
-   the zero-draft case);
+2. the proposer drafts up to K tokens per decoding sequence (a chain, or a tree whose extra
+   leaves get their slots here, see spec/proposer.py);
+3. one target forward runs over everything: prefill chunks, and [last token + drafts] spans
+   (a tree's tokens see only their ancestors);
+4. the verifier accepts a path of each span's drafts from its root and adds one token (plain
+   sampling is the zero-draft case);
 5. the KV of the chunk's tokens and accepted drafts is committed (full blocks become
-   prefix-cacheable), the rejected slots are rolled back, and the proposer sees the target's
-   features for the committed positions;
+   prefix-cacheable; an accepted leaf's KV first moves next to its chain), the rejected slots
+   are rolled back, and the proposer sees the target's features for the committed positions;
 6. new tokens become text deltas; stop tokens, stop strings and limits end requests.
 """
 
