@@ -43,14 +43,28 @@ def _greedy(engine: Engine, prompts: list[list[int]]) -> list[list[int]]:
             for p in prompts]
 
 
+def _after_a_kv_move(engine: Engine, prompt: list[int]) -> list[int]:
+    """Greedy tokens when, after the prefill, position 1's KV is overwritten with the last prompt
+    token's (the move a tree's accepted leaf makes), on every rank."""
+    request_id = engine.add_request(prompt, SamplingParams(max_tokens=24, ignore_eos=True))
+    tokens = [t for o in engine.step() for t in o.token_ids]  # the prefill and the first token
+    engine.runner.move_kv(engine.blocks.block_table(request_id), [len(prompt) - 1], [1])
+    while engine.has_unfinished():
+        tokens += [t for o in engine.step() for t in o.token_ids]
+    return tokens
+
+
 def test_two_ranks_match_one(tiny_llama):
-    one = Engine(EngineConfig(model=tiny_llama, num_kv_blocks=64))
+    one = Engine(EngineConfig(model=tiny_llama, num_kv_blocks=64, enable_prefix_caching=False))
     prompts = [one.tokenizer.encode(t) for t in ("The weather today is", "Once upon a time", "1, 2, 3,")]
     expected = _greedy(one, prompts)
-    two = Engine(EngineConfig(model=tiny_llama, num_kv_blocks=64, tensor_parallel_size=2))
+    moved = _after_a_kv_move(one, prompts[1])
+    assert moved != expected[1]  # the move matters
+    two = Engine(EngineConfig(model=tiny_llama, num_kv_blocks=64, tensor_parallel_size=2, enable_prefix_caching=False))
     try:
         assert _greedy(two, prompts) == expected
         assert two.runner.layout.target.num_kv_heads == 2  # each rank caches its own kv heads
+        assert _after_a_kv_move(two, prompts[1]) == moved  # KV moves reach every rank
     finally:
         two.runner.close()
 
