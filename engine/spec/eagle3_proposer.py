@@ -30,12 +30,12 @@ that reuses them reads their draft entries too). While a sequence lags, up to CA
 positions have no draft entries yet; a request reusing those blocks meanwhile drafts from stale
 ones there, which costs acceptance, never correctness (verification decides every token).
 
-With top_k > 1, each draft step also proposes the head's next k - 1
-choices at that position as leaves of a tree: siblings of the chain's token, verified in the
-same target forward but not drafted further. They cost no draft work (the chain's logits hold
-them) and one verification row each, so they pass the same rule as the chain, by their path's
-probability (the chain's before them times their own), and the most likely are kept when the
-tree would outgrow a verification span.
+With top_k > 1, each draft step also proposes the head's next k - 1 choices at that position as
+leaves of a tree: siblings of the chain's token, verified in the same target forward but not
+drafted further. They cost no draft work (the chain's logits hold them) and one verification
+row each, so they pass the same rule as the chain, by their path's probability (the chain's
+before them times their own), and the most likely are kept when the tree would outgrow a
+verification span.
 
 The target's features reach `observe` one sequence at a time; they are projected by `fc` for the
 whole batch at once, when next needed.
