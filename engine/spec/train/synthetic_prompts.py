@@ -79,6 +79,78 @@ MORE_TOPICS = [
 ]
 
 
+# Added later (head v5), after every pair above for the same reason.
+NEW_TEMPLATES = [
+    "What is the best way to learn about {t}?", "Explain the basics of {t} in three short paragraphs.",
+    "Give me a fun weekend activity related to {t}.", "What are the biggest challenges in {t} today?",
+    "Write a short speech about {t}.", "How would you explain {t} to a grandparent?",
+    "What are some good books or films about {t}?", "Write a list of dos and don'ts for {t}.",
+    "How can {t} save time or money?", "What is the future of {t}?",
+    "Write a limerick about {t}.", "What are three questions people often ask about {t}, with answers?",
+]
+NEW_TOPICS = [
+    "kayaking", "rock climbing", "skiing", "surfing", "tennis", "golf", "table tennis", "martial arts",
+    "boxing", "skateboarding", "ice skating", "fishing", "hunting for mushrooms", "foraging", "orienteering",
+    "scuba diving", "paragliding", "horse riding", "dog sledding", "marathon training plans", "strength training",
+    "pilates", "dancing", "ballet", "hip hop", "salsa dancing", "drumming", "the violin", "the guitar amplifier",
+    "songwriting", "music theory", "choirs", "folk music", "rock music", "the blues", "film photography",
+    "video editing", "animation", "graphic design", "typography", "logo design", "user interface design",
+    "color theory", "sculpture", "mosaics", "glass blowing", "leather crafts", "candle making", "soap making",
+    "embroidery", "quilting", "crochet", "scrapbooking", "model trains", "kites", "paper airplanes", "puzzles",
+    "sudoku", "card games", "poker", "the history of chess", "escape rooms", "amusement parks", "zoos",
+    "aquariums for the public", "botanical gardens", "lighthouses at sea", "castles in Scotland", "the Alps",
+    "the Amazon river", "the Sahara", "Antarctica", "the Arctic", "Iceland", "New Zealand", "Canada", "Mexico",
+    "Brazil", "India", "Kenya", "Egypt today", "Italy", "Spain", "Germany", "Norway", "Korea", "Vietnam",
+    "Peru", "Morocco", "the Great Wall of China", "the pyramids", "Stonehenge", "the Eiffel Tower",
+    "the Statue of Liberty", "the Roman Colosseum", "the Aztecs", "the Maya", "the Incas", "samurai", "knights",
+    "pirates", "explorers", "Marco Polo", "Leonardo da Vinci", "Isaac Newton", "Marie Curie", "Albert Einstein",
+    "Charles Darwin", "Ada Lovelace", "Nikola Tesla", "the steam engine", "the light bulb", "the radio",
+    "television", "the compass", "the wheel", "paper", "glass", "steel", "plastic", "rubber", "cotton", "wool",
+    "silk", "coffee farming", "rice", "wheat", "potatoes", "tomatoes", "apples", "bananas", "honey", "olive oil",
+    "soup", "salads", "sandwiches", "pizza", "curry", "sushi", "tacos", "dumplings", "ice cream", "cakes",
+    "cookies", "smoothies", "lemonade", "food safety", "leftovers", "freezing food", "canning vegetables",
+    "kitchen knives", "cast iron pans", "slow cookers", "air fryers", "microwaves", "dishwashers",
+    "washing machines", "vacuum cleaners", "lawn care", "hedges", "tree planting", "bird feeders", "ponds",
+    "frogs", "snakes", "lizards", "turtles", "sharks", "octopuses", "jellyfish", "dolphins", "owls", "eagles",
+    "parrots", "chickens", "cows", "goats", "sheep", "rabbits", "hamsters", "guinea pigs", "spiders",
+    "mosquitoes", "ladybugs", "earthworms", "fungi", "the immune system", "the lungs",
+    "bones", "muscles", "skin care", "sunscreen", "teeth", "eyesight", "hearing", "allergies", "colds",
+    "headaches", "hydration during sports", "naps", "caffeine", "sugar", "salt", "fiber",
+    "calories", "fasting", "cooking for one", "family dinners", "chores for kids", "allowances", "bedtime stories",
+    "homework", "school lunches", "field trips", "teachers", "homeschooling", "college applications",
+    "scholarships", "student loans", "internships", "apprenticeships", "changing careers", "retirement hobbies",
+    "working from a cafe", "office etiquette", "meetings", "giving feedback", "conflict at work",
+    "burnout", "work-life balance", "side projects", "selling crafts online", "running a bakery", "food trucks",
+    "opening a cafe", "pricing a product", "advertising", "brand names", "customer reviews", "online shopping",
+    "returns and refunds", "warranties", "insurance for pets", "taxes", "bank accounts", "credit cards",
+    "mortgages", "emergency funds", "charity", "tipping", "the stock market", "cryptocurrency",
+    "Linux", "the command line", "Git", "Python", "SQL", "HTML", "CSS", "APIs", "algorithms", "data structures",
+    "debugging", "unit testing", "code reviews", "software bugs", "computer viruses", "two-factor authentication",
+    "Wi-Fi", "Bluetooth", "GPS", "satellites", "rockets", "the International Space Station", "comets", "asteroids",
+    "Jupiter", "Saturn's rings", "the sun", "eclipses", "tides", "ocean currents", "waves", "lakes", "caves",
+    "fossils", "crystals", "gold", "diamonds", "sand", "lightning", "fog", "hail", "droughts", "floods",
+    "wildfires", "seasons", "time zones", "calendars", "clocks", "measurement units", "percentages", "decimals",
+    "algebra", "prime numbers", "multiplication tables", "mental math", "logic puzzles", "physics of sports",
+    "gravity", "friction", "sound", "heat", "atoms", "molecules", "acids and bases", "plastic pollution",
+]
+CODE_TASKS = [
+    "reverses a string", "checks whether a word is a palindrome", "counts the vowels in a sentence",
+    "removes duplicates from a list while keeping the order", "merges two sorted lists",
+    "computes the factorial of a number", "returns the n-th Fibonacci number", "checks whether a number is prime",
+    "sums the digits of an integer", "converts Celsius to Fahrenheit", "finds the average of a list of numbers",
+    "counts how often each word appears in a text", "capitalizes the first letter of every word",
+    "flattens a nested list", "checks whether two strings are anagrams",     "reads a text file and counts its lines", "validates a simple email address", "converts a number to binary",
+    "finds the longest word in a sentence", "rotates a list by k positions", "transposes a matrix",
+    "computes the greatest common divisor of two numbers", "checks whether a year is a leap year",
+    "generates a random password", "sorts a list of dictionaries by a key", "groups words by their first letter",
+    "returns the common elements of two lists", "counts the characters in a string without spaces",
+    "implements binary search", "implements bubble sort", "removes punctuation from a string",
+    "splits a list into chunks of size n", "finds the missing number in a list from 1 to n",
+    "converts a dictionary into a list of tuples", "computes compound interest", "checks for balanced parentheses",
+    "returns the running total of a list", "calculates the area of a circle", "formats a number with commas",
+]
+CODE_TEMPLATES = ["Write a Python function that {t}.", "Show me how to write code that {t}, and explain it."]
+
 def synthetic_prompts(count: int, seed: int = 0, skip: int = 0) -> list[str]:
     """`count` prompts after the first `skip` (to draw new ones beyond an earlier run's)."""
     rng = random.Random(seed)
@@ -87,7 +159,11 @@ def synthetic_prompts(count: int, seed: int = 0, skip: int = 0) -> list[str]:
     old = set(pairs)
     more = [(t, s) for t in TOPICS + MORE_TOPICS for s in TEMPLATES + MORE_TEMPLATES if (t, s) not in old]
     rng.shuffle(more)
-    return [template.format(t=topic) for topic, template in (pairs + more)[skip : skip + count]]
+    seen = old | set(more)
+    newer = [(t, s) for t in TOPICS + MORE_TOPICS + NEW_TOPICS for s in TEMPLATES + MORE_TEMPLATES + NEW_TEMPLATES
+             if (t, s) not in seen] + [(t, s) for t in CODE_TASKS for s in CODE_TEMPLATES]
+    rng.shuffle(newer)
+    return [template.format(t=topic) for topic, template in (pairs + more + newer)[skip : skip + count]]
 
 
 if __name__ == "__main__":
