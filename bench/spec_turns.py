@@ -1,5 +1,6 @@
 """Speculative settings against each other: plain decoding and EAGLE3 with each `draft_top_k`
-(a chain, then trees with more leaves per position) in one process, the engines taking turns on
+(a chain, then trees with more leaves per position), each with or without the prompt-lookup
+branch (`--lookup-branch`), in one process, the engines taking turns on
 every prompt batch (in alternating order) so the machine's drift hits all alike. Per setting:
 tokens/s, and its time per batch against the others' as a median of per-batch ratios, a
 paired figure steadier than a ratio of two runs' speeds. Greedy; every output must be
@@ -7,6 +8,7 @@ token-identical to plain decoding. Prints one JSON object, then a table.
 
     python -m bench.spec_turns [--prompts bench/prompts/chat_eval.jsonl] [--max-prompts 40]
         [--batch-size 1] [--top-k 1 4] [--num-speculative-tokens 5] [--threshold 0.08]
+        [--lookup-branch off|on|both] [--prompt-lookup-min 2]
 """
 
 import argparse
@@ -34,13 +36,18 @@ def main() -> None:
     p.add_argument("--num-speculative-tokens", type=int, default=5)
     p.add_argument("--threshold", type=float, default=0.08, help="draft_confidence_threshold")
     p.add_argument("--disable-by-batch-size", type=int, default=4)
+    p.add_argument("--lookup-branch", choices=["off", "on", "both"], default="off",
+                   help="prompt_lookup_branch for every top_k, or each top_k with and without it")
+    p.add_argument("--prompt-lookup-min", type=int, default=2)
     args = p.parse_args()
 
     engines = {"plain": Engine(EngineConfig())}
-    for k in args.top_k:
-        engines[f"top_k={k}"] = Engine(EngineConfig(speculative={
+    branches = {"off": [False], "on": [True], "both": [False, True]}[args.lookup_branch]
+    for k, branch in ((k, b) for k in args.top_k for b in branches):
+        engines[f"top_k={k}" + ("+lookup" if branch else "")] = Engine(EngineConfig(speculative={
             "method": "eagle3", "num_speculative_tokens": args.num_speculative_tokens, "draft_top_k": k,
-            "draft_confidence_threshold": args.threshold, "disable_by_batch_size": args.disable_by_batch_size}))
+            "draft_confidence_threshold": args.threshold, "disable_by_batch_size": args.disable_by_batch_size,
+            "prompt_lookup_branch": branch, "prompt_lookup_min": args.prompt_lookup_min}))
     tokenizer = engines["plain"].tokenizer
     prompts = [tokenizer.encode_chat([{"role": "user", "content": text}])
                for text in read_prompts(args.prompts)[: args.max_prompts]]
@@ -64,7 +71,7 @@ def main() -> None:
     result = {
         "num_prompts": len(prompts), "batch_size": args.batch_size, "max_tokens": args.max_tokens,
         "num_speculative_tokens": args.num_speculative_tokens, "draft_confidence_threshold": args.threshold,
-        "tokens_per_s": {n: round(tokens[n] / sum(seconds[n]), 2) for n in names},
+        "prompt_lookup_min": args.prompt_lookup_min, "tokens_per_s": {n: round(tokens[n] / sum(seconds[n]), 2) for n in names},
         "tau": {n: round(acceptance[n].mean_acceptance_length, 3) for n in names[1:]},
         "drafted": {n: acceptance[n].drafted for n in names[1:]},
         # time of the row's setting over the column's, median over batches: > 1 = the column is faster

@@ -27,6 +27,12 @@ def _add_engine_args(p: argparse.ArgumentParser) -> None:
                         "position, as leaves of a tree (default 1: a chain)")
     p.add_argument("--disable-by-batch-size", type=int, default=None,
                    help="no drafting while more than this many sequences run (default: no limit)")
+    p.add_argument("--prompt-lookup-branch", action="store_true",
+                   help="eagle3: also verify the prompt-lookup continuation, as a branch of the draft tree")
+    p.add_argument("--prompt-lookup-min", type=int, default=SpeculativeConfig().prompt_lookup_min,
+                   help="ngram, --prompt-lookup-branch: shortest suffix to look up")
+    p.add_argument("--prompt-lookup-max", type=int, default=SpeculativeConfig().prompt_lookup_max,
+                   help="ngram, --prompt-lookup-branch: longest suffix to look up")
 
 
 def _engine_config(args: argparse.Namespace, **overrides) -> EngineConfig:
@@ -34,7 +40,9 @@ def _engine_config(args: argparse.Namespace, **overrides) -> EngineConfig:
         model=args.model, dtype=args.dtype, max_model_len=args.max_model_len,
         speculative={"method": args.speculative, "num_speculative_tokens": args.num_speculative_tokens,
                      "model": args.draft, "draft_confidence_threshold": args.draft_confidence_threshold,
-                     "draft_top_k": args.draft_top_k, "disable_by_batch_size": args.disable_by_batch_size},
+                     "draft_top_k": args.draft_top_k, "disable_by_batch_size": args.disable_by_batch_size,
+                     "prompt_lookup_branch": args.prompt_lookup_branch, "prompt_lookup_min": args.prompt_lookup_min,
+                     "prompt_lookup_max": args.prompt_lookup_max},
         **overrides,
     )
 

@@ -102,8 +102,11 @@ class SpeculativeConfig(BaseModel):
     num_speculative_tokens: int = Field(5, ge=0, le=16, description="draft tokens per step (K)")
     model: str | None = Field(None, description="EAGLE3 draft directory; None = the head shipped for the embedded model")
     draft_tensor_parallel_size: Literal[1] = Field(1, description="the draft runs unsharded beside the target")
-    prompt_lookup_min: int = Field(1, ge=1, description="ngram: shortest suffix to look up")
-    prompt_lookup_max: int = Field(4, ge=1, description="ngram: longest suffix to look up")
+    prompt_lookup_min: int = Field(1, ge=1, description="ngram, prompt_lookup_branch: shortest suffix to look up")
+    prompt_lookup_max: int = Field(4, ge=1, description="ngram, prompt_lookup_branch: longest suffix to look up")
+    prompt_lookup_branch: bool = Field(
+        False, description="eagle3: add the prompt-lookup (ngram) continuation to each draft tree as one more "
+        "branch from the root, verified in the same forward")
     draft_confidence_threshold: float = Field(
         0.0, ge=0.0, lt=1.0, description="eagle3: end a sequence's draft chain before the first token at which "
         "the product of the draft's probabilities along it falls below this times the number of sequences "
@@ -122,6 +125,9 @@ class SpeculativeConfig(BaseModel):
             raise ValueError(f"num_speculative_tokens must be >= 1 with method {self.method!r} (got 0)")
         if self.draft_top_k > 1 and self.method != "eagle3":
             raise ValueError(f"draft_top_k > 1 needs method 'eagle3' (got {self.method!r}); set it to 1")
+        if self.prompt_lookup_branch and self.method != "eagle3":
+            raise ValueError(f"prompt_lookup_branch needs method 'eagle3' (got {self.method!r}); "
+                             "method 'ngram' drafts by prompt lookup alone")
         if self.prompt_lookup_min > self.prompt_lookup_max:
             raise ValueError(
                 f"prompt_lookup_min ({self.prompt_lookup_min}) must not exceed prompt_lookup_max ({self.prompt_lookup_max})"

@@ -39,6 +39,31 @@ class Proposal:
     def chain(self) -> "Proposal":
         return Proposal(self.token_ids[: self.chain_length])
 
+    def with_branch(self, branch: list[int], max_tokens: int) -> "Proposal":
+        """This tree plus `branch`, a path of tokens from the root: its leading tokens that are
+        already in the tree are shared, the rest become new nodes at the end. To fit max_tokens,
+        trailing childless nodes past the chain (the least likely leaves, as EAGLE3 orders them)
+        make room first; what still does not fit of the branch is cut."""
+        tokens = list(self.token_ids)
+        parents = list(self.parents) if self.parents is not None else list(range(-1, len(tokens) - 1))
+        node, shared = -1, 0
+        for token in branch:
+            child = next((i for i, (t, p) in enumerate(zip(tokens, parents)) if p == node and t == token), None)
+            if child is None:
+                break
+            node, shared = child, shared + 1
+        new = branch[shared:]
+        # The last node has no children (they would come after it); past `node` it is off the shared path.
+        while len(tokens) + len(new) > max_tokens and len(tokens) - 1 > max(node, self.chain_length - 1):
+            tokens.pop()
+            parents.pop()
+        for token in new[: max(0, max_tokens - len(tokens))]:
+            tokens.append(token)
+            parents.append(node)
+            node = len(tokens) - 1
+        is_chain = parents == list(range(-1, len(tokens) - 1))
+        return Proposal(tokens, None if is_chain else parents)
+
 
 class Proposer(Protocol):
     needs_aux: bool
