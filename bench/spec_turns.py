@@ -1,14 +1,14 @@
 """Speculative settings against each other: plain decoding and EAGLE3 with each `draft_top_k`
 (a chain, then trees with more leaves per position), each with or without the prompt-lookup
-branch (`--lookup-branch`), in one process, the engines taking turns on
-every prompt batch (in alternating order) so the machine's drift hits all alike. Per setting:
+branch (`--lookup-branch`), for each head given (`--draft`), in one process, the engines taking
+turns on every prompt batch (in alternating order) so the machine's drift hits all alike. Per setting:
 tokens/s, and its time per batch against the others' as a median of per-batch ratios, a
 paired figure steadier than a ratio of two runs' speeds. Greedy; every output must be
 token-identical to plain decoding. Prints one JSON object, then a table.
 
     python -m bench.spec_turns [--prompts bench/prompts/chat_eval.jsonl] [--max-prompts 40]
         [--batch-size 1] [--top-k 1 4] [--num-speculative-tokens 5] [--threshold 0.08]
-        [--lookup-branch off|on|both] [--prompt-lookup-min 2]
+        [--lookup-branch off|on|both] [--prompt-lookup-min 2] [--draft HEAD_DIR ...]
 """
 
 import argparse
@@ -39,15 +39,18 @@ def main() -> None:
     p.add_argument("--lookup-branch", choices=["off", "on", "both"], default="off",
                    help="prompt_lookup_branch for every top_k, or each top_k with and without it")
     p.add_argument("--prompt-lookup-min", type=int, default=2)
+    p.add_argument("--draft", nargs="+", default=[None], help="EAGLE3 head directories (default: the shipped head)")
     args = p.parse_args()
 
     engines = {"plain": Engine(EngineConfig())}
     branches = {"off": [False], "on": [True], "both": [False, True]}[args.lookup_branch]
-    for k, branch in ((k, b) for k in args.top_k for b in branches):
-        engines[f"top_k={k}" + ("+lookup" if branch else "")] = Engine(EngineConfig(speculative={
-            "method": "eagle3", "num_speculative_tokens": args.num_speculative_tokens, "draft_top_k": k,
-            "draft_confidence_threshold": args.threshold, "disable_by_batch_size": args.disable_by_batch_size,
-            "prompt_lookup_branch": branch, "prompt_lookup_min": args.prompt_lookup_min}))
+    for draft, k, branch in ((d, k, b) for d in args.draft for k in args.top_k for b in branches):
+        name = (f"{draft}:" if len(args.draft) > 1 else "") + f"top_k={k}" + ("+lookup" if branch else "")
+        engines[name] = Engine(EngineConfig(speculative={
+            "method": "eagle3", "model": draft, "num_speculative_tokens": args.num_speculative_tokens,
+            "draft_top_k": k, "draft_confidence_threshold": args.threshold,
+            "disable_by_batch_size": args.disable_by_batch_size, "prompt_lookup_branch": branch,
+            "prompt_lookup_min": args.prompt_lookup_min}))
     tokenizer = engines["plain"].tokenizer
     prompts = [tokenizer.encode_chat([{"role": "user", "content": text}])
                for text in read_prompts(args.prompts)[: args.max_prompts]]
