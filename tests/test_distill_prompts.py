@@ -1,0 +1,34 @@
+"""Distillation prompts: the templated tiers never repeat a prompt and keep their order when a tier
+is added; model-written questions are taken from quotes and kept away from held-out prompts."""
+
+from pathlib import Path
+
+from engine.spec.prompts import read_prompts
+from engine.spec.train.model_prompts import _words, first_question, overlaps
+from engine.spec.train.synthetic_prompts import synthetic_prompts
+
+HELD_OUT = [_words(p) for f in sorted((Path(__file__).parents[1] / "bench" / "prompts").glob("*.jsonl"))
+            for p in read_prompts(f)]
+
+
+def test_templated_prompts_are_distinct_and_adding_a_tier_kept_the_earlier_ones():
+    everything = synthetic_prompts(100_000, seed=4)
+    assert len(everything) == len(set(everything)) > 20_000
+    assert synthetic_prompts(500, seed=4, skip=7_300) == everything[7_300:7_800]  # across the v5 tier's start
+    # What seed 4 gave before the v5 tier existed (heads v2-v4 were distilled from these).
+    assert (everything[0], everything[1_399], everything[7_439]) == (
+        "What is fractions?", "What are common mistakes people make with the Olympic Games?",
+        "Write a haiku about freelancing.")
+
+
+def test_the_first_quoted_question_is_taken():
+    assert first_question('A curious person might ask: "What makes a good potter?" or "Why clay?"') == \
+        "What makes a good potter?"
+    assert first_question("I'm ready to help. What's your request?") is None  # not quoted
+    assert first_question('Here is one: "Tell me about kites."') is None  # not a question
+
+
+def test_questions_close_to_a_held_out_prompt_are_dropped():
+    assert overlaps("How does a refrigerator keep food fresh?", HELD_OUT)  # "Explain how a refrigerator keeps food cold."
+    assert overlaps("What is the difference between machine learning and AI?", HELD_OUT)
+    assert not overlaps("What is the best way to prepare a homemade lasagna?", HELD_OUT)
