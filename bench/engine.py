@@ -5,9 +5,13 @@ Runs on the embedded default model (or --model), fp32, same weights, same proces
 - the cost of one forward over n new tokens (default 1, 2, 4, 6, 8; logits at every row) after a
   256-token context, relative to the first n (1 by default: what a speculative verification step
   costs against a decode step).
-Prints one JSON object, then a table.
+Prints one JSON object (with the ISA level our kernels ran and torch's CPU capability), then a
+table.
 
     python -m bench.engine [--threads 2] [--batches 1 4 16] [--spans 1 2 4 6 8] [--skip-hf]
+
+To run an AVX-512 machine as an AVX2 one, hold both to AVX2:
+    PDSPEC_CPU_ISA=avx2 ATEN_CPU_CAPABILITY=avx2 ONEDNN_MAX_CPU_ISA=AVX2 python -m bench.engine
 
 (Run as a module: a script named engine.py would shadow the engine package.)
 """
@@ -21,6 +25,7 @@ import time
 import torch
 from tqdm import tqdm
 
+from engine import cpu_kernels
 from engine.batch import SeqChunk
 from engine.config import EngineConfig
 from engine.engine import Engine
@@ -117,7 +122,9 @@ def main() -> None:
     args = ap.parse_args()
     torch.set_num_threads(args.threads)
     engine = Engine(EngineConfig(model=args.model, num_kv_blocks=1024, max_num_seqs=max(args.batches)))
-    result = {"threads": args.threads, "prompt_len": PROMPT_LEN, "new_tokens": NEW_TOKENS, "ours": {}, "transformers": {}}
+    result = {"threads": args.threads, "isa": cpu_kernels.selected_isa(),
+              "torch_cpu_capability": torch.backends.cpu.get_cpu_capability(),
+              "prompt_len": PROMPT_LEN, "new_tokens": NEW_TOKENS, "ours": {}, "transformers": {}}
     hf = None
     if not args.skip_hf:
         from transformers import AutoModelForCausalLM
@@ -139,7 +146,8 @@ def main() -> None:
 
 def _table(result: dict, batches: list[int], spans: list[int]) -> None:
     who = [w for w in ("ours", "transformers") if result[w]]
-    print(f"\n{'metric':<28}" + "".join(f"{w:>14}" for w in who))
+    print(f"\nkernels: {result['isa']}, torch: {result['torch_cpu_capability']}")
+    print(f"{'metric':<28}" + "".join(f"{w:>14}" for w in who))
     for b in batches:
         key = f"decode_tok_s_b{b}"
         print(f"{'decode tok/s batch ' + str(b):<28}" + "".join(f"{result[w].get(key, float('nan')):>14.2f}" for w in who))

@@ -172,13 +172,15 @@ def paged_attention(q: torch.Tensor, layer_cache: torch.Tensor, meta: AttentionM
     return out
 
 
-def native_paged_attention(q: torch.Tensor, layer_cache: torch.Tensor, meta: AttentionMetadata, scale: float) -> torch.Tensor:
+def native_paged_attention(q: torch.Tensor, layer_cache: torch.Tensor, meta: AttentionMetadata, scale: float,
+                           isa: str | None = None) -> torch.Tensor:
     """`paged_attention` with short queries computed by the C kernel (CPU, fp32): one call per
-    layer reads K/V straight from the cache instead of ~10 torch ops and two context copies."""
+    layer reads K/V straight from the cache instead of ~10 torch ops and two context copies.
+    isa: the kernels' ISA level (default: cpu_kernels.selected_isa())."""
     t, heads, d = q.shape
     out = q.new_empty(t, heads * d)
-    cpu_kernels.paged_attention(q, layer_cache, meta.block_tables, meta.query_start_loc, meta.context_lens,
-                                SHORT_QUERY, scale, out, meta.span_masks)
+    cpu_kernels.kernels(isa).paged_attention(q, layer_cache, meta.block_tables, meta.query_start_loc,
+                                             meta.context_lens, SHORT_QUERY, scale, out, meta.span_masks)
     for lq in meta.long:
         _long_attention(q, layer_cache, lq, scale, out)
     return out

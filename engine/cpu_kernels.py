@@ -1,8 +1,16 @@
-"""Native CPU kernels: compiled once per machine with the system C compiler, loaded via ctypes.
+"""Native CPU kernels: compiled once per machine and ISA level with the system C compiler,
+loaded via ctypes.
 
-The source lives in `engine/csrc/`. It is compiled with `-march=native` because the kernel's
-speed comes from the widest vectors the CPU has; the build is cached under `pdspec_home()`
-keyed by the source, the compiler flags and the CPU, so a machine compiles it at most once.
+The source lives in `engine/csrc/`. The kernels' speed comes from the vector width, and their
+register tiles are chosen per width (`csrc/vector_isa.h`), so they are built for one of three
+ISA levels:
+- `avx512`: the machine's own `-march=native` build on a CPU with AVX-512F;
+- `avx2`: x86-64-v3 (AVX2, FMA, F16C), what every x86 machine here has at least;
+- `portable`: the compiler's baseline target (SSE2 on x86, NEON on arm64), no ISA flags.
+The best level the CPU supports is used unless `PDSPEC_CPU_ISA` names a lower one, so a
+machine can run (and test) the paths of the machines below it; hold torch to the same level
+with `ATEN_CPU_CAPABILITY=avx2 ONEDNN_MAX_CPU_ISA=AVX2` when comparing. Each build is cached
+under `pdspec_home()` keyed by the source, the flags and the CPU, so it is compiled at most once.
 ctypes releases the GIL for the call, so serving threads keep running while a GEMM runs.
 """
 
@@ -20,8 +28,14 @@ import torch
 
 from engine.home import pdspec_home
 
-_SOURCES = [Path(__file__).parent / "csrc" / name for name in ("packed_gemm.c", "paged_attention.c")]
-_FLAGS = ["-O3", "-march=native", "-fopenmp", "-shared", "-fPIC", "-std=gnu11"]
+ISA_ENV = "PDSPEC_CPU_ISA"
+ISA_LEVELS = ("avx512", "avx2", "portable")  # best first
+_ISA_FLAGS = {"avx512": ["-march=native"], "avx2": ["-march=x86-64-v3", "-mtune=native"], "portable": []}
+_ISA_CPU_FLAGS = {"avx512": {"avx512f"}, "avx2": {"avx2", "fma", "f16c"}, "portable": set()}
+_CSRC = Path(__file__).parent / "csrc"
+_SOURCES = [_CSRC / name for name in ("packed_gemm.c", "paged_attention.c")]
+_HEADERS = [_CSRC / "vector_isa.h"]
+_FLAGS = ["-O3", "-fopenmp", "-shared", "-fPIC", "-std=gnu11", f"-I{_CSRC}"]
 # Limits of paged_attention.c (checked here so callers can pick another path up front).
 ATTENTION_MAX_HEAD_DIM, ATTENTION_MAX_GROUP = 256, 64
 
@@ -35,53 +49,132 @@ def _cpu_signature() -> str:
 
 
 @functools.cache
-def load_library() -> ctypes.CDLL:
-    """Compile (if needed) and load the kernel library; raises RuntimeError if it cannot be built."""
+def supported_isas() -> tuple[str, ...]:
+    """The ISA levels this CPU runs, best first ('portable' everywhere)."""
+    if platform.machine().lower() not in ("x86_64", "amd64"):
+        return ("portable",)
+    flags = set(_cpu_signature().split())
+    return tuple(isa for isa in ISA_LEVELS if _ISA_CPU_FLAGS[isa] <= flags)
+
+
+def selected_isa() -> str:
+    """`$PDSPEC_CPU_ISA` if set (it must be a level this CPU runs), else the best one."""
+    supported = supported_isas()
+    wanted = os.environ.get(ISA_ENV, "").strip().lower()
+    if not wanted:
+        return supported[0]
+    if wanted not in supported:
+        known = f"this CPU runs {', '.join(supported)}" if wanted in ISA_LEVELS else f"allowed: {', '.join(ISA_LEVELS)}"
+        raise ValueError(f"{ISA_ENV}={wanted!r} cannot be used: {known}")
+    return wanted
+
+
+def _build(isa: str) -> Path:
     compiler = os.environ.get("CC") or shutil.which("gcc") or shutil.which("cc")
     if compiler is None:
         raise RuntimeError(
             "pdspec's CPU kernels need a C compiler (gcc) to build engine/csrc/*.c; "
             "install gcc or set CC, or run with device 'cuda'"
         )
-    source = b"".join(src.read_bytes() for src in _SOURCES)
-    key = hashlib.sha256(source + " ".join(_FLAGS).encode() + _cpu_signature().encode()).hexdigest()[:16]
-    target = pdspec_home() / "kernels" / f"pdspec_cpu-{key}.so"
+    flags = _FLAGS + _ISA_FLAGS[isa]
+    source = b"".join(src.read_bytes() for src in _SOURCES + _HEADERS)
+    key = hashlib.sha256(source + " ".join(flags).encode() + _cpu_signature().encode()).hexdigest()[:16]
+    target = pdspec_home() / "kernels" / f"pdspec_cpu-{isa}-{key}.so"
     if not target.exists():
         target.parent.mkdir(parents=True, exist_ok=True)
         # Build beside the target and rename: processes that start together never see half a file.
         with tempfile.TemporaryDirectory(dir=target.parent) as tmp:
             built = Path(tmp) / target.name
-            cmd = [compiler, *_FLAGS, *map(str, _SOURCES), "-o", str(built), "-lm"]
+            cmd = [compiler, *flags, *map(str, _SOURCES), "-o", str(built), "-lm"]
             result = subprocess.run(cmd, capture_output=True, text=True)
             if result.returncode != 0:
-                raise RuntimeError(f"building pdspec's CPU kernels with {compiler} failed:\n{result.stderr}")
+                raise RuntimeError(f"building pdspec's CPU kernels ({isa}) with {compiler} failed:\n{result.stderr}")
             os.replace(built, target)
-    lib = ctypes.CDLL(str(target))
-    lib.pd_pack_width.restype = ctypes.c_int
-    for gemm in (lib.pd_packed_gemm, lib.pd_packed_gemm_bf16):
-        gemm.restype = None
-        gemm.argtypes = [ctypes.c_void_p] * 4 + [ctypes.c_int] * 4
-    lib.pd_paged_attention.restype = ctypes.c_int
-    lib.pd_paged_attention.argtypes = (
-        [ctypes.c_void_p] * 2 + [ctypes.c_long] * 3 + [ctypes.c_void_p, ctypes.c_int] + [ctypes.c_void_p] * 2
-        + [ctypes.c_int] * 6 + [ctypes.c_float] + [ctypes.c_void_p] * 2 + [ctypes.c_int]
-    )
-    return lib
+    return target
 
 
-def pack_width() -> int:
-    return load_library().pd_pack_width()
+class CpuKernels:
+    """The kernel library built for one ISA level. Weights packed by one level's `pack_weight`
+    are read by that level's `packed_gemm` only (the panel width follows the vector width)."""
+
+    def __init__(self, isa: str):
+        self.isa = isa
+        lib = ctypes.CDLL(str(_build(isa)))
+        lib.pd_pack_width.restype = ctypes.c_int
+        for gemm in (lib.pd_packed_gemm, lib.pd_packed_gemm_bf16):
+            gemm.restype = None
+            gemm.argtypes = [ctypes.c_void_p] * 4 + [ctypes.c_int] * 4
+        lib.pd_paged_attention.restype = ctypes.c_int
+        lib.pd_paged_attention.argtypes = (
+            [ctypes.c_void_p] * 2 + [ctypes.c_long] * 3 + [ctypes.c_void_p, ctypes.c_int] + [ctypes.c_void_p] * 2
+            + [ctypes.c_int] * 6 + [ctypes.c_float] + [ctypes.c_void_p] * 2 + [ctypes.c_int]
+        )
+        self._lib = lib
+        self.pack_width = lib.pd_pack_width()
+        self._gemms = {torch.float32: lib.pd_packed_gemm, torch.bfloat16: lib.pd_packed_gemm_bf16}
+
+    def pack_weight(self, weight: torch.Tensor) -> torch.Tensor:
+        """[N, K] fp32 or bf16 -> [ceil(N/P), K, P] panels (zero-padded rows), the layout packed_gemm
+        reads; the dtype is kept (bf16 panels halve the weight traffic, the math stays fp32)."""
+        width = self.pack_width
+        n, k = weight.shape
+        padded_n = -(-n // width) * width
+        if padded_n != n:
+            weight = torch.cat([weight, weight.new_zeros(padded_n - n, k)])
+        return weight.reshape(padded_n // width, width, k).transpose(1, 2).contiguous()
+
+    def packed_gemm(self, x: torch.Tensor, packed: torch.Tensor, out_features: int,
+                    bias: torch.Tensor | None = None) -> torch.Tensor:
+        """x[M, K] fp32 @ W^T (+ fp32 bias) -> fp32, for W packed (fp32 or bf16) by `pack_weight`."""
+        x = x.contiguous()
+        m, k = x.shape
+        if packed.shape[1] != k:
+            raise ValueError(f"packed_gemm: x has {k} features, the weight expects {packed.shape[1]}")
+        if packed.shape[2] != self.pack_width:
+            raise ValueError(f"packed_gemm: weight packed {packed.shape[2]} wide, the {self.isa} kernels read "
+                             f"{self.pack_width}; pack it with the same kernels")
+        y = torch.empty(m, out_features, dtype=torch.float32)
+        if m == 0:
+            return y
+        self._gemms[packed.dtype](
+            x.data_ptr(), packed.data_ptr(), bias.data_ptr() if bias is not None else None, y.data_ptr(),
+            m, k, out_features, torch.get_num_threads(),
+        )
+        return y
+
+    def paged_attention(self, q: torch.Tensor, layer_cache: torch.Tensor, block_tables: torch.Tensor,
+                        query_start_loc: torch.Tensor, context_lens: torch.Tensor, max_query_len: int,
+                        scale: float, out: torch.Tensor, span_masks: torch.Tensor | None = None) -> None:
+        """Fill out[T, heads*D] for every sequence with at most max_query_len query tokens.
+
+        q: [T, heads, D] fp32; layer_cache: [blocks, 2, block_size, kv_heads, D] (any block/kv/offset
+        strides, heads and D contiguous); block_tables int64 [B, max_blocks]; query_start_loc and
+        context_lens int32; span_masks: int32 [T] tree masks (see engine/attention.py) or None."""
+        q = q.contiguous()
+        _, heads, dim = q.shape
+        s_block, s_kv, s_offset, s_head, s_dim = layer_cache.stride()
+        if s_dim != 1 or s_head != dim:
+            raise ValueError("paged_attention: the cache's kv-head and head-dim axes must be contiguous")
+        rc = self._lib.pd_paged_attention(
+            q.data_ptr(), layer_cache.data_ptr(), s_block, s_kv, s_offset,
+            block_tables.data_ptr(), block_tables.shape[1], query_start_loc.data_ptr(), context_lens.data_ptr(),
+            context_lens.shape[0], max_query_len, heads, layer_cache.shape[3], dim, layer_cache.shape[2], scale,
+            out.data_ptr(), span_masks.data_ptr() if span_masks is not None else None, torch.get_num_threads(),
+        )
+        if rc != 0:
+            raise ValueError(f"paged_attention: shapes outside the kernel's limits (heads={heads}, head_dim={dim})")
 
 
-def pack_weight(weight: torch.Tensor) -> torch.Tensor:
-    """[N, K] fp32 or bf16 -> [ceil(N/P), K, P] panels (zero-padded rows), the layout packed_gemm
-    reads; the dtype is kept (bf16 panels halve the weight traffic, the math stays fp32)."""
-    width = pack_width()
-    n, k = weight.shape
-    padded_n = -(-n // width) * width
-    if padded_n != n:
-        weight = torch.cat([weight, weight.new_zeros(padded_n - n, k)])
-    return weight.reshape(padded_n // width, width, k).transpose(1, 2).contiguous()
+def kernels(isa: str | None = None) -> CpuKernels:
+    """The kernels of `isa` (default: `selected_isa()`); raises RuntimeError if they cannot be built."""
+    return _kernels_for(isa or selected_isa())
+
+
+@functools.cache
+def _kernels_for(isa: str) -> CpuKernels:
+    if isa not in supported_isas():
+        raise ValueError(f"CPU kernels for {isa!r}: this CPU runs {', '.join(supported_isas())}")
+    return CpuKernels(isa)
 
 
 def unpack_rows(packed: torch.Tensor, rows: torch.Tensor) -> torch.Tensor:
@@ -90,53 +183,6 @@ def unpack_rows(packed: torch.Tensor, rows: torch.Tensor) -> torch.Tensor:
     return packed[rows // width, :, rows % width]
 
 
-def packed_gemm(x: torch.Tensor, packed: torch.Tensor, out_features: int, bias: torch.Tensor | None = None) -> torch.Tensor:
-    """x[M, K] fp32 @ W^T (+ fp32 bias) -> fp32, for W packed (fp32 or bf16) by `pack_weight`."""
-    x = x.contiguous()
-    m, k = x.shape
-    if packed.shape[1] != k:
-        raise ValueError(f"packed_gemm: x has {k} features, the weight expects {packed.shape[1]}")
-    y = torch.empty(m, out_features, dtype=torch.float32)
-    if m == 0:
-        return y
-    lib = load_library()
-    gemm = {torch.float32: lib.pd_packed_gemm, torch.bfloat16: lib.pd_packed_gemm_bf16}[packed.dtype]
-    gemm(
-        x.data_ptr(),
-        packed.data_ptr(),
-        bias.data_ptr() if bias is not None else None,
-        y.data_ptr(),
-        m,
-        k,
-        out_features,
-        torch.get_num_threads(),
-    )
-    return y
-
-
 def attention_supported(heads: int, kv_heads: int, head_dim: int, block_size: int) -> bool:
     return (head_dim % 16 == 0 and head_dim <= ATTENTION_MAX_HEAD_DIM
             and heads // kv_heads <= ATTENTION_MAX_GROUP)
-
-
-def paged_attention(q: torch.Tensor, layer_cache: torch.Tensor, block_tables: torch.Tensor,
-                    query_start_loc: torch.Tensor, context_lens: torch.Tensor, max_query_len: int,
-                    scale: float, out: torch.Tensor, span_masks: torch.Tensor | None = None) -> None:
-    """Fill out[T, heads*D] for every sequence with at most max_query_len query tokens.
-
-    q: [T, heads, D] fp32; layer_cache: [blocks, 2, block_size, kv_heads, D] (any block/kv/offset
-    strides, heads and D contiguous); block_tables int64 [B, max_blocks]; query_start_loc and
-    context_lens int32; span_masks: int32 [T] tree masks (see engine/attention.py) or None."""
-    q = q.contiguous()
-    _, heads, dim = q.shape
-    s_block, s_kv, s_offset, s_head, s_dim = layer_cache.stride()
-    if s_dim != 1 or s_head != dim:
-        raise ValueError("paged_attention: the cache's kv-head and head-dim axes must be contiguous")
-    rc = load_library().pd_paged_attention(
-        q.data_ptr(), layer_cache.data_ptr(), s_block, s_kv, s_offset,
-        block_tables.data_ptr(), block_tables.shape[1], query_start_loc.data_ptr(), context_lens.data_ptr(),
-        context_lens.shape[0], max_query_len, heads, layer_cache.shape[3], dim, layer_cache.shape[2], scale,
-        out.data_ptr(), span_masks.data_ptr() if span_masks is not None else None, torch.get_num_threads(),
-    )
-    if rc != 0:
-        raise ValueError(f"paged_attention: shapes outside the kernel's limits (heads={heads}, head_dim={dim})")

@@ -1,8 +1,8 @@
 """The small building blocks of the Llama-family forward: linear, RMSNorm, RoPE.
 
 `Linear` is where the CPU speed comes from: on CPU with fp32 weights it multiplies through
-the packed small-M GEMM (engine/csrc/packed_gemm.c), whose cost stays flat from 1 to 8 rows,
-so verifying K+1 speculative tokens costs about one decode step. Elsewhere (CUDA, or a
+the packed small-M GEMM (engine/csrc/packed_gemm.c), whose cost stays flat from 1 row
+to a register tile's height, so verifying K+1 speculative tokens costs about one decode step. Elsewhere (CUDA, or a
 16-bit dtype) it is torch's own `F.linear`.
 """
 
@@ -29,7 +29,9 @@ class Linear:
         self.out_features, self.in_features = weight.shape
         self.packed = uses_packed_gemm(weight.device, weight.dtype)
         if self.packed:
-            self.weight = cpu_kernels.pack_weight(weight.to(packed_dtype or weight.dtype))
+            # The kernels that pack a weight are the ones that read it (panel width = vector width).
+            self.kernels = cpu_kernels.kernels()
+            self.weight = self.kernels.pack_weight(weight.to(packed_dtype or weight.dtype))
         else:
             self.weight = weight.contiguous()
         self.bias = bias.contiguous() if bias is not None else None
@@ -43,7 +45,7 @@ class Linear:
             panel, skip = divmod(first_output, self.weight.shape[2])
             start = first_output - skip
             bias = bias[start:] if bias is not None else None
-            y = cpu_kernels.packed_gemm(x, self.weight[panel:], self.out_features - start, bias)
+            y = self.kernels.packed_gemm(x, self.weight[panel:], self.out_features - start, bias)
             return y[:, skip:] if skip else y
         if first_output:
             bias = bias[first_output:] if bias is not None else None

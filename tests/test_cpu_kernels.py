@@ -1,4 +1,7 @@
-"""The CPU C kernels against torch: packed GEMM, and paged attention against the torch path."""
+"""The CPU C kernels against torch: packed GEMM, and paged attention against the torch path.
+
+Every kernel test runs once per ISA level this CPU supports (an AVX-512 machine tests its own,
+the AVX2 and the portable builds), so any machine tests the paths of the machines below it."""
 
 import random
 
@@ -10,14 +13,18 @@ from engine.attention import AttentionMetadata, native_paged_attention, paged_at
 from engine.batch import tree_layout
 from engine.layers import Linear
 
+ISAS = cpu_kernels.supported_isas()
 
-@pytest.mark.parametrize("m", [1, 3, 8, 9, 17, 40])
+
+@pytest.mark.parametrize("isa", ISAS)
+@pytest.mark.parametrize("m", [1, 3, 6, 7, 8, 9, 13, 17, 40])
 @pytest.mark.parametrize("n, k", [(200, 77), (96, 64), (33, 5)])
-def test_packed_gemm_matches_torch(m, n, k):
+def test_packed_gemm_matches_torch(isa, m, n, k):
+    kernels = cpu_kernels.kernels(isa)
     w, b, x = torch.randn(n, k), torch.randn(n), torch.randn(m, k)
-    packed = cpu_kernels.pack_weight(w)
-    assert torch.allclose(cpu_kernels.packed_gemm(x, packed, n, b), x @ w.T + b, atol=1e-4)
-    assert torch.allclose(cpu_kernels.packed_gemm(x, packed, n), x @ w.T, atol=1e-4)
+    packed = kernels.pack_weight(w)
+    assert torch.allclose(kernels.packed_gemm(x, packed, n, b), x @ w.T + b, atol=1e-4)
+    assert torch.allclose(kernels.packed_gemm(x, packed, n), x @ w.T, atol=1e-4)
     rows = torch.tensor([0, n - 1, n // 2])
     assert torch.equal(cpu_kernels.unpack_rows(packed, rows), w[rows])
 
@@ -57,24 +64,28 @@ def _explicit_attention(q, layer_cache, meta, scale, visible):
     return torch.stack(out)
 
 
+@pytest.mark.parametrize("isa", ISAS)
 @pytest.mark.parametrize("heads, kv_heads, dim, block_size", [(9, 3, 64, 16), (4, 4, 32, 8), (8, 2, 128, 16)])
-def test_native_attention_matches_torch_path(heads, kv_heads, dim, block_size):
+def test_native_attention_matches_torch_path(isa, heads, kv_heads, dim, block_size):
     # decodes, verification spans crossing blocks, a 16-token span, and two long prefill chunks
     query_lens = [1, 6, 1, 16, 5, 40, 20]
     context_lens = [1, 37, 300, 50, 18, 40, 61]
     q, layer_cache, meta = _case(query_lens, context_lens, heads, kv_heads, dim, block_size, seed=dim)
-    ours = native_paged_attention(q, layer_cache, meta, dim**-0.5)
+    ours = native_paged_attention(q, layer_cache, meta, dim**-0.5, isa)
     ref = paged_attention(q, layer_cache, meta, dim**-0.5)
     assert (ours - ref).abs().max() < 1e-4
 
 
-def test_native_attention_dense_decode_batch():
+@pytest.mark.parametrize("isa", ISAS)
+def test_native_attention_dense_decode_batch(isa):
     q, layer_cache, meta = _case([1] * 8, [5 + 13 * i for i in range(8)], 9, 3, 64, 16, seed=1)
-    assert (native_paged_attention(q, layer_cache, meta, 0.125) - paged_attention(q, layer_cache, meta, 0.125)).abs().max() < 1e-4
+    ours = native_paged_attention(q, layer_cache, meta, 0.125, isa)
+    assert (ours - paged_attention(q, layer_cache, meta, 0.125)).abs().max() < 1e-4
 
 
+@pytest.mark.parametrize("isa", ISAS)
 @pytest.mark.parametrize("heads, kv_heads, dim, block_size", [(9, 3, 64, 16), (4, 4, 32, 8)])
-def test_tree_spans_see_the_prefix_and_their_ancestors_only(heads, kv_heads, dim, block_size):
+def test_tree_spans_see_the_prefix_and_their_ancestors_only(isa, heads, kv_heads, dim, block_size):
     """Span masks: tree rows see their ancestors in the span, other rows stay causal (torch path
     against an explicit per-row computation, the C kernel against the torch path)."""
     trees = {1: [-1, 0, 0, 1, -1, 4], 3: [-1, 0, 1, 2, 3, 4, 0, 1, 2, 3, 4, -1, 11, 0, 6]}  # seq -> parents
@@ -95,19 +106,45 @@ def test_tree_spans_see_the_prefix_and_their_ancestors_only(heads, kv_heads, dim
     q, layer_cache, meta = _case(query_lens, context_lens, heads, kv_heads, dim, block_size, seed=dim, span_masks=masks)
     ref = paged_attention(q, layer_cache, meta, dim**-0.5)
     assert (ref - _explicit_attention(q, layer_cache, meta, dim**-0.5, visible)).abs().max() < 1e-4
-    assert (native_paged_attention(q, layer_cache, meta, dim**-0.5) - ref).abs().max() < 1e-4
+    assert (native_paged_attention(q, layer_cache, meta, dim**-0.5, isa) - ref).abs().max() < 1e-4
     slots = meta.slot_blocks * block_size + meta.slot_offsets
     causal = AttentionMetadata.build(*meta.lists[:3], slots, block_size, torch.device("cpu"))
     assert (paged_attention(q, layer_cache, causal, dim**-0.5) - ref).abs().max() > 1e-2  # the masks matter
 
 
+@pytest.mark.parametrize("isa", ISAS)
 @pytest.mark.parametrize("m", [1, 5, 8, 19])
-def test_bf16_packed_gemm_widens_weights_exactly(m):
+def test_bf16_packed_gemm_widens_weights_exactly(isa, m):
     """bf16 weights, fp32 math: equal to fp32 math on the bf16-rounded weights."""
+    kernels = cpu_kernels.kernels(isa)
     w, b, x = torch.randn(100, 64).to(torch.bfloat16), torch.randn(100), torch.randn(m, 64)
-    packed = cpu_kernels.pack_weight(w)
+    packed = kernels.pack_weight(w)
     assert packed.dtype == torch.bfloat16
-    assert torch.allclose(cpu_kernels.packed_gemm(x, packed, 100, b), x @ w.float().T + b, atol=1e-4)
+    assert torch.allclose(kernels.packed_gemm(x, packed, 100, b), x @ w.float().T + b, atol=1e-4)
+
+
+def test_isa_levels_and_the_environment_variable(monkeypatch):
+    """The best level is the default; PDSPEC_CPU_ISA picks a lower one and refuses what the CPU
+    cannot run or does not exist, naming what is allowed; weights packed by one level are refused
+    by another whose panels differ."""
+    assert ISAS[-1] == "portable" and set(ISAS) <= set(cpu_kernels.ISA_LEVELS)
+    monkeypatch.delenv(cpu_kernels.ISA_ENV, raising=False)
+    assert cpu_kernels.selected_isa() == ISAS[0]
+    monkeypatch.setenv(cpu_kernels.ISA_ENV, "portable")
+    assert cpu_kernels.selected_isa() == "portable"
+    monkeypatch.setenv(cpu_kernels.ISA_ENV, "sse9")
+    with pytest.raises(ValueError, match="allowed: avx512, avx2, portable"):
+        cpu_kernels.selected_isa()
+    for isa in set(cpu_kernels.ISA_LEVELS) - set(ISAS):
+        monkeypatch.setenv(cpu_kernels.ISA_ENV, isa)
+        with pytest.raises(ValueError, match="this CPU runs"):
+            cpu_kernels.selected_isa()
+    widths = {isa: cpu_kernels.kernels(isa).pack_width for isa in ISAS}
+    if len(set(widths.values())) > 1:
+        wide, narrow = max(widths, key=widths.get), min(widths, key=widths.get)
+        packed = cpu_kernels.kernels(wide).pack_weight(torch.randn(64, 8))
+        with pytest.raises(ValueError, match="pack it with the same kernels"):
+            cpu_kernels.kernels(narrow).packed_gemm(torch.randn(1, 8), packed, 64)
 
 
 @pytest.mark.parametrize("packed_dtype", [torch.float32, torch.bfloat16])

@@ -12,90 +12,104 @@
  * Query token i of sequence b sits at position ctx_b - qlen_b + i and sees keys 0..position; with
  * span_masks (a tree-shaped verification span), of the sequence's own query tokens only those
  * whose bit is set in the row's mask (bit j: query token j; -1 = all, the causal rule alone).
- * Softmax is computed online, 16 keys at a time (flash-attention style), with a vectorised exp.
+ * Softmax is computed online, one vector of keys at a time (flash-attention style), with a
+ * vectorised exp; the vector width follows the ISA build (vector_isa.h).
  */
 #include <math.h>
 #include <stddef.h>
 #include <string.h>
 
-typedef float v16 __attribute__((vector_size(64)));
-typedef float v8 __attribute__((vector_size(32)));
-typedef float v4 __attribute__((vector_size(16)));
-typedef int i16 __attribute__((vector_size(64)));
+#include "vector_isa.h"
+
+typedef int vint __attribute__((vector_size(LANES * 4)));
 
 #define MAX_ROWS 64      /* query tokens x grouped heads handled together */
 #define MAX_DIM 256
-#define KEYS 16          /* keys per online-softmax step: one vector of scores */
+#define KEYS LANES       /* keys per online-softmax step: one vector of scores */
 
-static inline v16 load16(const float *p) { v16 v; memcpy(&v, p, 64); return v; }
-static inline void store16(float *p, v16 v) { memcpy(p, &v, 64); }
-static inline v16 splat(float x) { return (v16){0} + x; }
-static inline i16 splat_i(int x) { return (i16){0} + x; }
+/* F(0, h), ..., F(LANES - 1, h): the lanes of a vector constant. */
+#if LANES == 16
+#define LANE_LIST(F, h) F(0, h), F(1, h), F(2, h), F(3, h), F(4, h), F(5, h), F(6, h), F(7, h), \
+                        F(8, h), F(9, h), F(10, h), F(11, h), F(12, h), F(13, h), F(14, h), F(15, h)
+#elif LANES == 8
+#define LANE_LIST(F, h) F(0, h), F(1, h), F(2, h), F(3, h), F(4, h), F(5, h), F(6, h), F(7, h)
+#else
+#define LANE_LIST(F, h) F(0, h), F(1, h), F(2, h), F(3, h)
+#endif
+#define LANE_INDEX(i, h) (i)
+
+static inline vfloat loadv(const float *p) { vfloat v; memcpy(&v, p, sizeof v); return v; }
+static inline void storev(float *p, vfloat v) { memcpy(p, &v, sizeof v); }
+static inline vfloat splat(float x) { return (vfloat){0} + x; }
+static inline vint splat_i(int x) { return (vint){0} + x; }
 
 /* Lane-wise mask ? a : b (GCC's C front end has no vector ternary). */
-static inline v16 select(i16 mask, v16 a, v16 b) {
-    i16 ia, ib;
-    memcpy(&ia, &a, 64);
-    memcpy(&ib, &b, 64);
-    i16 r = (mask & ia) | (~mask & ib);
-    v16 out;
-    memcpy(&out, &r, 64);
+static inline vfloat select(vint mask, vfloat a, vfloat b) {
+    vint ia, ib;
+    memcpy(&ia, &a, sizeof a);
+    memcpy(&ib, &b, sizeof b);
+    vint r = (mask & ia) | (~mask & ib);
+    vfloat out;
+    memcpy(&out, &r, sizeof out);
     return out;
 }
 
-/* Tree reductions: a plain loop over the 16 lanes is a 16-step dependency chain. */
-static inline float hsum(v16 v) {
-    v8 lo, hi;
-    memcpy(&lo, &v, 32);
-    memcpy(&hi, (const char *)&v + 32, 32);
-    v8 s8 = lo + hi;
-    v4 a, b;
-    memcpy(&a, &s8, 16);
-    memcpy(&b, (const char *)&s8 + 16, 16);
-    v4 s4 = a + b;
-    return (s4[0] + s4[2]) + (s4[1] + s4[3]);
+/* Tree reduction: a plain loop over the lanes is a LANES-step dependency chain. */
+static inline float hsum(vfloat v) {
+    float s[LANES];
+    memcpy(s, &v, sizeof v);
+    for (int width = LANES / 2; width > 0; width /= 2)
+        for (int i = 0; i < width; i++) s[i] += s[i + width];
+    return s[0];
 }
 
 /* exp(x) for x <= 0 (scores minus their running max): Cody-Waite range reduction and a
  * degree-6 polynomial, relative error ~2e-7; inputs below -87 flush to 0. */
-static inline v16 vexp(v16 x) {
-    const v16 lo = splat(-87.0f);
-    i16 under = x < lo;
+static inline vfloat vexp(vfloat x) {
+    const vfloat lo = splat(-87.0f);
+    vint under = x < lo;
     x = select(x < lo, lo, x);
-    v16 n = x * 1.44269504088896341f;
+    vfloat n = x * 1.44269504088896341f;
     /* round to nearest: add and subtract 1.5 * 2^23 */
     n = (n + 12582912.0f) - 12582912.0f;
-    v16 r = x - n * 0.693359375f + n * 2.12194440e-4f;
-    v16 p = splat(1.3981999507e-3f);
+    vfloat r = x - n * 0.693359375f + n * 2.12194440e-4f;
+    vfloat p = splat(1.3981999507e-3f);
     p = p * r + 8.3334519073e-3f;
     p = p * r + 4.1665795894e-2f;
     p = p * r + 1.6666665459e-1f;
     p = p * r + 5.0000001201e-1f;
     p = p * r * r + r + 1.0f;
-    i16 bits = (__builtin_convertvector(n, i16) + 127) << 23;
-    v16 scale;
-    memcpy(&scale, &bits, 64);
-    v16 y = p * scale;
+    vint bits = (__builtin_convertvector(n, vint) + 127) << 23;
+    vfloat scale;
+    memcpy(&scale, &bits, sizeof scale);
+    vfloat y = p * scale;
     return select(under, splat(0.0f), y);
 }
 
-/* Lane o of the result = sum of the lanes of d[o], for 16 vectors: a transpose-and-add tree
- * (15 shuffle pairs) instead of 16 separate horizontal sums. At each level, pairs (a, b) are
- * folded within chunks of 2h lanes: the chunk's first h lanes hold a's folded sums, the rest b's. */
-#define FOLD_MASKS(h)                                                                              \
-    static const i16 lo_##h = {                                                                    \
-        M(0, h), M(1, h), M(2, h), M(3, h), M(4, h), M(5, h), M(6, h), M(7, h),                     \
-        M(8, h), M(9, h), M(10, h), M(11, h), M(12, h), M(13, h), M(14, h), M(15, h)};             \
-    static const i16 hi_##h = lo_##h + h;
-#define M(i, h) ((((i) % (2 * (h))) < (h)) ? ((i) / (2 * (h))) * 2 * (h) + (i) % (2 * (h))         \
-                                           : 16 + ((i) / (2 * (h))) * 2 * (h) + (i) % (2 * (h)) - (h))
+/* Lane o of the result = sum of the lanes of d[o], for LANES vectors: a transpose-and-add tree
+ * (LANES - 1 shuffle pairs) instead of LANES separate horizontal sums. At each level, pairs
+ * (a, b) = (d[o], d[o + h]) are folded within chunks of 2h lanes: the chunk's first h lanes hold
+ * a's folded sums, the rest b's (shuffle indices from LANES on name b's lanes). */
+#define FOLD_INDEX(i, h) ((((i) % (2 * (h))) < (h)) ? ((i) / (2 * (h))) * 2 * (h) + (i) % (2 * (h))      \
+                                                   : LANES + ((i) / (2 * (h))) * 2 * (h) + (i) % (2 * (h)) - (h))
+#define FOLD(h)                                                                                     \
+    {                                                                                               \
+        static const vint lo = {LANE_LIST(FOLD_INDEX, h)};                                          \
+        static const vint hi = lo + (h);                                                            \
+        for (int o = 0; o < (h); o++)                                                               \
+            d[o] = __builtin_shuffle(d[o], d[o + (h)], lo) + __builtin_shuffle(d[o], d[o + (h)], hi); \
+    }
 
-static inline v16 sum16(v16 *d) {
-    FOLD_MASKS(8) FOLD_MASKS(4) FOLD_MASKS(2) FOLD_MASKS(1)
-    for (int o = 0; o < 8; o++) d[o] = __builtin_shuffle(d[o], d[o + 8], lo_8) + __builtin_shuffle(d[o], d[o + 8], hi_8);
-    for (int o = 0; o < 4; o++) d[o] = __builtin_shuffle(d[o], d[o + 4], lo_4) + __builtin_shuffle(d[o], d[o + 4], hi_4);
-    for (int o = 0; o < 2; o++) d[o] = __builtin_shuffle(d[o], d[o + 2], lo_2) + __builtin_shuffle(d[o], d[o + 2], hi_2);
-    return __builtin_shuffle(d[0], d[1], lo_1) + __builtin_shuffle(d[0], d[1], hi_1);
+static inline vfloat sum_lanes(vfloat *d) {
+#if LANES >= 16
+    FOLD(8)
+#endif
+#if LANES >= 8
+    FOLD(4)
+#endif
+    FOLD(2)
+    FOLD(1)
+    return d[0];
 }
 
 /* One tile of rows (query token, head) of one sequence against one kv head's keys. `dim` is a
@@ -105,10 +119,10 @@ static inline __attribute__((always_inline)) void attend_tile(
     const float **qrows, const int *pos, const int *tree, int span0, int nrows, const float *cache,
     long s_block, long s_kv, long s_offset, const long *table, int block_size, int kv_head, const int dim,
     float scale, float **outs) {
-    const int chunks = dim / 16;
+    const int chunks = dim / LANES;
     float m[MAX_ROWS], l[MAX_ROWS];
-    v16 acc[MAX_ROWS][MAX_DIM / 16];
-    const i16 lane = {0, 1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11, 12, 13, 14, 15};
+    vfloat acc[MAX_ROWS][MAX_DIM / LANES];
+    const vint lane = {LANE_LIST(LANE_INDEX, 0)};
     int last = 0;
     for (int r = 0; r < nrows; r++) {
         m[r] = -INFINITY;
@@ -128,38 +142,38 @@ static inline __attribute__((always_inline)) void attend_tile(
         for (int r = 0; r < nrows; r++) {
             int visible = pos[r] + 1 - start < n ? pos[r] + 1 - start : n;
             if (visible <= 0) continue;
-            v16 d[KEYS];
+            vfloat d[KEYS];
             for (int o = 0; o < KEYS; o++) {
-                d[o] = load16(qrows[r]) * load16(keys[o]);
-                for (int c = 1; c < chunks; c++) d[o] += load16(qrows[r] + 16 * c) * load16(keys[o] + 16 * c);
+                d[o] = loadv(qrows[r]) * loadv(keys[o]);
+                for (int c = 1; c < chunks; c++) d[o] += loadv(qrows[r] + LANES * c) * loadv(keys[o] + LANES * c);
             }
-            i16 valid = lane < visible;
+            vint valid = lane < visible;
             if (tree[r] != -1) {  /* keys in the span: only the row's ancestors (and itself) */
-                i16 span_key = lane + (start - span0);
+                vint span_key = lane + (start - span0);
                 valid &= (span_key < 0) | (((splat_i(tree[r]) >> (span_key & 31)) & 1) != 0);
             }
-            v16 s = select(valid, sum16(d) * scale, splat(-INFINITY));
+            vfloat s = select(valid, sum_lanes(d) * scale, splat(-INFINITY));
             float mnew = s[0];
             for (int o = 1; o < visible; o++) mnew = s[o] > mnew ? s[o] : mnew;
             mnew = mnew > m[r] ? mnew : m[r];
             float correction = expf(m[r] - mnew);
-            v16 e = select(valid, vexp(s - mnew), splat(0.0f));
+            vfloat e = select(valid, vexp(s - mnew), splat(0.0f));
             l[r] = l[r] * correction + hsum(e);
             m[r] = mnew;
-            /* Two accumulators per chunk halve the FMA dependency chain over the 16 keys. */
-            v16 a0[MAX_DIM / 16], a1[MAX_DIM / 16];
+            /* Two accumulators per chunk halve the FMA dependency chain over the keys. */
+            vfloat a0[MAX_DIM / LANES], a1[MAX_DIM / LANES];
             for (int c = 0; c < chunks; c++) { a0[c] = acc[r][c] * correction; a1[c] = splat(0.0f); }
             for (int o = 0; o < visible; o += 2) {
-                for (int c = 0; c < chunks; c++) a0[c] += e[o] * load16(keys[o] + s_kv + 16 * c);
+                for (int c = 0; c < chunks; c++) a0[c] += e[o] * loadv(keys[o] + s_kv + LANES * c);
                 if (o + 1 < visible)
-                    for (int c = 0; c < chunks; c++) a1[c] += e[o + 1] * load16(keys[o + 1] + s_kv + 16 * c);
+                    for (int c = 0; c < chunks; c++) a1[c] += e[o + 1] * loadv(keys[o + 1] + s_kv + LANES * c);
             }
             for (int c = 0; c < chunks; c++) acc[r][c] = a0[c] + a1[c];
         }
     }
     for (int r = 0; r < nrows; r++) {
         float inv = 1.0f / l[r];
-        for (int c = 0; c < chunks; c++) store16(outs[r] + 16 * c, acc[r][c] * inv);
+        for (int c = 0; c < chunks; c++) storev(outs[r] + LANES * c, acc[r][c] * inv);
     }
 }
 

@@ -1,0 +1,37 @@
+/* The vector width and register tiles each instruction set gets, chosen at compile time.
+ *
+ * engine/cpu_kernels.py compiles the kernels once per ISA level (PDSPEC_CPU_ISA: avx512, avx2,
+ * portable); the predefined macros of that build pick the block below. A tile's accumulators
+ * plus the weight vectors it loads must fit the register file, or the compiler spills them to
+ * the stack on every k step and the GEMM becomes bound by instructions instead of memory:
+ *   AVX-512: 32 registers of 16 floats -> 8 rows x 2 vectors = 16 accumulators + 2 weights;
+ *   AVX2:    16 registers of 8 floats  -> 6 rows x 2 vectors = 12 accumulators + 2 weights + 1
+ *            broadcast (8 rows would need 16 accumulators alone);
+ *   portable (SSE2, NEON): 4-float vectors, the same 6 x 2 tile (16 or 32 registers).
+ * GEMM_PREFETCH: bytes ahead of the current k step to prefetch the panel. On AVX2 the tile's
+ * arithmetic between loads is long enough that the hardware prefetcher alone falls behind at
+ * 4-8 rows (measured in BENCHMARKS.md); the AVX-512 tile kept its measured behaviour without.
+ */
+#ifndef PDSPEC_VECTOR_ISA_H
+#define PDSPEC_VECTOR_ISA_H
+
+#if defined(__AVX512F__)
+#define LANES 16
+#define GEMM_ROWS 8
+#define GEMM_PREFETCH 0
+#elif defined(__AVX2__)
+#define LANES 8
+#define GEMM_ROWS 6
+#define GEMM_PREFETCH 1024
+#else
+#define LANES 4
+#define GEMM_ROWS 6
+#define GEMM_PREFETCH 1024
+#endif
+
+#define GEMM_VECS 2                    /* vectors of output columns per panel row */
+#define PACK (LANES * GEMM_VECS)       /* output columns per packed panel */
+
+typedef float vfloat __attribute__((vector_size(LANES * 4)));
+
+#endif
