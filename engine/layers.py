@@ -1,9 +1,11 @@
 """The small building blocks of the Llama-family forward: linear, RMSNorm, RoPE.
 
-`Linear` is where the CPU speed comes from: on CPU with fp32 weights it multiplies through
-the packed small-M GEMM (engine/csrc/packed_gemm.c), whose cost stays flat from 1 row
-to a register tile's height, so verifying K+1 speculative tokens costs about one decode step. Elsewhere (CUDA, or a
-16-bit dtype) it is torch's own `F.linear`.
+`Linear` is where the CPU speed comes from: on CPU with fp32 or bf16 weights it multiplies
+through the packed small-M GEMM (engine/csrc/packed_gemm.c), whose cost stays flat from 1 row to
+a register tile's height, so verifying K+1 speculative tokens costs about one decode step. It
+accumulates in fp32 whatever the weights' type, so a bf16 engine computes the same sums on every
+CPU, with or without native bf16 instructions (torch's bf16 matmul picks a different kernel per
+CPU). Elsewhere (CUDA, fp16) it is torch's own `F.linear`.
 """
 
 import math
@@ -16,14 +18,15 @@ from engine.config import ModelConfig, ModelConfigError
 
 
 def uses_packed_gemm(device: torch.device, dtype: torch.dtype) -> bool:
-    return device.type == "cpu" and dtype == torch.float32
+    return device.type == "cpu" and dtype in (torch.float32, torch.bfloat16)
 
 
 class Linear:
     """y = x @ W^T + b, with W stored in the layout the device's fastest GEMM reads.
 
     `packed_dtype=torch.bfloat16` stores packed CPU weights in bf16 (half the memory traffic,
-    fp32 math); the EAGLE3 draft uses it, the target keeps its weights exact."""
+    fp32 math); the EAGLE3 draft uses it, an fp32 target keeps its weights exact. On the packed
+    path the output has the input's dtype, computed in fp32 and rounded once."""
 
     def __init__(self, weight: torch.Tensor, bias: torch.Tensor | None = None, packed_dtype: torch.dtype | None = None):
         self.out_features, self.in_features = weight.shape
@@ -32,6 +35,7 @@ class Linear:
             # The kernels that pack a weight are the ones that read it (panel width = vector width).
             self.kernels = cpu_kernels.kernels()
             self.weight = self.kernels.pack_weight(weight.to(packed_dtype or weight.dtype))
+            bias = bias.float() if bias is not None else None  # the kernel adds an fp32 bias
         else:
             self.weight = weight.contiguous()
         self.bias = bias.contiguous() if bias is not None else None
@@ -45,7 +49,8 @@ class Linear:
             panel, skip = divmod(first_output, self.weight.shape[2])
             start = first_output - skip
             bias = bias[start:] if bias is not None else None
-            y = self.kernels.packed_gemm(x, self.weight[panel:], self.out_features - start, bias)
+            y = self.kernels.packed_gemm(x.float(), self.weight[panel:], self.out_features - start, bias)
+            y = y.to(x.dtype)
             return y[:, skip:] if skip else y
         if first_output:
             bias = bias[first_output:] if bias is not None else None

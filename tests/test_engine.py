@@ -1,6 +1,7 @@
 """The engine loop: continuous batching, block accounting, preemption, stops and bad input."""
 
 import pytest
+import torch
 
 from engine.config import EngineConfig
 from engine.engine import Engine
@@ -92,8 +93,40 @@ def test_prompt_larger_than_the_pool_is_rejected():
         tiny.add_request(list(range(100, 150)), SamplingParams())
 
 
-def test_bfloat16_engine_answers(prompts):
-    """dtype is configurable: bf16 weights take the torch linear and attention paths on CPU."""
-    bf16 = Engine(EngineConfig(dtype="bfloat16", num_kv_blocks=64))
-    text = "".join(o.text for o in bf16.generate(prompts[0], SamplingParams(max_tokens=16)))
-    assert "Paris" in text
+def _teacher_forced_top1(engine: Engine, prompt: list[int], continuation: list[int]) -> list[int]:
+    """The engine's argmax at every position of `continuation`, fed the continuation itself."""
+    from engine.batch import SeqChunk
+
+    tokens = prompt + continuation
+    seq_id = "teacher-forced"
+    engine.blocks.allocate(seq_id, tokens)
+    try:
+        chunk = SeqChunk(tokens, 0, engine.blocks.block_table(seq_id), num_logits=len(continuation) + 1)
+        logits = engine.runner.forward([chunk]).logits
+    finally:
+        engine.blocks.free(seq_id)
+    return logits[:-1].argmax(-1).tolist()
+
+
+# The bf16 engine rounds weights and the residual stream to 8 significant bits, so its greedy
+# text leaves fp32's wherever two candidates are close: on the capital-of-France prompt the first
+# token is such a tie, and which side bf16 lands on moved with the CPU's kernels (a one-word
+# check of the answer passed on AVX-512 and failed on AVX2). What must hold on every machine: fed
+# the same text, its next-token choice mostly agrees with fp32's. Measured on AVX2: 150 of 152
+# positions (0.987), with the packed GEMM and with torch's bf16 matmul alike.
+BF16_TOP1_AGREEMENT = 0.9
+
+
+def test_bfloat16_engine_agrees_with_float32_teacher_forced(engine, chat_prompts):
+    """dtype bfloat16: bf16 weights through the packed GEMM with fp32 accumulation on CPU; its
+    top-1 choices over the fp32 engine's own greedy answers agree on most positions."""
+    bf16 = Engine(EngineConfig(dtype="bfloat16", num_kv_blocks=128, enable_prefix_caching=False))
+    assert bf16.runner.model.layers[0].qkv.packed and bf16.runner.kv_cache.dtype == torch.bfloat16
+    agree = total = 0
+    for prompt in chat_prompts:
+        answer = _solo(engine, prompt, SamplingParams(max_tokens=48))
+        ours, ref = (_teacher_forced_top1(e, prompt, answer) for e in (bf16, engine))
+        assert len(ours) == len(ref) == len(answer)
+        agree += sum(a == b for a, b in zip(ours, ref))
+        total += len(ref)
+    assert agree / total >= BF16_TOP1_AGREEMENT, f"bf16 top-1 agrees with fp32 on {agree}/{total} positions"
