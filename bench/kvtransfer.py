@@ -25,7 +25,7 @@ import time
 import torch
 
 from engine.kv_layout import CacheShape, KVLayout
-from kvtransfer.connector import make_connector
+from kvtransfer.backends import make_connector
 from kvtransfer.layout import layout_to_proto
 from kvtransfer.source import SERVICE_NAME, KVSource
 from proto.pdspec.v1 import kv_pb2, kv_pb2_grpc

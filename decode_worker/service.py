@@ -21,7 +21,7 @@ from engine.errors import CapacityExceeded, InvalidRequest
 from engine.loop import EngineLoop
 from engine.output import HandOff, RequestOutput
 from kvtransfer.connector import KVConnector, KVTransferError
-from proto.convert import acceptance, sampling_params
+from serving.convert import acceptance, sampling_params
 from proto.pdspec.v1 import common_pb2, worker_pb2, worker_pb2_grpc
 from proto.rpc import FAILED_KV_SOURCE_METADATA_KEY
 

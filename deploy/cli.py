@@ -10,6 +10,7 @@ from pathlib import Path
 
 from engine.config import EngineConfig, SpeculativeConfig
 from engine.params import SamplingParams
+from serving.roles import WORKER_ROLES
 
 
 def _add_engine_args(p: argparse.ArgumentParser) -> None:
@@ -271,7 +272,7 @@ def _router(args: argparse.Namespace) -> int:
     from router.main import run_router
 
     config = load_config(Path(args.config))
-    server, port = run_router(config, resolve_model_dir(config.engine.model), args.port)
+    server, port = run_router(config.router, config.token(), resolve_model_dir(config.engine.model), args.port)
     logging.getLogger("pdspec").info("router serving on port %d", port)
     _wait_for_signal()
     server.stop(grace=2).wait()
@@ -313,7 +314,7 @@ def _add_cluster(sub: argparse._SubParsersAction) -> None:
     p.add_argument("--port", type=int, default=None)
     p.set_defaults(func=_router)
     p = sub.add_parser("worker", help="run one worker (one process)")
-    p.add_argument("--role", required=True, choices=["prefill", "decode", "aggregated"])
+    p.add_argument("--role", required=True, choices=WORKER_ROLES)
     p.add_argument("--config", required=True)
     p.add_argument("--router", required=True, help="router address host:port")
     p.add_argument("--host", default="127.0.0.1", help="interface to bind")

@@ -11,22 +11,12 @@ import yaml
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, model_validator
 
 from engine.config import EngineConfig
+from router.config import RouterConfig
+from serving.roles import WORKER_ROLES
 
 
 class _Strict(BaseModel):
     model_config = ConfigDict(extra="forbid")
-
-
-class RouterConfig(_Strict):
-    host: str = "127.0.0.1"
-    port: int = Field(50051, ge=0, le=65535, description="public gRPC port (0: pick a free one)")
-    policy: Literal["kv", "round_robin", "random"] = "kv"
-    overlap_weight: float = Field(1.0, ge=0.0, description="weight of prefill blocks to compute in the kv cost")
-    temperature: float = Field(0.0, ge=0.0, description="softmax temperature over -cost; 0 = always the cheapest")
-    heartbeat_interval_s: float = Field(0.5, gt=0)
-    heartbeat_timeout_s: float = Field(3.0, gt=0, description="a worker silent this long is evicted")
-    request_timeout_s: float = Field(120.0, gt=0, description="deadline of internal prefill/decode calls")
-    max_retries: int = Field(2, ge=0, description="retries on another worker when one fails before the first token")
 
 
 class Resources(_Strict):
@@ -126,7 +116,7 @@ def check_launchable(config: DeploymentConfig) -> None:
     draft = config.engine.speculative.model
     if config.engine.speculative.method == "eagle3" and draft is not None and not Path(draft).is_dir():
         raise ConfigError(f"engine.speculative.model: EAGLE3 draft directory {draft} does not exist")
-    for role in ("prefill", "decode", "aggregated"):
+    for role in WORKER_ROLES:
         rc = getattr(config, role)
         if rc.replicas:
             try:

@@ -18,6 +18,7 @@ import yaml
 from deploy.config import DeploymentConfig, check_launchable
 from deploy.readiness import wait_for_workers
 from proto.rpc import free_port, wait_healthy
+from serving.roles import WORKER_ROLES
 
 
 @dataclass
@@ -53,7 +54,7 @@ class LocalCluster:
         self._spawn("router", ["router", "--config", str(config_file), "--port", str(self.router_port)], env)
         wait_healthy(self.router_address, timeout_s)
         threads = default_threads(self.config)
-        for role in ("prefill", "decode", "aggregated"):
+        for role in WORKER_ROLES:
             for i in range(getattr(self.config, role).replicas):
                 args = ["worker", "--role", role, "--config", str(config_file), "--router", self.router_address,
                         "--host", self.host, "--worker-id", f"{role}-{i}"]
@@ -100,6 +101,6 @@ class LocalCluster:
 def default_threads(config: DeploymentConfig) -> dict[str, int]:
     """Threads per replica: the configured number, else the cores split evenly between replicas
     (OpenMP threads of processes sharing a core would spin against each other)."""
-    replicas = sum(getattr(config, r).replicas for r in ("prefill", "decode", "aggregated"))
+    replicas = sum(getattr(config, r).replicas for r in WORKER_ROLES)
     share = max(1, (os.cpu_count() or 1) // max(1, replicas))
-    return {r: getattr(config, r).num_threads or share for r in ("prefill", "decode", "aggregated")}
+    return {r: getattr(config, r).num_threads or share for r in WORKER_ROLES}

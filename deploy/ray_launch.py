@@ -27,7 +27,7 @@ from ray.util.scheduling_strategies import NodeAffinitySchedulingStrategy
 from deploy.config import ConfigError, DeploymentConfig, RoleConfig, check_launchable
 from deploy.readiness import wait_for_workers
 from proto.rpc import free_port, wait_healthy
-from router.registry import ROLES
+from serving.roles import WORKER_ROLES
 
 NAMESPACE = "pdspec"
 ROUTER = "router"
@@ -49,7 +49,7 @@ class RouterActor:
         from engine.model_dir import resolve_model_dir
         from router.main import run_router
 
-        self.server, self.port = run_router(config, resolve_model_dir(config.engine.model), port)
+        self.server, self.port = run_router(config.router, config.token(), resolve_model_dir(config.engine.model), port)
 
     def info(self) -> dict:
         return _where()
@@ -82,7 +82,7 @@ def check_feasible(config: DeploymentConfig, nodes: list[dict[str, float]]) -> N
     """Raise ConfigError naming every resource field one replica asks more of than the largest
     of `nodes` (Ray resource dicts) has, as such a replica would wait for placement forever."""
     errors = []
-    for role in ROLES:
+    for role in WORKER_ROLES:
         rc = getattr(config, role)
         r = rc.resources
         if not rc.replicas:
@@ -137,7 +137,7 @@ class RayCluster:
             self._launch(ROUTER, RouterActor.options(num_cpus=0, scheduling_strategy=here, **self._named(ROUTER, {}))
                          .remote(self.config, self.router_port))
             self._check(ROUTER, timeout_s)  # the router fails alone, before any worker loads a model
-            for role in ROLES:
+            for role in WORKER_ROLES:
                 for i in range(getattr(self.config, role).replicas):
                     self._start_worker(role, f"{role}-{i}")
             self.wait_ready(timeout_s)

@@ -13,19 +13,20 @@ import grpc
 
 from decode_worker.service import DecodeServicer
 from deploy.config import DeploymentConfig
-from deploy.metrics import serve_metrics
+from serving.metrics import serve_metrics
 from engine.engine import Engine
 from engine.loop import EngineLoop
-from kvtransfer.connector import KVConnector, make_connector
+from kvtransfer.backends import make_connector
+from kvtransfer.connector import KVConnector
 from kvtransfer.layout import layout_to_proto
 from kvtransfer.source import KVSource
 from prefill_worker.service import PrefillServicer
 from proto.pdspec.v1 import kv_pb2_grpc, worker_pb2_grpc
-from proto.registry_client import RegistryClient, registration
+from serving.registry_client import RegistryClient, registration
+from serving.roles import WORKER_ROLES
 from proto.rpc import serve
 
 log = logging.getLogger(__name__)
-ROLES = ("prefill", "decode", "aggregated")
 
 
 @dataclass
@@ -53,8 +54,8 @@ class RunningWorker:
 
 def start_worker(config: DeploymentConfig, role: str, router_address: str, host: str = "127.0.0.1",
                  advertise_host: str | None = None, worker_id: str | None = None) -> RunningWorker:
-    if role not in ROLES:
-        raise ValueError(f"role: {role!r} is not one of {', '.join(ROLES)}")
+    if role not in WORKER_ROLES:
+        raise ValueError(f"role: {role!r} is not one of {', '.join(WORKER_ROLES)}")
     role_config = getattr(config, role)
     engine = Engine(config.engine.model_copy(update={"num_threads": role_config.num_threads,
                                                       "tensor_parallel_size": role_config.tensor_parallel_size}))

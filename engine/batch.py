@@ -5,7 +5,15 @@ from dataclasses import dataclass
 import torch
 
 from engine.attention import SHORT_QUERY, AttentionMetadata
-from engine.model import ForwardBatch
+
+
+@dataclass
+class ForwardBatch:
+    input_ids: torch.Tensor  # [T]
+    positions: torch.Tensor  # [T]
+    attention: AttentionMetadata
+    logits_indices: torch.Tensor  # [n] rows whose logits are wanted
+    return_aux: bool = False  # also return the EAGLE3 auxiliary hidden states of every row
 
 
 @dataclass

@@ -23,7 +23,8 @@ import torch
 
 from engine.config import ModelConfig, ModelConfigError
 from engine.layers import Linear, Rotary, rms_norm
-from engine.model import DecoderLayer, ForwardBatch, attention_for
+from engine.batch import ForwardBatch
+from engine.model import DecoderLayer, attention_for
 
 EAGLE3_ARCHITECTURES = ("LlamaForCausalLMEagle3", "Eagle3LlamaForCausalLM")
 

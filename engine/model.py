@@ -14,6 +14,7 @@ import torch
 
 from engine import cpu_kernels
 from engine.attention import AttentionMetadata, native_paged_attention, paged_attention, write_kv
+from engine.batch import ForwardBatch
 from engine.config import ModelConfig
 from engine.layers import Linear, Rotary, rms_norm
 from engine.parallel import TensorParallel
@@ -34,15 +35,6 @@ def attention_for(config: ModelConfig, device: torch.device, dtype: torch.dtype,
     ):
         return native_paged_attention
     return paged_attention
-
-
-@dataclass
-class ForwardBatch:
-    input_ids: torch.Tensor  # [T]
-    positions: torch.Tensor  # [T]
-    attention: AttentionMetadata
-    logits_indices: torch.Tensor  # [n] rows whose logits are wanted
-    return_aux: bool = False  # also return the EAGLE3 auxiliary hidden states of every row
 
 
 @dataclass

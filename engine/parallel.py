@@ -7,18 +7,16 @@ EAGLE3 features and the draft (unsharded, on rank 0 only, as vLLM requires) see 
 hidden states. Each rank keeps its kv heads' KV cache.
 
 Rank 0 drives: it runs the engine and, before every forward, broadcasts the batch's chunks to
-the other ranks, which only run forwards (`ModelRunner.follow`). gloo on CPU, NCCL on CUDA.
+the other ranks, which only run forwards (`ModelRunner.follow`; engine/runner.py starts and joins
+the ranks' processes). gloo on CPU, NCCL on CUDA.
 """
 
-import multiprocessing
-import os
-import socket
 from dataclasses import dataclass, replace
 
 import torch
 import torch.distributed as dist
 
-from engine.config import EngineConfig, ModelConfig, check_divisible
+from engine.config import ModelConfig
 
 
 @dataclass(frozen=True)
@@ -77,38 +75,3 @@ class TensorParallel:
     def vocab_slice(self, vocab_size: int) -> slice:
         n = vocab_size // self.size
         return slice(self.rank * n, (self.rank + 1) * n)
-
-
-def init_group(rank: int, size: int, port: int, device: str) -> TensorParallel:
-    os.environ.setdefault("MASTER_ADDR", "127.0.0.1")
-    dist.init_process_group("nccl" if device == "cuda" else "gloo", init_method=f"tcp://127.0.0.1:{port}",
-                            rank=rank, world_size=size)
-    return TensorParallel(rank, size)
-
-
-def start_tensor_parallel(config: EngineConfig, model: ModelConfig) -> tuple[TensorParallel, list]:
-    """For rank 0: start ranks 1..N-1 in their own processes and join the group with them."""
-    size = config.tensor_parallel_size
-    if size == 1:
-        return TensorParallel(), []
-    check_divisible(model, size)
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        port = s.getsockname()[1]
-    ctx = multiprocessing.get_context("spawn")
-    followers = [ctx.Process(target=_follow, args=(config, rank, size, port), daemon=True) for rank in range(1, size)]
-    for process in followers:
-        process.start()
-    return _join(config, 0, size, port), followers
-
-
-def _join(config: EngineConfig, rank: int, size: int, port: int) -> TensorParallel:
-    if config.device == "cuda":
-        torch.cuda.set_device(rank)  # rank i drives the i-th visible GPU
-    return init_group(rank, size, port, config.device)
-
-
-def _follow(config: EngineConfig, rank: int, size: int, port: int) -> None:
-    from engine.runner import ModelRunner  # the runner builds on this module
-
-    ModelRunner(config, _join(config, rank, size, port)).follow()

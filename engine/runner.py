@@ -1,18 +1,23 @@
 """The model runner: owns the weights and KV cache tensors of one engine (target, and the EAGLE3
-draft when configured), and runs their forwards."""
+draft when configured), and runs their forwards; with tensor parallelism it also starts the
+other ranks' processes and drives them (engine/parallel.py has the sharding math)."""
 
+import multiprocessing
+import os
+import socket
 from pathlib import Path
 
 import torch
+import torch.distributed as dist
 
 from engine.batch import SeqChunk, build_batch
-from engine.config import EngineConfig, ModelConfig, ModelConfigError
+from engine.config import EngineConfig, ModelConfig, ModelConfigError, check_divisible
 from engine.eagle3 import DraftOutput, Eagle3Config, Eagle3Draft
 from engine.kv_layout import CacheShape, KVLayout, allocate_cache
 from engine.loader import load_weights
 from engine.model_dir import model_fingerprint, resolve_model_dir
 from engine.model import CausalLM, ForwardOutput
-from engine.parallel import TensorParallel, start_tensor_parallel
+from engine.parallel import TensorParallel
 
 # The EAGLE3 head this project trained for the embedded default model (see its MODEL_CARD.md).
 EMBEDDED_DRAFT_DIR = Path(__file__).parent / "spec" / "heads" / "SmolLM2-135M-Instruct-eagle3"
@@ -127,3 +132,32 @@ class ModelRunner:
             self.model.aux_layer_ids = draft_config.aux_layer_ids
         weights = load_weights(draft_dir, self.dtype, self.device)
         return Eagle3Draft(draft_config, weights, self.model.embed_tokens, self.max_model_len, self.config.block_size)
+
+
+def start_tensor_parallel(config: EngineConfig, model: ModelConfig) -> tuple[TensorParallel, list]:
+    """For rank 0: start ranks 1..N-1 in their own processes and join the group with them."""
+    size = config.tensor_parallel_size
+    if size == 1:
+        return TensorParallel(), []
+    check_divisible(model, size)
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    ctx = multiprocessing.get_context("spawn")
+    followers = [ctx.Process(target=_follow, args=(config, rank, size, port), daemon=True) for rank in range(1, size)]
+    for process in followers:
+        process.start()
+    return _join(config, 0, size, port), followers
+
+
+def _join(config: EngineConfig, rank: int, size: int, port: int) -> TensorParallel:
+    if config.device == "cuda":
+        torch.cuda.set_device(rank)  # rank i drives the i-th visible GPU
+    os.environ.setdefault("MASTER_ADDR", "127.0.0.1")
+    dist.init_process_group("nccl" if config.device == "cuda" else "gloo", init_method=f"tcp://127.0.0.1:{port}",
+                            rank=rank, world_size=size)
+    return TensorParallel(rank, size)
+
+
+def _follow(config: EngineConfig, rank: int, size: int, port: int) -> None:
+    ModelRunner(config, _join(config, rank, size, port)).follow()

@@ -1,4 +1,5 @@
-"""The destination side of a KV transfer: one interface, two backends (NIXL, gRPC).
+"""The destination side of a KV transfer: one interface, two backends (NIXL, gRPC), and what
+the backends share (checks, Release, channels, errors). `kvtransfer.backends` picks one.
 
 Ownership: the source keeps a request's blocks pinned until the destination calls Release or
 the pin times out. `pull` always ends with a Release (best effort, also when it fails), so the
@@ -15,7 +16,7 @@ import abc
 import logging
 import threading
 import time
-from typing import Literal, Protocol
+from typing import Protocol
 
 import grpc
 import torch
@@ -56,19 +57,6 @@ class KVConnector(Protocol):
 
     def close(self) -> None:
         """Close channels and NIXL registrations; no pull may run meanwhile or after."""
-
-
-def make_connector(backend: Literal["nixl", "grpc"], layout: KVLayout, caches: dict[str, torch.Tensor],
-                   token: str | None) -> KVConnector:
-    # Imported here: the backends build on BaseConnector below, and NIXL is loaded only when used
-    # (see kvtransfer.source._nixl_memory).
-    if backend == "nixl":
-        from kvtransfer.nixl_backend import NixlConnector
-        return NixlConnector(layout, caches, token)
-    if backend == "grpc":
-        from kvtransfer.grpc_backend import GrpcConnector
-        return GrpcConnector(layout, caches, token)
-    raise ValueError(f"KV transfer backend {backend!r} is not one of 'nixl', 'grpc'")
 
 
 def rpc_failure(e: grpc.RpcError, call: str, source: str) -> KVTransferError:

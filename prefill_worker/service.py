@@ -9,7 +9,7 @@ import grpc
 from engine.errors import CapacityExceeded, InvalidRequest
 from engine.loop import EngineLoop
 from kvtransfer.source import KVSource
-from proto.convert import sampling_params
+from serving.convert import sampling_params
 from proto.pdspec.v1 import kv_pb2, worker_pb2_grpc
 from pydantic import ValidationError
 

@@ -7,22 +7,21 @@ from pathlib import Path
 
 import grpc
 
-from deploy.config import DeploymentConfig, RouterConfig
 from engine.tokenizer import Tokenizer
 from proto.pdspec.v1 import router_pb2_grpc, worker_pb2_grpc
 from proto.rpc import serve
+from router.config import RouterConfig
 from router.registry import Registry
 from router.service import RegistryServicer, RouterServicer
 
 log = logging.getLogger(__name__)
 
 
-def run_router(config: DeploymentConfig, model_dir: Path, port: int | None = None) -> tuple[grpc.Server, int]:
-    """Serve on router.host:`port` (None: router.port; 0: a free one); returns the server and its port.
+def run_router(rc: RouterConfig, token: str | None, model_dir: Path, port: int | None = None) -> tuple[grpc.Server, int]:
+    """Serve on rc.host:`port` (None: rc.port; 0: a free one); returns the server and its port.
 
-    `model_dir` supplies the tokenizer and chat template; it must be the workers' model."""
-    rc = config.router
-    token = config.token()
+    `token`: the cluster token internal services require; `model_dir` supplies the tokenizer and
+    chat template, it must be the workers' model."""
     registry = Registry()
     services = [
         (router_pb2_grpc.add_RouterServicer_to_server, RouterServicer(registry, Tokenizer.from_dir(model_dir), rc, token),

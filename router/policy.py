@@ -10,7 +10,7 @@ import random
 from collections.abc import Mapping, Sequence
 from typing import Protocol
 
-from deploy.config import RouterConfig
+from router.config import RouterConfig
 from router.registry import WorkerView
 
 

@@ -16,8 +16,8 @@ from google.protobuf.text_format import MessageToString
 from engine.hashing import hash_blocks
 from proto.pdspec.v1 import kv_pb2, worker_pb2
 from router.kv_index import KVIndex
+from serving.roles import WORKER_ROLES
 
-ROLES = ("prefill", "decode", "aggregated")
 
 
 class RegistrationError(ValueError):
@@ -139,7 +139,7 @@ class Registry:
 def _check_fields(r: worker_pb2.RegisterRequest) -> None:
     problems = [
         (not r.worker_id, f"worker_id: must be non-empty, got {r.worker_id!r}"),
-        (r.role not in ROLES, f"role: must be one of {', '.join(ROLES)}, got {r.role!r}"),
+        (r.role not in WORKER_ROLES, f"role: must be one of {', '.join(WORKER_ROLES)}, got {r.role!r}"),
         (not r.address, f"address: must be the worker's host:port, got {r.address!r}"),
         (r.layout.block_size < 1, f"layout.block_size: must be >= 1, got {r.layout.block_size}"),
         (r.total_blocks < 1, f"total_blocks: must be >= 1, got {r.total_blocks}"),

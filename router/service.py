@@ -17,13 +17,14 @@ from typing import NoReturn
 
 import grpc
 
-from deploy.config import RouterConfig
+from router.config import RouterConfig
 from engine.tokenizer import Tokenizer
 from proto import rpc
 from proto.pdspec.v1 import common_pb2, kv_pb2, kv_pb2_grpc, router_pb2, router_pb2_grpc, worker_pb2, worker_pb2_grpc
 from router.policy import PrefillPolicy, least_loaded, make_policy
-from router.registry import ROLES, RegistrationError, Registry, WorkerView
+from router.registry import RegistrationError, Registry, WorkerView
 from router.validation import InvalidRequest, ValidRequest, validate
+from serving.roles import WORKER_ROLES
 
 log = logging.getLogger(__name__)
 _BEST_EFFORT_TIMEOUT_S = 5.0
@@ -159,7 +160,7 @@ class RouterServicer(router_pb2_grpc.RouterServicer):
     def _plan(self, req: ValidRequest, suspects: set[str]) -> _Plan | None:
         """Disaggregated if a prefill and a decode worker are available, else aggregated, else None."""
         workers = [w for w in self._registry.workers() if w.worker_id not in suspects]
-        by_role = {role: [w for w in workers if w.role == role] for role in ROLES}
+        by_role = {role: [w for w in workers if w.role == role] for role in WORKER_ROLES}
         overlaps, blocks = self._registry.prefix_overlaps(req.prompt_token_ids)
         if by_role["prefill"] and by_role["decode"]:
             plan = _Plan(self._policy.choose(by_role["prefill"], overlaps, blocks), least_loaded(by_role["decode"]))

@@ -13,7 +13,7 @@ import jinja2
 from pydantic import ValidationError
 
 from engine.tokenizer import Tokenizer
-from proto.convert import sampling_params
+from serving.convert import sampling_params
 from proto.pdspec.v1 import common_pb2, router_pb2
 
 CHAT_ROLES = ("system", "user", "assistant")

@@ -16,7 +16,8 @@ import pytest
 import torch
 
 from engine.kv_layout import CacheShape, KVLayout
-from kvtransfer.connector import KVTransferError, make_connector
+from kvtransfer.backends import make_connector
+from kvtransfer.connector import KVTransferError
 from kvtransfer.layout import layout_from_proto, layout_to_proto
 from kvtransfer.source import SERVICE_NAME, KVSource, KVTransferServicer
 from proto.pdspec.v1 import kv_pb2, kv_pb2_grpc

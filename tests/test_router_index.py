@@ -5,7 +5,7 @@ import pytest
 
 from engine.block_manager import BlockManager
 from engine.hashing import hash_blocks
-from proto.convert import kv_event
+from serving.convert import kv_event
 from proto.pdspec.v1 import kv_pb2, worker_pb2
 from router.kv_index import KVIndex
 from router.registry import RegistrationError, Registry

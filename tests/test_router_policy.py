@@ -3,7 +3,7 @@
 import random
 from collections import Counter
 
-from deploy.config import RouterConfig
+from router.config import RouterConfig
 from proto.pdspec.v1 import kv_pb2, worker_pb2
 from router.policy import KVPolicy, RandomPolicy, RoundRobinPolicy, least_loaded, make_policy
 from router.registry import Registry, WorkerView

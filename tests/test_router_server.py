@@ -11,7 +11,8 @@ import pytest
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 from grpc_reflection.v1alpha import reflection_pb2, reflection_pb2_grpc
 
-from deploy.config import DeploymentConfig, RouterConfig
+from deploy.config import DeploymentConfig
+from router.config import RouterConfig
 from proto.pdspec.v1 import common_pb2, kv_pb2, router_pb2, router_pb2_grpc, worker_pb2, worker_pb2_grpc
 from proto.rpc import channel
 from router.main import run_router
@@ -24,7 +25,7 @@ HELLO = router_pb2.GenerateRequest(prompt="Hello")
 def router(model_dir):
     config = DeploymentConfig(cluster_token=TOKEN, router=RouterConfig(
         heartbeat_interval_s=0.1, heartbeat_timeout_s=0.5, max_retries=1))
-    server, port = run_router(config, model_dir, port=0)
+    server, port = run_router(config.router, config.token(), model_dir, port=0)
     address = f"127.0.0.1:{port}"
     with channel(address) as public, channel(address, TOKEN) as internal:
         yield router_pb2_grpc.RouterStub(public), worker_pb2_grpc.RegistryStub(internal), public

@@ -9,9 +9,9 @@ import json
 from pathlib import Path
 
 from deploy.config import DeploymentConfig
+from serving.roles import WORKER_ROLES
 
 SCHEMA_PATH = Path(__file__).resolve().parents[1] / "helm" / "pdspec" / "values.schema.json"
-ROLES = ("prefill", "decode", "aggregated")
 
 # Kubernetes objects (tolerations, volumes, ...) are checked by the API server; here they only
 # need the right shape, so a typo'd key at the chart's level still fails early.
@@ -46,7 +46,7 @@ CHART_PROPERTIES = {
     "logLevel": {"enum": ["", "DEBUG", "INFO", "WARNING", "ERROR"]},
     "service": _strict({"type": {"enum": ["ClusterIP", "NodePort", "LoadBalancer"]}, "annotations": _STR_MAP}),
     "routerResources": {"type": "object"},
-    "placement": _strict({role: _PLACEMENT for role in ("router", *ROLES)}),
+    "placement": _strict({role: _PLACEMENT for role in ("router", *WORKER_ROLES)}),
     "podAnnotations": _STR_MAP,
     "podSecurityContext": {"type": "object"},
     "securityContext": {"type": "object"},

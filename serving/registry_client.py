@@ -7,7 +7,7 @@ import threading
 import grpc
 
 from engine.loop import EngineLoop
-from proto.convert import kv_event
+from serving.convert import kv_event
 from proto.pdspec.v1 import kv_pb2, worker_pb2, worker_pb2_grpc
 from proto.rpc import channel
 
