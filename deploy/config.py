@@ -54,6 +54,11 @@ class DeploymentConfig(_Strict):
 
     @model_validator(mode="after")
     def _roles(self) -> "DeploymentConfig":
+        # In a deployment these are per role (each replica its own threads and shards): one place.
+        for field in ("num_threads", "tensor_parallel_size"):
+            if field in self.engine.model_fields_set:
+                raise ValueError(f"engine.{field}: set it per role in a deployment "
+                                 f"(prefill.{field}, decode.{field}, aggregated.{field})")
         disaggregated = self.prefill.replicas + self.decode.replicas
         if disaggregated and (not self.prefill.replicas or not self.decode.replicas):
             raise ValueError(

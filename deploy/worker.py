@@ -57,6 +57,7 @@ def start_worker(config: DeploymentConfig, role: str, router_address: str, host:
     if role not in WORKER_ROLES:
         raise ValueError(f"role: {role!r} is not one of {', '.join(WORKER_ROLES)}")
     role_config = getattr(config, role)
+    # The schema keeps these two per role (DeploymentConfig refuses them under engine).
     engine = Engine(config.engine.model_copy(update={"num_threads": role_config.num_threads,
                                                       "tensor_parallel_size": role_config.tensor_parallel_size}))
     loop = EngineLoop(engine)

@@ -33,6 +33,7 @@ from engine.sequence import Sequence
 from engine.spec.factory import make_proposer
 from engine.spec.proposer import Proposal
 from engine.spec.rejection import make_verify_input, verify
+from engine.stats import EngineStats
 from engine.tokenizer import Tokenizer
 
 
@@ -54,6 +55,14 @@ class Engine:
         self.incoming: dict[str, Sequence] = {}  # blocks allocated, KV arriving from a prefill worker
         self._ids = itertools.count()
         self.counters: collections.Counter[str] = collections.Counter()  # monotonic totals, for metrics
+
+    def stats(self) -> EngineStats:
+        counters = dict(self.counters)
+        counters["draft_positions_with_target_features"] = self.proposer.positions_drafted
+        return EngineStats(kv_blocks_used=self.blocks.num_used_blocks, kv_blocks_total=self.blocks.num_blocks,
+                           running=len(self.scheduler.running),
+                           waiting=len(self.scheduler.waiting) + len(self.incoming),
+                           pinned=len(self.handed_off), counters=counters)
 
     def add_request(self, prompt_token_ids: Seq[int], params: SamplingParams, request_id: str | None = None,
                     prefill_only: bool = False) -> str:

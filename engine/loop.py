@@ -17,6 +17,7 @@ from engine.block_manager import KVEvent
 from engine.engine import Engine
 from engine.output import HandOff, RequestOutput
 from engine.params import SamplingParams
+from engine.stats import EngineStats
 
 log = logging.getLogger(__name__)
 
@@ -83,12 +84,10 @@ class EngineLoop:
 
         return self.call(snapshot)
 
-    def load(self) -> dict[str, int]:
+    def stats(self) -> EngineStats:
         """Read without waiting for the loop thread: a heartbeat must not wait out a long step,
-        and a value one step stale is as good as any for routing."""
-        e = self.engine
-        return {"active_blocks": e.blocks.num_used_blocks, "total_blocks": e.blocks.num_blocks,
-                "running": len(e.scheduler.running), "waiting": len(e.scheduler.waiting) + len(e.incoming)}
+        and a value one step stale is as good as any for routing or a scrape."""
+        return self.engine.stats()
 
     def wait_step(self, timeout: float) -> None:
         with self.stepped:

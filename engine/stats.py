@@ -1,6 +1,20 @@
-"""Speculation statistics of a request (torch-free: the router and CLI report them)."""
+"""Statistics: an engine's snapshot for load reports and metrics, and a request's speculation
+outcome (torch-free: the router and CLI report them)."""
 
 from dataclasses import dataclass, field
+
+
+@dataclass(frozen=True)
+class EngineStats:
+    """What a worker reports about its engine (heartbeat load, Prometheus metrics). Read without
+    waiting for the engine loop, so a value may be one step stale."""
+
+    kv_blocks_used: int
+    kv_blocks_total: int
+    running: int  # sequences in the running batch
+    waiting: int  # sequences waiting for a batch slot, KV blocks, or KV arriving from a prefill worker
+    pinned: int  # prefilled here, blocks held until the decode side has them
+    counters: dict[str, int]  # monotonic totals (tokens, finishes by reason, speculation)
 
 
 @dataclass

@@ -1,4 +1,5 @@
-"""Prometheus metrics of a worker, read from its engine at scrape time (no hot-path cost)."""
+"""Prometheus metrics of a worker, read from its engine's stats snapshot at scrape time (no
+hot-path cost)."""
 
 from prometheus_client import start_http_server
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
@@ -12,20 +13,17 @@ class EngineCollector:
         self.loop, self.labels = loop, {"role": role, "worker": worker_id}
 
     def collect(self):
-        engine = self.loop.engine
+        stats = self.loop.stats()
         gauges = {
-            "pdspec_kv_blocks_used": ("KV blocks in use", engine.blocks.num_used_blocks),
-            "pdspec_kv_blocks_total": ("KV blocks in the pool", engine.blocks.num_blocks),
-            "pdspec_requests_running": ("sequences in the running batch", len(engine.scheduler.running)),
-            "pdspec_requests_waiting": ("sequences waiting for a batch slot or KV",
-                                        len(engine.scheduler.waiting) + len(engine.incoming)),
-            "pdspec_requests_pinned": ("prefilled requests whose blocks await the decode side", len(engine.handed_off)),
+            "pdspec_kv_blocks_used": ("KV blocks in use", stats.kv_blocks_used),
+            "pdspec_kv_blocks_total": ("KV blocks in the pool", stats.kv_blocks_total),
+            "pdspec_requests_running": ("sequences in the running batch", stats.running),
+            "pdspec_requests_waiting": ("sequences waiting for a batch slot or KV", stats.waiting),
+            "pdspec_requests_pinned": ("prefilled requests whose blocks await the decode side", stats.pinned),
         }
         for name, (doc, value) in gauges.items():
             yield _one(GaugeMetricFamily, name, doc, self.labels, value)
-        counters = dict(engine.counters)
-        counters["draft_positions_with_target_features"] = getattr(engine.proposer, "positions_drafted", 0)
-        for key, value in sorted(counters.items()):
+        for key, value in sorted(stats.counters.items()):
             yield _one(CounterMetricFamily, f"pdspec_{key}", f"total {key.replace('_', ' ')}", self.labels, value)
 
 

@@ -55,10 +55,12 @@ class RegistryClient:
         log.info("registered %s (%s) with router %s", request.worker_id, request.role, self.router_address)
 
     def _heartbeat(self) -> bool:
-        load = self.loop.load()
+        stats = self.loop.stats()
+        load = worker_pb2.Load(active_blocks=stats.kv_blocks_used, total_blocks=stats.kv_blocks_total,
+                               running=stats.running, waiting=stats.waiting)
         events = [kv_event(e) for e in self.loop.drain_events()]
         response = self.stub.Heartbeat(
-            worker_pb2.HeartbeatRequest(worker_id=self.registration.worker_id, load=worker_pb2.Load(**load),
+            worker_pb2.HeartbeatRequest(worker_id=self.registration.worker_id, load=load,
                                         events=events),
             timeout=5,
         )

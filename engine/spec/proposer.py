@@ -67,6 +67,7 @@ class Proposal:
 
 class Proposer(Protocol):
     needs_aux: bool
+    positions_drafted: int  # positions run through a draft model with target features (a metric)
 
     def propose(self, seqs: list[Sequence], num_tokens: list[int]) -> list[Proposal]: ...
 
@@ -89,6 +90,8 @@ class Proposer(Protocol):
 
 class StatelessProposer:
     """Base for proposers that keep no per-sequence state."""
+
+    positions_drafted = 0
 
     def observe(self, seq: Sequence, start: int, aux: torch.Tensor | None) -> None:
         pass
