@@ -81,7 +81,6 @@ class BlockManager:
         self._evictable: OrderedDict[int, None] = OrderedDict()  # ref 0, hashed; least recently released first
         self._hash_to_block: dict[int, int] = {}
         self._seqs: dict[SeqId, _Sequence] = {}
-        self._pending_copies: list[tuple[int, int]] = []
         self._subscribers: list[Callable[[KVEvent], None]] = []
 
     # ---- sequence lifecycle ----
@@ -115,18 +114,11 @@ class BlockManager:
         if num_slots < 0:
             raise ValueError(f"num_slots must be >= 0, got {num_slots}")
         seq = self._seq(seq_id)
-        copy_tail = num_slots > 0 and self._shares_partial_tail(seq)
         needed = len(seq.token_ids) + seq.num_reserved + num_slots
-        num_new = _cdiv(needed, self.block_size) - len(seq.block_ids) + copy_tail
+        num_new = _cdiv(needed, self.block_size) - len(seq.block_ids)
         if num_new > self.num_free_blocks:
             return False
-        new_ids = self._take_blocks(num_new)
-        if copy_tail:
-            tail, copy = seq.block_ids[-1], new_ids.pop()
-            self._pending_copies.append((tail, copy))
-            self._release([tail])
-            seq.block_ids[-1] = copy
-        seq.block_ids += new_ids
+        seq.block_ids += self._take_blocks(num_new)
         seq.num_reserved += num_slots
         return True
 
@@ -149,32 +141,12 @@ class BlockManager:
         self._release(seq.block_ids[keep:])
         del seq.block_ids[keep:]
 
-    def fork(self, src_id: SeqId, dst_id: SeqId) -> None:
-        """Start `dst_id` sharing all of `src_id`'s blocks; a shared partial tail is copied on first write."""
-        src = self._seq(src_id)
-        if dst_id in self._seqs:
-            raise ValueError(f"sequence {dst_id!r} is already allocated")
-        if src.num_reserved:
-            raise ValueError(f"cannot fork sequence {src_id!r}: it has {src.num_reserved} reserved slots")
-        for block_id in src.block_ids:
-            self._acquire(block_id)
-        self._seqs[dst_id] = _Sequence(list(src.block_ids), list(src.token_ids), list(src.block_hashes))
-
     def free(self, seq_id: SeqId) -> None:
         """Release all of the sequence's blocks; its cached ones stay reusable until evicted."""
         seq = self._seq(seq_id)
         del self._seqs[seq_id]
         # Tail first, so it is evicted first: the head is the likeliest prefix of future prompts.
         self._release(reversed(seq.block_ids))
-
-    def take_pending_copies(self) -> list[tuple[int, int]]:
-        """(src_block, dst_block) copies owed by copy-on-write, in order.
-
-        The caller must execute them on the KV tensors, in this order, before the next forward
-        that writes into slots reserved since the last call.
-        """
-        copies, self._pending_copies = self._pending_copies, []
-        return copies
 
     def clear_prefix_cache(self) -> None:
         """Evict every evictable cached block. Blocks in use keep their hashes."""
@@ -212,19 +184,6 @@ class BlockManager:
 
     def num_reserved(self, seq_id: SeqId) -> int:
         return self._seq(seq_id).num_reserved
-
-    def slot(self, seq_id: SeqId, position: int) -> int:
-        """Flat KV slot of token `position` (committed or reserved)."""
-        return self.slots(seq_id, position, position + 1)[0]
-
-    def slots(self, seq_id: SeqId, start: int, end: int) -> list[int]:
-        """Flat KV slots of positions [start, end), which must lie within committed + reserved."""
-        seq = self._seq(seq_id)
-        length = len(seq.token_ids) + seq.num_reserved
-        if not 0 <= start <= end <= length:
-            raise IndexError(f"sequence {seq_id!r}: positions [{start}, {end}) outside [0, {length})")
-        bs = self.block_size
-        return [seq.block_ids[p // bs] * bs + p % bs for p in range(start, end)]
 
     def block_hashes(self, seq_id: SeqId) -> list[int]:
         """Chained hashes of the sequence's full committed blocks."""
@@ -296,15 +255,6 @@ class BlockManager:
         # Evictable hit blocks count as free, but this sequence takes them itself.
         num_hit_evictable = sum(1 for block_id in hit_ids if self._blocks[block_id].ref_count == 0)
         return num_new <= self.num_free_blocks - num_hit_evictable
-
-    def _shares_partial_tail(self, seq: _Sequence) -> bool:
-        # Only fork shares a partial block, and fork requires no reserved slots; so the first
-        # reservation into a shared partial tail is where the writer must take its own copy.
-        return (
-            seq.num_reserved == 0
-            and len(seq.token_ids) % self.block_size != 0
-            and self._blocks[seq.block_ids[-1]].ref_count > 1
-        )
 
     def _register_full_blocks(self, seq: _Sequence) -> None:
         """Hash the blocks newly filled with committed tokens; register those whose hash is new."""

@@ -101,7 +101,6 @@ class SpeculativeConfig(BaseModel):
     method: Literal["none", "eagle3", "ngram"] = "none"
     num_speculative_tokens: int = Field(5, ge=0, le=16, description="draft tokens per step (K)")
     model: str | None = Field(None, description="EAGLE3 draft directory; None = the head shipped for the embedded model")
-    draft_tensor_parallel_size: Literal[1] = Field(1, description="the draft runs unsharded beside the target")
     prompt_lookup_min: int = Field(1, ge=1, description="ngram, prompt_lookup_branch: shortest suffix to look up")
     prompt_lookup_max: int = Field(4, ge=1, description="ngram, prompt_lookup_branch: longest suffix to look up")
     prompt_lookup_branch: bool = Field(

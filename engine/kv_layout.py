@@ -7,7 +7,7 @@ one region per block, and a NIXL descriptor is (base + block_id * block_bytes, b
 The draft (EAGLE3) cache is a second tensor indexed by the same block ids.
 """
 
-from dataclasses import asdict, dataclass, fields
+from dataclasses import dataclass, fields
 
 import torch
 
@@ -50,20 +50,6 @@ class KVLayout:
             mine, theirs = getattr(self, f.name), getattr(other, f.name)
             if mine != theirs:
                 raise KVLayoutMismatch(f"KV layout field {f.name!r} differs: local {mine}, remote {theirs}")
-
-    def to_dict(self) -> dict:
-        return asdict(self)
-
-    @classmethod
-    def from_dict(cls, raw: dict) -> "KVLayout":
-        draft = raw.get("draft")
-        return cls(
-            model=raw["model"],
-            dtype=raw["dtype"],
-            block_size=raw["block_size"],
-            target=CacheShape(**raw["target"]),
-            draft=CacheShape(**draft) if draft else None,
-        )
 
 
 def allocate_cache(layout: KVLayout, cache: CacheShape, num_blocks: int, device: torch.device) -> torch.Tensor:

@@ -86,11 +86,6 @@ def test_allocate_reserves_prompt_slots():
     assert len(bm.block_table("a")) == 3
     assert (bm.num_committed("a"), bm.num_reserved("a")) == (0, 10)
     assert bm.num_used_blocks == 3 and bm.num_free_blocks == 5
-    table = bm.block_table("a")
-    assert bm.slots("a", 0, 10) == [table[p // BS] * BS + p % BS for p in range(10)]
-    assert bm.slot("a", 9) == table[2] * BS + 1
-    with pytest.raises(IndexError):
-        bm.slot("a", 10)
 
 
 def test_prefix_hit_shares_blocks_across_sequences():
@@ -199,7 +194,6 @@ def test_reserve_crosses_block_boundaries(committed, num_slots, blocks):
     assert bm.reserve("a", num_slots)
     assert len(bm.block_table("a")) == blocks
     assert bm.num_reserved("a") == num_slots
-    bm.slots("a", 0, committed + num_slots)  # all addressable
 
 
 def test_rollback_releases_blocks_beyond_committed():
@@ -308,63 +302,6 @@ def test_hit_on_evictable_block_takes_it_off_the_lru():
     assert not bm.can_allocate([3])  # the shared cached block is in use, not evictable
 
 
-# ---- fork and copy-on-write ----
-
-
-def test_fork_shares_blocks_and_copies_partial_tail_on_write():
-    bm, _ = make()
-    run_prompt(bm, "a", list(range(6)))
-    bm.fork("a", "b")
-    table = bm.block_table("a")
-    assert bm.block_table("b") == table
-    assert (bm.num_committed("b"), bm.block_hashes("b")) == (6, bm.block_hashes("a"))
-    assert [ref_counts(bm)[b] for b in table] == [2, 2]
-
-    assert bm.reserve("b", 1)  # writes into the shared partial tail: b gets its own copy
-    copy_block = bm.block_table("b")[1]
-    assert copy_block not in table and bm.block_table("b")[0] == table[0]
-    assert bm.take_pending_copies() == [(table[1], copy_block)]
-    assert bm.take_pending_copies() == []
-    assert [ref_counts(bm)[b] for b in table] == [2, 1]
-
-    assert bm.reserve("a", 1)  # a is now the tail's only owner: writes in place
-    assert bm.block_table("a") == table and bm.take_pending_copies() == []
-
-
-def test_fork_with_full_tail_needs_no_copy():
-    bm, _ = make()
-    run_prompt(bm, "a", list(range(8)))
-    bm.fork("a", "b")
-    assert bm.reserve("b", 1)
-    assert bm.take_pending_copies() == []
-    assert len(bm.block_table("b")) == 3 and bm.block_table("b")[:2] == bm.block_table("a")
-
-
-def test_copy_on_write_reservation_fails_cleanly_when_short():
-    bm, _ = make(num_blocks=2)
-    run_prompt(bm, "a", list(range(6)))
-    bm.fork("a", "b")
-    before = state(bm)
-    assert not bm.reserve("b", 1)  # the copy needs a block
-    assert state(bm) == before
-    bm.reserve("b", 0)
-    assert bm.take_pending_copies() == []
-
-
-def test_fork_requires_no_reserved_slots():
-    bm, _ = make()
-    bm.allocate("a", [1, 2, 3])
-    with pytest.raises(ValueError):
-        bm.fork("a", "b")
-    bm.commit("a", [1, 2, 3])
-    bm.fork("a", "b")
-    with pytest.raises(ValueError):
-        bm.fork("a", "b")
-
-
-# ---- clear and errors ----
-
-
 def test_clear_prefix_cache_keeps_blocks_in_use():
     bm, replay = make()
     run_prompt(bm, "a", list(range(9)))
@@ -388,8 +325,6 @@ def test_errors():
     unknown_id_calls = [
         lambda: bm.reserve("nope", 1),
         lambda: bm.commit("nope", [1]),
-        lambda: bm.slots("nope", 0, 1),
-        lambda: bm.fork("nope", "x"),
         *(lambda op=op: op("nope") for op in (bm.rollback, bm.free, bm.block_table, bm.num_committed)),
         *(lambda op=op: op("nope") for op in (bm.num_reserved, bm.block_hashes)),
     ]
@@ -422,8 +357,7 @@ PROMPTS = st.builds(
 class BlockManagerMachine(RuleBasedStateMachine):
     """Random workloads against a reference model that also simulates the KV contents of every slot.
 
-    Forwards write JUNK into newly reserved slots and real tokens on commit; copy-on-write copies
-    are executed as the engine would. If blocks were shared wrongly, evicted while in use, or hit
+    Forwards write JUNK into newly reserved slots and real tokens on commit. If blocks were shared wrongly, evicted while in use, or hit
     on a different prefix, some sequence's committed positions would read the wrong token.
     """
 
@@ -442,13 +376,13 @@ class BlockManagerMachine(RuleBasedStateMachine):
         self.next_id += 1
         return self.next_id
 
+    def _slots(self, seq_id: int, start: int, end: int) -> list[int]:
+        table = self.bm.block_table(seq_id)
+        return [table[p // BS] * BS + p % BS for p in range(start, end)]
+
     def _forward(self, seq_id: int, start: int, end: int) -> None:
-        """Execute owed copies, then write JUNK into positions [start, end) as a forward would."""
-        for src, dst in self.bm.take_pending_copies():
-            for offset in range(BS):
-                if src * BS + offset in self.kv:
-                    self.kv[dst * BS + offset] = self.kv[src * BS + offset]
-        for slot in self.bm.slots(seq_id, start, end):
+        """Write JUNK into positions [start, end) as a forward would."""
+        for slot in self._slots(seq_id, start, end):
             self.kv[slot] = JUNK
 
     def _expected_hit(self, prompt: list[int]) -> int:
@@ -499,8 +433,7 @@ class BlockManagerMachine(RuleBasedStateMachine):
     def reserve(self, data: st.DataObject, num_slots: int) -> None:
         seq_id = data.draw(st.sampled_from(sorted(self.seqs)))
         committed, reserved, table = len(self.seqs[seq_id]), self.reserved[seq_id], self.bm.block_table(seq_id)
-        copy_tail = num_slots > 0 and reserved == 0 and committed % BS and self._sharers(table[-1]) > 1
-        needed = cdiv(committed + reserved + num_slots, BS) - len(table) + bool(copy_tail)
+        needed = cdiv(committed + reserved + num_slots, BS) - len(table)
         before = state(self.bm)
         free_before = self.bm.num_free_blocks
         ok = self.bm.reserve(seq_id, num_slots)
@@ -515,7 +448,7 @@ class BlockManagerMachine(RuleBasedStateMachine):
     @rule(data=st.data())
     def commit(self, data: st.DataObject) -> None:
         seq_id = data.draw(st.sampled_from(sorted(s for s, r in self.reserved.items() if r)))
-        # Often everything (a prefill, or all drafts accepted), which leaves the sequence forkable.
+        # Often everything (a prefill, or all drafts accepted).
         count = data.draw(st.just(self.reserved[seq_id]) | st.integers(0, self.reserved[seq_id]))
         rest = self.prompt_rest[seq_id]
         from_prompt, num_generated = rest[:count], max(0, count - len(rest))
@@ -523,7 +456,7 @@ class BlockManagerMachine(RuleBasedStateMachine):
         del rest[:count]
         start = len(self.seqs[seq_id])
         self.bm.commit(seq_id, tokens)
-        for slot, token in zip(self.bm.slots(seq_id, start, start + count), tokens):
+        for slot, token in zip(self._slots(seq_id, start, start + count), tokens):
             self.kv[slot] = token
         self.seqs[seq_id] += tokens
         self.reserved[seq_id] -= count
@@ -546,21 +479,6 @@ class BlockManagerMachine(RuleBasedStateMachine):
         self.bm.rollback(seq_id)
         self.reserved[seq_id] = 0
         self.prompt_rest[seq_id] = []
-
-    @precondition(lambda self: self.seqs)
-    @rule(data=st.data())
-    def fork(self, data: st.DataObject) -> None:
-        idle = [s for s, r in self.reserved.items() if not r]
-        src = data.draw(st.sampled_from(sorted(idle or self.seqs)))
-        dst = self._new_id()
-        if self.reserved[src]:
-            before = state(self.bm)
-            with pytest.raises(ValueError):
-                self.bm.fork(src, dst)
-            assert state(self.bm) == before
-            return
-        self.bm.fork(src, dst)
-        self.seqs[dst], self.reserved[dst], self.prompt_rest[dst] = list(self.seqs[src]), 0, []
 
     @precondition(lambda self: self.seqs)
     @rule(data=st.data())
@@ -604,7 +522,7 @@ class BlockManagerMachine(RuleBasedStateMachine):
             assert (committed, reserved) == (len(tokens), self.reserved[seq_id])
             assert len(self.bm.block_table(seq_id)) == cdiv(committed + reserved, BS)  # enough, not more
             assert self.bm.block_hashes(seq_id) == hash_blocks(tokens, BS)
-            assert [self.kv.get(slot) for slot in self.bm.slots(seq_id, 0, committed)] == tokens
+            assert [self.kv.get(slot) for slot in self._slots(seq_id, 0, committed)] == tokens
 
     def teardown(self) -> None:
         for seq_id in list(self.seqs):

@@ -28,8 +28,6 @@ from engine.spec.rejection import VerifyInput, VerifyOutput
 # Vocabulary entries per chunk of the inverse-CDF loops: 4 KB of fp32 per load keeps enough
 # loads in flight for the single program that owns a sequence.
 BLOCK_V = 1024
-# Sequences per program of the bookkeeping kernel.
-BLOCK_B = 128
 _TL_DTYPES = {torch.float32: tl.float32, torch.float16: tl.float16, torch.bfloat16: tl.bfloat16}
 
 
@@ -207,41 +205,3 @@ def triton_verify(inp: VerifyInput) -> VerifyOutput:
         BLOCK_V=min(BLOCK_V, triton.next_power_of_2(vocab)),
     )
     return VerifyOutput(tokens, num_accepted, path)
-
-
-def post_verify(tokens: torch.Tensor, num_accepted: torch.Tensor,
-                num_computed: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-    """Per-sequence bookkeeping after verification: (next input token, new num_computed, tokens emitted).
-
-    num_computed counts tokens with final KV before this step; the step's input token and the
-    accepted drafts now have final KV too, while the emitted last token has none yet.
-    """
-    next_tokens = tokens.gather(1, num_accepted[:, None]).squeeze(1)
-    return next_tokens, num_computed + num_accepted + 1, num_accepted + 1
-
-
-@triton.jit
-def _post_verify_kernel(tokens, num_accepted, num_computed, next_tokens, new_num_computed, num_emitted,
-                        num_seqs, stride_tb, stride_tw, BLOCK_B: tl.constexpr):
-    seqs = tl.program_id(0) * BLOCK_B + tl.arange(0, BLOCK_B)
-    valid = seqs < num_seqs
-    a = tl.load(num_accepted + seqs, mask=valid, other=0)
-    last = tl.load(tokens + seqs.to(tl.int64) * stride_tb + a * stride_tw, mask=valid)
-    tl.store(next_tokens + seqs, last, mask=valid)
-    tl.store(new_num_computed + seqs, tl.load(num_computed + seqs, mask=valid) + a + 1, mask=valid)
-    tl.store(num_emitted + seqs, a + 1, mask=valid)
-
-
-def triton_post_verify(tokens: torch.Tensor, num_accepted: torch.Tensor,
-                       num_computed: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-    """`post_verify` as one launch, without leaving the device; same output dtypes."""
-    b = num_accepted.shape[0]
-    next_tokens = tokens.new_empty(b)
-    new_num_computed = num_computed.new_empty(b, dtype=torch.promote_types(num_computed.dtype, num_accepted.dtype))
-    num_emitted = torch.empty_like(num_accepted)
-    if b:
-        _post_verify_kernel[(triton.cdiv(b, BLOCK_B),)](
-            tokens, num_accepted, num_computed, next_tokens, new_num_computed, num_emitted,
-            b, *tokens.stride(), BLOCK_B=BLOCK_B,
-        )
-    return next_tokens, new_num_computed, num_emitted
