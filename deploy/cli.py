@@ -9,43 +9,24 @@ import time
 from pathlib import Path
 
 from engine.config import EngineConfig, SpeculativeConfig
+from deploy.flags import add_field_flags, field_values, flags_for
 from engine.params import SamplingParams
 from serving.roles import WORKER_ROLES
 
 
+# The engine fields `generate` and `bench spec` expose, and every speculative field (two renamed).
+_ENGINE_FLAGS = {"model": "--model", "dtype": "--dtype", "max_model_len": "--max-model-len"}
+_SPECULATIVE_FLAGS = flags_for(SpeculativeConfig, renamed={"method": "--speculative", "model": "--draft"})
+
+
 def _add_engine_args(p: argparse.ArgumentParser) -> None:
-    p.add_argument("--model", default=None, help="HF model directory (default: embedded SmolLM2-135M-Instruct)")
-    p.add_argument("--dtype", default="float32", choices=["float32", "bfloat16", "float16"])
-    p.add_argument("--max-model-len", type=int, default=None)
-    p.add_argument("--speculative", default="none", choices=["none", "eagle3", "ngram"])
-    p.add_argument("--num-speculative-tokens", type=int, default=5, help="draft tokens per step (K)")
-    p.add_argument("--draft", default=None, help="EAGLE3 head directory (default: the head shipped for the embedded model)")
-    p.add_argument("--draft-confidence-threshold", type=float, default=0.0,
-                   help="eagle3: draft only while the chain's probability (the product of the draft's "
-                        "probabilities) is at least this times the number of sequences drafting (none from 1/P sequences)")
-    p.add_argument("--draft-top-k", type=int, default=1,
-                   help="eagle3: also verify the head's next k-1 choices at each draft "
-                        "position, as leaves of a tree (default 1: a chain)")
-    p.add_argument("--disable-by-batch-size", type=int, default=None,
-                   help="no drafting while more than this many sequences run (default: no limit)")
-    p.add_argument("--prompt-lookup-branch", action="store_true",
-                   help="eagle3: also verify the prompt-lookup continuation, as a branch of the draft tree")
-    p.add_argument("--prompt-lookup-min", type=int, default=SpeculativeConfig().prompt_lookup_min,
-                   help="ngram, --prompt-lookup-branch: shortest suffix to look up")
-    p.add_argument("--prompt-lookup-max", type=int, default=SpeculativeConfig().prompt_lookup_max,
-                   help="ngram, --prompt-lookup-branch: longest suffix to look up")
+    add_field_flags(p, EngineConfig, _ENGINE_FLAGS)
+    add_field_flags(p, SpeculativeConfig, _SPECULATIVE_FLAGS)
 
 
 def _engine_config(args: argparse.Namespace, **overrides) -> EngineConfig:
-    return EngineConfig(
-        model=args.model, dtype=args.dtype, max_model_len=args.max_model_len,
-        speculative={"method": args.speculative, "num_speculative_tokens": args.num_speculative_tokens,
-                     "model": args.draft, "draft_confidence_threshold": args.draft_confidence_threshold,
-                     "draft_top_k": args.draft_top_k, "disable_by_batch_size": args.disable_by_batch_size,
-                     "prompt_lookup_branch": args.prompt_lookup_branch, "prompt_lookup_min": args.prompt_lookup_min,
-                     "prompt_lookup_max": args.prompt_lookup_max},
-        **overrides,
-    )
+    return EngineConfig(**field_values(args, _ENGINE_FLAGS), speculative=field_values(args, _SPECULATIVE_FLAGS),
+                        **overrides)
 
 
 def _generate(args: argparse.Namespace) -> int:

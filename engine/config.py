@@ -98,7 +98,8 @@ class SpeculativeConfig(BaseModel):
 
     model_config = ConfigDict(extra="forbid")
 
-    method: Literal["none", "eagle3", "ngram"] = "none"
+    method: Literal["none", "eagle3", "ngram"] = Field(
+        "none", description="speculative decoding: none, eagle3 (an EAGLE3 draft head) or ngram (prompt lookup)")
     num_speculative_tokens: int = Field(5, ge=0, le=16, description="draft tokens per step (K)")
     model: str | None = Field(None, description="EAGLE3 draft directory; None = the head shipped for the embedded model")
     prompt_lookup_min: int = Field(1, ge=1, description="ngram, prompt_lookup_branch: shortest suffix to look up")

@@ -1,0 +1,44 @@
+"""Command-line flags made from the config schema's fields: the flag's name, type, choices,
+default and help come from the pydantic field, so a new field needs no second definition."""
+
+import argparse
+import types
+import typing
+
+from pydantic import BaseModel
+
+
+def add_field_flags(parser: argparse.ArgumentParser, model: type[BaseModel], flags: dict[str, str]) -> None:
+    """One flag per field: `flags` maps a field name to its flag ('method' -> '--speculative');
+    the value lands in the namespace under the flag's own name (see `field_values`)."""
+    for name, flag in flags.items():
+        field = model.model_fields[name]
+        kind, choices = _kind(field.annotation)
+        help_text = f"{field.description or name} (default: {field.default})"
+        if kind is bool:
+            parser.add_argument(flag, action=argparse.BooleanOptionalAction, default=field.default, help=help_text)
+        else:
+            parser.add_argument(flag, type=kind, choices=choices, default=field.default, help=help_text)
+
+
+def field_values(args: argparse.Namespace, flags: dict[str, str]) -> dict:
+    """{field name: the flag's value} for the flags `add_field_flags` added."""
+    return {name: getattr(args, flag.removeprefix("--").replace("-", "_")) for name, flag in flags.items()}
+
+
+def flags_for(model: type[BaseModel], renamed: dict[str, str] | None = None) -> dict[str, str]:
+    """Every field of `model` -> '--field-name', except those `renamed` gives a flag of their own."""
+    renamed = renamed or {}
+    return {name: renamed.get(name, "--" + name.replace("_", "-")) for name in model.model_fields}
+
+
+def _kind(annotation) -> tuple[type, list | None]:
+    """The argparse type and choices of a field's annotation (X | None is X)."""
+    args = [a for a in typing.get_args(annotation) if a is not type(None)]
+    if typing.get_origin(annotation) in (typing.Union, types.UnionType) and len(args) == 1:
+        return _kind(args[0])
+    if typing.get_origin(annotation) is typing.Literal:
+        return type(args[0]), list(args)
+    if annotation in (bool, int, float, str):
+        return annotation, None
+    raise TypeError(f"no command-line flag for a field of type {annotation}")
