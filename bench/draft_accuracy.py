@@ -28,10 +28,10 @@ from engine.config import ModelConfig
 from engine.loader import load_weights
 from engine.model_dir import resolve_model_dir
 from engine.runner import EMBEDDED_DRAFT_DIR
-from engine.spec.prompts import read_prompts
-from engine.spec.train.distill import distill
-from engine.spec.train.model import TrainableEagle3, exported_vocab
-from engine.spec.train.trainer import collate, load_shard, shard_paths
+from tools.prompts import read_prompts
+from tools.eagle3_training.distill import distill
+from tools.eagle3_training.model import TrainableEagle3, exported_vocab
+from tools.eagle3_training.trainer import collate, load_shard, shard_paths
 
 TOP_K = (1, 2, 4, 8)
 BINS = torch.linspace(0, 1, 11)

@@ -1,5 +1,5 @@
 """Cluster benchmarks through the public gRPC API, each a pair of local clusters on loopback
-driven by the same load (`deploy/loadgen.py`, what `pdspec bench serve` runs):
+driven by the same load (`tools/loadgen.py`, what `pdspec bench serve` runs):
 
 - routing:  KV-aware vs round-robin prefill choice, 2 prefill + 1 decode workers, 8 long shared
             system prompts (~600 tokens, each sent once first to warm the caches) with varied
@@ -24,9 +24,9 @@ from collections.abc import Iterator
 from pathlib import Path
 
 from deploy.config import parse_config
-from deploy.loadgen import make_workload, print_table, run_load, shared_prefix, summarize
+from tools.loadgen import make_workload, print_table, run_load, shared_prefix, summarize
 from deploy.local import LocalCluster
-from engine.spec.prompts import read_prompts
+from tools.prompts import read_prompts
 from proto.pdspec.v1.common_pb2 import ChatMessage
 
 ROUTING_PREFIXES, ROUTING_PREFIX_TOKENS, ROUTING_KV_BLOCKS = 8, 600, 240

@@ -21,8 +21,8 @@ from tqdm import tqdm
 from engine.config import EngineConfig
 from engine.engine import Engine
 from engine.params import SamplingParams
-from engine.spec.evaluate import run_batch
-from engine.spec.prompts import read_prompts
+from tools.evaluate import run_batch
+from tools.prompts import read_prompts
 from engine.stats import AcceptanceStats
 
 

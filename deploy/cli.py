@@ -81,8 +81,8 @@ def _add_generate(sub: argparse._SubParsersAction) -> None:
 
 def _bench_spec(args: argparse.Namespace) -> int:
     from engine.engine import Engine
-    from engine.spec.evaluate import evaluate
-    from engine.spec.prompts import read_prompts
+    from tools.evaluate import evaluate
+    from tools.prompts import read_prompts
 
     if args.speculative == "none":
         raise ValueError("--speculative: choose eagle3 or ngram to compare against plain decoding")
@@ -103,8 +103,8 @@ def _bench_spec(args: argparse.Namespace) -> int:
 
 
 def _bench_serve(args: argparse.Namespace) -> int:
-    from deploy.loadgen import make_workload, print_table, run_load, summarize
-    from engine.spec.prompts import read_prompts
+    from tools.loadgen import make_workload, print_table, run_load, summarize
+    from tools.prompts import read_prompts
 
     for name, least in (("num_requests", 1), ("max_tokens", 1), ("rate", 0), ("num_prefixes", 0)):
         if getattr(args, name) < least:
@@ -143,15 +143,15 @@ def _add_bench(sub: argparse._SubParsersAction) -> None:
 
 
 def _train_eagle3(args: argparse.Namespace) -> int:
-    from engine.spec.prompts import read_prompts
-    from engine.spec.train.distill import distill
+    from tools.prompts import read_prompts
+    from tools.eagle3_training.distill import distill
 
     out = Path(args.out)
     prompts = read_prompts(Path(args.prompts))[: args.max_prompts]
     if args.stage in ("distill", "all"):
         distill(prompts, out / "data", args.target, max_new_tokens=args.max_new_tokens, batch_size=args.batch_size)
     if args.stage in ("train", "all"):
-        from engine.spec.train.trainer import TrainConfig, train
+        from tools.eagle3_training.trainer import TrainConfig, train
 
         train(TrainConfig(target=args.target, data_dir=out / "data", out_dir=out, draft_vocab_size=args.draft_vocab,
                           epochs=args.epochs, ttt_steps=args.ttt_steps, lr=args.lr, max_hours=args.max_hours,

@@ -15,7 +15,7 @@ import grpc
 import pytest
 
 from deploy.config import parse_config
-from deploy.loadgen import make_workload, run_load, summarize
+from tools.loadgen import make_workload, run_load, summarize
 from deploy.local import LocalCluster
 from engine.config import EngineConfig
 from engine.engine import Engine

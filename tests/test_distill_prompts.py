@@ -3,9 +3,9 @@ is added; model-written questions are taken from quotes and kept away from held-
 
 from pathlib import Path
 
-from engine.spec.prompts import read_prompts
-from engine.spec.train.model_prompts import _words, first_question, overlaps
-from engine.spec.train.synthetic_prompts import synthetic_prompts
+from tools.prompts import read_prompts
+from tools.eagle3_training.model_prompts import _words, first_question, overlaps
+from tools.eagle3_training.synthetic_prompts import synthetic_prompts
 
 HELD_OUT = [_words(p) for f in sorted((Path(__file__).parents[1] / "bench" / "prompts").glob("*.jsonl"))
             for p in read_prompts(f)]

@@ -10,7 +10,7 @@ from engine.eagle3 import Eagle3Config, Eagle3Draft
 from engine.kv_layout import CacheShape, KVLayout, allocate_cache
 from engine.batch import SeqChunk, build_batch
 from engine.loader import load_weights
-from engine.spec.train.model import TrainableEagle3
+from tools.eagle3_training.model import TrainableEagle3
 
 # Llama-3.1-8B's shapes scaled down (hidden 4096 -> 256, 32/8 heads -> 8/2, head_dim 128 -> 32,
 # vocab 128256 -> 2000, draft vocab 32000 -> 500), with its llama3 RoPE scaling.
@@ -86,7 +86,7 @@ def test_d2t_maps_draft_ids_to_target_ids(head):
 def test_training_can_continue_from_an_exported_head(head):
     model, path = head
     weights = load_weights(path, torch.float32, torch.device("cpu"))
-    from engine.spec.train.model import exported_vocab
+    from tools.eagle3_training.model import exported_vocab
 
     assert torch.equal(exported_vocab(weights), model.draft_vocab)
     again = TrainableEagle3(TARGET, exported_vocab(weights), model.embed)

@@ -11,8 +11,8 @@ from engine.config import EngineConfig
 from engine.engine import Engine
 from engine.loader import load_weights
 from engine.params import SamplingParams
-from engine.spec.train.distill import distill
-from engine.spec.train.trainer import TargetDistribution, TrainConfig, load_shard, shard_paths, train
+from tools.eagle3_training.distill import distill
+from tools.eagle3_training.trainer import TargetDistribution, TrainConfig, load_shard, shard_paths, train
 
 QUESTIONS = ["Name three primary colors.", "Count from 1 to 10.", "What is 12 times 12?", "Write a haiku about rain."]
 

@@ -1,5 +1,5 @@
 """The Helm chart and the container image, checked offline: the real helm binary (fetched from
-npm by deploy.tools.helm_bin) lints and renders the chart, Kubernetes' own JSON schemas
+npm by tools.helm_bin) lints and renders the chart, Kubernetes' own JSON schemas
 (kubernetes-validate) check every manifest, and the Dockerfile is parsed and linted.
 No cluster and no docker engine are needed."""
 
@@ -16,7 +16,7 @@ import yaml
 
 from deploy.config import parse_config
 from deploy.tools import helm_schema
-from deploy.tools.helm_bin import helm_path
+from tools.helm_bin import helm_path
 
 ROOT = Path(__file__).resolve().parents[1]
 CHART = ROOT / "deploy" / "helm" / "pdspec"
@@ -291,7 +291,7 @@ def test_chart_rejects_values_that_cannot_work_in_kubernetes(helm, tmp_path, ove
 
 def test_values_schema_is_generated_from_the_deployment_config():
     committed = (CHART / "values.schema.json").read_text()
-    assert committed == helm_schema.render(), "stale: run `python -m deploy.tools.helm_schema`"
+    assert committed == helm_schema.render(), "stale: run `python -m tools.helm_schema`"
 
 
 def test_chart_app_version_is_the_project_version():

@@ -3,7 +3,7 @@ against a real cluster are in test_cluster.py, on the cluster there)."""
 
 import statistics
 
-from deploy.loadgen import arrival_times, make_workload
+from tools.loadgen import arrival_times, make_workload
 
 
 def test_arrivals_are_a_seeded_poisson_process():

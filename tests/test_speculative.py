@@ -14,7 +14,7 @@ from engine.loader import load_weights
 from engine.params import SamplingParams
 from engine.spec.eagle3_proposer import CATCH_UP
 from engine.spec.rejection import VerifyInput, verify
-from engine.spec.train.model import TrainableEagle3
+from tools.eagle3_training.model import TrainableEagle3
 from engine.stats import AcceptanceStats
 
 QUESTIONS = [

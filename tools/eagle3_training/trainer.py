@@ -25,7 +25,7 @@ from engine.config import ModelConfig
 from engine.layers import rms_norm
 from engine.loader import load_weights
 from engine.model_dir import resolve_model_dir
-from engine.spec.train.model import TrainableEagle3, exported_vocab
+from tools.eagle3_training.model import TrainableEagle3, exported_vocab
 
 
 @dataclass

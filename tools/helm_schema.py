@@ -2,7 +2,7 @@
 Helm rejects a bad config (naming the field) before it renders anything, and the rest are the
 chart's Kubernetes-only values. Generated, never edited: tests/test_helm.py fails when stale.
 
-    python -m deploy.tools.helm_schema
+    python -m tools.helm_schema
 """
 
 import json
@@ -11,7 +11,7 @@ from pathlib import Path
 from deploy.config import DeploymentConfig
 from serving.roles import WORKER_ROLES
 
-SCHEMA_PATH = Path(__file__).resolve().parents[1] / "helm" / "pdspec" / "values.schema.json"
+SCHEMA_PATH = Path(__file__).resolve().parents[1] / "deploy" / "helm" / "pdspec" / "values.schema.json"
 
 # Kubernetes objects (tolerations, volumes, ...) are checked by the API server; here they only
 # need the right shape, so a typo'd key at the chart's level still fails early.

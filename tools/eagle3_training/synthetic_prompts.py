@@ -4,7 +4,7 @@ The shipped training prompts are three quarters grade-school maths; an EAGLE3 he
 them drafts chat answers poorly. These prompts cross everyday topics with common request
 shapes. Topics of the held-out evaluation prompts (bench/prompts/chat_eval.jsonl) are left out.
 
-    python -m engine.spec.train.synthetic_prompts --out FILE [--count N] [--seed S] [--skip N]
+    python -m tools.eagle3_training.synthetic_prompts --out FILE [--count N] [--seed S] [--skip N]
 """
 
 import argparse

@@ -6,7 +6,7 @@ The target is asked for a question about a topic, sampled at temperature 0.7 / t
 answers quote a question; the first quoted one is kept. Duplicates are dropped, and so is any
 question whose words overlap a held-out evaluation prompt's by half or more.
 
-    python -m engine.spec.train.model_prompts --out FILE [--count N] [--seed S] [--batch-size B]
+    python -m tools.eagle3_training.model_prompts --out FILE [--count N] [--seed S] [--batch-size B]
 """
 
 import argparse
@@ -20,15 +20,15 @@ from tqdm import tqdm
 from engine.config import EngineConfig
 from engine.engine import Engine
 from engine.params import SamplingParams
-from engine.spec.prompts import read_prompts
-from engine.spec.train.synthetic_prompts import MORE_TOPICS, NEW_TOPICS, TOPICS
+from tools.prompts import read_prompts
+from tools.eagle3_training.synthetic_prompts import MORE_TOPICS, NEW_TOPICS, TOPICS
 
 ASKS = [
     "Write one question that a curious person might ask an AI assistant about {t}. Reply with the question only.",
     "Write a request that a user might send to a helpful assistant about {t}. Reply with the request only.",
     "Give an example of a question someone could ask about {t}. Reply with the question only.",
 ]
-HELD_OUT = Path(__file__).resolve().parents[3] / "bench" / "prompts"
+HELD_OUT = Path(__file__).resolve().parents[2] / "bench" / "prompts"
 QUOTED = re.compile(r'"([^"\n]{12,200}\?)"')
 
 

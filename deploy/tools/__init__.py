@@ -1,1 +1,0 @@
-"""Developer tools for the deployment artifacts (Helm chart schema, the helm binary)."""
