@@ -15,7 +15,7 @@ import pytest
 import yaml
 
 from deploy.config import parse_config
-from deploy.tools import helm_schema
+from tools import helm_schema
 from tools.helm_bin import helm_path
 
 ROOT = Path(__file__).resolve().parents[1]
