@@ -56,7 +56,7 @@ class Block:
 
 
 @dataclass(slots=True)
-class _Sequence:
+class _SeqBlocks:
     block_ids: list[int]
     token_ids: list[int]  # committed
     # Chained hashes of the full committed blocks. Kept per sequence because a block whose hash
@@ -80,7 +80,7 @@ class BlockManager:
         self._free: deque[int] = deque(range(num_blocks))  # ref 0, no hash
         self._evictable: OrderedDict[int, None] = OrderedDict()  # ref 0, hashed; least recently released first
         self._hash_to_block: dict[int, int] = {}
-        self._seqs: dict[SeqId, _Sequence] = {}
+        self._seqs: dict[SeqId, _SeqBlocks] = {}
         self._subscribers: list[Callable[[KVEvent], None]] = []
 
     # ---- sequence lifecycle ----
@@ -104,7 +104,7 @@ class BlockManager:
             self._acquire(block_id)
         num_hit = len(hit_ids) * self.block_size
         new_ids = self._take_blocks(_cdiv(num_tokens, self.block_size) - len(hit_ids))
-        self._seqs[seq_id] = _Sequence(
+        self._seqs[seq_id] = _SeqBlocks(
             hit_ids + new_ids, list(prompt_token_ids[:num_hit]), hit_hashes, num_tokens - num_hit
         )
         return num_hit
@@ -206,7 +206,7 @@ class BlockManager:
         for callback in self._subscribers:
             callback(event)
 
-    def _emit_stored_runs(self, seq: _Sequence, indices: list[int]) -> None:
+    def _emit_stored_runs(self, seq: _SeqBlocks, indices: list[int]) -> None:
         """Announce `seq`'s full blocks at ascending `indices`: one BlockStored per consecutive run."""
         bs = self.block_size
         run_start = 0
@@ -220,14 +220,14 @@ class BlockManager:
 
     # ---- internals ----
 
-    def _seq(self, seq_id: SeqId) -> _Sequence:
+    def _seq(self, seq_id: SeqId) -> _SeqBlocks:
         try:
             return self._seqs[seq_id]
         except KeyError:
             raise KeyError(f"unknown sequence {seq_id!r}") from None
 
     @staticmethod
-    def _parent_hash(seq: _Sequence, block_index: int) -> int:
+    def _parent_hash(seq: _SeqBlocks, block_index: int) -> int:
         return seq.block_hashes[block_index - 1] if block_index else ROOT_PARENT_HASH
 
     def _match_prefix(self, token_ids: Sequence[int]) -> tuple[list[int], list[int]]:
@@ -256,7 +256,7 @@ class BlockManager:
         num_hit_evictable = sum(1 for block_id in hit_ids if self._blocks[block_id].ref_count == 0)
         return num_new <= self.num_free_blocks - num_hit_evictable
 
-    def _register_full_blocks(self, seq: _Sequence) -> None:
+    def _register_full_blocks(self, seq: _SeqBlocks) -> None:
         """Hash the blocks newly filled with committed tokens; register those whose hash is new."""
         bs = self.block_size
         registered = []

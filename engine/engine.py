@@ -99,7 +99,7 @@ class Engine:
         proposals = self._propose(scheduled)
         chunks = [self._chunk(s, p) for s, p in zip(scheduled, proposals)]
         out = self.runner.forward(chunks, return_aux=self.proposer.needs_aux)
-        sampling = [i for i, s in enumerate(scheduled) if s.samples]
+        sampling = [i for i, s in enumerate(scheduled) if s.yields_token]
         seqs = [scheduled[i].seq for i in sampling]
         verdict = self.verify(make_verify_input([s.params for s in seqs], [s.generator for s in seqs],
                                                 [proposals[i].token_ids for i in sampling], out.logits,
@@ -223,7 +223,7 @@ class Engine:
         """Drafts for every sampling sequence, a chain up to its reserved slots (0: the proposer
         may still use the call to keep its state current) and perhaps a tree's leaves past them,
         which get slots here or are dropped when the pool is short."""
-        sampling = [s for s in scheduled if s.samples]
+        sampling = [s for s in scheduled if s.yields_token]
         proposals = self.proposer.propose([s.seq for s in sampling], [s.num_lookahead for s in sampling])
         for s, p in zip(sampling, proposals):
             extra = len(p.token_ids) - s.num_lookahead
@@ -236,7 +236,7 @@ class Engine:
         start = s.seq.num_computed
         drafts = proposal.token_ids
         tokens = s.seq.token_ids[start : start + s.num_tokens] + drafts
-        return SeqChunk(tokens, start, self.blocks.block_table(s.seq.seq_id), 1 + len(drafts) if s.samples else 0,
+        return SeqChunk(tokens, start, self.blocks.block_table(s.seq.seq_id), 1 + len(drafts) if s.yields_token else 0,
                         draft_parents=proposal.parents)
 
     def _append(self, seq: Sequence, new_tokens: list[int]) -> RequestOutput:

@@ -12,7 +12,7 @@ import torch.distributed as dist
 
 from engine.batch import SeqChunk, build_batch
 from engine.config import EngineConfig, ModelConfig, ModelConfigError, check_divisible
-from engine.eagle3 import DraftOutput, Eagle3Config, Eagle3Draft
+from engine.spec.eagle3_model import DraftOutput, Eagle3Config, Eagle3Draft
 from engine.kv_layout import CacheShape, KVLayout, allocate_cache
 from engine.loader import load_weights
 from engine.model_dir import model_fingerprint, resolve_model_dir
@@ -20,7 +20,7 @@ from engine.model import CausalLM, ForwardOutput
 from engine.parallel import TensorParallel
 
 # The EAGLE3 head this project trained for the embedded default model (see its MODEL_CARD.md).
-EMBEDDED_DRAFT_DIR = Path(__file__).parent / "spec" / "heads" / "SmolLM2-135M-Instruct-eagle3"
+EMBEDDED_DRAFT_DIR = Path(__file__).parent / "spec" / "eagle3_heads" / "SmolLM2-135M-Instruct-eagle3"
 
 
 class ModelRunner:

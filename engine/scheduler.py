@@ -25,7 +25,7 @@ class ScheduledSeq:
     num_lookahead: int  # speculative slots reserved after them
 
     @property
-    def samples(self) -> bool:
+    def yields_token(self) -> bool:
         """This chunk reaches the end of the known tokens, so its last row yields a new token."""
         return self.seq.num_computed + self.num_tokens == len(self.seq.token_ids)
 

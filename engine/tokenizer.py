@@ -118,6 +118,12 @@ class IncrementalDetokenizer:
     U+FFFD. Each step decodes only the tokens since the last emitted boundary (vLLM's prefix/read
     offsets), so the cost per token does not grow with the sequence. The deltas plus `flush()`
     concatenate to `tokenizer.decode(all_ids, skip_special_tokens)`.
+
+    Why not `tokenizers.decoders.DecodeStream` (the same offsets, in Rust): it has `step` and no
+    flush, so a generation that stops inside a multi-byte character (a length limit, an abort)
+    would lose the held-back bytes its final delta must still carry (checked with tokenizers
+    0.23: fed the tokens of "Café 😀" but the last, its last step returns None, and nothing gets
+    the emoji's first bytes out).
     """
 
     def __init__(self, tokenizer: Tokenizer, skip_special_tokens: bool = True) -> None:

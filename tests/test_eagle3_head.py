@@ -6,7 +6,7 @@ import pytest
 import torch
 
 from engine.config import ModelConfig
-from engine.eagle3 import Eagle3Config, Eagle3Draft
+from engine.spec.eagle3_model import Eagle3Config, Eagle3Draft
 from engine.kv_layout import CacheShape, KVLayout, allocate_cache
 from engine.batch import SeqChunk, build_batch
 from engine.loader import load_weights

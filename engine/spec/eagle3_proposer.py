@@ -106,9 +106,9 @@ class Eagle3Proposer:
             self.pending[seq.seq_id] = (position, hidden.to(self.runner.device, self.runner.dtype))
 
     @torch.inference_mode()
-    def propose(self, seqs: list[Sequence], num_tokens: list[int]) -> list[Proposal]:
+    def propose(self, seqs: list[Sequence], chain_slots: list[int]) -> list[Proposal]:
         self._project()
-        known = [(s, k) for s, k in zip(seqs, num_tokens) if s.seq_id in self.pending]
+        known = [(s, k) for s, k in zip(seqs, chain_slots) if s.seq_id in self.pending]
         if any(self.pending[s.seq_id][1].shape[0] > CATCH_UP for s, _ in known):
             self._catch_up([s for s, _ in known])
         drafting = [(s, k) for s, k in known if k > 0]

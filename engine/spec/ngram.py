@@ -33,8 +33,8 @@ class NgramProposer(StatelessProposer):
     def __init__(self, min_n: int, max_n: int):
         self.min_n, self.max_n = min_n, max_n
 
-    def propose(self, seqs: list[Sequence], num_tokens: list[int]) -> list[Proposal]:
-        return [Proposal(lookup(s.token_ids, k, self.min_n, self.max_n) if k else []) for s, k in zip(seqs, num_tokens)]
+    def propose(self, seqs: list[Sequence], chain_slots: list[int]) -> list[Proposal]:
+        return [Proposal(lookup(s.token_ids, k, self.min_n, self.max_n) if k else []) for s, k in zip(seqs, chain_slots)]
 
 
 class LookupBranch:
@@ -45,10 +45,10 @@ class LookupBranch:
         self.inner, self.min_n, self.max_n, self.max_tokens = inner, min_n, max_n, max_tokens
         self.needs_aux = inner.needs_aux
 
-    def propose(self, seqs: list[Sequence], num_tokens: list[int]) -> list[Proposal]:
-        proposals = self.inner.propose(seqs, num_tokens)
+    def propose(self, seqs: list[Sequence], chain_slots: list[int]) -> list[Proposal]:
+        proposals = self.inner.propose(seqs, chain_slots)
         return [p.with_branch(lookup(s.token_ids, k, self.min_n, self.max_n), self.max_tokens) if k else p
-                for s, k, p in zip(seqs, num_tokens, proposals)]
+                for s, k, p in zip(seqs, chain_slots, proposals)]
 
     @property
     def positions_drafted(self) -> int:  # a metric of the EAGLE3 proposer's

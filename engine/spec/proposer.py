@@ -10,7 +10,7 @@ side) move the proposer's state with the KV.
 
 A `Proposal` is a chain of draft tokens, or a tree: with `parents`, token i continues token
 parents[i] (-1: the sequence's last token), parents come before their children, and siblings
-are distinct. `num_tokens` counts the slots
+are distinct. `chain_slots` counts the slots
 reserved before drafting, which bound the proposal's leading chain (a stateful proposer writes
 its own cache there); tokens past it are leaves the engine reserves slots for afterwards, or
 drops when the pool is short.
@@ -69,7 +69,7 @@ class Proposer(Protocol):
     needs_aux: bool
     positions_drafted: int  # positions run through a draft model with target features (a metric)
 
-    def propose(self, seqs: list[Sequence], num_tokens: list[int]) -> list[Proposal]: ...
+    def propose(self, seqs: list[Sequence], chain_slots: list[int]) -> list[Proposal]: ...
 
     def observe(self, seq: Sequence, start: int, aux: torch.Tensor | None) -> None: ...
 
@@ -111,5 +111,5 @@ class NoProposer(StatelessProposer):
 
     needs_aux = False
 
-    def propose(self, seqs: list[Sequence], num_tokens: list[int]) -> list[Proposal]:
+    def propose(self, seqs: list[Sequence], chain_slots: list[int]) -> list[Proposal]:
         return [Proposal([]) for _ in seqs]

@@ -1,6 +1,6 @@
 """The EAGLE3 draft as a trainable torch module, with training-time-test (TTT) unrolling.
 
-Same math and the same checkpoint keys as the inference head (engine/eagle3.py), in a dense
+Same math and the same checkpoint keys as the inference head (engine/spec/eagle3_model.py), in a dense
 [batch, time] layout with autograd. TTT (EAGLE-3, Li et al. 2025) trains the head on its own
 outputs: unroll step k feeds each position the hidden state the head produced at step k-1 and
 the token k places further on, and its attention sees the step-0 keys causally plus, for every
