@@ -55,10 +55,12 @@ class DeploymentConfig(_Strict):
     @model_validator(mode="after")
     def _roles(self) -> "DeploymentConfig":
         # In a deployment these are per role (each replica its own threads and shards): one place.
+        # (A default value is fine: a dumped config lists every field.)
         for field in ("num_threads", "tensor_parallel_size"):
-            if field in self.engine.model_fields_set:
+            value = getattr(self.engine, field)
+            if value != EngineConfig.model_fields[field].default:
                 raise ValueError(f"engine.{field}: set it per role in a deployment "
-                                 f"(prefill.{field}, decode.{field}, aggregated.{field})")
+                                 f"(prefill.{field}, decode.{field}, aggregated.{field}), not under engine (got {value})")
         disaggregated = self.prefill.replicas + self.decode.replicas
         if disaggregated and (not self.prefill.replicas or not self.decode.replicas):
             raise ValueError(

@@ -11,3 +11,9 @@ def test_per_role_engine_fields_are_refused_under_engine(field):
         parse_config({"engine": {field: 2}})
     roles = {"prefill": {"replicas": 0}, "decode": {"replicas": 0}, "aggregated": {"replicas": 1, field: 2}}
     assert getattr(parse_config(roles).aggregated, field) == 2
+
+
+def test_a_dumped_config_parses_again():
+    """Launchers hand workers the config as YAML with every field listed, defaults included."""
+    config = parse_config({"engine": {"num_kv_blocks": 64}, "decode": {"replicas": 2, "num_threads": 1}})
+    assert parse_config(config.model_dump()) == config
