@@ -12,9 +12,8 @@ is then exact in fp32, so the two must agree token for token. The forced sequenc
 cases on top: an accept test at the tie u = p(d), thresholds equal to a CDF value (u = 0 and
 u = 1/2; the sample is the first index whose CDF strictly exceeds it), and u just below 1 (the
 last token with weight, also where the fp32 CDF ends short of the threshold: _lossy_cdf_row).
-The "x" sequences (_precision_edge) need the kernel's exact accept test and, with bf16 inputs,
-its bf16 rounding of p - q. The bf16 case's sums are still exact (multiples of 2^-21) but its
-thresholds u * total are not, so that case relies on its fixed seed.
+The bf16 cases' sums are still exact (multiples of 2^-21) but their thresholds u * total are
+not, so those cases rely on their fixed seeds.
 """
 
 import json
@@ -32,32 +31,29 @@ UNIFORM_BITS = 10
 # The largest fp32 below 1.
 ALMOST_ONE = 1.0 - 2.0 ** -24
 
-# (name, vocab, dense q, probs dtype, sequences). A sequence is (num_drafts, kind, forced) with
-# kind "g"reedy, "s"ampled, "f": sampled, no drafts, a bonus row from _lossy_cdf_row, or "x":
-# sampled, two drafts on the rows of _precision_edge.
+# (name, vocab, probs dtype, sequences). A sequence is (num_drafts, kind, forced) with kind
+# "g"reedy, "s"ampled, or "f": sampled, no drafts, a bonus row from _lossy_cdf_row.
 # forced = k: exactly k drafts accepted (k = num_drafts: full acceptance, 0: immediate rejection)
 # with the edge cases above; None: random drafts and uniforms. BLOCK_V is 1024, so vocab 2500
 # samples across three chunks. A trailing True turns the greedy sequences' drafts into trees.
 GREEDY = [(0, "g", 0), (1, "g", 1), (3, "g", 0), (5, "g", 5), (5, "g", 2), (3, "g", None), (5, "g", None)]
 SAMPLED = [(0, "s", 0), (1, "s", 1), (3, "s", 0), (5, "s", 5), (5, "s", 2), (3, "s", None), (5, "s", None),
-           (5, "s", None), (0, "f", 0), (2, "x", None)]
+           (5, "s", None), (0, "f", 0)]
 MIXED = [(5, "s", None), (3, "g", 3), (0, "s", 0), (5, "g", None), (1, "s", 0), (5, "s", 5), (3, "g", 0),
-         (4, "s", None), (2, "x", None)]
+         (4, "s", None)]
 CASES = [
-    ("greedy-v37", 37, False, "float32", GREEDY),
-    ("greedy-v1000", 1000, False, "float32", GREEDY),
-    ("sampled-onehot-v37", 37, False, "float32", SAMPLED),
-    ("sampled-onehot-v2500", 2500, False, "float32", SAMPLED),
-    ("sampled-dense-v37", 37, True, "float32", SAMPLED),
-    ("sampled-dense-v1000", 1000, True, "float32", SAMPLED),
-    ("mixed-onehot-v1000", 1000, False, "float32", MIXED),
-    ("mixed-dense-v2500", 2500, True, "float32", MIXED),
-    ("mixed-dense-v1000-bf16", 1000, True, "bfloat16", MIXED),
-    # Trees (see _with_trees): one-hot q only.
-    ("trees-v37", 37, False, "float32", GREEDY + GREEDY, True),
-    ("trees-sampled-v37", 37, False, "float32", SAMPLED + SAMPLED, True),
-    ("trees-mixed-v1000", 1000, False, "float32", MIXED, True),
-    ("trees-mixed-v2500-bf16", 2500, False, "bfloat16", MIXED + MIXED, True),
+    ("greedy-v37", 37, "float32", GREEDY),
+    ("greedy-v1000", 1000, "float32", GREEDY),
+    ("sampled-v37", 37, "float32", SAMPLED),
+    ("sampled-v2500", 2500, "float32", SAMPLED),
+    ("mixed-v1000", 1000, "float32", MIXED),
+    ("mixed-v2500", 2500, "float32", MIXED),
+    ("mixed-v1000-bf16", 1000, "bfloat16", MIXED),
+    # Trees (see _with_trees).
+    ("trees-v37", 37, "float32", GREEDY + GREEDY, True),
+    ("trees-sampled-v37", 37, "float32", SAMPLED + SAMPLED, True),
+    ("trees-mixed-v1000", 1000, "float32", MIXED, True),
+    ("trees-mixed-v2500-bf16", 2500, "bfloat16", MIXED + MIXED, True),
 ]
 
 
@@ -105,28 +101,7 @@ def _lossy_cdf_row(vocab: int):
     return p
 
 
-def _precision_edge(i: int, p, u):
-    """Draft i of an "x" sequence: fills its row of p and uniforms u in place, returns (draft, q).
-
-    With dense q, draft 0 is accepted only by exact arithmetic: u * q(d) = (5/6 - ~2^-24) * 3/4 is
-    just below p(d) = 5/8 but rounds to it in fp32. Draft 1 (p(d) = 0) is rejected and samples
-    p - q = (0.50390625 - 3 * 2^-12, 0.49609375, 0...): bf16 rounds the first weight back up to
-    0.50390625, and u = 2063/4096 puts the threshold between the rounded and the exact weight.
-    With one-hot q, u >= p(d) rejects draft 0 outright."""
-    import torch
-
-    q = torch.zeros_like(p)
-    p.zero_()
-    if i == 0:
-        p[0], p[1], q[0], q[1] = 0.625, 0.375, 0.75, 0.25
-        u[0] = 13981013 / 2 ** 24
-        return 0, q
-    p[0], p[1], q[0], q[2] = 0.50390625, 0.49609375, 3 * 2.0 ** -12, 0.99609375
-    u[0], u[1] = 0.5, 2063 / 4096
-    return 2, q
-
-
-def _make_input(vocab: int, dense_q: bool, dtype: str, seqs: list, seed: int):
+def _make_input(vocab: int, dtype: str, seqs: list, seed: int):
     import torch
 
     from engine.spec.rejection import VerifyInput
@@ -139,17 +114,12 @@ def _make_input(vocab: int, dense_q: bool, dtype: str, seqs: list, seed: int):
     probs = _dyadic_probs(logits, dtype)
     u_sample = torch.randint(0, 2 ** UNIFORM_BITS, (num_rows,), generator=gen) / 2 ** UNIFORM_BITS
     uniforms = torch.stack([torch.rand(num_rows, generator=gen), u_sample], 1)
-    draft_ids, draft_q = [], []
+    draft_ids = []
     row = 0
     for n, kind, forced in seqs:
         for i in range(n):
             r = row + i
-            # Proposal: a perturbed target for dense q; one-hot drafts are greedy, like a real drafter's.
-            q = _dyadic_probs(logits[r : r + 1] + torch.randn(1, vocab, generator=gen), dtype)[0] if dense_q else None
-            if kind == "x":
-                d, edge_q = _precision_edge(i, probs[r], uniforms[r])
-                q = edge_q if dense_q else None
-            elif kind == "g":
+            if kind == "g":
                 hit = i < forced if forced is not None else torch.rand(1, generator=gen).item() < 0.7
                 miss = (int(argmax[r]) + 1 + int(torch.randint(0, vocab - 1, (1,), generator=gen))) % vocab
                 d = int(argmax[r]) if hit else miss
@@ -157,18 +127,12 @@ def _make_input(vocab: int, dense_q: bool, dtype: str, seqs: list, seed: int):
                 d = int(torch.multinomial(probs[r], 1, generator=gen))  # p(d) > 0 and u = 0: accepted
                 uniforms[r, 0] = 0.0
             elif forced is not None and i == forced:
-                # Rejected: one-hot at the tie u = p(d); dense q with p(d) < q(d) and u just below 1.
-                if dense_q:
-                    d = int((q - probs[r]).argmax())
-                    uniforms[r, 0] = ALMOST_ONE
-                else:
-                    d = int(probs[r].argmin())
-                    uniforms[r, 0] = probs[r, d]
+                d = int(probs[r].argmin())  # rejected at the tie u = p(d)
+                uniforms[r, 0] = probs[r, d]
                 uniforms[r, 1] = ALMOST_ONE
             else:
-                d = int(torch.multinomial(q, 1, generator=gen)) if dense_q else int(argmax[r])
+                d = int(argmax[r])  # drafts are greedy, like a real drafter's
             draft_ids.append(d)
-            draft_q.append(q)
         if kind == "g":
             probs[row : row + n + 1] = float("nan")  # greedy rows of p are never read
         elif kind == "f":
@@ -185,7 +149,6 @@ def _make_input(vocab: int, dense_q: bool, dtype: str, seqs: list, seed: int):
         num_drafts=torch.tensor([n for n, _, _ in seqs], dtype=torch.long),
         target_logits=logits.to(dtype),
         target_probs=None if all_greedy else probs.to(dtype),
-        draft_probs=torch.stack(draft_q).to(dtype) if dense_q and draft_q else None,
         greedy=torch.tensor([kind == "g" for _, kind, _ in seqs]),
         uniforms=uniforms,
     )
@@ -214,11 +177,11 @@ def _with_trees(inp, seqs: list, seed: int):
     return inp
 
 
-def _run_case(vocab: int, dense_q: bool, dtype: str, seqs: list, trees: bool = False, *, seed: int) -> dict:
+def _run_case(vocab: int, dtype: str, seqs: list, trees: bool = False, *, seed: int) -> dict:
     from engine.spec.rejection import verify
     from engine.spec.triton_rejection import triton_verify
 
-    inp = _make_input(vocab, dense_q, dtype, seqs, seed)
+    inp = _make_input(vocab, dtype, seqs, seed)
     if trees:
         inp = _with_trees(inp, seqs, seed)
     expected = verify(inp)

@@ -6,9 +6,10 @@ num_drafts + 1. Per sequence:
 - greedy: accept the longest prefix where draft == target argmax, then emit the target's argmax
   at the first mismatch (or the bonus token after a full acceptance) -- token-identical to plain
   greedy decoding;
-- sampled: accept draft d at step i with probability min(1, p_i(d) / q_i(d)); on rejection emit
-  a sample of normalize(max(0, p_i - q_i)); after full acceptance a bonus sample of p_K. This
-  reproduces the target distribution p exactly (Leviathan et al.; Chen et al., 2023).
+- sampled: drafts are the draft model's top choices (or n-gram lookups), not samples, so the
+  proposal q is one-hot: accept draft d with probability p(d) (the one-hot case of min(1, p/q),
+  Leviathan et al.; Chen et al., 2023); on rejection emit a sample of p without d; after full
+  acceptance a bonus sample of p. This reproduces the target distribution p exactly.
 With no drafts this is plain sampling, so the engine has one sampling path.
 
 A proposal may be a tree (`draft_parents`: draft i continues draft parents[i], -1 the last real
@@ -17,13 +18,11 @@ logits after draft i's path, and acceptance walks down from the root, testing th
 node's children in proposal order:
 - greedy: a child is accepted when it is the target's argmax at the current node's row (at most
   one can be);
-- sampled (one-hot q: the candidates are the draft's top choices, not samples): a child d is
-  accepted with probability p(d) / (1 - the mass of p its rejected elder siblings hold); when all
+- sampled: a child d is accepted with probability p(d) / (1 - the mass of p its rejected elder siblings hold); when all
   are rejected, the emitted token is a sample of p without them. Each token then comes out with
   probability p exactly: p(c1), (1 - p(c1)) p(c2) / (1 - p(c1)) = p(c2), ..., and for the others
   (1 - sum p(ci)) p(x) / (1 - sum p(ci)) (the one-hot case of SpecInfer's multi-candidate rule).
-A chain is the tree whose parents are i - 1, and the walk is then the rules above. Trees take
-one-hot q only. The output names the accepted drafts' indices (`path`): their KV must move to
+A chain is the tree whose parents are i - 1, and the walk is then the rules above. The output names the accepted drafts' indices (`path`): their KV must move to
 consecutive slots.
 
 Randomness comes in as uniforms drawn from each request's own generator, two per row: the
@@ -46,7 +45,6 @@ class VerifyInput:
     num_drafts: torch.Tensor  # [B] int64
     target_logits: torch.Tensor  # [D + B, V]
     target_probs: torch.Tensor | None  # [D + B, V] sampling distribution p (rows of greedy sequences unused)
-    draft_probs: torch.Tensor | None  # [D, V] proposal distribution q; None = one-hot at the draft token
     greedy: torch.Tensor  # [B] bool
     uniforms: torch.Tensor  # [D + B, 2] fp32 in [0, 1)
     draft_parents: torch.Tensor | None = None  # [D] int64, each draft's parent in its sequence; None = chains
@@ -62,9 +60,7 @@ class VerifyOutput:
 def make_verify_input(params: list[SamplingParams], generators: list[torch.Generator], drafts: list[list[int]],
                       logits: torch.Tensor, parents: list[list[int] | None] | None = None) -> VerifyInput:
     """Inputs for sequences with these params and drafts; logits: [sum(len(d) + 1), V] in order;
-    parents: per sequence, its drafts' parents for a tree, or None for a chain.
-
-    Drafts are greedy (argmax of the draft model, or n-gram lookups), so q is one-hot."""
+    parents: per sequence, its drafts' parents for a tree, or None for a chain."""
     tree = None
     if parents is not None and any(t is not None for t in parents):
         tree = torch.tensor([i for d, t in zip(drafts, parents) for i in (t if t is not None else range(-1, len(d) - 1))],
@@ -83,7 +79,6 @@ def make_verify_input(params: list[SamplingParams], generators: list[torch.Gener
         num_drafts=torch.tensor([len(d) for d in drafts], dtype=torch.long),
         target_logits=logits,
         target_probs=probs,
-        draft_probs=None,
         greedy=torch.tensor([p.greedy for p in params], dtype=torch.bool),
         uniforms=torch.cat(uniforms) if uniforms else torch.empty(0, 2),
         draft_parents=tree,
@@ -99,8 +94,6 @@ def verify(inp: VerifyInput) -> VerifyOutput:
     argmax = inp.target_logits.argmax(dim=-1).tolist()
     drafts = inp.draft_ids.tolist()
     parents = inp.draft_parents.tolist() if inp.draft_parents is not None else None
-    if parents is not None and inp.draft_probs is not None:
-        raise ValueError("tree drafts are verified with one-hot draft probabilities only")
     row = draft = 0
     for s, n in enumerate(inp.num_drafts.tolist()):
         seq_drafts = drafts[draft : draft + n]
@@ -109,7 +102,7 @@ def verify(inp: VerifyInput) -> VerifyOutput:
             accepted = _greedy_path(seq_drafts, seq_parents, argmax[row:])
             last = argmax[row + 1 + accepted[-1]] if accepted else argmax[row]
         else:
-            accepted, last = _stochastic(inp, row, draft, seq_drafts, seq_parents)
+            accepted, last = _stochastic(inp, row, seq_drafts, seq_parents)
         a = len(accepted)
         tokens[s, :a] = torch.tensor([seq_drafts[i] for i in accepted], dtype=torch.long)
         tokens[s, a] = last
@@ -131,30 +124,23 @@ def _greedy_path(drafts: list[int], parents, argmax: list[int]) -> list[int]:
     return accepted
 
 
-def _stochastic(inp: VerifyInput, row: int, draft: int, drafts: list[int], parents: list[int]) -> tuple[list[int], int]:
+def _stochastic(inp: VerifyInput, row: int, drafts: list[int], parents: list[int]) -> tuple[list[int], int]:
     """The accepted drafts (walking down as the module doc says) and the token that follows."""
     p, u = inp.target_probs, inp.uniforms
-    accepted, at, rejected, q = [], -1, [], None
+    accepted, at, rejected = [], -1, []
     for i, (d, parent) in enumerate(zip(drafts, parents)):
         if parent != at:
             continue
         at_row = row + 1 + at
-        if inp.draft_probs is not None:  # a chain with a dense q: accept with min(1, p/q)
-            q = inp.draft_probs[draft + i]
-            mass = float(q[d])
-        else:  # one-hot q: p's mass not yet rejected at this node
-            mass = 1.0 - sum(float(p[at_row, t]) for t in rejected)
+        mass = 1.0 - sum(float(p[at_row, t]) for t in rejected)  # p's mass not yet rejected here
         if float(u[row + i, 0]) * mass < float(p[at_row, d]):
             accepted.append(i)
             at, rejected = i, []
         else:
             rejected.append(d)
     at_row = row + 1 + at
-    if q is not None and rejected:
-        residual = (p[at_row] - q).clamp_min(0.0)
-    else:
-        residual = p[at_row].clone()
-        residual[rejected] = 0.0
+    residual = p[at_row].clone()
+    residual[rejected] = 0.0
     return accepted, inverse_cdf(residual, float(u[at_row, 1]))
 
 
