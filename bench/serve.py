@@ -6,7 +6,7 @@ driven by the same load (`tools/loadgen.py`, what `pdspec bench serve` runs):
             questions, Poisson arrivals. Compares prefill tokens computed and TTFT.
 - ttft:     unique 512-token prompts (on average), one at a time: disaggregated over NIXL
             (1 prefill + 1 decode) vs one aggregated worker, with and without EAGLE3, the four
-            clusters taking turns on each prompt. The difference is the hand-off's cost (RPCs,
+            clusters taking turns on each prompt. The difference is the KV transfer's cost (RPCs,
             the KV pull, admission on the decode side, and with EAGLE3 the draft's prefill).
 - load:     aggregated vs disaggregated (1 + 1, NIXL) under Poisson chat traffic with EAGLE3:
             TTFT, inter-token latency, throughput, acceptance.
@@ -84,7 +84,7 @@ def ttft(args, questions: list[str]) -> dict[str, dict]:
     # no CPU) and take turns on each prompt, which pairs the samples against this VM's drifting
     # speed. With EAGLE3 the prefill worker also runs the draft over the prompt before handing
     # off, work the aggregated worker defers until after the first token (into the second
-    # token's latency); without speculation the TTFT gap is the hand-off alone.
+    # token's latency); without speculation the TTFT gap is the KV transfer alone.
     both_cores = {**NIXL, "replicas": 1, "num_threads": 2}
     setups = {f"{mode}/{method}": (roles, {**ENGINE, "speculative": {"method": method}})
               for method in ("eagle3", "none")

@@ -19,7 +19,7 @@ from pydantic import ValidationError
 from engine.block_manager import NoFreeBlocksError
 from engine.errors import CapacityExceeded, InvalidRequest
 from engine.loop import EngineLoop
-from engine.output import HandOff, RequestOutput
+from engine.output import KVHandle, RequestOutput
 from kvtransfer.connector import KVConnector, KVTransferError
 from serving.convert import acceptance, sampling_params
 from proto.pdspec.v1 import common_pb2, worker_pb2, worker_pb2_grpc
@@ -75,7 +75,7 @@ class DecodeServicer(worker_pb2_grpc.DecodeWorkerServicer):
             if e.retryable:
                 context.set_trailing_metadata([(FAILED_KV_SOURCE_METADATA_KEY, handle.source_worker_id)])
             context.abort(code, f"KV transfer from {handle.source_worker_id} failed: {e}")
-        return self.loop.admit_prefilled(rid, _handoff(handle, table))
+        return self.loop.admit_prefilled(rid, _engine_handle(handle, table))
 
     def _reserve(self, rid, prompt, params, context) -> tuple[int, list[int]]:
         """Allocate the prompt's blocks, waiting while the pool or the batch is full."""
@@ -92,9 +92,9 @@ class DecodeServicer(worker_pb2_grpc.DecodeWorkerServicer):
                       f"decode worker KV pool stayed full for {self.admission_timeout_s:.0f}s; retry later")
 
 
-def _handoff(handle, table: list[int]) -> HandOff:
+def _engine_handle(handle, table: list[int]) -> KVHandle:
     hidden = np.frombuffer(handle.draft_hidden, dtype=np.float32)
-    return HandOff(
+    return KVHandle(
         block_table=table,
         first_token=handle.first_token,
         rng_state=torch.frombuffer(bytearray(handle.rng_state), dtype=torch.uint8),

@@ -25,7 +25,7 @@ from engine.batch import SeqChunk
 from engine.block_manager import BlockManager
 from engine.config import EngineConfig
 from engine.errors import CapacityExceeded, InvalidRequest
-from engine.output import HandOff, OutputStream, RequestOutput, Usage
+from engine.output import KVHandle, OutputStream, RequestOutput, Usage
 from engine.runner import ModelRunner
 from engine.params import SamplingParams
 from engine.scheduler import ScheduledSeq, Scheduler
@@ -67,7 +67,7 @@ class Engine:
     def add_request(self, prompt_token_ids: Seq[int], params: SamplingParams, request_id: str | None = None,
                     prefill_only: bool = False) -> str:
         """Queue a request. With prefill_only, it stops after its first token and is handed off
-        (see HandOff): its blocks stay allocated until `release`."""
+        (see KVHandle): its blocks stay allocated until `release`."""
         request_id = request_id if request_id is not None else f"req-{next(self._ids)}"
         self._validate(request_id, prompt_token_ids, params)
         seq = Sequence.new(request_id, prompt_token_ids, params)
@@ -152,7 +152,7 @@ class Engine:
 
     def _hand_off(self, seq: Sequence, first_token: int) -> RequestOutput:
         self.scheduler.detach(seq)
-        handoff = HandOff(
+        handle = KVHandle(
             block_table=self.blocks.block_table(seq.seq_id),
             first_token=first_token,
             rng_state=seq.generator.get_state(),
@@ -163,7 +163,7 @@ class Engine:
         self.proposer.release(seq)
         del self.seqs[seq.seq_id], self.streams[seq.seq_id]
         self.handed_off[seq.seq_id] = seq
-        return RequestOutput(seq.seq_id, [first_token], "", finished=True, finish_reason="prefilled", handoff=handoff)
+        return RequestOutput(seq.seq_id, [first_token], "", finished=True, finish_reason="prefilled", handle=handle)
 
     def release(self, request_id: str) -> bool:
         """Free a handed-off request's blocks (the decode side has its KV, or gave up)."""
@@ -188,18 +188,18 @@ class Engine:
         self.incoming[request_id] = seq
         return cached, self.blocks.block_table(request_id)
 
-    def admit_prefilled(self, request_id: str, handoff: HandOff) -> RequestOutput:
+    def admit_prefilled(self, request_id: str, handle: KVHandle) -> RequestOutput:
         """The prompt's KV is in place: join the running batch; returns the first token's output."""
         seq = self.incoming.pop(request_id)
         self.blocks.commit(request_id, seq.token_ids[seq.num_cached_prompt :])
         seq.num_computed = len(seq.token_ids)
-        seq.num_cached_prompt = handoff.cached_prompt_tokens  # usage reports the prefill side's cache hits
-        seq.generator.set_state(handoff.rng_state)
-        self.proposer.adopt(seq, seq.num_computed - 1, handoff.draft_hidden)
+        seq.num_cached_prompt = handle.cached_prompt_tokens  # usage reports the prefill side's cache hits
+        seq.generator.set_state(handle.rng_state)
+        self.proposer.adopt(seq, seq.num_computed - 1, handle.draft_hidden)
         self.seqs[request_id] = seq
         self.streams[request_id] = OutputStream(self.tokenizer, seq.params)
         self.scheduler.add_running(seq)
-        return self._append(seq, [handoff.first_token])
+        return self._append(seq, [handle.first_token])
 
     def _lookahead(self, seq: Sequence) -> int:
         """Draft tokens to reserve for a decoding sequence: never more than it may still emit - 1,

@@ -15,7 +15,7 @@ from concurrent.futures import Future
 
 from engine.block_manager import KVEvent
 from engine.engine import Engine
-from engine.output import HandOff, RequestOutput
+from engine.output import KVHandle, RequestOutput
 from engine.params import SamplingParams
 from engine.stats import EngineStats
 
@@ -53,10 +53,10 @@ class EngineLoop:
 
         return self.call(add)
 
-    def admit_prefilled(self, request_id: str, handoff: HandOff) -> queue.SimpleQueue[RequestOutput]:
+    def admit_prefilled(self, request_id: str, handle: KVHandle) -> queue.SimpleQueue[RequestOutput]:
         def admit():
             outputs = self.outputs[request_id] = queue.SimpleQueue()
-            self._dispatch([self.engine.admit_prefilled(request_id, handoff)])  # may finish it already
+            self._dispatch([self.engine.admit_prefilled(request_id, handle)])  # may finish it already
             return outputs
 
         return self.call(admit)

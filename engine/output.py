@@ -14,7 +14,7 @@ from engine.tokenizer import IncrementalDetokenizer, Tokenizer
 
 
 @dataclass
-class HandOff:
+class KVHandle:
     """What a prefill-only request leaves for the engine that decodes it."""
 
     block_table: list[int]  # this engine's blocks holding the prompt's KV (target and draft)
@@ -39,7 +39,7 @@ class RequestOutput:
     finished: bool = False
     finish_reason: str | None = None  # "stop" | "length" | "abort"
     acceptance: AcceptanceStats | None = None  # on the final output, when speculation is on
-    handoff: HandOff | None = None  # finish_reason "prefilled" only
+    handle: KVHandle | None = None  # finish_reason "prefilled" only
     usage: Usage | None = None  # on the final output
 
 

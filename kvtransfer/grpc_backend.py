@@ -1,4 +1,4 @@
-"""KV transfer over the FetchBlocks gRPC stream: works wherever gRPC does, no NIXL needed.
+"""KV transfer over the PullBlocks gRPC stream: works wherever gRPC does, no NIXL needed.
 
 One message per (block, cache) keeps every message one block long; HTTP/2 flow control paces
 the source to the speed at which we verify and copy. Each chunk's XXH3-64 is checked before its
@@ -18,20 +18,20 @@ class GrpcConnector(BaseConnector):
               local_block_ids: list[int], deadline: float) -> None:
         local_of = dict(zip(remote_block_ids, local_block_ids))
         missing = {(block_id, cache) for block_id in remote_block_ids for cache in self.caches}
-        request = kv_pb2.FetchBlocksRequest(request_id=handle.request_id, block_ids=remote_block_ids,
+        request = kv_pb2.PullBlocksRequest(request_id=handle.request_id, block_ids=remote_block_ids,
                                             expected_layout=layout_to_proto(self.layout))
-        stream = stub.FetchBlocks(request, timeout=remaining(deadline))
+        stream = stub.PullBlocks(request, timeout=remaining(deadline))
         try:
             for chunk in stream:
                 self._verify(chunk, missing, handle.source_address)
                 write_block(self.caches[chunk.cache], local_of[chunk.block_id], chunk.data)
                 missing.discard((chunk.block_id, chunk.cache))
         except grpc.RpcError as e:
-            raise rpc_failure(e, f"FetchBlocks of {handle.request_id}", handle.source_address) from None
+            raise rpc_failure(e, f"PullBlocks of {handle.request_id}", handle.source_address) from None
         finally:
             stream.cancel()  # no-op after a complete stream; frees it at once when we stop early
         if missing:
-            raise KVTransferError(f"{handle.source_address} ended FetchBlocks of {handle.request_id} "
+            raise KVTransferError(f"{handle.source_address} ended PullBlocks of {handle.request_id} "
                                   f"with {len(missing)} (block, cache) chunks missing", retryable=True)
 
     def _verify(self, chunk: kv_pb2.KVBlockChunk, missing: set[tuple[int, str]], source: str) -> None:

@@ -1,7 +1,7 @@
 """The source side of a KV transfer: pin a prefilled request's blocks and serve them.
 
 A pin ends exactly once, and then calls its `on_release` (the engine frees the blocks): on a
-Release RPC, when it times out (the reaper thread), or at release_all()/close(). FetchBlocks
+Release RPC, when it times out (the reaper thread), or at release_all()/close(). PullBlocks
 reads each block under the lock that ends pins, and on_release runs after the pin has ended, so
 it never sends bytes of a block the engine may already have reused.
 """
@@ -140,7 +140,7 @@ class KVTransferServicer(kv_pb2_grpc.KVTransferServicer):
     def __init__(self, source: KVSource):
         self.source = source
 
-    def FetchBlocks(self, request: kv_pb2.FetchBlocksRequest,
+    def PullBlocks(self, request: kv_pb2.PullBlocksRequest,
                     context: grpc.ServicerContext) -> Iterator[kv_pb2.KVBlockChunk]:
         try:
             self.source.layout.check_compatible(layout_from_proto(request.expected_layout))

@@ -37,7 +37,7 @@ class PrefillServicer(worker_pb2_grpc.PrefillWorkerServicer):
             context.abort(grpc.StatusCode.DEADLINE_EXCEEDED, f"prefill of {rid} did not finish before the deadline")
         if out.finish_reason != "prefilled":
             context.abort(grpc.StatusCode.UNAVAILABLE, f"prefill of {rid} ended: {out.finish_reason}")
-        h = out.handoff
+        h = out.handle
         self.source.pin(rid, h.block_table, on_release=lambda: self.loop.call(self.loop.engine.release, rid))
         if not context.is_active():  # the router gave up meanwhile: nobody will fetch these blocks
             self.source.release(rid)

@@ -204,7 +204,7 @@ def test_draft_caches_left_behind_catch_up_to_what_one_forward_computes(prompts)
         tokens = seq.token_ids
         n = len(tokens) - 1
         # The reference: one full draft forward over positions [0, n), from the target's features
-        # over the same tokens (in blocks a prefill hand-off pins).
+        # over the same tokens (in blocks a prefill's KV handle pins).
         ref = reference.add_request(tokens, SamplingParams(max_tokens=1), prefill_only=True)
         while reference.has_unfinished():
             reference.step()

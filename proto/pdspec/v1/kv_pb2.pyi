@@ -82,7 +82,7 @@ class KVHandle(_message.Message):
     cached_prompt_tokens: int
     def __init__(self, request_id: _Optional[str] = ..., source_worker_id: _Optional[str] = ..., source_address: _Optional[str] = ..., layout: _Optional[_Union[KVLayout, _Mapping]] = ..., block_ids: _Optional[_Iterable[int]] = ..., num_prompt_tokens: _Optional[int] = ..., first_token: _Optional[int] = ..., rng_state: _Optional[bytes] = ..., draft_hidden: _Optional[bytes] = ..., cached_prompt_tokens: _Optional[int] = ...) -> None: ...
 
-class FetchBlocksRequest(_message.Message):
+class PullBlocksRequest(_message.Message):
     __slots__ = ("request_id", "block_ids", "expected_layout")
     REQUEST_ID_FIELD_NUMBER: _ClassVar[int]
     BLOCK_IDS_FIELD_NUMBER: _ClassVar[int]

@@ -34,9 +34,9 @@ class KVTransferStub:
         Args:
             channel: A grpc.Channel.
         """
-        self.FetchBlocks = channel.unary_stream(
-                '/pdspec.v1.KVTransfer/FetchBlocks',
-                request_serializer=proto_dot_pdspec_dot_v1_dot_kv__pb2.FetchBlocksRequest.SerializeToString,
+        self.PullBlocks = channel.unary_stream(
+                '/pdspec.v1.KVTransfer/PullBlocks',
+                request_serializer=proto_dot_pdspec_dot_v1_dot_kv__pb2.PullBlocksRequest.SerializeToString,
                 response_deserializer=proto_dot_pdspec_dot_v1_dot_kv__pb2.KVBlockChunk.FromString,
                 _registered_method=True)
         self.GetNixlMetadata = channel.unary_unary(
@@ -54,7 +54,7 @@ class KVTransferStub:
 class KVTransferServicer:
     """Missing associated documentation comment in .proto file."""
 
-    def FetchBlocks(self, request, context):
+    def PullBlocks(self, request, context):
         """Streams the requested blocks of a pinned request, one message per (block, cache).
         """
         context.set_code(grpc.StatusCode.UNIMPLEMENTED)
@@ -78,9 +78,9 @@ class KVTransferServicer:
 
 def add_KVTransferServicer_to_server(servicer, server):
     rpc_method_handlers = {
-            'FetchBlocks': grpc.unary_stream_rpc_method_handler(
-                    servicer.FetchBlocks,
-                    request_deserializer=proto_dot_pdspec_dot_v1_dot_kv__pb2.FetchBlocksRequest.FromString,
+            'PullBlocks': grpc.unary_stream_rpc_method_handler(
+                    servicer.PullBlocks,
+                    request_deserializer=proto_dot_pdspec_dot_v1_dot_kv__pb2.PullBlocksRequest.FromString,
                     response_serializer=proto_dot_pdspec_dot_v1_dot_kv__pb2.KVBlockChunk.SerializeToString,
             ),
             'GetNixlMetadata': grpc.unary_unary_rpc_method_handler(
@@ -105,7 +105,7 @@ class KVTransfer:
     """Missing associated documentation comment in .proto file."""
 
     @staticmethod
-    def FetchBlocks(request,
+    def PullBlocks(request,
             target,
             options=(),
             channel_credentials=None,
@@ -118,8 +118,8 @@ class KVTransfer:
         return grpc.experimental.unary_stream(
             request,
             target,
-            '/pdspec.v1.KVTransfer/FetchBlocks',
-            proto_dot_pdspec_dot_v1_dot_kv__pb2.FetchBlocksRequest.SerializeToString,
+            '/pdspec.v1.KVTransfer/PullBlocks',
+            proto_dot_pdspec_dot_v1_dot_kv__pb2.PullBlocksRequest.SerializeToString,
             proto_dot_pdspec_dot_v1_dot_kv__pb2.KVBlockChunk.FromString,
             options,
             channel_credentials,

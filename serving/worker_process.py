@@ -1,0 +1,112 @@
+"""What every worker process does around its own gRPC services: the engine and its loop, the
+server, the /metrics endpoint, registration and heartbeats with the router, and shutdown.
+
+`prefill_worker/main.py` and `decode_worker/main.py` add their services; `deploy/worker.py`
+picks one by role. Launchers (local processes, Ray actors, Kubernetes pods) all come through it.
+"""
+
+import logging
+import socket
+import uuid
+from dataclasses import dataclass, field
+from typing import Any, Callable, Protocol
+
+import grpc
+
+from engine.config import EngineConfig
+from engine.engine import Engine
+from engine.loop import EngineLoop
+from kvtransfer.layout import layout_to_proto
+from proto.pdspec.v1 import kv_pb2
+from proto.rpc import serve
+from serving.metrics import serve_metrics
+from serving.registry_client import RegistryClient, registration
+
+log = logging.getLogger(__name__)
+
+# (add_XServicer_to_server, servicer, full service name): one gRPC service of the worker.
+Service = tuple[Callable[[Any, grpc.Server], None], Any, str]
+
+
+class Closeable(Protocol):
+    def close(self) -> None: ...
+
+
+@dataclass
+class WorkerSpec:
+    """Where and how one worker process runs (deploy/ fills it from the deployment config)."""
+
+    role: str
+    engine: EngineConfig  # with this role's threads and tensor-parallel size
+    router_address: str
+    token: str | None
+    heartbeat_interval_s: float
+    port: int = 0  # 0: any free port
+    metrics_port: int = 0
+    host: str = "127.0.0.1"
+    advertise_host: str | None = None  # the host other processes reach us at (default: host)
+    worker_id: str | None = None
+
+    def __post_init__(self) -> None:
+        self.worker_id = self.worker_id or f"{self.role}-{socket.gethostname()}-{uuid.uuid4().hex[:6]}"
+
+
+@dataclass
+class RunningWorker:
+    worker_id: str
+    role: str
+    address: str
+    server: grpc.Server
+    loop: EngineLoop
+    registry: RegistryClient
+    metrics_server: Any
+    closers: list[Closeable] = field(default_factory=list)  # KV sources and connectors
+
+    def stop(self) -> None:
+        self.registry.stop()
+        self.server.stop(grace=2).wait()
+        self.metrics_server.shutdown()
+        for part in self.closers:
+            part.close()
+        self.loop.stop()
+        self.loop.engine.close()
+
+
+def start_engine(spec: WorkerSpec) -> EngineLoop:
+    """The worker's engine, stepped by its own thread."""
+    return EngineLoop(Engine(spec.engine))
+
+
+def kv_caches(loop: EngineLoop) -> dict[str, Any]:
+    """The engine's KV caches by name, as the KV layout names them."""
+    runner = loop.engine.runner
+    return {"target": runner.kv_cache} | ({"draft": runner.draft_cache} if runner.draft_cache is not None else {})
+
+
+def layout_message(loop: EngineLoop) -> kv_pb2.KVLayout:
+    return layout_to_proto(loop.engine.runner.layout)
+
+
+def bind(spec: WorkerSpec, services: list[Service]) -> tuple[grpc.Server, str]:
+    """Serve `services` (all internal: the cluster token is required). Returns the server and the
+    address other workers and the router dial."""
+    server, bound = serve(services, f"{spec.host}:{spec.port}", spec.token, internal=[name for _, _, name in services])
+    return server, f"{spec.advertise_host or spec.host}:{bound}"
+
+
+def announce(spec: WorkerSpec, loop: EngineLoop, server: grpc.Server, address: str, closers: list[Closeable],
+             kv_transfer: str) -> RunningWorker:
+    """Export metrics and register with the router, which routes to the worker once the first
+    heartbeat lands."""
+    metrics_server, metrics_port = serve_metrics(loop, spec.role, spec.worker_id, spec.host, spec.metrics_port)
+    engine = loop.engine
+    request = registration(spec.worker_id, spec.role, address, layout_message(loop), engine.blocks.num_blocks,
+                           engine.max_model_len)
+    request.metrics_address = f"{spec.advertise_host or spec.host}:{metrics_port}"
+    registry = RegistryClient(spec.router_address, spec.token, request, loop, interval_s=spec.heartbeat_interval_s)
+    registry.start()
+    log.info("%s worker %s serving on %s (model %s, draft %s, K=%d, %d KV blocks, transfer %s)",
+             spec.role, spec.worker_id, address, engine.runner.model_dir, spec.engine.speculative.model or
+             ("embedded" if engine.runner.draft else "none"), engine.num_speculative_tokens, engine.blocks.num_blocks,
+             kv_transfer)
+    return RunningWorker(spec.worker_id, spec.role, address, server, loop, registry, metrics_server, closers)
