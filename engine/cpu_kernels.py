@@ -27,6 +27,7 @@ from pathlib import Path
 import torch
 
 from engine.home import pdspec_home
+from engine.quant import KERNEL_FORMAT, QBLOCK, QuantizedTensor, pack_panels
 
 ISA_ENV = "PDSPEC_CPU_ISA"
 ISA_LEVELS = ("avx512", "avx2", "portable")  # best first
@@ -104,6 +105,8 @@ class CpuKernels:
         for gemm in (lib.pd_packed_gemm, lib.pd_packed_gemm_bf16):
             gemm.restype = None
             gemm.argtypes = [ctypes.c_void_p] * 4 + [ctypes.c_int] * 4
+        lib.pd_quant_gemm.restype = ctypes.c_int
+        lib.pd_quant_gemm.argtypes = [ctypes.c_int] + [ctypes.c_void_p] * 4 + [ctypes.c_int] * 4
         lib.pd_paged_attention.restype = ctypes.c_int
         lib.pd_paged_attention.argtypes = (
             [ctypes.c_void_p] * 2 + [ctypes.c_long] * 3 + [ctypes.c_void_p, ctypes.c_int] + [ctypes.c_void_p] * 2
@@ -140,6 +143,30 @@ class CpuKernels:
             x.data_ptr(), packed.data_ptr(), bias.data_ptr() if bias is not None else None, y.data_ptr(),
             m, k, out_features, torch.get_num_threads(),
         )
+        return y
+
+    def pack_quantized(self, weight: QuantizedTensor) -> torch.Tensor:
+        """GGUF blocks -> the panels `quant_gemm` reads (see engine/quant.py)."""
+        return pack_panels(weight, self.pack_width)
+
+    def quant_gemm(self, x: torch.Tensor, panels: torch.Tensor, qtype: str, out_features: int,
+                   bias: torch.Tensor | None = None) -> torch.Tensor:
+        """x[M, K] fp32 @ W^T (+ fp32 bias) -> fp32, for W of `qtype` packed by `pack_quantized`:
+        bit-identical to `packed_gemm` over the dequantized weight."""
+        x = x.contiguous()
+        m, k = x.shape
+        fmt = KERNEL_FORMAT[qtype]
+        panel_bytes = k // QBLOCK * (34 if fmt == 8 else 20) * self.pack_width
+        if k % QBLOCK or panels.shape[1] != panel_bytes:
+            raise ValueError(f"quant_gemm: x has {k} features; the {qtype} panels hold {panels.shape[1]} bytes per "
+                             f"panel, {self.isa} kernels with {k} features expect {panel_bytes}")
+        y = torch.empty(m, out_features, dtype=torch.float32)
+        if m == 0:
+            return y
+        rc = self._lib.pd_quant_gemm(fmt, x.data_ptr(), panels.data_ptr(), bias.data_ptr() if bias is not None else None,
+                                     y.data_ptr(), m, k, out_features, torch.get_num_threads())
+        if rc != 0:
+            raise MemoryError(f"quant_gemm: no memory for the {m}-row batch's dequantization buffers")
         return y
 
     def paged_attention(self, q: torch.Tensor, layer_cache: torch.Tensor, block_tables: torch.Tensor,

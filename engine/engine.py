@@ -124,7 +124,7 @@ class Engine:
                 self.counters["accepted_tokens"] += a
                 self.counters["verify_steps"] += 1
             tokens = verdict.tokens[j, : a + 1].tolist()
-            outputs.append(self._hand_off(seq, tokens[0]) if seq.prefill_only else self._append(seq, tokens))
+            outputs.append(self._prefilled_handle(seq, tokens[0]) if seq.prefill_only else self._append(seq, tokens))
         return outputs
 
     def _kept_rows(self, chunk: SeqChunk, num_drafts: int, path: list[int]) -> list[int]:
@@ -150,7 +150,7 @@ class Engine:
 
     # ---- disaggregation: hand a prefilled request to another engine, or take one over ----
 
-    def _hand_off(self, seq: Sequence, first_token: int) -> RequestOutput:
+    def _prefilled_handle(self, seq: Sequence, first_token: int) -> RequestOutput:
         self.scheduler.detach(seq)
         handle = KVHandle(
             block_table=self.blocks.block_table(seq.seq_id),

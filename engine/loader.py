@@ -1,21 +1,49 @@
-"""Load a model directory's weights (HF safetensors layout, single file or sharded)."""
+"""Load a model directory's weights (HF safetensors layout, single file or sharded), and a
+converted GGUF's block-quantized tensors as they are stored."""
 
+import json
+import logging
+from collections import Counter
 from pathlib import Path
 
 import torch
 from safetensors import safe_open
 
 from engine.model_dir import weight_files
+from engine.quant import BLOCK_BYTES, BLOCKS_FILE, QBLOCK, QuantizedTensor
+
+log = logging.getLogger(__name__)
 
 
-def load_weights(model_dir: Path, dtype: torch.dtype, device: torch.device, prefix: str = "") -> dict[str, torch.Tensor]:
-    """All tensors whose name starts with `prefix` on device; floating-point ones cast to dtype."""
-    weights = {}
+def load_weights(model_dir: Path, dtype: torch.dtype, device: torch.device, prefix: str = "",
+                 quantized: bool = False) -> dict[str, "torch.Tensor | QuantizedTensor"]:
+    """All tensors whose name starts with `prefix` on device; floating-point ones cast to dtype.
+    quantized: the tensors a converted GGUF keeps as blocks come as QuantizedTensor instead."""
+    blocks = _load_blocks(model_dir, prefix, device) if quantized else {}
+    weights: dict[str, torch.Tensor | QuantizedTensor] = {}
     for f in weight_files(model_dir):
         with safe_open(str(f), framework="pt") as fh:
             for name in fh.keys():
-                if name.startswith(prefix):
+                if name.startswith(prefix) and name not in blocks:
                     tensor = fh.get_tensor(name)
                     weights[name] = tensor.to(device=device, dtype=dtype if tensor.is_floating_point() else None)
-    return weights
+    return weights | blocks
+
+
+def _load_blocks(model_dir: Path, prefix: str, device: torch.device) -> dict[str, QuantizedTensor]:
+    path = model_dir / BLOCKS_FILE
+    if not path.is_file():
+        return {}
+    with safe_open(str(path), framework="pt") as fh:
+        qtypes: dict[str, str] = json.loads((fh.metadata() or {}).get("qtypes", "{}"))
+        blocks = {}
+        for name in fh.keys():
+            if name.startswith(prefix):
+                data = fh.get_tensor(name).to(device)
+                blocks[name] = QuantizedTensor(qtypes[name], data, data.shape[1] // BLOCK_BYTES[qtypes[name]] * QBLOCK)
+    dequantized = Counter(kind for name, kind in qtypes.items() if name.startswith(prefix) and name not in blocks)
+    if dequantized:
+        log.info("%s: running %s dequantized (no kernel for these types)", model_dir.name,
+                 ", ".join(f"{n} {kind} tensors" for kind, n in sorted(dequantized.items())))
+    return blocks
 

@@ -18,6 +18,7 @@ from engine.batch import ForwardBatch
 from engine.config import ModelConfig
 from engine.layers import Linear, Rotary, rms_norm
 from engine.parallel import TensorParallel
+from engine.quant import QuantizedTensor, cat_rows
 
 
 AttentionFn = Callable[[torch.Tensor, torch.Tensor, AttentionMetadata, float], torch.Tensor]
@@ -59,9 +60,9 @@ class DecoderLayer:
         if config.attention_bias:
             bias = torch.cat([w["self_attn.q_proj.bias"], w["self_attn.k_proj.bias"], w["self_attn.v_proj.bias"]])
         # Fused projections: one GEMM reads all of q/k/v (and gate/up) weights in one pass.
-        self.qkv = Linear(torch.cat([q, k, v]), bias, packed_dtype)
+        self.qkv = Linear(cat_rows([q, k, v]), bias, packed_dtype)
         self.o = Linear(w["self_attn.o_proj.weight"], packed_dtype=packed_dtype)
-        self.gate_up = Linear(torch.cat([w["mlp.gate_proj.weight"], w["mlp.up_proj.weight"]]), packed_dtype=packed_dtype)
+        self.gate_up = Linear(cat_rows([w["mlp.gate_proj.weight"], w["mlp.up_proj.weight"]]), packed_dtype=packed_dtype)
         self.down = Linear(w["mlp.down_proj.weight"], packed_dtype=packed_dtype)
         self.post_norm = w["post_attention_layernorm.weight"]
         self.q_norm = w.get("self_attn.q_norm.weight")
@@ -107,22 +108,27 @@ class CausalLM:
         self.config, self.tp = config, tp
         local = tp.local_config(config)
         embed = weights["model.embed_tokens.weight"]
-        attend = attention_for(local, embed.device, embed.dtype, block_size)
+        self.norm = weights["model.norm.weight"]
+        self.dtype = self.norm.dtype  # the activations' (weights may be quantized)
+        attend = attention_for(local, self.norm.device, self.dtype, block_size)
         layer_weights = [{k.removeprefix(f"model.layers.{i}."): v for k, v in weights.items()
                           if k.startswith(f"model.layers.{i}.")} for i in range(config.num_layers)]
         self.layers = [DecoderLayer(local, w, attend, tp) for w in layer_weights]
         self.input_norms = [w["input_layernorm.weight"] for w in layer_weights]
-        self.norm = weights["model.norm.weight"]
         tied = config.tie_word_embeddings or "lm_head.weight" not in weights
         self.lm_head = Linear((embed if tied else weights["lm_head.weight"])[tp.vocab_slice(config.vocab_size)])
         # A tied, unsharded head is also the embedding table (read through the head's layout,
         # stored once); a sharded head holds a vocabulary slice, so the table stays whole.
         self.embed = None if tied and tp.size == 1 else embed
-        self.rotary = Rotary(config, max_positions, embed.device, embed.dtype)
+        self.rotary = Rotary(config, max_positions, self.norm.device, self.dtype)
         self.aux_layer_ids = config.aux_layer_ids
 
     def embed_tokens(self, ids: torch.Tensor) -> torch.Tensor:
-        return self.lm_head.rows(ids) if self.embed is None else self.embed[ids]
+        if self.embed is None:
+            return self.lm_head.rows(ids).to(self.dtype)
+        if isinstance(self.embed, QuantizedTensor):
+            return self.embed[ids].dequantize(self.dtype)
+        return self.embed[ids]
 
     def forward(self, batch: ForwardBatch, kv_cache: torch.Tensor) -> ForwardOutput:
         """kv_cache: [num_blocks, num_layers, 2, block_size, kv_heads, head_dim]."""

@@ -15,6 +15,7 @@ from engine.config import EngineConfig, ModelConfig, ModelConfigError, check_div
 from engine.spec.eagle3_model import DraftOutput, Eagle3Config, Eagle3Draft
 from engine.kv_layout import CacheShape, KVLayout, allocate_cache
 from engine.loader import load_weights
+from engine.quant import QuantizedTensor
 from engine.model_dir import model_fingerprint, resolve_model_dir
 from engine.model import CausalLM, ForwardOutput
 from engine.parallel import TensorParallel
@@ -41,13 +42,16 @@ class ModelRunner:
         if tp is None:
             tp, self._followers = start_tensor_parallel(config, self.model_config)
         self.tp = tp
-        weights = tp.shard(self.model_config, load_weights(self.model_dir, self.dtype, self.device))
+        weights = tp.shard(self.model_config, load_weights(
+            self.model_dir, self.dtype, self.device, quantized=config.quantization == "auto" and self.device.type == "cpu"))
+        quantized = any(isinstance(w, QuantizedTensor) for w in weights.values())
         self.model = CausalLM(self.model_config, weights, self.max_model_len, config.block_size, tp)
         is_driver = tp.rank == 0
         self.draft = self._load_draft() if config.speculative.method == "eagle3" and is_driver else None
         mc = tp.local_config(self.model_config)
         self.layout = KVLayout(
-            model=model_fingerprint(self.model_dir),
+            # Quantized weights compute other KV than the float ones they came from: not interchangeable.
+            model=model_fingerprint(self.model_dir) + ("+quantized" if quantized else ""),
             dtype=config.dtype,
             block_size=config.block_size,
             target=CacheShape(mc.num_layers, mc.num_kv_heads, mc.head_dim),

@@ -167,8 +167,24 @@ def test_default_model_dir_is_cached(converted_dir: Path) -> None:
     assert default_model_dir() == converted_dir
     assert not [p for p in converted_dir.parent.iterdir() if p.name.endswith(".partial")]
     assert {p.name for p in converted_dir.iterdir()} == {
-        "config.json", "model.safetensors", "tokenizer.json", "tokenizer_config.json", "generation_config.json",
+        "config.json", "model.safetensors", "tokenizer.json", "tokenizer_config.json", "generation_config.json", "gguf",
     }  # fmt: skip
+
+
+def test_kept_blocks_are_the_converted_weights(converted_dir: Path) -> None:
+    """Every Q8_0/Q4_1 tensor of the file is kept as its blocks (q/k rows reordered like the fp32
+    ones), and those blocks dequantize to exactly the fp32 weights transformers is checked against."""
+    from engine.loader import load_weights
+    from engine.quant import QuantizedTensor
+
+    floats = load_file(converted_dir / "model.safetensors")
+    loaded = load_weights(converted_dir, torch.float32, torch.device("cpu"), quantized=True)
+    kept = {name: w for name, w in loaded.items() if isinstance(w, QuantizedTensor)}
+    assert {w.qtype for w in kept.values()} == {"Q4_1", "Q8_0"}
+    assert kept["model.embed_tokens.weight"].qtype == "Q8_0"
+    assert len(kept) == 1 + 30 * 7 and set(loaded) == set(floats)  # every matrix; norms stay fp32
+    for name, w in kept.items():
+        assert torch.equal(w.dequantize(), floats[name]), name
 
 
 def test_tokenizer_missing_dir(tmp_path: Path) -> None:

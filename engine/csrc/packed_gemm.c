@@ -107,3 +107,233 @@ DEFINE_GEMM(pd_packed_gemm_bf16, uint16_t, load_bf16)
 
 int pd_pack_width(void) { return PACK; }
 int pd_vector_lanes(void) { return LANES; }
+
+/* ---- Quantized panels: GGUF Q8_0 / Q4_0 / Q4_1 weights, dequantized in registers ----
+ *
+ * Why: decode streams every weight once per step, so the bytes per weight set its speed. A GGUF
+ * stores 4.5-8.5 bits per weight; we keep them at that size and widen them in registers.
+ *
+ * Exactness: each weight is widened to the very fp32 value the GGUF's dequantization gives
+ * (q * d for Q8_0; fma(q, d, m) for Q4_1, and Q4_0 as Q4_1 with m = -8d: the products are exact
+ * in fp32, so one rounding of an exact value), and the sums run in the same k order as the
+ * fp32 tiles above. The output is bit-identical to packed_gemm over the dequantized weights.
+ *
+ * Layout, per panel of PACK output columns and per block of 32 k (QBLOCK), PACK columns side by
+ * side so one load feeds a whole vector of outputs:
+ *   Q8:  d[PACK] fp16 | q[32][PACK] int8                                   (34 * PACK bytes)
+ *   Q4:  d[PACK] fp16 | m[PACK] fp16 | q[16][PACK] bytes, byte j of a column holding k = j in
+ *        its low nibble and k = j + 16 in its high one, as GGUF stores them (20 * PACK bytes)
+ * One row widens the weights in registers; row tiles up to GEMM_ROWS widen each block once into
+ * an L1 buffer; taller batches widen the whole panel once into a per-thread fp32 buffer
+ * (L2-resident) and run the fp32 tiles over it.
+ */
+#include <stdlib.h>
+#if defined(__AVX512F__) || defined(__AVX2__)
+#include <immintrin.h>
+#endif
+
+#define QBLOCK 32
+#define Q8_BYTES (34 * PACK)
+#define Q4_BYTES (20 * PACK)
+
+static inline vfloat load_f16(const uint16_t *p) {
+#if defined(__AVX512F__)
+    return (vfloat)_mm512_cvtph_ps(_mm256_loadu_si256((const __m256i *)p));
+#elif defined(__AVX2__)  /* x86-64-v3: F16C too */
+    return (vfloat)_mm256_cvtph_ps(_mm_loadu_si128((const __m128i *)p));
+#else
+    _Float16 h[LANES];
+    float f[LANES];
+    vfloat v;
+    memcpy(h, p, sizeof h);
+    for (int i = 0; i < LANES; i++) f[i] = (float)h[i];
+    memcpy(&v, f, sizeof v);
+    return v;
+#endif
+}
+
+/* LANES bytes widened to fp32, signed (Q8) or as two nibbles (Q4). Intrinsics on x86: GCC's
+ * generic vector conversions of sub-register vectors come out scalarized in the unrolled tiles. */
+#if defined(__AVX512F__)
+static inline vfloat widen_i8(const uint8_t *p) {
+    return (vfloat)_mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(_mm_loadu_si128((const __m128i *)p)));
+}
+static inline vfloat widen_nibbles(const uint8_t *p, int high) {
+    __m512i i = _mm512_cvtepu8_epi32(_mm_loadu_si128((const __m128i *)p));
+    i = high ? _mm512_srli_epi32(i, 4) : _mm512_and_si512(i, _mm512_set1_epi32(15));
+    return (vfloat)_mm512_cvtepi32_ps(i);
+}
+#elif defined(__AVX2__)
+static inline vfloat widen_i8(const uint8_t *p) {
+    return (vfloat)_mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(_mm_loadl_epi64((const __m128i *)p)));
+}
+static inline vfloat widen_nibbles(const uint8_t *p, int high) {
+    __m256i i = _mm256_cvtepu8_epi32(_mm_loadl_epi64((const __m128i *)p));
+    i = high ? _mm256_srli_epi32(i, 4) : _mm256_and_si256(i, _mm256_set1_epi32(15));
+    return (vfloat)_mm256_cvtepi32_ps(i);
+}
+#else
+static inline vfloat widen_i8(const uint8_t *p) {
+    float f[LANES];
+    vfloat v;
+    for (int i = 0; i < LANES; i++) f[i] = (float)(int8_t)p[i];
+    memcpy(&v, f, sizeof v);
+    return v;
+}
+static inline vfloat widen_nibbles(const uint8_t *p, int high) {
+    float f[LANES];
+    vfloat v;
+    for (int i = 0; i < LANES; i++) f[i] = (float)(high ? p[i] >> 4 : p[i] & 15);
+    memcpy(&v, f, sizeof v);
+    return v;
+}
+#endif
+
+/* Column vector v of k = j (+ 16 for the high half) of a Q8 or Q4 block, as fp32 weights. */
+#define Q8_WEIGHT(q, j, half, v) (widen_i8((q) + (size_t)(j) * PACK + (v) * LANES) * d[v])
+#define Q4_WEIGHT(q, j, half, v) (widen_nibbles((q) + (size_t)(j) * PACK + (v) * LANES, half) * d[v] + mn[v])
+#define Q8_HEADER                                                                              \
+    vfloat d[GEMM_VECS];                                                                       \
+    for (int v = 0; v < GEMM_VECS; v++) d[v] = load_f16((const uint16_t *)blk + v * LANES);    \
+    const uint8_t *q = blk + 2 * PACK;
+#define Q4_HEADER                                                                              \
+    vfloat d[GEMM_VECS], mn[GEMM_VECS];                                                        \
+    for (int v = 0; v < GEMM_VECS; v++) {                                                      \
+        d[v] = load_f16((const uint16_t *)blk + v * LANES);                                    \
+        mn[v] = load_f16((const uint16_t *)blk + PACK + v * LANES);                            \
+    }                                                                                          \
+    const uint8_t *q = blk + 4 * PACK;
+
+/* One block as fp32 [32][PACK], k in order (the fp32 tiles' panel layout). */
+static void q8_block(const uint8_t *blk, float *out) {
+    Q8_HEADER
+    for (int j = 0; j < 32; j++)
+        for (int v = 0; v < GEMM_VECS; v++) {
+            vfloat w = Q8_WEIGHT(q, j, 0, v);
+            memcpy(out + (size_t)j * PACK + v * LANES, &w, sizeof w);
+        }
+}
+
+static void q4_block(const uint8_t *blk, float *out) {
+    Q4_HEADER
+    for (int half = 0; half < 2; half++)
+        for (int j = 0; j < 16; j++)
+            for (int v = 0; v < GEMM_VECS; v++) {
+                vfloat w = Q4_WEIGHT(q, j, half, v);
+                memcpy(out + (size_t)(half * 16 + j) * PACK + v * LANES, &w, sizeof w);
+            }
+}
+
+/* One row: weights widened in registers straight into the accumulators (a 2-row tile would
+ * need the scales, the widened weights and 4 accumulators live at once; the tiles below go
+ * through an L1 buffer instead). */
+#define DEFINE_QROW(NAME, HEADER, HALVES, HALF_K, BLOCK_BYTES, WEIGHT)                          \
+    static void NAME(const float *x, int K, const uint8_t *panel, const float *bias, float *y,  \
+                     int ldy, int ncols) {                                                      \
+        (void)ldy;                                                                              \
+        float init[PACK] = {0};                                                                 \
+        if (bias) memcpy(init, bias, sizeof(float) * ncols);                                    \
+        vfloat acc[GEMM_VECS];                                                                  \
+        for (int v = 0; v < GEMM_VECS; v++) acc[v] = load_f32(init + v * LANES);                \
+        for (int b = 0; b < K / QBLOCK; b++) {                                                  \
+            const uint8_t *blk = panel + (size_t)b * BLOCK_BYTES;                               \
+            if (GEMM_PREFETCH) __builtin_prefetch(blk + BLOCK_BYTES);                           \
+            HEADER                                                                              \
+            for (int half = 0; half < HALVES; half++)                                           \
+                for (int j = 0; j < HALF_K; j++) {                                              \
+                    float xv = x[b * QBLOCK + half * HALF_K + j];                               \
+                    for (int v = 0; v < GEMM_VECS; v++) acc[v] += xv * WEIGHT(q, j, half, v);   \
+                }                                                                               \
+        }                                                                                       \
+        float out[PACK];                                                                        \
+        memcpy(out, acc, sizeof out);                                                           \
+        memcpy(y, out, sizeof(float) * ncols);                                                  \
+    }
+DEFINE_QROW(q8_row, Q8_HEADER, 1, 32, Q8_BYTES, Q8_WEIGHT)
+DEFINE_QROW(q4_row, Q4_HEADER, 2, 16, Q4_BYTES, Q4_WEIGHT)
+
+/* MM rows: each block widened once into an L1 buffer, then the fp32 tile's loop over it. */
+#define DEFINE_QTILE(NAME, BLOCK, BLOCK_BYTES, MM)                                              \
+    static void NAME##_##MM(const float *x, int K, const uint8_t *panel, const float *bias,     \
+                            float *y, int ldy, int ncols) {                                     \
+        float init[PACK] = {0}, wbuf[QBLOCK * PACK] __attribute__((aligned(64)));               \
+        if (bias) memcpy(init, bias, sizeof(float) * ncols);                                    \
+        vfloat acc[MM][GEMM_VECS];                                                              \
+        for (int m = 0; m < MM; m++)                                                            \
+            for (int v = 0; v < GEMM_VECS; v++) acc[m][v] = load_f32(init + v * LANES);         \
+        for (int b = 0; b < K / QBLOCK; b++) {                                                  \
+            if (GEMM_PREFETCH) __builtin_prefetch(panel + (size_t)(b + 1) * BLOCK_BYTES);       \
+            BLOCK(panel + (size_t)b * BLOCK_BYTES, wbuf);                                       \
+            for (int k = 0; k < QBLOCK; k++) {                                                  \
+                vfloat w[GEMM_VECS];                                                            \
+                for (int v = 0; v < GEMM_VECS; v++) w[v] = load_f32(wbuf + k * PACK + v * LANES); \
+                for (int m = 0; m < MM; m++) {                                                  \
+                    float xv = x[(size_t)m * K + b * QBLOCK + k];                               \
+                    for (int v = 0; v < GEMM_VECS; v++) acc[m][v] += xv * w[v];                 \
+                }                                                                               \
+            }                                                                                   \
+        }                                                                                       \
+        for (int m = 0; m < MM; m++) {                                                          \
+            float out[PACK];                                                                    \
+            memcpy(out, acc[m], sizeof out);                                                    \
+            memcpy(y + (size_t)m * ldy, out, sizeof(float) * ncols);                            \
+        }                                                                                       \
+    }
+
+#define Q8_TILE(MM) DEFINE_QTILE(q8_tile, q8_block, Q8_BYTES, MM)
+#define Q4_TILE(MM) DEFINE_QTILE(q4_tile, q4_block, Q4_BYTES, MM)
+#define QTILE_TABLE(NAME) static void (*const NAME##_tiles[])(TILE_ARGS(uint8_t))
+#if GEMM_ROWS == 8
+#define DEFINE_QTILES(TILE, NAME, ROW)                                                          \
+    TILE(2) TILE(3) TILE(4) TILE(5) TILE(6) TILE(7) TILE(8)                                    \
+    QTILE_TABLE(NAME) = {0, ROW, NAME##_2, NAME##_3, NAME##_4, NAME##_5, NAME##_6, NAME##_7, NAME##_8};
+#else
+#define DEFINE_QTILES(TILE, NAME, ROW)                                                          \
+    TILE(2) TILE(3) TILE(4) TILE(5) TILE(6)                                                    \
+    QTILE_TABLE(NAME) = {0, ROW, NAME##_2, NAME##_3, NAME##_4, NAME##_5, NAME##_6};
+#endif
+DEFINE_QTILES(Q8_TILE, q8_tile, q8_row)
+DEFINE_QTILES(Q4_TILE, q4_tile, q4_row)
+
+/* The whole panel as fp32 [K][PACK] (the layout the fp32 tiles read). */
+static void dequantize_panel(int qtype, const uint8_t *panel, int K, float *out) {
+    for (int b = 0; b < K / QBLOCK; b++) {
+        if (qtype == 8)
+            q8_block(panel + (size_t)b * Q8_BYTES, out + (size_t)b * QBLOCK * PACK);
+        else
+            q4_block(panel + (size_t)b * Q4_BYTES, out + (size_t)b * QBLOCK * PACK);
+    }
+}
+
+/* y[M][N] = x[M][K] @ W^T (+ bias[N]) for W packed as above; qtype 8 (Q8) or 4 (Q4). K is a
+ * multiple of QBLOCK. Returns 0, or -1 for an unknown qtype or K, or no memory. */
+int pd_quant_gemm(int qtype, const float *x, const uint8_t *packed, const float *bias, float *y, int M,
+                  int K, int N, int num_threads) {
+    if ((qtype != 8 && qtype != 4) || K % QBLOCK) return -1;
+    size_t panel_bytes = (size_t)(K / QBLOCK) * (qtype == 8 ? Q8_BYTES : Q4_BYTES);
+    void (*const *tiles)(TILE_ARGS(uint8_t)) = qtype == 8 ? q8_tile_tiles : q4_tile_tiles;
+    int panels = (N + PACK - 1) / PACK, failed = 0;
+    #pragma omp parallel num_threads(num_threads) reduction(|: failed)
+    {
+        float *scratch = M > GEMM_ROWS ? malloc(sizeof(float) * K * PACK) : 0;
+        failed = M > GEMM_ROWS && !scratch;
+        #pragma omp for schedule(static)
+        for (int p = 0; p < panels; p++) {
+            if (failed) continue;
+            const uint8_t *panel = packed + (size_t)p * panel_bytes;
+            int col = p * PACK;
+            int ncols = N - col < PACK ? N - col : PACK;
+            const float *b = bias ? bias + col : 0;
+            if (scratch) dequantize_panel(qtype, panel, K, scratch);
+            for (int m0 = 0; m0 < M; m0 += GEMM_ROWS) {
+                int rows = M - m0 < GEMM_ROWS ? M - m0 : GEMM_ROWS;
+                if (scratch)
+                    pd_packed_gemm_tiles[rows](x + (size_t)m0 * K, K, scratch, b, y + (size_t)m0 * N + col, N, ncols);
+                else
+                    tiles[rows](x + (size_t)m0 * K, K, panel, b, y + (size_t)m0 * N + col, N, ncols);
+            }
+        }
+        free(scratch);
+    }
+    return failed ? -1 : 0;
+}
