@@ -169,7 +169,7 @@ def test_tree_verification_walks_down_from_the_root():
     drafts, parents, argmax = [5, 6, 7, 8, 9], [-1, 0, -1, 2, 2], [7, 1, 1, 9, 1, 3]
     logits = torch.zeros(len(argmax), vocab)
     logits[torch.arange(len(argmax)), torch.tensor(argmax)] = 1.0
-    out = verify(VerifyInput(torch.tensor(drafts), torch.tensor([5]), logits, None, None, torch.tensor([True]),
+    out = verify(VerifyInput(torch.tensor(drafts), torch.tensor([5]), logits, None, torch.tensor([True]),
                              torch.zeros(6, 2), draft_parents=torch.tensor(parents)))
     assert out.num_accepted.tolist() == [2] and out.path[0, :2].tolist() == [2, 4]
     assert out.tokens[0, :3].tolist() == [7, 9, 3]

@@ -1,0 +1,162 @@
+"""pdspec against llama.cpp on the same GGUF: decode ms/token, same threads, same prompts.
+
+For each chat prompt, taking turns (the order rotates per prompt): llama.cpp (llama-cpp-python,
+in its own process so the two OpenMP runtimes never share a core), pdspec plain and pdspec with
+EAGLE3 at the shipped config's settings, each decoding NEW_TOKENS greedy tokens (end-of-turn
+ignored, so every run decodes the same count). A run's ms/token is (last token's time - first
+token's time) / (tokens - 1): decode only, prefill excluded. Then pdspec at batch 4 and 16
+(aggregate). Prints one JSON object, then a table; `speedup` is llama.cpp's ms/token over ours.
+
+    python -m bench.peer [--threads 2] [--prompts 8] [--new-tokens 128]
+
+Needs llama-cpp-python (the `bench` extra) built for this CPU:
+    CMAKE_ARGS=-DGGML_NATIVE=ON pip install llama-cpp-python==0.3.36   (8-15 min to build)
+"""
+
+import argparse
+import json
+import multiprocessing as mp
+import os
+import statistics
+import sys
+import time
+from pathlib import Path
+
+import yaml
+from tqdm import tqdm
+
+from engine import cpu_kernels
+from engine.config import EngineConfig, SpeculativeConfig
+from engine.engine import Engine
+from engine.gguf_convert import embedded_gguf_path
+from engine.params import SamplingParams
+
+ROOT = Path(__file__).resolve().parent.parent
+PROMPTS = ROOT / "bench" / "prompts" / "chat_eval.jsonl"
+CONFIG = ROOT / "deploy" / "configs" / "local.yaml"
+
+
+def _llama_worker(conn, gguf: str, threads: int) -> None:
+    """llama.cpp in its own process: token ids in, per-token timestamps out."""
+    from llama_cpp import Llama
+
+    llm = Llama(model_path=gguf, n_threads=threads, n_threads_batch=threads, n_ctx=2048, verbose=False)
+    conn.send("ready")
+    while (job := conn.recv()) is not None:
+        tokens, n = job
+        llm.reset()
+        stamps = []
+        for _ in llm.generate(tokens, temp=0.0, top_k=1, reset=True):
+            stamps.append(time.perf_counter())
+            if len(stamps) == n:
+                break
+        conn.send(stamps)
+
+
+class LlamaCpp:
+    def __init__(self, gguf: Path, threads: int):
+        ctx = mp.get_context("spawn")
+        self.conn, child = ctx.Pipe()
+        self.proc = ctx.Process(target=_llama_worker, args=(child, str(gguf), threads), daemon=True)
+        self.proc.start()
+        if self.conn.recv() != "ready":
+            raise RuntimeError("llama.cpp did not start")
+
+    def stamps(self, tokens: list[int], n: int) -> list[float]:
+        self.conn.send((tokens, n))
+        return self.conn.recv()
+
+    def close(self) -> None:
+        self.conn.send(None)
+        self.proc.join(timeout=10)
+
+
+def _engine_stamps(engine: Engine, tokens: list[int], n: int) -> list[float]:
+    """One timestamp per generated token (a speculative step's tokens share its time)."""
+    stamps = []
+    for out in engine.generate(tokens, SamplingParams(max_tokens=n, ignore_eos=True)):
+        stamps += [time.perf_counter()] * len(out.token_ids)
+    return stamps
+
+
+def _ms_per_token(stamps: list[float]) -> float:
+    return (stamps[-1] - stamps[0]) / (len(stamps) - 1) * 1000
+
+
+def _batch_ms_per_token(engine: Engine, prompts: list[list[int]], n: int) -> float:
+    """Aggregate: wall time per generated token with all prompts in one running batch, from the
+    step where every request has its first token."""
+    params = SamplingParams(max_tokens=n, ignore_eos=True)
+    for p in prompts:
+        engine.add_request(p, params)
+    started = 0
+    while started < len(prompts):
+        started += sum(1 for o in engine.step() if o.token_ids)
+    start, decoded = time.perf_counter(), 0
+    while engine.has_unfinished():
+        decoded += sum(len(o.token_ids) for o in engine.step())
+    return (time.perf_counter() - start) / decoded * 1000
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--threads", type=int, default=2)
+    ap.add_argument("--prompts", type=int, default=8)
+    ap.add_argument("--new-tokens", type=int, default=128)
+    ap.add_argument("--batches", type=int, nargs="*", default=[4, 16])
+    args = ap.parse_args()
+    try:
+        import llama_cpp  # noqa: F401
+    except ImportError:
+        sys.exit("bench.peer needs llama-cpp-python: CMAKE_ARGS=-DGGML_NATIVE=ON pip install llama-cpp-python==0.3.36")
+    os.environ.setdefault("OMP_NUM_THREADS", str(args.threads))
+    gguf = embedded_gguf_path()
+    spec = SpeculativeConfig(**yaml.safe_load(CONFIG.read_text())["engine"]["speculative"])
+    plain = Engine(EngineConfig(num_threads=args.threads, max_num_seqs=max(args.batches + [1])))
+    eagle = Engine(EngineConfig(num_threads=args.threads, speculative=spec))
+    questions = [json.loads(line)["prompt"] for line in PROMPTS.read_text().splitlines()[: args.prompts]]
+    prompts = [plain.tokenizer.encode_chat([{"role": "user", "content": q}]) for q in questions]
+    peer = LlamaCpp(gguf, args.threads)
+    runs = {
+        "llama.cpp": lambda t: peer.stamps(t, args.new_tokens),
+        "pdspec": lambda t: _engine_stamps(plain, t, args.new_tokens),
+        "pdspec_eagle3": lambda t: _engine_stamps(eagle, t, args.new_tokens),
+    }
+    for run in runs.values():  # warm-up: kernels built, caches and thread pools up
+        run(prompts[0][:32])
+    ms: dict[str, list[float]] = {name: [] for name in runs}
+    names = list(runs)
+    for i, tokens in enumerate(tqdm(prompts, desc="prompts", unit="prompt")):
+        for name in names[i % len(names):] + names[: i % len(names)]:
+            ms[name].append(_ms_per_token(runs[name](tokens)))
+    peer.close()
+    median = {name: statistics.median(v) for name, v in ms.items()}
+    batched = {b: _batch_ms_per_token(plain, (prompts * b)[:b], args.new_tokens) for b in args.batches}
+    result = {
+        "machine": {"isa": cpu_kernels.selected_isa(), "threads": args.threads, "cpu": _cpu_name()},
+        "gguf": gguf.name, "prompts": len(prompts), "new_tokens": args.new_tokens,
+        "speculative": spec.model_dump(exclude_none=True),
+        "ms_per_token": {name: round(v, 2) for name, v in median.items()},
+        "per_prompt_ms": {name: [round(x, 2) for x in v] for name, v in ms.items()},
+        "speedup_vs_llama_cpp": {name: round(median["llama.cpp"] / v, 2) for name, v in median.items()},
+        "batch_ms_per_token": {str(b): round(v, 3) for b, v in batched.items()},
+        "batch_speedup_vs_llama_cpp_batch1": {str(b): round(median["llama.cpp"] / v, 2) for b, v in batched.items()},
+    }
+    print(json.dumps(result))
+    print(f"\n{'run':<22}{'ms/token':>10}{'x llama.cpp':>13}")
+    for name, v in median.items():
+        print(f"{name:<22}{v:>10.2f}{median['llama.cpp'] / v:>13.2f}")
+    for b, v in batched.items():
+        print(f"{'pdspec batch ' + str(b):<22}{v:>10.3f}{median['llama.cpp'] / v:>13.2f}")
+
+
+def _cpu_name() -> str:
+    try:
+        return next(line.split(":", 1)[1].strip() for line in Path("/proc/cpuinfo").read_text().splitlines()
+                    if line.startswith("model name"))
+    except (OSError, StopIteration):
+        return "unknown"
+
+
+if __name__ == "__main__":
+    main()
