@@ -34,8 +34,8 @@ ISA_LEVELS = ("avx512", "avx2", "portable")  # best first
 _ISA_FLAGS = {"avx512": ["-march=native"], "avx2": ["-march=x86-64-v3", "-mtune=native"], "portable": []}
 _ISA_CPU_FLAGS = {"avx512": {"avx512f"}, "avx2": {"avx2", "fma", "f16c"}, "portable": set()}
 _CSRC = Path(__file__).parent / "csrc"
-_SOURCES = [_CSRC / name for name in ("packed_gemm.c", "paged_attention.c")]
-_HEADERS = [_CSRC / "vector_isa.h"]
+_SOURCES = [_CSRC / name for name in ("packed_gemm.c", "paged_attention.c", "decoder_step.c")]
+_HEADERS = [_CSRC / name for name in ("vector_isa.h", "kernels.h")]
 _FLAGS = ["-O3", "-fopenmp", "-shared", "-fPIC", "-std=gnu11", f"-I{_CSRC}"]
 # Limits of paged_attention.c (checked here so callers can pick another path up front).
 ATTENTION_MAX_HEAD_DIM, ATTENTION_MAX_GROUP = 256, 64
@@ -112,6 +112,9 @@ class CpuKernels:
             [ctypes.c_void_p] * 2 + [ctypes.c_long] * 3 + [ctypes.c_void_p, ctypes.c_int] + [ctypes.c_void_p] * 2
             + [ctypes.c_int] * 6 + [ctypes.c_float] + [ctypes.c_void_p] * 2 + [ctypes.c_int]
         )
+        lib.pd_decoder_layers.restype = ctypes.c_int
+        lib.pd_decoder_layers.argtypes = ([ctypes.c_void_p] * 2 + [ctypes.c_int] + [ctypes.c_void_p] * 4
+                                          + [ctypes.c_int, ctypes.c_void_p, ctypes.c_int])
         self._lib = lib
         self.pack_width = lib.pd_pack_width()
         self._gemms = {torch.float32: lib.pd_packed_gemm, torch.bfloat16: lib.pd_packed_gemm_bf16}
@@ -168,6 +171,15 @@ class CpuKernels:
         if rc != 0:
             raise MemoryError(f"quant_gemm: no memory for the {m}-row batch's dequantization buffers")
         return y
+
+    def decoder_layers(self, model, layers, num_layers: int, batch, x: torch.Tensor, aux: torch.Tensor,
+                       aux_ids, num_aux: int, scratch: torch.Tensor) -> None:
+        """The decoder layer loop of csrc/decoder_step.c over x in place (engine/native_decoder.py
+        builds the structures)."""
+        rc = self._lib.pd_decoder_layers(model, layers, num_layers, batch, x.data_ptr(), aux.data_ptr(), aux_ids,
+                                         num_aux, scratch.data_ptr(), torch.get_num_threads())
+        if rc != 0:
+            raise RuntimeError("native decoder step: a kernel refused its shapes or found no memory")
 
     def paged_attention(self, q: torch.Tensor, layer_cache: torch.Tensor, block_tables: torch.Tensor,
                         query_start_loc: torch.Tensor, context_lens: torch.Tensor, max_query_len: int,

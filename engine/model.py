@@ -17,6 +17,7 @@ from engine.attention import AttentionMetadata, native_paged_attention, paged_at
 from engine.batch import ForwardBatch
 from engine.config import ModelConfig
 from engine.layers import Linear, Rotary, rms_norm
+from engine.native_decoder import NativeDecoder
 from engine.parallel import TensorParallel
 from engine.quant import QuantizedTensor, cat_rows
 
@@ -122,6 +123,7 @@ class CausalLM:
         self.embed = None if tied and tp.size == 1 else embed
         self.rotary = Rotary(config, max_positions, self.norm.device, self.dtype)
         self.aux_layer_ids = config.aux_layer_ids
+        self.native = NativeDecoder(self) if NativeDecoder.supports(self) else None
 
     def embed_tokens(self, ids: torch.Tensor) -> torch.Tensor:
         if self.embed is None:
@@ -133,15 +135,27 @@ class CausalLM:
     def forward(self, batch: ForwardBatch, kv_cache: torch.Tensor) -> ForwardOutput:
         """kv_cache: [num_blocks, num_layers, 2, block_size, kv_heads, head_dim]."""
         x = self.embed_tokens(batch.input_ids)
-        cos, sin = self.rotary.tables(batch.positions)
-        aux = []
-        for i, layer in enumerate(self.layers):
-            if batch.return_aux and i in self.aux_layer_ids:
-                aux.append(x)
-            attn_input = rms_norm(x, self.input_norms[i], self.config.rms_norm_eps)
-            x = layer(x, attn_input, cos, sin, kv_cache[:, i], batch.attention)
+        wanted = sorted(i for i in self.aux_layer_ids if i < len(self.layers)) if batch.return_aux else []
+        if self.native is not None and self.native.applies(batch):
+            aux = self.native.layers(x, batch, kv_cache, wanted)  # x updated in place
+            aux = [aux] if wanted else []
+        else:
+            x, aux = self._layers(x, batch, kv_cache, wanted)
         if batch.return_aux and len(self.layers) in self.aux_layer_ids:
             aux.append(x)  # "entering layer L" is the last layer's output (self-distillation reads it)
         h = rms_norm(x.index_select(0, batch.logits_indices), self.norm, self.config.rms_norm_eps)
         logits = self.tp.all_gather_last(self.lm_head(h).float())
         return ForwardOutput(logits, torch.cat(aux, dim=-1) if aux else None)
+
+    def _layers(self, x: torch.Tensor, batch: ForwardBatch, kv_cache: torch.Tensor,
+                wanted: list[int]) -> tuple[torch.Tensor, list[torch.Tensor]]:
+        """The torch layer loop (the reference): the last layer's output, and the residual
+        stream entering the layers `wanted`."""
+        cos, sin = self.rotary.tables(batch.positions)
+        aux = []
+        for i, layer in enumerate(self.layers):
+            if i in wanted:
+                aux.append(x)
+            attn_input = rms_norm(x, self.input_norms[i], self.config.rms_norm_eps)
+            x = layer(x, attn_input, cos, sin, kv_cache[:, i], batch.attention)
+        return x, aux

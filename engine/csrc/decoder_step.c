@@ -1,0 +1,148 @@
+/* The decoder layers of a Llama-family model as one native call, for decode and verification
+ * batches (every sequence a short query) on CPU.
+ *
+ * Why: at batch 1 a layer's arithmetic outside the GEMMs (two RMSNorms, RoPE, the KV write,
+ * SiLU, residual adds) is a few thousand flops, but as ~25 torch ops it costs ~300 us a layer
+ * in dispatch alone: more than the layer's weights take to stream. Here the layer loop runs in
+ * C; the GEMMs (packed_gemm.c) and attention (paged_attention.c) are the same kernels the torch
+ * path calls, so the two paths compute the same sums except the norms' reduction order.
+ *
+ * Per layer, for T rows of the residual stream x (updated in place):
+ *   h = rmsnorm(x) * w_in;  [q|k|v] = h W_qkv^T (+ b);  q, k = rope(q, k);  cache[slot] = k, v
+ *   a = attention(q, cache);  x += a W_o^T;  h = rmsnorm(x) * w_post
+ *   [g|u] = h W_gate_up^T;  x += (silu(g) * u) W_down^T
+ * The caller (engine/native_decoder.py) keeps every pointer alive for the call.
+ */
+#include <math.h>
+#include <stddef.h>
+#include <string.h>
+
+#include "kernels.h"
+
+typedef struct {
+    int format;          /* PD_F32, PD_BF16, PD_Q8 or PD_Q4 */
+    const void *weight;  /* panels as the format's GEMM reads them */
+    const float *bias;   /* or NULL */
+} pd_matrix;
+
+typedef struct {
+    pd_matrix qkv, o, gate_up, down;
+    const float *input_norm, *post_norm;
+} pd_layer;
+
+typedef struct {
+    int hidden, heads, kv_heads, head_dim, intermediate, block_size;
+    float eps, scale;
+    float *cache;                      /* layer 0 of [blocks, layers, 2, block_size, kv_heads, D] */
+    long s_block, s_layer, s_kv, s_offset;
+} pd_model;
+
+typedef struct {  /* one forward's batch: T rows in sequences of short queries */
+    int tokens, num_seqs, max_blocks, max_query_len;
+    const long *positions, *slot_blocks, *slot_offsets;        /* [T] */
+    const long *block_tables;                                  /* [B][max_blocks] */
+    const int *query_start_loc, *context_lens, *span_masks;    /* [B+1], [B], [T] or NULL */
+    const float *cos, *sin;                                    /* [max_positions][D] */
+} pd_batch;
+
+static int matmul(const pd_matrix *w, const float *x, float *y, int M, int K, int N, int threads) {
+    switch (w->format) {
+    case PD_F32: pd_packed_gemm(x, w->weight, w->bias, y, M, K, N, threads); return 0;
+    case PD_BF16: pd_packed_gemm_bf16(x, w->weight, w->bias, y, M, K, N, threads); return 0;
+    case PD_Q8: return pd_quant_gemm(8, x, w->weight, w->bias, y, M, K, N, threads);
+    case PD_Q4: return pd_quant_gemm(4, x, w->weight, w->bias, y, M, K, N, threads);
+    default: return -1;
+    }
+}
+
+static void rms_norm(const float *x, const float *w, float *out, int T, int n, float eps) {
+    for (int t = 0; t < T; t++) {
+        const float *r = x + (size_t)t * n;
+        float sum = 0.0f;
+        for (int i = 0; i < n; i++) sum += r[i] * r[i];
+        float inv = 1.0f / sqrtf(sum / n + eps);
+        for (int i = 0; i < n; i++) out[(size_t)t * n + i] = r[i] * inv * w[i];
+    }
+}
+
+/* Rotate-half RoPE (HF convention) of `heads` heads of D at row r, position pos. */
+static void rope(float *r, int heads, int D, const float *cos, const float *sin) {
+    int half = D / 2;
+    for (int h = 0; h < heads; h++) {
+        float *x = r + (size_t)h * D;
+        for (int i = 0; i < half; i++) {
+            float a = x[i], b = x[i + half];
+            x[i] = a * cos[i] - b * sin[i];
+            x[i + half] = b * cos[i + half] + a * sin[i + half];
+        }
+    }
+}
+
+static int attention_block(const pd_model *m, const pd_layer *L, float *cache, const pd_batch *b,
+                            float *x, float *h, float *qkv, float *att, float *tmp, int threads) {
+    int T = b->tokens, H = m->hidden, D = m->head_dim;
+    int q_size = m->heads * D, kv_size = m->kv_heads * D, width = q_size + 2 * kv_size;
+    rms_norm(x, L->input_norm, h, T, H, m->eps);
+    if (matmul(&L->qkv, h, qkv, T, H, width, threads)) return -1;
+    for (int t = 0; t < T; t++) {
+        float *r = qkv + (size_t)t * width;
+        const float *c = b->cos + (size_t)b->positions[t] * D, *s = b->sin + (size_t)b->positions[t] * D;
+        rope(r, m->heads, D, c, s);
+        rope(r + q_size, m->kv_heads, D, c, s);
+        float *slot = cache + b->slot_blocks[t] * m->s_block + b->slot_offsets[t] * m->s_offset;
+        memcpy(slot, r + q_size, sizeof(float) * kv_size);
+        memcpy(slot + m->s_kv, r + q_size + kv_size, sizeof(float) * kv_size);
+    }
+    for (int t = 0; t < T; t++)  /* q rows packed [T][heads * D] for the attention kernel */
+        memmove(h + (size_t)t * q_size, qkv + (size_t)t * width, sizeof(float) * q_size);
+    if (pd_paged_attention(h, cache, m->s_block, m->s_kv, m->s_offset, b->block_tables, b->max_blocks,
+                           b->query_start_loc, b->context_lens, b->num_seqs, b->max_query_len, m->heads,
+                           m->kv_heads, D, m->block_size, m->scale, att, b->span_masks, threads))
+        return -1;
+    if (matmul(&L->o, att, tmp, T, q_size, H, threads)) return -1;
+    for (size_t i = 0; i < (size_t)T * H; i++) x[i] += tmp[i];
+    return 0;
+}
+
+static int mlp_block(const pd_model *m, const pd_layer *L, float *x, float *h, float *gu, float *tmp,
+                      int T, int threads) {
+    int H = m->hidden, I = m->intermediate;
+    rms_norm(x, L->post_norm, h, T, H, m->eps);
+    if (matmul(&L->gate_up, h, gu, T, H, 2 * I, threads)) return -1;
+    for (int t = 0; t < T; t++) {  /* silu(gate) * up, packed [T][I] in place */
+        const float *g = gu + (size_t)t * 2 * I, *u = g + I;
+        float *out = gu + (size_t)t * I;
+        for (int i = 0; i < I; i++) {
+            float gi = g[i], ui = u[i];
+            out[i] = gi / (1.0f + expf(-gi)) * ui;
+        }
+    }
+    if (matmul(&L->down, gu, tmp, T, I, H, threads)) return -1;
+    for (size_t i = 0; i < (size_t)T * H; i++) x[i] += tmp[i];
+    return 0;
+}
+
+/* Layers [0, num_layers) over x [T][hidden], in place. aux: NULL, or [T][num_aux * hidden]
+ * receiving x as it enters layer aux_layers[j] in column block j. scratch: T * (max(heads * D,
+ * hidden) + max(qkv width, 2 * intermediate) + heads * D + hidden) floats. Returns 0, or -1
+ * when a GEMM or the attention kernel refuses its shapes (or a GEMM finds no memory). */
+int pd_decoder_layers(const pd_model *m, const pd_layer *layers, int num_layers, const pd_batch *b, float *x,
+                      float *aux, const int *aux_layers, int num_aux, float *scratch, int threads) {
+    int T = b->tokens, H = m->hidden, D = m->head_dim;
+    int width = (m->heads + 2 * m->kv_heads) * D;
+    if (D % 16 || m->heads % m->kv_heads) return -1;
+    float *h = scratch, *qkv = h + (size_t)T * (m->heads * D > H ? m->heads * D : H);
+    float *att = qkv + (size_t)T * (width > 2 * m->intermediate ? width : 2 * m->intermediate);
+    float *tmp = att + (size_t)T * m->heads * D;
+    for (int l = 0; l < num_layers; l++) {
+        for (int j = 0; j < num_aux; j++)
+            if (aux_layers[j] == l)
+                for (int t = 0; t < T; t++)
+                    memcpy(aux + ((size_t)t * num_aux + j) * H, x + (size_t)t * H, sizeof(float) * H);
+        float *cache = m->cache + (size_t)l * m->s_layer;
+        if (attention_block(m, &layers[l], cache, b, x, h, qkv, att, tmp, threads) ||
+            mlp_block(m, &layers[l], x, h, qkv, tmp, T, threads))
+            return -1;
+    }
+    return 0;
+}

@@ -1,0 +1,19 @@
+/* The kernels' entry points, for the native decoder step that strings them together. */
+#ifndef PDSPEC_KERNELS_H
+#define PDSPEC_KERNELS_H
+
+enum { PD_F32 = 0, PD_BF16 = 1, PD_Q4 = 4, PD_Q8 = 8 };  /* weight formats (engine/native_decoder.py) */
+
+void pd_packed_gemm(const float *x, const float *packed, const float *bias, float *y, int M, int K, int N,
+                    int num_threads);
+void pd_packed_gemm_bf16(const float *x, const unsigned short *packed, const float *bias, float *y, int M, int K,
+                         int N, int num_threads);
+int pd_quant_gemm(int qtype, const float *x, const unsigned char *packed, const float *bias, float *y, int M,
+                  int K, int N, int num_threads);
+int pd_paged_attention(const float *q, const float *cache, long s_block, long s_kv, long s_offset,
+                       const long *block_tables, int max_blocks, const int *query_start_loc,
+                       const int *context_lens, int num_seqs, int max_query_len, int heads,
+                       int kv_heads, int dim, int block_size, float scale, float *out,
+                       const int *span_masks, int num_threads);
+
+#endif

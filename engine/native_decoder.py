@@ -1,0 +1,103 @@
+"""The target's decoder layers as one native call (engine/csrc/decoder_step.c), for CPU batches
+whose every sequence is a short query: decode steps and speculative verification.
+
+The torch layer loop in model.py stays the readable reference (and runs prefill chunks, CUDA,
+tensor parallelism and Qwen3's q/k norms); this path runs the same GEMM and attention kernels
+with the norms, RoPE, KV writes, SiLU and residual adds in C, so Python runs once per forward
+instead of ~25 ops per layer. Tests hold the two paths to the same logits and greedy tokens.
+"""
+
+import ctypes
+
+import torch
+
+from engine.attention import SHORT_QUERY, native_paged_attention
+from engine.batch import ForwardBatch
+from engine.cpu_kernels import CpuKernels
+from engine.quant import KERNEL_FORMAT
+
+_FORMATS = {torch.float32: 0, torch.bfloat16: 1}  # csrc/kernels.h; quantized: KERNEL_FORMAT (4, 8)
+
+
+class _Matrix(ctypes.Structure):
+    _fields_ = [("format", ctypes.c_int), ("weight", ctypes.c_void_p), ("bias", ctypes.c_void_p)]
+
+
+class _Layer(ctypes.Structure):
+    _fields_ = [("qkv", _Matrix), ("o", _Matrix), ("gate_up", _Matrix), ("down", _Matrix),
+                ("input_norm", ctypes.c_void_p), ("post_norm", ctypes.c_void_p)]
+
+
+class _Model(ctypes.Structure):
+    _fields_ = [(name, ctypes.c_int) for name in ("hidden", "heads", "kv_heads", "head_dim", "intermediate",
+                                                  "block_size")] + [
+        ("eps", ctypes.c_float), ("scale", ctypes.c_float), ("cache", ctypes.c_void_p),
+        ("s_block", ctypes.c_long), ("s_layer", ctypes.c_long), ("s_kv", ctypes.c_long), ("s_offset", ctypes.c_long)]
+
+
+class _Batch(ctypes.Structure):
+    _fields_ = [(name, ctypes.c_int) for name in ("tokens", "num_seqs", "max_blocks", "max_query_len")] + [
+        (name, ctypes.c_void_p) for name in ("positions", "slot_blocks", "slot_offsets", "block_tables",
+                                             "query_start_loc", "context_lens", "span_masks", "cos", "sin")]
+
+
+def _matrix(linear) -> _Matrix:
+    fmt = KERNEL_FORMAT[linear.qtype] if linear.qtype else _FORMATS[linear.weight.dtype]
+    bias = linear.bias.data_ptr() if linear.bias is not None else None
+    return _Matrix(fmt, linear.weight.data_ptr(), bias)
+
+
+class NativeDecoder:
+    """Bound to one CausalLM's layers (their packed weights stay owned by the layers)."""
+
+    @staticmethod
+    def supports(model) -> bool:
+        """CPU fp32 activations, one rank, no q/k norms, every projection on the packed kernels
+        of one build, and the C attention kernel."""
+        layers = model.layers
+        linears = [lin for layer in layers for lin in (layer.qkv, layer.o, layer.gate_up, layer.down)]
+        return (model.dtype == torch.float32 and model.tp.size == 1 and model.norm.device.type == "cpu"
+                and all(layer.q_norm is None and layer.attend is native_paged_attention for layer in layers)
+                and all(lin.packed for lin in linears) and len({id(lin.kernels) for lin in linears}) == 1)
+
+    def __init__(self, model):
+        self.model = model
+        first = model.layers[0]
+        self.kernels: CpuKernels = first.qkv.kernels
+        c = first.config  # the rank-local shapes (one rank here)
+        self.config = c
+        self._layers = (_Layer * len(model.layers))(*[
+            _Layer(_matrix(layer.qkv), _matrix(layer.o), _matrix(layer.gate_up), _matrix(layer.down),
+                   norm.data_ptr(), layer.post_norm.data_ptr())
+            for layer, norm in zip(model.layers, model.input_norms)])
+        q_size, width = c.num_heads * c.head_dim, (c.num_heads + 2 * c.num_kv_heads) * c.head_dim
+        self._scratch_per_row = (max(q_size, c.hidden_size) + max(width, 2 * c.intermediate_size) + q_size
+                                 + c.hidden_size)
+
+    @staticmethod
+    def applies(batch: ForwardBatch) -> bool:
+        return not batch.attention.long
+
+    def layers(self, x: torch.Tensor, batch: ForwardBatch, kv_cache: torch.Tensor, aux_ids: list[int]) -> torch.Tensor:
+        """Runs every layer over x [T, hidden] in place; returns the residual stream entering
+        the layers `aux_ids` (sorted, < number of layers) as [T, len(aux_ids) * hidden]."""
+        c, meta = self.config, batch.attention
+        t = x.shape[0]
+        s_block, s_layer, s_kv, s_offset = kv_cache.stride()[:4]
+        model = _Model(c.hidden_size, c.num_heads, c.num_kv_heads, c.head_dim, c.intermediate_size,
+                       kv_cache.shape[3], c.rms_norm_eps, c.head_dim**-0.5, kv_cache.data_ptr(),
+                       s_block, s_layer, s_kv, s_offset)
+        rotary = self.model.rotary
+        positions = batch.positions.contiguous()
+        tables = meta.block_tables.contiguous()
+        run = _Batch(t, meta.context_lens.shape[0], tables.shape[1], SHORT_QUERY,
+                     positions.data_ptr(), meta.slot_blocks.data_ptr(), meta.slot_offsets.data_ptr(),
+                     tables.data_ptr(), meta.query_start_loc.data_ptr(), meta.context_lens.data_ptr(),
+                     meta.span_masks.data_ptr() if meta.span_masks is not None else None,
+                     rotary.cos.data_ptr(), rotary.sin.data_ptr())
+        aux = torch.empty(t, len(aux_ids) * c.hidden_size)
+        ids = (ctypes.c_int * len(aux_ids))(*aux_ids)
+        scratch = torch.empty(t * self._scratch_per_row)
+        self.kernels.decoder_layers(ctypes.byref(model), self._layers, len(self.model.layers), ctypes.byref(run),
+                                    x, aux, ids, len(aux_ids), scratch)
+        return aux
