@@ -1,6 +1,8 @@
 """Engine benchmark: decode throughput and multi-token forward cost, ours vs transformers.
 
-Runs on the embedded default model (or --model), fp32, same weights, same process:
+Runs on the embedded default model (or --model), fp32 activations, same process; our weights as
+--quantization says (default auto: the GGUF's blocks with int8 activations), transformers' the
+dequantized fp32 ones:
 - decode tokens/s at batch 1, 4, 16: 128 new tokens after a 256-token prompt (EOS ignored);
 - the cost of one forward over n new tokens (default 1, 2, 4, 6, 8; logits at every row) after a
   256-token context, relative to the first n (1 by default: what a speculative verification step
@@ -8,7 +10,7 @@ Runs on the embedded default model (or --model), fp32, same weights, same proces
 Prints one JSON object (with the ISA level our kernels ran and torch's CPU capability), then a
 table.
 
-    python -m bench.engine [--threads 2] [--batches 1 4 16] [--spans 1 2 4 6 8] [--skip-hf]
+    python -m bench.engine [--threads 2] [--batches 1 4 16] [--spans 1 2 4 6 8] [--quantization auto] [--skip-hf]
 
 To run an AVX-512 machine as an AVX2 one, hold both to AVX2:
     PDSPEC_CPU_ISA=avx2 ATEN_CPU_CAPABILITY=avx2 ONEDNN_MAX_CPU_ISA=AVX2 python -m bench.engine
@@ -118,11 +120,14 @@ def main() -> None:
     ap.add_argument("--spans", type=int, nargs="+", default=[1, 2, 4, 6, 8],
                     help="forward sizes (new tokens) to time; the first is the reference")
     ap.add_argument("--reps", type=int, default=30)
+    ap.add_argument("--quantization", choices=["auto", "exact", "none"], default="auto",
+                    help="engine.quantization: how the GGUF's quantized weights run")
     ap.add_argument("--skip-hf", action="store_true", help="ours only")
     args = ap.parse_args()
     torch.set_num_threads(args.threads)
-    engine = Engine(EngineConfig(model=args.model, num_kv_blocks=1024, max_num_seqs=max(args.batches)))
-    result = {"threads": args.threads, "isa": cpu_kernels.selected_isa(),
+    engine = Engine(EngineConfig(model=args.model, num_kv_blocks=1024, max_num_seqs=max(args.batches),
+                                 quantization=args.quantization))
+    result = {"threads": args.threads, "isa": cpu_kernels.selected_isa(), "quantization": args.quantization,
               "torch_cpu_capability": torch.backends.cpu.get_cpu_capability(),
               "prompt_len": PROMPT_LEN, "new_tokens": NEW_TOKENS, "ours": {}, "transformers": {}}
     hf = None
@@ -146,7 +151,7 @@ def main() -> None:
 
 def _table(result: dict, batches: list[int], spans: list[int]) -> None:
     who = [w for w in ("ours", "transformers") if result[w]]
-    print(f"\nkernels: {result['isa']}, torch: {result['torch_cpu_capability']}")
+    print(f"\nkernels: {result['isa']}, torch: {result['torch_cpu_capability']}, quantization: {result['quantization']}")
     print(f"{'metric':<28}" + "".join(f"{w:>14}" for w in who))
     for b in batches:
         key = f"decode_tok_s_b{b}"

@@ -1,5 +1,6 @@
-"""Paged attention over the block-major KV cache, torch implementation (the CPU path and the
-reference the Triton kernel is tested against).
+"""Paged attention over the block-major KV cache: the torch implementation (the reference the C
+and Triton kernels are tested against, and the path of CPU dtypes the C kernel does not take),
+and the C kernel's entry (`native_paged_attention`, CPU fp32).
 
 A forward's sequences fall in two groups:
 - *short* queries (decode steps and speculative verification spans, <= SHORT_QUERY tokens):
@@ -27,6 +28,7 @@ from engine import cpu_kernels
 
 # Query spans up to this length go through the padded batch; longer ones through SDPA alone.
 SHORT_QUERY = 16
+ANY_QUERY = 1 << 30  # the C kernel's max_query_len when it computes every sequence
 
 
 @dataclass
@@ -57,7 +59,6 @@ class AttentionMetadata:
     query_start_loc: torch.Tensor  # [B+1] int32: rows of sequence b are [qsl[b], qsl[b+1])
     context_lens: torch.Tensor  # [B] int32: KV length per sequence after this forward's writes
     block_tables: torch.Tensor  # [B, max_blocks] int64, padded with 0
-    long: list[LongQuery]  # the sequences with more than SHORT_QUERY query tokens
     lists: tuple[list[int], list[int], list[list[int]], int]  # query lens, context lens, tables, block size
     span_masks: torch.Tensor | None = None  # [T] int32 tree masks (see the module doc); None = all causal
 
@@ -76,21 +77,24 @@ class AttentionMetadata:
         starts = [0]
         for n in query_lens:
             starts.append(starts[-1] + n)
-        long = [
-            LongQuery(starts[i], starts[i + 1], _table(block_tables[i], context_lens[i], block_size, device),
-                      _causal_mask(query_lens[i], context_lens[i], device))
-            for i, n in enumerate(query_lens) if n > SHORT_QUERY
-        ]
         return cls(
             slot_blocks=torch.div(slot_mapping, block_size, rounding_mode="floor"),
             slot_offsets=slot_mapping % block_size,
             query_start_loc=torch.tensor(starts, dtype=torch.int32, device=device),
             context_lens=torch.tensor(context_lens, dtype=torch.int32, device=device),
             block_tables=_pad_tables(block_tables, device),
-            long=long,
             lists=(query_lens, context_lens, block_tables, block_size),
             span_masks=torch.tensor(span_masks, dtype=torch.int32, device=device) if span_masks else None,
         )
+
+    @functools.cached_property
+    def long(self) -> list[LongQuery]:
+        """The sequences with more than SHORT_QUERY query tokens, for the torch path."""
+        query_lens, context_lens, tables, block_size = self.lists
+        starts, device = self.query_start_loc.tolist(), self.block_tables.device
+        return [LongQuery(starts[i], starts[i + 1], _table(tables[i], context_lens[i], block_size, device),
+                          _causal_mask(n, context_lens[i], device))
+                for i, n in enumerate(query_lens) if n > SHORT_QUERY]
 
     @functools.cached_property
     def short(self) -> "ShortGroup | None":
@@ -174,15 +178,15 @@ def paged_attention(q: torch.Tensor, layer_cache: torch.Tensor, meta: AttentionM
 
 def native_paged_attention(q: torch.Tensor, layer_cache: torch.Tensor, meta: AttentionMetadata, scale: float,
                            isa: str | None = None) -> torch.Tensor:
-    """`paged_attention` with short queries computed by the C kernel (CPU, fp32): one call per
-    layer reads K/V straight from the cache instead of ~10 torch ops and two context copies.
+    """`paged_attention` by the C kernel (CPU, fp32), for every query, short or long: it reads K/V
+    straight from the cache instead of ~10 torch ops and two context copies, and computes each
+    row the same whatever else is in the batch or how a prompt was chunked (with int8 activations
+    downstream, even a last-bit difference could change a token).
     isa: the kernels' ISA level (default: cpu_kernels.selected_isa())."""
     t, heads, d = q.shape
     out = q.new_empty(t, heads * d)
     cpu_kernels.kernels(isa).paged_attention(q, layer_cache, meta.block_tables, meta.query_start_loc,
-                                             meta.context_lens, SHORT_QUERY, scale, out, meta.span_masks)
-    for lq in meta.long:
-        _long_attention(q, layer_cache, lq, scale, out)
+                                             meta.context_lens, ANY_QUERY, scale, out, meta.span_masks)
     return out
 
 

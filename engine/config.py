@@ -143,9 +143,10 @@ class EngineConfig(BaseModel):
     model: str | None = Field(None, description="HF model directory; None = the embedded SmolLM2-135M-Instruct")
     dtype: DType = Field("float32", description="weights and activations dtype")
     device: Literal["cpu", "cuda"] = "cpu"
-    quantization: Literal["auto", "none"] = Field(
-        "auto", description="auto: on CPU, run a GGUF's Q8_0/Q4_0/Q4_1 weights as stored (bit-identical to "
-        "their dequantized fp32 values, 4-7x fewer bytes per step); none: every weight dequantized to dtype")
+    quantization: Literal["auto", "exact", "none"] = Field(
+        "auto", description="on CPU, how a GGUF's Q8_0/Q4_0/Q4_1 weights run. auto: as stored, multiplied with "
+        "activations quantized to int8 per 32-block (llama.cpp's arithmetic; fastest); exact: as stored, widened "
+        "to their exact fp32 values (bit-identical to none); none: dequantized to dtype at load")
     block_size: int = Field(16, ge=1, le=256, description="tokens per KV block")
     num_kv_blocks: int = Field(2048, ge=2, description="KV blocks in the pool (target and draft share block ids)")
     max_num_seqs: int = Field(16, ge=1, description="sequences in one running batch")

@@ -34,7 +34,7 @@ ISA_LEVELS = ("avx512", "avx2", "portable")  # best first
 _ISA_FLAGS = {"avx512": ["-march=native"], "avx2": ["-march=x86-64-v3", "-mtune=native"], "portable": []}
 _ISA_CPU_FLAGS = {"avx512": {"avx512f"}, "avx2": {"avx2", "fma", "f16c"}, "portable": set()}
 _CSRC = Path(__file__).parent / "csrc"
-_SOURCES = [_CSRC / name for name in ("packed_gemm.c", "paged_attention.c", "decoder_step.c")]
+_SOURCES = [_CSRC / name for name in ("packed_gemm.c", "quant_dot.c", "paged_attention.c", "decoder_step.c")]
 _HEADERS = [_CSRC / name for name in ("vector_isa.h", "kernels.h")]
 _FLAGS = ["-O3", "-fopenmp", "-shared", "-fPIC", "-std=gnu11", f"-I{_CSRC}"]
 # Limits of paged_attention.c (checked here so callers can pick another path up front).
@@ -105,8 +105,9 @@ class CpuKernels:
         for gemm in (lib.pd_packed_gemm, lib.pd_packed_gemm_bf16):
             gemm.restype = None
             gemm.argtypes = [ctypes.c_void_p] * 4 + [ctypes.c_int] * 4
-        lib.pd_quant_gemm.restype = ctypes.c_int
-        lib.pd_quant_gemm.argtypes = [ctypes.c_int] + [ctypes.c_void_p] * 4 + [ctypes.c_int] * 4
+        for gemm in (lib.pd_quant_gemm, lib.pd_quant_gemm_i8):
+            gemm.restype = ctypes.c_int
+            gemm.argtypes = [ctypes.c_int] + [ctypes.c_void_p] * 4 + [ctypes.c_int] * 4
         lib.pd_paged_attention.restype = ctypes.c_int
         lib.pd_paged_attention.argtypes = (
             [ctypes.c_void_p] * 2 + [ctypes.c_long] * 3 + [ctypes.c_void_p, ctypes.c_int] + [ctypes.c_void_p] * 2
@@ -153,9 +154,10 @@ class CpuKernels:
         return pack_panels(weight, self.pack_width)
 
     def quant_gemm(self, x: torch.Tensor, panels: torch.Tensor, qtype: str, out_features: int,
-                   bias: torch.Tensor | None = None) -> torch.Tensor:
-        """x[M, K] fp32 @ W^T (+ fp32 bias) -> fp32, for W of `qtype` packed by `pack_quantized`:
-        bit-identical to `packed_gemm` over the dequantized weight."""
+                   bias: torch.Tensor | None = None, int8_dot: bool = False) -> torch.Tensor:
+        """x[M, K] fp32 @ W^T (+ fp32 bias) -> fp32, for W of `qtype` packed by `pack_quantized`
+        (with the same int8_dot): bit-identical to `packed_gemm` over the dequantized weight, or
+        with int8_dot, llama.cpp's arithmetic (x quantized per 32-block, integer dots)."""
         x = x.contiguous()
         m, k = x.shape
         fmt = KERNEL_FORMAT[qtype]
@@ -166,10 +168,11 @@ class CpuKernels:
         y = torch.empty(m, out_features, dtype=torch.float32)
         if m == 0:
             return y
-        rc = self._lib.pd_quant_gemm(fmt, x.data_ptr(), panels.data_ptr(), bias.data_ptr() if bias is not None else None,
+        gemm = self._lib.pd_quant_gemm_i8 if int8_dot else self._lib.pd_quant_gemm
+        rc = gemm(fmt, x.data_ptr(), panels.data_ptr(), bias.data_ptr() if bias is not None else None,
                                      y.data_ptr(), m, k, out_features, torch.get_num_threads())
         if rc != 0:
-            raise MemoryError(f"quant_gemm: no memory for the {m}-row batch's dequantization buffers")
+            raise MemoryError(f"quant_gemm: no memory for the {m}-row batch's buffers")
         return y
 
     def decoder_layers(self, model, layers, num_layers: int, batch, x: torch.Tensor, aux: torch.Tensor,

@@ -35,6 +35,7 @@ class Linear:
                  packed_dtype: torch.dtype | None = None):
         self.out_features, self.in_features = weight.shape
         self.qtype = weight.qtype if isinstance(weight, QuantizedTensor) else None
+        self.int8_dot = self.qtype is not None and weight.int8_dot
         self.packed = self.qtype is not None or uses_packed_gemm(weight.device, weight.dtype)
         if self.qtype is not None:
             if weight.device.type != "cpu":
@@ -61,7 +62,8 @@ class Linear:
             start = first_output - skip
             bias = bias[start:] if bias is not None else None
             if self.qtype is not None:
-                y = self.kernels.quant_gemm(x.float(), self.weight[panel:], self.qtype, self.out_features - start, bias)
+                y = self.kernels.quant_gemm(x.float(), self.weight[panel:], self.qtype, self.out_features - start, bias,
+                                            self.int8_dot)
             else:
                 y = self.kernels.packed_gemm(x.float(), self.weight[panel:], self.out_features - start, bias)
             y = y.to(x.dtype)
@@ -75,7 +77,7 @@ class Linear:
         """Rows of W (an embedding lookup when the head is tied to the embeddings); fp32 for
         quantized weights."""
         if self.qtype is not None:
-            return panel_rows(self.weight, self.qtype, self.in_features, self.kernels.pack_width, ids)
+            return panel_rows(self.weight, self.qtype, self.in_features, self.kernels.pack_width, ids, self.int8_dot)
         if self.packed:
             return cpu_kernels.unpack_rows(self.weight, ids)
         return self.weight[ids]

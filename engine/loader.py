@@ -5,6 +5,7 @@ import json
 import logging
 from collections import Counter
 from pathlib import Path
+from typing import Literal
 
 import torch
 from safetensors import safe_open
@@ -16,21 +17,22 @@ log = logging.getLogger(__name__)
 
 
 def load_weights(model_dir: Path, dtype: torch.dtype, device: torch.device, prefix: str = "",
-                 quantized: bool = False) -> dict[str, "torch.Tensor | QuantizedTensor"]:
+                 blocks: Literal["exact", "int8"] | None = None) -> dict[str, "torch.Tensor | QuantizedTensor"]:
     """All tensors whose name starts with `prefix` on device; floating-point ones cast to dtype.
-    quantized: the tensors a converted GGUF keeps as blocks come as QuantizedTensor instead."""
-    blocks = _load_blocks(model_dir, prefix, device) if quantized else {}
+    blocks: the tensors a converted GGUF keeps as blocks come as QuantizedTensor instead, to be
+    multiplied exactly or with int8 activations (see QuantizedTensor)."""
+    kept = _load_blocks(model_dir, prefix, device, blocks == "int8") if blocks else {}
     weights: dict[str, torch.Tensor | QuantizedTensor] = {}
     for f in weight_files(model_dir):
         with safe_open(str(f), framework="pt") as fh:
             for name in fh.keys():
-                if name.startswith(prefix) and name not in blocks:
+                if name.startswith(prefix) and name not in kept:
                     tensor = fh.get_tensor(name)
                     weights[name] = tensor.to(device=device, dtype=dtype if tensor.is_floating_point() else None)
-    return weights | blocks
+    return weights | kept
 
 
-def _load_blocks(model_dir: Path, prefix: str, device: torch.device) -> dict[str, QuantizedTensor]:
+def _load_blocks(model_dir: Path, prefix: str, device: torch.device, int8_dot: bool) -> dict[str, QuantizedTensor]:
     path = model_dir / BLOCKS_FILE
     if not path.is_file():
         return {}
@@ -40,7 +42,8 @@ def _load_blocks(model_dir: Path, prefix: str, device: torch.device) -> dict[str
         for name in fh.keys():
             if name.startswith(prefix):
                 data = fh.get_tensor(name).to(device)
-                blocks[name] = QuantizedTensor(qtypes[name], data, data.shape[1] // BLOCK_BYTES[qtypes[name]] * QBLOCK)
+                cols = data.shape[1] // BLOCK_BYTES[qtypes[name]] * QBLOCK
+                blocks[name] = QuantizedTensor(qtypes[name], data, cols, int8_dot)
     dequantized = Counter(kind for name, kind in qtypes.items() if name.startswith(prefix) and name not in blocks)
     if dequantized:
         log.info("%s: running %s dequantized (no kernel for these types)", model_dir.name,

@@ -136,7 +136,7 @@ class CausalLM:
         """kv_cache: [num_blocks, num_layers, 2, block_size, kv_heads, head_dim]."""
         x = self.embed_tokens(batch.input_ids)
         wanted = sorted(i for i in self.aux_layer_ids if i < len(self.layers)) if batch.return_aux else []
-        if self.native is not None and self.native.applies(batch):
+        if self.native is not None:
             aux = self.native.layers(x, batch, kv_cache, wanted)  # x updated in place
             aux = [aux] if wanted else []
         else:

@@ -1,22 +1,25 @@
-"""The target's decoder layers as one native call (engine/csrc/decoder_step.c), for CPU batches
-whose every sequence is a short query: decode steps and speculative verification.
+"""The target's decoder layers as one native call (engine/csrc/decoder_step.c), for every CPU
+fp32 forward: prefill chunks, decode steps and speculative verification alike.
 
-The torch layer loop in model.py stays the readable reference (and runs prefill chunks, CUDA,
-tensor parallelism and Qwen3's q/k norms); this path runs the same GEMM and attention kernels
-with the norms, RoPE, KV writes, SiLU and residual adds in C, so Python runs once per forward
-instead of ~25 ops per layer. Tests hold the two paths to the same logits and greedy tokens.
+The torch layer loop in model.py stays the readable reference (and runs CUDA, bf16, tensor
+parallelism and Qwen3's q/k norms); this path runs the same GEMM and attention kernels with the
+norms, RoPE, KV writes, SiLU and residual adds in C, so Python runs once per forward instead of
+~25 ops per layer. One path for every batch also means each row is computed the same whether it
+is decoded alone, verified in a span or prefilled in a chunk: with int8 activations a last-bit
+difference between two paths could otherwise change a token. Tests hold the two paths to the
+same logits.
 """
 
 import ctypes
 
 import torch
 
-from engine.attention import SHORT_QUERY, native_paged_attention
+from engine.attention import ANY_QUERY, native_paged_attention
 from engine.batch import ForwardBatch
 from engine.cpu_kernels import CpuKernels
 from engine.quant import KERNEL_FORMAT
 
-_FORMATS = {torch.float32: 0, torch.bfloat16: 1}  # csrc/kernels.h; quantized: KERNEL_FORMAT (4, 8)
+_FORMATS = {torch.float32: 0, torch.bfloat16: 1}  # csrc/kernels.h; quantized: KERNEL_FORMAT (4, 8), +1 for int8 dots
 
 
 class _Matrix(ctypes.Structure):
@@ -42,7 +45,7 @@ class _Batch(ctypes.Structure):
 
 
 def _matrix(linear) -> _Matrix:
-    fmt = KERNEL_FORMAT[linear.qtype] if linear.qtype else _FORMATS[linear.weight.dtype]
+    fmt = KERNEL_FORMAT[linear.qtype] + linear.int8_dot if linear.qtype else _FORMATS[linear.weight.dtype]
     bias = linear.bias.data_ptr() if linear.bias is not None else None
     return _Matrix(fmt, linear.weight.data_ptr(), bias)
 
@@ -74,10 +77,6 @@ class NativeDecoder:
         self._scratch_per_row = (max(q_size, c.hidden_size) + max(width, 2 * c.intermediate_size) + q_size
                                  + c.hidden_size)
 
-    @staticmethod
-    def applies(batch: ForwardBatch) -> bool:
-        return not batch.attention.long
-
     def layers(self, x: torch.Tensor, batch: ForwardBatch, kv_cache: torch.Tensor, aux_ids: list[int]) -> torch.Tensor:
         """Runs every layer over x [T, hidden] in place; returns the residual stream entering
         the layers `aux_ids` (sorted, < number of layers) as [T, len(aux_ids) * hidden]."""
@@ -90,7 +89,7 @@ class NativeDecoder:
         rotary = self.model.rotary
         positions = batch.positions.contiguous()
         tables = meta.block_tables.contiguous()
-        run = _Batch(t, meta.context_lens.shape[0], tables.shape[1], SHORT_QUERY,
+        run = _Batch(t, meta.context_lens.shape[0], tables.shape[1], ANY_QUERY,
                      positions.data_ptr(), meta.slot_blocks.data_ptr(), meta.slot_offsets.data_ptr(),
                      tables.data_ptr(), meta.query_start_loc.data_ptr(), meta.context_lens.data_ptr(),
                      meta.span_masks.data_ptr() if meta.span_masks is not None else None,

@@ -20,15 +20,21 @@ BLOCK_BYTES = {"Q8_0": 34, "Q4_0": 18, "Q4_1": 20}
 QUANT_TYPES = tuple(BLOCK_BYTES)
 # The kernels' two panel formats: Q8 (scale only) and Q4 (scale and min; Q4_0 becomes m = -8d).
 KERNEL_FORMAT = {"Q8_0": 8, "Q4_0": 4, "Q4_1": 4}
+# Bytes of a column kept together in a panel: one for the exact kernel (a vector of columns per k),
+# four for the int8 dot products (one 32-bit lane per column, its next 4 k values).
+GROUP = {False: 1, True: 4}
 
 
 @dataclass(frozen=True)
 class QuantizedTensor:
-    """A [rows, cols] matrix as GGUF blocks: `data` is uint8 [rows, cols / 32 * block bytes]."""
+    """A [rows, cols] matrix as GGUF blocks: `data` is uint8 [rows, cols / 32 * block bytes].
+    int8_dot: multiply it with int8-quantized activations (llama.cpp's arithmetic, csrc/quant_dot.c)
+    instead of widening it to its exact fp32 values (csrc/packed_gemm.c)."""
 
     qtype: str
     data: torch.Tensor
     cols: int
+    int8_dot: bool = False
 
     def __post_init__(self) -> None:
         if self.qtype not in BLOCK_BYTES:
@@ -50,14 +56,15 @@ class QuantizedTensor:
         data = self.data[rows]
         start, stop, step = cols.indices(self.cols)
         if (start, stop) == (0, self.cols):
-            return QuantizedTensor(self.qtype, data, self.cols)
+            return QuantizedTensor(self.qtype, data, self.cols, self.int8_dot)
         if step != 1 or start % QBLOCK or stop % QBLOCK:
             raise ValueError(f"{self.qtype} columns can only be sliced at multiples of {QBLOCK} (got {start}:{stop})")
         size = BLOCK_BYTES[self.qtype]
-        return QuantizedTensor(self.qtype, data[:, start // QBLOCK * size : stop // QBLOCK * size], stop - start)
+        return QuantizedTensor(self.qtype, data[:, start // QBLOCK * size : stop // QBLOCK * size], stop - start,
+                               self.int8_dot)
 
     def contiguous(self) -> "QuantizedTensor":
-        return QuantizedTensor(self.qtype, self.data.contiguous(), self.cols)
+        return QuantizedTensor(self.qtype, self.data.contiguous(), self.cols, self.int8_dot)
 
     def dequantize(self, dtype: torch.dtype = torch.float32) -> torch.Tensor:
         return dequantize_blocks(self.qtype, self.data).to(dtype)
@@ -66,8 +73,8 @@ class QuantizedTensor:
 def cat_rows(parts: list) -> "QuantizedTensor | torch.Tensor":
     """Stack matrices by rows (a fused projection): quantized parts of one type stay quantized;
     float parts, or quantized parts of different types, become fp32 (dequantized exactly)."""
-    if all(isinstance(p, QuantizedTensor) for p in parts) and len({(p.qtype, p.cols) for p in parts}) == 1:
-        return QuantizedTensor(parts[0].qtype, torch.cat([p.data for p in parts]), parts[0].cols)
+    if all(isinstance(p, QuantizedTensor) for p in parts) and len({(p.qtype, p.cols, p.int8_dot) for p in parts}) == 1:
+        return QuantizedTensor(parts[0].qtype, torch.cat([p.data for p in parts]), parts[0].cols, parts[0].int8_dot)
     floats = [p.dequantize() if isinstance(p, QuantizedTensor) else p for p in parts]
     return torch.cat([f.to(torch.promote_types(f.dtype, torch.float32)) for f in floats])
 
@@ -96,8 +103,9 @@ def _nibbles(b: torch.Tensor) -> torch.Tensor:
 
 
 def pack_panels(w: QuantizedTensor, width: int) -> torch.Tensor:
-    """uint8 [ceil(rows / width), blocks * panel block bytes]: `width` rows side by side per block
-    (the layout packed_gemm.c's quantized tiles read; rows padded with zero blocks)."""
+    """uint8 [ceil(rows / width), blocks * panel block bytes]: `width` rows side by side per block,
+    their quant bytes in groups of GROUP[w.int8_dot] (the layouts of csrc/packed_gemm.c and
+    csrc/quant_dot.c; rows padded with zero blocks)."""
     rows, cols = w.shape
     blocks = w.data.reshape(rows, cols // QBLOCK, BLOCK_BYTES[w.qtype])
     pad = -rows % width
@@ -112,21 +120,25 @@ def pack_panels(w: QuantizedTensor, width: int) -> torch.Tensor:
         scales, quants = [d, blocks[..., 2:4]], blocks[..., 4:]
     else:  # Q4_0 as Q4_1 with m = -8d (exact in fp16: a power-of-two scaling)
         scales, quants = [d, (_halves(d) * -8).half().view(torch.uint8)], blocks[..., 2:]
-    # Scales: `width` fp16 values in a row. Quants [.., width, n] -> [.., n, width]: byte j of every row together.
-    parts = [s.reshape(*s.shape[:2], -1) for s in scales] + [quants.transpose(2, 3).reshape(*quants.shape[:2], -1)]
+    # Scales: `width` fp16 values in a row. Quants [.., width, n] -> [.., n / g, width, g]: group j of every row together.
+    g = GROUP[w.int8_dot]
+    quants = quants.reshape(*quants.shape[:3], -1, g).transpose(2, 3)
+    parts = [s.reshape(*s.shape[:2], -1) for s in scales] + [quants.reshape(*quants.shape[:2], -1)]
     return torch.cat(parts, dim=-1).reshape(blocks.shape[0], -1).contiguous()
 
 
-def panel_rows(panels: torch.Tensor, qtype: str, cols: int, width: int, ids: torch.Tensor) -> torch.Tensor:
+def panel_rows(panels: torch.Tensor, qtype: str, cols: int, width: int, ids: torch.Tensor,
+               int8_dot: bool = False) -> torch.Tensor:
     """fp32 rows `ids` of the matrix packed by `pack_panels` (an embedding lookup)."""
-    nb = cols // QBLOCK
+    nb, g = cols // QBLOCK, GROUP[int8_dot]
     kernel = KERNEL_FORMAT[qtype]
     blocks = panels[ids // width].reshape(len(ids), nb, -1)  # [n, blocks, panel block bytes]
     lane = (ids % width).view(-1, 1, 1)
 
     def column(start: int, count: int) -> torch.Tensor:  # bytes [n, blocks, count] of each id's column
-        part = blocks[..., start * width : (start + count) * width].reshape(len(ids), nb, count, width)
-        return part.gather(3, lane.unsqueeze(-1).expand(-1, nb, count, 1)).squeeze(-1)
+        part = blocks[..., start * width : (start + count) * width].reshape(len(ids), nb, count // g, width, g)
+        lanes = lane.view(-1, 1, 1, 1, 1).expand(-1, nb, count // g, 1, g)
+        return part.gather(3, lanes).reshape(len(ids), nb, count)
 
     def half(start: int) -> torch.Tensor:
         part = blocks[..., start * width : (start + 2) * width].contiguous().view(torch.float16).float()

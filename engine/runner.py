@@ -42,8 +42,8 @@ class ModelRunner:
         if tp is None:
             tp, self._followers = start_tensor_parallel(config, self.model_config)
         self.tp = tp
-        weights = tp.shard(self.model_config, load_weights(
-            self.model_dir, self.dtype, self.device, quantized=config.quantization == "auto" and self.device.type == "cpu"))
+        blocks = {"auto": "int8", "exact": "exact"}.get(config.quantization) if self.device.type == "cpu" else None
+        weights = tp.shard(self.model_config, load_weights(self.model_dir, self.dtype, self.device, blocks=blocks))
         quantized = any(isinstance(w, QuantizedTensor) for w in weights.values())
         self.model = CausalLM(self.model_config, weights, self.max_model_len, config.block_size, tp)
         is_driver = tp.rank == 0
@@ -51,7 +51,7 @@ class ModelRunner:
         mc = tp.local_config(self.model_config)
         self.layout = KVLayout(
             # Quantized weights compute other KV than the float ones they came from: not interchangeable.
-            model=model_fingerprint(self.model_dir) + ("+quantized" if quantized else ""),
+            model=model_fingerprint(self.model_dir) + (f"+{blocks}" if quantized else ""),
             dtype=config.dtype,
             block_size=config.block_size,
             target=CacheShape(mc.num_layers, mc.num_kv_heads, mc.head_dim),

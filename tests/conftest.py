@@ -30,6 +30,16 @@ def engine():
 
 
 @pytest.fixture(scope="session")
+def exact_engine():
+    """The GGUF's blocks widened to their exact fp32 values (the default multiplies them with
+    int8-quantized activations): the engine transformers' fp32 logits are compared with."""
+    from engine.config import EngineConfig
+    from engine.engine import Engine
+
+    return Engine(EngineConfig(num_kv_blocks=512, max_num_seqs=16, quantization="exact"))
+
+
+@pytest.fixture(scope="session")
 def hf_model(model_dir: Path):
     """transformers' Llama on the same weights (our converted directory); fp32, eval mode."""
     from transformers import AutoModelForCausalLM

@@ -159,3 +159,32 @@ def test_linear_first_output_computes_a_tail_of_the_outputs(packed_dtype, first)
     plain = Linear(w.double(), b.double())
     assert not plain.packed
     assert torch.allclose(plain(x.double(), first_output=first), plain(x.double())[:, first:])
+
+
+@pytest.mark.parametrize("isa", ISAS)
+def test_a_tree_row_computes_the_bits_of_its_path_decoded_plainly(isa):
+    """Each row of a tree span (chain rows and leaves off it) gets exactly the output the same
+    query gets as a plain one-token decode over the prefix plus its ancestors laid out
+    contiguously: lossless verification must not hinge on rounding."""
+    heads, kv_heads, dim, bs, prefix = 9, 3, 64, 16, 37
+    parents = [-1, 0, 1, 0, 2, 4, 1]  # the chain 0-1-2-4-5, leaves 3 (under the root) and 6
+    depth, masks = tree_layout(parents)
+    n = len(parents) + 1
+    torch.manual_seed(0)
+    cache = torch.randn(16, 2, bs, kv_heads, dim)
+    tree_table = [3, 7, 1, 9]
+    q = torch.randn(n, heads, dim)
+    slots = torch.tensor([tree_table[p // bs] * bs + p % bs for p in range(prefix, prefix + n)])
+    meta = AttentionMetadata.build([n], [prefix + n], [tree_table], slots, bs, torch.device("cpu"), masks)
+    tree_out = native_paged_attention(q, cache, meta, dim**-0.5, isa)
+    plain_table = [11, 5, 14, 2]
+    for i in range(n):
+        visible = list(range(prefix)) + [prefix + j for j in range(n) if masks[i] >> j & 1]
+        plain = cache.clone()
+        for dst, src in enumerate(visible):  # the visible keys and values, contiguous in other blocks
+            plain[plain_table[dst // bs], :, dst % bs] = cache[tree_table[src // bs], :, src % bs]
+        last = len(visible) - 1
+        one = AttentionMetadata.build([1], [len(visible)], [plain_table], torch.tensor([plain_table[last // bs] * bs + last % bs]),
+                                      bs, torch.device("cpu"))
+        assert len(visible) == prefix + depth[i] + 1
+        assert torch.equal(native_paged_attention(q[i : i + 1], plain, one, dim**-0.5, isa)[0], tree_out[i]), i

@@ -51,20 +51,27 @@ def test_chunked_prefill_matches(engine, prompts):
     assert _run_all(chunked, prompts[:3], params) == [_solo(engine, p, params) for p in prompts[:3]]
 
 
-def test_finish_reasons(engine, prompts):
-    outs = list(engine.generate(prompts[0], SamplingParams(max_tokens=3)))
+@pytest.fixture(scope="module")
+def colors(engine) -> list[int]:
+    """A prompt whose short greedy answer ("The primary colors are: Red, Blue, Yellow") holds
+    under every arithmetic (the capital-of-France one starts with a near tie)."""
+    return engine.tokenizer.encode_chat([{"role": "user", "content": "Name three primary colors."}])
+
+
+def test_finish_reasons(engine, colors):
+    outs = list(engine.generate(colors, SamplingParams(max_tokens=3)))
     assert outs[-1].finish_reason == "length" and sum(len(o.token_ids) for o in outs) == 3
-    outs = list(engine.generate(prompts[0], SamplingParams(max_tokens=64)))
+    outs = list(engine.generate(colors, SamplingParams(max_tokens=64)))
     assert outs[-1].finish_reason == "stop" and outs[-1].token_ids[-1] in engine.tokenizer.stop_token_ids
 
 
-def test_stop_string_ends_generation_and_is_not_emitted(engine, prompts):
-    full = "".join(o.text for o in engine.generate(prompts[0], SamplingParams(max_tokens=40)))
-    assert "Paris" in full
-    outs = list(engine.generate(prompts[0], SamplingParams(max_tokens=40, stop=("Paris",))))
+def test_stop_string_ends_generation_and_is_not_emitted(engine, colors):
+    full = "".join(o.text for o in engine.generate(colors, SamplingParams(max_tokens=40)))
+    assert "Blue" in full
+    outs = list(engine.generate(colors, SamplingParams(max_tokens=40, stop=("Blue",))))
     text = "".join(o.text for o in outs)
     assert outs[-1].finish_reason == "stop"
-    assert text == full[: full.index("Paris")]
+    assert text == full[: full.index("Blue")]
 
 
 def test_abort_frees_blocks(engine, prompts):

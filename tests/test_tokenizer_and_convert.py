@@ -178,7 +178,7 @@ def test_kept_blocks_are_the_converted_weights(converted_dir: Path) -> None:
     from engine.quant import QuantizedTensor
 
     floats = load_file(converted_dir / "model.safetensors")
-    loaded = load_weights(converted_dir, torch.float32, torch.device("cpu"), quantized=True)
+    loaded = load_weights(converted_dir, torch.float32, torch.device("cpu"), blocks="exact")
     kept = {name: w for name, w in loaded.items() if isinstance(w, QuantizedTensor)}
     assert {w.qtype for w in kept.values()} == {"Q4_1", "Q8_0"}
     assert kept["model.embed_tokens.weight"].qtype == "Q8_0"

@@ -1,11 +1,12 @@
-/* The decoder layers of a Llama-family model as one native call, for decode and verification
- * batches (every sequence a short query) on CPU.
+/* The decoder layers of a Llama-family model as one native call, for every CPU fp32 forward.
  *
  * Why: at batch 1 a layer's arithmetic outside the GEMMs (two RMSNorms, RoPE, the KV write,
  * SiLU, residual adds) is a few thousand flops, but as ~25 torch ops it costs ~300 us a layer
  * in dispatch alone: more than the layer's weights take to stream. Here the layer loop runs in
- * C; the GEMMs (packed_gemm.c) and attention (paged_attention.c) are the same kernels the torch
- * path calls, so the two paths compute the same sums except the norms' reduction order.
+ * C; the GEMMs (packed_gemm.c, quant_dot.c) and attention (paged_attention.c) are the same
+ * kernels the torch path calls, so the two compute the same sums except for the norms' and
+ * SiLU's rounding. FMA contraction is off in this file: a row must compute the same bits in any
+ * batch, and the compiler may fuse differently in differently vectorized copies of a loop.
  *
  * Per layer, for T rows of the residual stream x (updated in place):
  *   h = rmsnorm(x) * w_in;  [q|k|v] = h W_qkv^T (+ b);  q, k = rope(q, k);  cache[slot] = k, v
@@ -19,8 +20,10 @@
 
 #include "kernels.h"
 
+#pragma GCC optimize("fp-contract=off")
+
 typedef struct {
-    int format;          /* PD_F32, PD_BF16, PD_Q8 or PD_Q4 */
+    int format;          /* PD_F32, ... (kernels.h) */
     const void *weight;  /* panels as the format's GEMM reads them */
     const float *bias;   /* or NULL */
 } pd_matrix;
@@ -51,6 +54,8 @@ static int matmul(const pd_matrix *w, const float *x, float *y, int M, int K, in
     case PD_BF16: pd_packed_gemm_bf16(x, w->weight, w->bias, y, M, K, N, threads); return 0;
     case PD_Q8: return pd_quant_gemm(8, x, w->weight, w->bias, y, M, K, N, threads);
     case PD_Q4: return pd_quant_gemm(4, x, w->weight, w->bias, y, M, K, N, threads);
+    case PD_Q8_I8: return pd_quant_gemm_i8(8, x, w->weight, w->bias, y, M, K, N, threads);
+    case PD_Q4_I8: return pd_quant_gemm_i8(4, x, w->weight, w->bias, y, M, K, N, threads);
     default: return -1;
     }
 }

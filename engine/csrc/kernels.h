@@ -2,7 +2,9 @@
 #ifndef PDSPEC_KERNELS_H
 #define PDSPEC_KERNELS_H
 
-enum { PD_F32 = 0, PD_BF16 = 1, PD_Q4 = 4, PD_Q8 = 8 };  /* weight formats (engine/native_decoder.py) */
+/* Weight formats (engine/native_decoder.py): fp32, bf16, and the quantized panels widened to
+ * fp32 (Q4, Q8) or multiplied with int8 activations (Q4_I8, Q8_I8). */
+enum { PD_F32 = 0, PD_BF16 = 1, PD_Q4 = 4, PD_Q4_I8 = 5, PD_Q8 = 8, PD_Q8_I8 = 9 };
 
 void pd_packed_gemm(const float *x, const float *packed, const float *bias, float *y, int M, int K, int N,
                     int num_threads);
@@ -10,6 +12,8 @@ void pd_packed_gemm_bf16(const float *x, const unsigned short *packed, const flo
                          int N, int num_threads);
 int pd_quant_gemm(int qtype, const float *x, const unsigned char *packed, const float *bias, float *y, int M,
                   int K, int N, int num_threads);
+int pd_quant_gemm_i8(int qtype, const float *x, const unsigned char *packed, const float *bias, float *y, int M,
+                     int K, int N, int num_threads);
 int pd_paged_attention(const float *q, const float *cache, long s_block, long s_kv, long s_offset,
                        const long *block_tables, int max_blocks, const int *query_start_loc,
                        const int *context_lens, int num_seqs, int max_query_len, int heads,

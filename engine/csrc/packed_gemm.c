@@ -23,7 +23,6 @@
 typedef uint16_t vhalf __attribute__((vector_size(LANES * 2)));
 typedef uint32_t vword __attribute__((vector_size(LANES * 4)));
 
-static inline vfloat load_f32(const float *p) { vfloat v; memcpy(&v, p, sizeof v); return v; }
 
 /* bf16 -> fp32 is a 16-bit left shift of the bit pattern. */
 static inline vfloat load_bf16(const uint16_t *p) {
@@ -128,29 +127,10 @@ int pd_vector_lanes(void) { return LANES; }
  * (L2-resident) and run the fp32 tiles over it.
  */
 #include <stdlib.h>
-#if defined(__AVX512F__) || defined(__AVX2__)
-#include <immintrin.h>
-#endif
 
 #define QBLOCK 32
 #define Q8_BYTES (34 * PACK)
 #define Q4_BYTES (20 * PACK)
-
-static inline vfloat load_f16(const uint16_t *p) {
-#if defined(__AVX512F__)
-    return (vfloat)_mm512_cvtph_ps(_mm256_loadu_si256((const __m256i *)p));
-#elif defined(__AVX2__)  /* x86-64-v3: F16C too */
-    return (vfloat)_mm256_cvtph_ps(_mm_loadu_si128((const __m128i *)p));
-#else
-    _Float16 h[LANES];
-    float f[LANES];
-    vfloat v;
-    memcpy(h, p, sizeof h);
-    for (int i = 0; i < LANES; i++) f[i] = (float)h[i];
-    memcpy(&v, f, sizeof v);
-    return v;
-#endif
-}
 
 /* LANES bytes widened to fp32, signed (Q8) or as two nibbles (Q4). Intrinsics on x86: GCC's
  * generic vector conversions of sub-register vectors come out scalarized in the unrolled tiles. */

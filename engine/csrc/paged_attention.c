@@ -44,7 +44,7 @@ static inline vfloat splat(float x) { return (vfloat){0} + x; }
 static inline vint splat_i(int x) { return (vint){0} + x; }
 
 /* Lane-wise mask ? a : b (GCC's C front end has no vector ternary). */
-static inline vfloat select(vint mask, vfloat a, vfloat b) {
+static inline vfloat select_lanes(vint mask, vfloat a, vfloat b) {
     vint ia, ib;
     memcpy(&ia, &a, sizeof a);
     memcpy(&ib, &b, sizeof b);
@@ -68,7 +68,7 @@ static inline float hsum(vfloat v) {
 static inline vfloat vexp(vfloat x) {
     const vfloat lo = splat(-87.0f);
     vint under = x < lo;
-    x = select(x < lo, lo, x);
+    x = select_lanes(x < lo, lo, x);
     vfloat n = x * 1.44269504088896341f;
     /* round to nearest: add and subtract 1.5 * 2^23 */
     n = (n + 12582912.0f) - 12582912.0f;
@@ -83,7 +83,7 @@ static inline vfloat vexp(vfloat x) {
     vfloat scale;
     memcpy(&scale, &bits, sizeof scale);
     vfloat y = p * scale;
-    return select(under, splat(0.0f), y);
+    return select_lanes(under, splat(0.0f), y);
 }
 
 /* Lane o of the result = sum of the lanes of d[o], for LANES vectors: a transpose-and-add tree
@@ -116,7 +116,7 @@ static inline vfloat sum_lanes(vfloat *d) {
  * compile-time constant in each inlined copy (see attend_tile_dim), so the loops over it unroll
  * and the accumulators stay in registers. */
 static inline __attribute__((always_inline)) void attend_tile(
-    const float **qrows, const int *pos, const int *tree, int span0, int nrows, const float *cache,
+    const float **qrows, const int *pos, const int *tree, int span0, const int *span_map, int nrows, const float *cache,
     long s_block, long s_kv, long s_offset, const long *table, int block_size, int kv_head, const int dim,
     float scale, float **outs) {
     const int chunks = dim / LANES;
@@ -135,6 +135,7 @@ static inline __attribute__((always_inline)) void attend_tile(
         int n = last + 1 - start < KEYS ? last + 1 - start : KEYS;
         for (int o = 0; o < n; o++) {
             int p = start + o;
+            if (span_map && p >= span0) p = span0 + span_map[p - span0];
             keys[o] = cache + table[p / block_size] * s_block + (long)(p % block_size) * s_offset
                       + (long)kv_head * dim;
         }
@@ -152,12 +153,12 @@ static inline __attribute__((always_inline)) void attend_tile(
                 vint span_key = lane + (start - span0);
                 valid &= (span_key < 0) | (((splat_i(tree[r]) >> (span_key & 31)) & 1) != 0);
             }
-            vfloat s = select(valid, sum_lanes(d) * scale, splat(-INFINITY));
+            vfloat s = select_lanes(valid, sum_lanes(d) * scale, splat(-INFINITY));
             float mnew = s[0];
             for (int o = 1; o < visible; o++) mnew = s[o] > mnew ? s[o] : mnew;
             mnew = mnew > m[r] ? mnew : m[r];
             float correction = expf(m[r] - mnew);
-            vfloat e = select(valid, vexp(s - mnew), splat(0.0f));
+            vfloat e = select_lanes(valid, vexp(s - mnew), splat(0.0f));
             l[r] = l[r] * correction + hsum(e);
             m[r] = mnew;
             /* Two accumulators per chunk halve the FMA dependency chain over the keys. */
@@ -177,10 +178,10 @@ static inline __attribute__((always_inline)) void attend_tile(
     }
 }
 
-static void attend_tile_dim(const float **qrows, const int *pos, const int *tree, int span0, int nrows,
-                            const float *cache, long s_block, long s_kv, long s_offset, const long *table,
-                            int block_size, int kv_head, int dim, float scale, float **outs) {
-#define ATTEND(D) attend_tile(qrows, pos, tree, span0, nrows, cache, s_block, s_kv, s_offset, table, \
+static void attend_tile_dim(const float **qrows, const int *pos, const int *tree, int span0, const int *span_map,
+                            int nrows, const float *cache, long s_block, long s_kv, long s_offset,
+                            const long *table, int block_size, int kv_head, int dim, float scale, float **outs) {
+#define ATTEND(D) attend_tile(qrows, pos, tree, span0, span_map, nrows, cache, s_block, s_kv, s_offset, table, \
                               block_size, kv_head, D, scale, outs)
     switch (dim) {  /* the common head sizes get fully unrolled copies */
         case 64: ATTEND(64); break;
@@ -188,6 +189,59 @@ static void attend_tile_dim(const float **qrows, const int *pos, const int *tree
         default: ATTEND(dim);
     }
 #undef ATTEND
+}
+
+/* One (sequence, kv head): what every tile of its query tokens shares. */
+typedef struct {
+    const float *q, *cache;
+    long s_block, s_kv, s_offset;
+    const long *table;
+    int first, pos0, heads, group, kv_head, dim, block_size;
+    float scale;
+    float *out;
+    const int *span_masks;
+} tile_job;
+
+/* Rows of tokens [t0, t1) of the job's sequence (all heads of the kv head's group) as one tile:
+ * keys in cache order, tree masks applied per row. */
+static void attend_tokens(const tile_job *j, int t0, int t1) {
+    if (t0 >= t1) return;
+    const float *qrows[MAX_ROWS];
+    float *outs[MAX_ROWS];
+    int pos[MAX_ROWS], tree[MAX_ROWS], nrows = 0;
+    for (int i = t0; i < t1; i++)
+        for (int g = 0; g < j->group; g++, nrows++) {
+            long row = (long)(j->first + i) * j->heads + j->kv_head * j->group + g;
+            qrows[nrows] = j->q + row * j->dim;
+            outs[nrows] = j->out + row * j->dim;
+            pos[nrows] = j->pos0 + i;
+            tree[nrows] = j->span_masks ? j->span_masks[j->first + i] : -1;
+        }
+    attend_tile_dim(qrows, pos, tree, j->pos0, 0, nrows, j->cache, j->s_block, j->s_kv, j->s_offset, j->table,
+                    j->block_size, j->kv_head, j->dim, j->scale, outs);
+}
+
+/* Token i of a tree span whose ancestors are not all the span tokens before it (a leaf off the
+ * chain): its visible keys (the prefix, then the span tokens in its mask) are read as one
+ * contiguous run, chunked as plain decoding would chunk them, so the row computes the same bits
+ * as the token decoded at its logical position. (Keys at masked slots in between would shift the
+ * online softmax's chunks and pairs, and a last-bit difference can change a token downstream.) */
+static void attend_tree_token(const tile_job *j, int i, int mask) {
+    int span_map[32], n = 0;
+    for (int k = 0; k <= i; k++)
+        if ((mask >> k) & 1) span_map[n++] = k;
+    const float *qrows[MAX_ROWS];
+    float *outs[MAX_ROWS];
+    int pos[MAX_ROWS], tree[MAX_ROWS];
+    for (int g = 0; g < j->group; g++) {
+        long row = (long)(j->first + i) * j->heads + j->kv_head * j->group + g;
+        qrows[g] = j->q + row * j->dim;
+        outs[g] = j->out + row * j->dim;
+        pos[g] = j->pos0 + n - 1;  /* the last visible key's index in the compacted run */
+        tree[g] = -1;
+    }
+    attend_tile_dim(qrows, pos, tree, j->pos0, span_map, j->group, j->cache, j->s_block, j->s_kv, j->s_offset,
+                    j->table, j->block_size, j->kv_head, j->dim, j->scale, outs);
 }
 
 /* q: [T, heads, dim]; out: [T, heads*dim]; block_tables: [num_seqs, max_blocks]; span_masks:
@@ -206,24 +260,23 @@ int pd_paged_attention(const float *q, const float *cache, long s_block, long s_
     for (int b = 0; b < num_seqs; b++) {
         for (int h = 0; h < kv_heads; h++) {
             int first = query_start_loc[b], qlen = query_start_loc[b + 1] - first;
-            int pos0 = context_lens[b] - qlen;
             if (qlen > max_query_len) continue;
-            for (int t0 = 0; t0 < qlen; t0 += tokens_per_tile) {
-                const float *qrows[MAX_ROWS];
-                float *outs[MAX_ROWS];
-                int pos[MAX_ROWS], tree[MAX_ROWS], nrows = 0;
-                for (int i = t0; i < qlen && i < t0 + tokens_per_tile; i++) {
-                    for (int g = 0; g < group; g++, nrows++) {
-                        long row = (long)(first + i) * heads + h * group + g;
-                        qrows[nrows] = q + row * dim;
-                        outs[nrows] = out + row * dim;
-                        pos[nrows] = pos0 + i;
-                        tree[nrows] = span_masks ? span_masks[first + i] : -1;
-                    }
+            tile_job job = {q, cache, s_block, s_kv, s_offset, block_tables + (long)b * max_blocks, first,
+                            context_lens[b] - qlen, heads, group, h, dim, block_size, scale, out, span_masks};
+            int t0 = 0;  /* the pending tile: tokens t0 .. i-1 */
+            for (int i = 0; i < qlen; i++) {
+                int mask = span_masks ? span_masks[first + i] : -1;
+                int causal = mask == -1 || mask == (int)((2u << i) - 1);  /* sees all span tokens up to i */
+                if (!causal) {  /* a tree row off the chain: its visible keys compacted, alone */
+                    attend_tokens(&job, t0, i);
+                    attend_tree_token(&job, i, mask);
+                    t0 = i + 1;
+                } else if (i + 1 - t0 == tokens_per_tile) {
+                    attend_tokens(&job, t0, i + 1);
+                    t0 = i + 1;
                 }
-                attend_tile_dim(qrows, pos, tree, pos0, nrows, cache, s_block, s_kv, s_offset,
-                                block_tables + (long)b * max_blocks, block_size, h, dim, scale, outs);
             }
+            attend_tokens(&job, t0, qlen);
         }
     }
     return 0;

@@ -34,4 +34,28 @@
 
 typedef float vfloat __attribute__((vector_size(LANES * 4)));
 
+#include <stdint.h>
+#include <string.h>
+#if defined(__AVX512F__) || defined(__AVX2__)
+#include <immintrin.h>
+#endif
+
+static inline vfloat load_f32(const float *p) { vfloat v; memcpy(&v, p, sizeof v); return v; }
+static inline void store_f32(float *p, vfloat v) { memcpy(p, &v, sizeof v); }
+
+/* LANES fp16 values (GGUF block scales) as fp32: F16C on x86-64-v3 and up, else one by one. */
+static inline vfloat load_f16(const uint16_t *p) {
+#if defined(__AVX512F__)
+    return (vfloat)_mm512_cvtph_ps(_mm256_loadu_si256((const __m256i *)p));
+#elif defined(__AVX2__)  /* x86-64-v3: F16C too */
+    return (vfloat)_mm256_cvtph_ps(_mm_loadu_si128((const __m128i *)p));
+#else
+    _Float16 h[LANES];
+    float f[LANES];
+    memcpy(h, p, sizeof h);
+    for (int i = 0; i < LANES; i++) f[i] = (float)h[i];
+    return load_f32(f);
+#endif
+}
+
 #endif
