@@ -2,6 +2,13 @@
 #ifndef PDSPEC_KERNELS_H
 #define PDSPEC_KERNELS_H
 
+#include "vector_isa.h"
+
+/* Quantized panels (engine/quant.py): 32-weight blocks, PACK columns side by side. */
+#define QBLOCK 32
+#define Q8_BYTES (34 * PACK)  /* d[PACK] fp16, 32 x PACK int8 */
+#define Q4_BYTES (20 * PACK)  /* d[PACK], m[PACK] fp16, 16 x PACK bytes of nibbles */
+
 /* Weight formats (engine/native_decoder.py): fp32, bf16, and the quantized panels widened to
  * fp32 (Q4, Q8) or multiplied with int8 activations (Q4_I8, Q8_I8). */
 enum { PD_F32 = 0, PD_BF16 = 1, PD_Q4 = 4, PD_Q4_I8 = 5, PD_Q8 = 8, PD_Q8_I8 = 9 };

@@ -16,9 +16,10 @@
  */
 #include <stddef.h>
 #include <stdint.h>
+#include <stdlib.h>
 #include <string.h>
 
-#include "vector_isa.h"
+#include "kernels.h"
 
 typedef uint16_t vhalf __attribute__((vector_size(LANES * 2)));
 typedef uint32_t vword __attribute__((vector_size(LANES * 4)));
@@ -126,11 +127,7 @@ int pd_vector_lanes(void) { return LANES; }
  * an L1 buffer; taller batches widen the whole panel once into a per-thread fp32 buffer
  * (L2-resident) and run the fp32 tiles over it.
  */
-#include <stdlib.h>
 
-#define QBLOCK 32
-#define Q8_BYTES (34 * PACK)
-#define Q4_BYTES (20 * PACK)
 
 /* LANES bytes widened to fp32, signed (Q8) or as two nibbles (Q4). Intrinsics on x86: GCC's
  * generic vector conversions of sub-register vectors come out scalarized in the unrolled tiles. */

@@ -22,13 +22,10 @@
 #include <stdlib.h>
 #include <string.h>
 
-#include "vector_isa.h"
+#include "kernels.h"
 
 #pragma GCC optimize("fp-contract=off")
 
-#define QBLOCK 32
-#define Q8_BYTES (34 * PACK)
-#define Q4_BYTES (20 * PACK)
 
 typedef struct {  /* the activation rows, quantized */
     const int8_t *q;   /* [M][K] */
