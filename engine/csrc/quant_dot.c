@@ -34,12 +34,6 @@ typedef struct {  /* the activation rows, quantized */
     int K;
 } qrows;
 
-static inline int32_t load32(const void *p) {
-    int32_t v;
-    memcpy(&v, p, 4);
-    return v;
-}
-
 static void quantize_rows(const float *x, int M, int K, int8_t *q, float *d, float *ds) {
     for (int m = 0; m < M; m++)
         for (int b = 0; b < K / QBLOCK; b++) {
@@ -63,8 +57,9 @@ static void quantize_rows(const float *x, int M, int K, int8_t *q, float *d, flo
 #if defined(__AVX512BW__) || defined(__AVX2__)
 #if defined(__AVX512BW__)
 typedef __m512i vi;
+#define BCAST_ASM "vpbroadcastd %1, %0" : "=v"
 #define LOAD(p) _mm512_loadu_si512((const void *)(p))
-#define BCAST(p) _mm512_set1_epi32(load32(p))
+#define BCAST(p) bcast32(p)
 #define SET1_8(c) _mm512_set1_epi8(c)
 #define AND(a, b) _mm512_and_si512(a, b)
 #define SRL16(a, n) _mm512_srli_epi16(a, n)
@@ -83,8 +78,9 @@ typedef __m512i vi;
 #define SIGN_OF(x, w) _mm512_mask_sub_epi8(x, _mm512_movepi8_mask(w), _mm512_setzero_si512(), x)
 #else
 typedef __m256i vi;
+#define BCAST_ASM "vpbroadcastd %1, %0" : "=x"
 #define LOAD(p) _mm256_loadu_si256((const __m256i *)(p))
-#define BCAST(p) _mm256_set1_epi32(load32(p))
+#define BCAST(p) bcast32(p)
 #define SET1_8(c) _mm256_set1_epi8(c)
 #define AND(a, b) _mm256_and_si256(a, b)
 #define SRL16(a, n) _mm256_srli_epi16(a, n)
@@ -97,6 +93,15 @@ typedef __m256i vi;
 #define DOT4(acc, u, s) _mm256_add_epi32(acc, _mm256_madd_epi16(_mm256_maddubs_epi16(u, s), _mm256_set1_epi16(1)))
 #define SIGN_OF(x, w) _mm256_sign_epi8(x, w)
 #endif
+
+/* A row's next 4 activation bytes in every 32-bit lane, straight from memory (one load uop).
+ * As asm volatile so the compiler neither hoists the tile's 8 x rows broadcasts out of the loop
+ * over column vectors (it did, and spilled them all) nor merges them. */
+static inline vi bcast32(const int8_t *p) {
+    vi r;
+    __asm__ volatile(BCAST_ASM(r) : "m"(*(const int32_t *)p));
+    return r;
+}
 
 #if defined(__AVX512VNNI__)
 #define Q4_DOTS(MM)                                                                             \
