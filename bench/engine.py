@@ -6,7 +6,8 @@ dequantized fp32 ones:
 - decode tokens/s at batch 1, 4, 16: 128 new tokens after a 256-token prompt (EOS ignored);
 - the cost of one forward over n new tokens (default 1, 2, 4, 6, 8; logits at every row) after a
   256-token context, relative to the first n (1 by default: what a speculative verification step
-  costs against a decode step).
+  costs against a decode step);
+- with --prefill N ..., the time of one forward over an N-token prompt (no cache; ours only).
 Prints one JSON object (with the ISA level our kernels ran and torch's CPU capability), then a
 table.
 
@@ -71,6 +72,21 @@ def ours_span_costs(engine: Engine, spans: list[int], reps: int) -> dict[int, fl
     return costs
 
 
+def ours_prefill_ms(engine: Engine, n: int) -> float:
+    """One forward over a fresh n-token prompt (nothing cached), best of 2."""
+    rng = random.Random(n)
+    prompt = [rng.randrange(100, 40000) for _ in range(n)]
+    times = []
+    for _ in range(2):
+        engine.blocks.clear_prefix_cache()
+        engine.blocks.allocate("prefill", prompt)
+        start = time.perf_counter()
+        engine.runner.forward([SeqChunk(prompt, 0, engine.blocks.block_table("prefill"), 1)])
+        times.append((time.perf_counter() - start) * 1e3)
+        engine.blocks.free("prefill")
+    return min(times)
+
+
 def hf_decode(model, batch: int) -> float:
     ids = torch.tensor(_prompts(batch, 40000))
     kwargs = dict(do_sample=False, pad_token_id=0, eos_token_id=None)
@@ -120,13 +136,14 @@ def main() -> None:
     ap.add_argument("--spans", type=int, nargs="+", default=[1, 2, 4, 6, 8],
                     help="forward sizes (new tokens) to time; the first is the reference")
     ap.add_argument("--reps", type=int, default=30)
+    ap.add_argument("--prefill", type=int, nargs="*", default=[], help="prompt lengths to time one prefill forward of")
     ap.add_argument("--quantization", choices=["auto", "exact", "none"], default="auto",
                     help="engine.quantization: how the GGUF's quantized weights run")
     ap.add_argument("--skip-hf", action="store_true", help="ours only")
     args = ap.parse_args()
     torch.set_num_threads(args.threads)
     engine = Engine(EngineConfig(model=args.model, num_kv_blocks=1024, max_num_seqs=max(args.batches),
-                                 quantization=args.quantization))
+                                 max_num_batched_tokens=max(args.prefill + [2048]), quantization=args.quantization))
     result = {"threads": args.threads, "isa": cpu_kernels.selected_isa(), "quantization": args.quantization,
               "torch_cpu_capability": torch.backends.cpu.get_cpu_capability(),
               "prompt_len": PROMPT_LEN, "new_tokens": NEW_TOKENS, "ours": {}, "transformers": {}}
@@ -145,6 +162,7 @@ def main() -> None:
     for who, costs in spans.items():
         result[who]["span_ms"] = {n: round(ms, 2) for n, ms in costs.items()}
         result[who]["span_rel"] = {n: round(ms / costs[args.spans[0]], 3) for n, ms in costs.items()}
+    result["ours"]["prefill_ms"] = {n: round(ours_prefill_ms(engine, n), 1) for n in args.prefill}
     print(json.dumps(result))
     _table(result, args.batches, args.spans)
 
@@ -159,6 +177,8 @@ def _table(result: dict, batches: list[int], spans: list[int]) -> None:
     for n in spans:
         print(f"{f'forward {n} tok ms (x1)':<28}" + "".join(
             f"{result[w]['span_ms'][n]:>8.2f} ({result[w]['span_rel'][n]:.2f})" for w in who))
+    for n, ms in result["ours"]["prefill_ms"].items():
+        print(f"{f'prefill {n} tok ms':<28}{ms:>14.1f}")
 
 
 if __name__ == "__main__":
