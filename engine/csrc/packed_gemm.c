@@ -35,31 +35,43 @@ static inline vfloat load_bf16(const uint16_t *p) {
     return f;
 }
 
+/* A tile's pieces, shared by the fp32/bf16 tiles and the exact quantized ones: MM rows x PACK
+ * columns of accumulators started from the bias, one k step (PACK weights at `row`, read with
+ * LOAD, times x[m][k]), and the store of ncols columns. */
+#define TILE_BEGIN(MM)                                                                         \
+    float init[PACK] = {0};                                                                     \
+    if (bias) memcpy(init, bias, sizeof(float) * ncols);                                        \
+    vfloat acc[MM][GEMM_VECS];                                                                  \
+    for (int m = 0; m < MM; m++)                                                                \
+        for (int v = 0; v < GEMM_VECS; v++) acc[m][v] = load_f32(init + v * LANES);
+#define TILE_STEP(MM, row, LOAD, k)                                                            \
+    {                                                                                           \
+        vfloat w[GEMM_VECS];                                                                    \
+        for (int v = 0; v < GEMM_VECS; v++) w[v] = LOAD((row) + v * LANES);                     \
+        for (int m = 0; m < MM; m++) {                                                          \
+            float xv = x[(size_t)m * K + (k)];                                                  \
+            for (int v = 0; v < GEMM_VECS; v++) acc[m][v] += xv * w[v];                         \
+        }                                                                                       \
+    }
+#define TILE_END(MM)                                                                           \
+    for (int m = 0; m < MM; m++) {                                                              \
+        float out[PACK];                                                                        \
+        memcpy(out, acc[m], sizeof out);                                                        \
+        memcpy(y + (size_t)m * ldy, out, sizeof(float) * ncols);                                \
+    }
+
 /* y[m][0:ncols] = bias[0:ncols] + x[m] . P_panel for m < MM, for one panel of weights of
  * element type T, read with LOAD. */
 #define DEFINE_TILE(NAME, T, LOAD, MM)                                                         \
     static void NAME##_##MM(const float *x, int K, const T *panel, const float *bias,           \
                             float *y, int ldy, int ncols) {                                     \
-        float init[PACK] = {0};                                                                 \
-        if (bias) memcpy(init, bias, sizeof(float) * ncols);                                    \
-        vfloat acc[MM][GEMM_VECS];                                                              \
-        for (int m = 0; m < MM; m++)                                                            \
-            for (int v = 0; v < GEMM_VECS; v++) acc[m][v] = load_f32(init + v * LANES);         \
+        TILE_BEGIN(MM)                                                                          \
         for (int k = 0; k < K; k++) {                                                           \
             const T *row = panel + (size_t)k * PACK;                                            \
             if (GEMM_PREFETCH) __builtin_prefetch((const char *)row + GEMM_PREFETCH);           \
-            vfloat w[GEMM_VECS];                                                                \
-            for (int v = 0; v < GEMM_VECS; v++) w[v] = LOAD(row + v * LANES);                   \
-            for (int m = 0; m < MM; m++) {                                                      \
-                float xv = x[(size_t)m * K + k];                                                \
-                for (int v = 0; v < GEMM_VECS; v++) acc[m][v] += xv * w[v];                     \
-            }                                                                                   \
+            TILE_STEP(MM, row, LOAD, k)                                                         \
         }                                                                                       \
-        for (int m = 0; m < MM; m++) {                                                          \
-            float out[PACK];                                                                    \
-            memcpy(out, acc[m], sizeof out);                                                    \
-            memcpy(y + (size_t)m * ldy, out, sizeof(float) * ncols);                            \
-        }                                                                                       \
+        TILE_END(MM)                                                                            \
     }
 
 #define TILE_ARGS(T) const float *, int, const T *, const float *, float *, int, int
@@ -131,23 +143,28 @@ int pd_vector_lanes(void) { return LANES; }
 
 /* LANES bytes widened to fp32, signed (Q8) or as two nibbles (Q4). Intrinsics on x86: GCC's
  * generic vector conversions of sub-register vectors come out scalarized in the unrolled tiles. */
+#if defined(__AVX512F__) || defined(__AVX2__)
 #if defined(__AVX512F__)
-static inline vfloat widen_i8(const uint8_t *p) {
-    return (vfloat)_mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(_mm_loadu_si128((const __m128i *)p)));
-}
+#define LOAD_BYTES(p) _mm_loadu_si128((const __m128i *)(p))
+#define I8_TO_I32 _mm512_cvtepi8_epi32
+#define U8_TO_I32 _mm512_cvtepu8_epi32
+#define I32_TO_F32 _mm512_cvtepi32_ps
+#define LOW_NIBBLES(i) _mm512_and_si512(i, _mm512_set1_epi32(15))
+#define HIGH_NIBBLES(i) _mm512_srli_epi32(i, 4)
+typedef __m512i vwide;
+#else
+#define LOAD_BYTES(p) _mm_loadl_epi64((const __m128i *)(p))
+#define I8_TO_I32 _mm256_cvtepi8_epi32
+#define U8_TO_I32 _mm256_cvtepu8_epi32
+#define I32_TO_F32 _mm256_cvtepi32_ps
+#define LOW_NIBBLES(i) _mm256_and_si256(i, _mm256_set1_epi32(15))
+#define HIGH_NIBBLES(i) _mm256_srli_epi32(i, 4)
+typedef __m256i vwide;
+#endif
+static inline vfloat widen_i8(const uint8_t *p) { return (vfloat)I32_TO_F32(I8_TO_I32(LOAD_BYTES(p))); }
 static inline vfloat widen_nibbles(const uint8_t *p, int high) {
-    __m512i i = _mm512_cvtepu8_epi32(_mm_loadu_si128((const __m128i *)p));
-    i = high ? _mm512_srli_epi32(i, 4) : _mm512_and_si512(i, _mm512_set1_epi32(15));
-    return (vfloat)_mm512_cvtepi32_ps(i);
-}
-#elif defined(__AVX2__)
-static inline vfloat widen_i8(const uint8_t *p) {
-    return (vfloat)_mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(_mm_loadl_epi64((const __m128i *)p)));
-}
-static inline vfloat widen_nibbles(const uint8_t *p, int high) {
-    __m256i i = _mm256_cvtepu8_epi32(_mm_loadl_epi64((const __m128i *)p));
-    i = high ? _mm256_srli_epi32(i, 4) : _mm256_and_si256(i, _mm256_set1_epi32(15));
-    return (vfloat)_mm256_cvtepi32_ps(i);
+    vwide i = U8_TO_I32(LOAD_BYTES(p));
+    return (vfloat)I32_TO_F32(high ? HIGH_NIBBLES(i) : LOW_NIBBLES(i));
 }
 #else
 static inline vfloat widen_i8(const uint8_t *p) {
@@ -233,28 +250,14 @@ DEFINE_QROW(q4_row, Q4_HEADER, 2, 16, Q4_BYTES, Q4_WEIGHT)
 #define DEFINE_QTILE(NAME, BLOCK, BLOCK_BYTES, MM)                                              \
     static void NAME##_##MM(const float *x, int K, const uint8_t *panel, const float *bias,     \
                             float *y, int ldy, int ncols) {                                     \
-        float init[PACK] = {0}, wbuf[QBLOCK * PACK] __attribute__((aligned(64)));               \
-        if (bias) memcpy(init, bias, sizeof(float) * ncols);                                    \
-        vfloat acc[MM][GEMM_VECS];                                                              \
-        for (int m = 0; m < MM; m++)                                                            \
-            for (int v = 0; v < GEMM_VECS; v++) acc[m][v] = load_f32(init + v * LANES);         \
+        float wbuf[QBLOCK * PACK] __attribute__((aligned(64)));                                 \
+        TILE_BEGIN(MM)                                                                          \
         for (int b = 0; b < K / QBLOCK; b++) {                                                  \
             if (GEMM_PREFETCH) __builtin_prefetch(panel + (size_t)(b + 1) * BLOCK_BYTES);       \
             BLOCK(panel + (size_t)b * BLOCK_BYTES, wbuf);                                       \
-            for (int k = 0; k < QBLOCK; k++) {                                                  \
-                vfloat w[GEMM_VECS];                                                            \
-                for (int v = 0; v < GEMM_VECS; v++) w[v] = load_f32(wbuf + k * PACK + v * LANES); \
-                for (int m = 0; m < MM; m++) {                                                  \
-                    float xv = x[(size_t)m * K + b * QBLOCK + k];                               \
-                    for (int v = 0; v < GEMM_VECS; v++) acc[m][v] += xv * w[v];                 \
-                }                                                                               \
-            }                                                                                   \
+            for (int k = 0; k < QBLOCK; k++) TILE_STEP(MM, wbuf + k * PACK, load_f32, b * QBLOCK + k) \
         }                                                                                       \
-        for (int m = 0; m < MM; m++) {                                                          \
-            float out[PACK];                                                                    \
-            memcpy(out, acc[m], sizeof out);                                                    \
-            memcpy(y + (size_t)m * ldy, out, sizeof(float) * ncols);                            \
-        }                                                                                       \
+        TILE_END(MM)                                                                            \
     }
 
 #define Q8_TILE(MM) DEFINE_QTILE(q8_tile, q8_block, Q8_BYTES, MM)

@@ -104,20 +104,14 @@ static inline vi bcast32(const int8_t *p) {
 }
 
 #if defined(__AVX512VNNI__)
-#define Q4_DOTS(MM)                                                                             \
-    vi acc[MM];                                                                                 \
-    for (int m = 0; m < MM; m++) acc[m] = ZERO();                                              \
-    for (int g = 0; g < 4; g++) {                                                              \
-        vi w = LOAD(q + ((size_t)g * PACK + v * LANES) * 4);                                    \
-        vi lo = AND(w, SET1_8(0x0F)), hi = AND(SRL16(w, 4), SET1_8(0x0F));                     \
-        for (int m = 0; m < MM; m++) {                                                         \
-            acc[m] = DOT4(acc[m], lo, BCAST(x + (size_t)m * K + 4 * g));                        \
-            acc[m] = DOT4(acc[m], hi, BCAST(x + (size_t)m * K + 16 + 4 * g));                   \
-        }                                                                                      \
-    }
+#define Q4_PAIR(acc, lo, hi, xl, xh) DOT4(DOT4(acc, lo, xl), hi, xh)
+#define Q4_FINISH(acc) (acc)
 #else
 /* Without VNNI the pair sums stay 16-bit through the block (|sum| <= 16 * 15 * 127 = 30480),
  * widened to 32 bits once per block: two instructions per group and row fewer. */
+#define Q4_PAIR(acc, lo, hi, xl, xh) ADD16(acc, ADD16(MADDUBS(lo, xl), MADDUBS(hi, xh)))
+#define Q4_FINISH(acc) WIDEN16(acc)
+#endif
 #define Q4_DOTS(MM)                                                                             \
     vi acc[MM];                                                                                 \
     for (int m = 0; m < MM; m++) acc[m] = ZERO();                                              \
@@ -125,11 +119,10 @@ static inline vi bcast32(const int8_t *p) {
         vi w = LOAD(q + ((size_t)g * PACK + v * LANES) * 4);                                    \
         vi lo = AND(w, SET1_8(0x0F)), hi = AND(SRL16(w, 4), SET1_8(0x0F));                     \
         for (int m = 0; m < MM; m++)                                                           \
-            acc[m] = ADD16(acc[m], ADD16(MADDUBS(lo, BCAST(x + (size_t)m * K + 4 * g)),          \
-                                         MADDUBS(hi, BCAST(x + (size_t)m * K + 16 + 4 * g))));   \
+            acc[m] = Q4_PAIR(acc[m], lo, hi, BCAST(x + (size_t)m * K + 4 * g),                  \
+                             BCAST(x + (size_t)m * K + 16 + 4 * g));                            \
     }                                                                                          \
-    for (int m = 0; m < MM; m++) acc[m] = WIDEN16(acc[m]);
-#endif
+    for (int m = 0; m < MM; m++) acc[m] = Q4_FINISH(acc[m]);
 #define Q8_DOTS(MM)                                                                             \
     vi acc[MM];                                                                                 \
     for (int m = 0; m < MM; m++) acc[m] = ZERO();                                              \
