@@ -45,7 +45,10 @@ class _Batch(ctypes.Structure):
 
 
 def _matrix(linear) -> _Matrix:
-    fmt = KERNEL_FORMAT[linear.qtype] + linear.int8_dot if linear.qtype else _FORMATS[linear.weight.dtype]
+    if linear.qtype is None:
+        fmt = _FORMATS[linear.weight.dtype]
+    else:  # csrc/kernels.h: PD_Q4 = 4, PD_Q4_I8 = 5, PD_Q8 = 8, PD_Q8_I8 = 9
+        fmt = KERNEL_FORMAT[linear.qtype] + (1 if linear.int8_dot else 0)
     bias = linear.bias.data_ptr() if linear.bias is not None else None
     return _Matrix(fmt, linear.weight.data_ptr(), bias)
 

@@ -1,13 +1,15 @@
 """Weights kept in a GGUF's block-quantized form: the tensor type, its dequantization, and the
-repack into the panels the CPU kernels stream (engine/csrc/packed_gemm.c).
+repack into the panels the CPU kernels stream (engine/csrc/packed_gemm.c, quant_dot.c).
 
 A GGUF stores a matrix [rows, cols] as rows of 32-weight blocks. The formats kept as they are:
 - Q8_0: fp16 scale d, 32 int8 q                      -> w = q * d          (34 bytes per block)
 - Q4_0: fp16 d, 16 bytes of nibbles                   -> w = (q - 8) * d    (18 bytes)
 - Q4_1: fp16 d, fp16 min m, 16 bytes of nibbles       -> w = q * d + m      (20 bytes)
 (nibble byte j holds element j in its low half and j + 16 in its high half). `dequantize` here
-gives the fp32 values gguf's own dequantization gives, and the kernels widen each weight to the
-same value, so the quantized GEMM is bit-identical to the fp32 GEMM over `dequantize(w)`.
+gives the fp32 values gguf's own dequantization gives. The exact kernels widen each weight to
+that value, so their GEMM is bit-identical to the fp32 GEMM over `dequantize(w)`; with `int8_dot`
+the activations are quantized to int8 per block instead and the dots are integer (llama.cpp's
+arithmetic).
 """
 
 from dataclasses import dataclass
