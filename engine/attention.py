@@ -28,7 +28,6 @@ from engine import cpu_kernels
 
 # Query spans up to this length go through the padded batch; longer ones through SDPA alone.
 SHORT_QUERY = 16
-ANY_QUERY = 1 << 30  # the C kernel's max_query_len when it computes every sequence
 
 
 @dataclass
@@ -186,7 +185,7 @@ def native_paged_attention(q: torch.Tensor, layer_cache: torch.Tensor, meta: Att
     t, heads, d = q.shape
     out = q.new_empty(t, heads * d)
     cpu_kernels.kernels(isa).paged_attention(q, layer_cache, meta.block_tables, meta.query_start_loc,
-                                             meta.context_lens, ANY_QUERY, scale, out, meta.span_masks)
+                                             meta.context_lens, scale, out, meta.span_masks)
     return out
 
 

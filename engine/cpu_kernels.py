@@ -27,7 +27,7 @@ from pathlib import Path
 import torch
 
 from engine.home import pdspec_home
-from engine.quant import KERNEL_FORMAT, QBLOCK, QuantizedTensor, pack_panels
+from engine.quant import KERNEL_FORMAT, PANEL_BLOCK_BYTES, QBLOCK, QuantizedTensor, pack_panels
 
 ISA_ENV = "PDSPEC_CPU_ISA"
 ISA_LEVELS = ("avx512", "avx2", "portable")  # best first
@@ -111,7 +111,7 @@ class CpuKernels:
         lib.pd_paged_attention.restype = ctypes.c_int
         lib.pd_paged_attention.argtypes = (
             [ctypes.c_void_p] * 2 + [ctypes.c_long] * 3 + [ctypes.c_void_p, ctypes.c_int] + [ctypes.c_void_p] * 2
-            + [ctypes.c_int] * 6 + [ctypes.c_float] + [ctypes.c_void_p] * 2 + [ctypes.c_int]
+            + [ctypes.c_int] * 5 + [ctypes.c_float] + [ctypes.c_void_p] * 2 + [ctypes.c_int]
         )
         lib.pd_decoder_layers.restype = ctypes.c_int
         lib.pd_decoder_layers.argtypes = ([ctypes.c_void_p] * 2 + [ctypes.c_int] + [ctypes.c_void_p] * 4
@@ -161,7 +161,7 @@ class CpuKernels:
         x = x.contiguous()
         m, k = x.shape
         fmt = KERNEL_FORMAT[qtype]
-        panel_bytes = k // QBLOCK * (34 if fmt == 8 else 20) * self.pack_width
+        panel_bytes = k // QBLOCK * PANEL_BLOCK_BYTES[fmt] * self.pack_width
         if k % QBLOCK or panels.shape[1] != panel_bytes:
             raise ValueError(f"quant_gemm: x has {k} features; the {qtype} panels hold {panels.shape[1]} bytes per "
                              f"panel, {self.isa} kernels with {k} features expect {panel_bytes}")
@@ -170,7 +170,7 @@ class CpuKernels:
             return y
         gemm = self._lib.pd_quant_gemm_i8 if int8_dot else self._lib.pd_quant_gemm
         rc = gemm(fmt, x.data_ptr(), panels.data_ptr(), bias.data_ptr() if bias is not None else None,
-                                     y.data_ptr(), m, k, out_features, torch.get_num_threads())
+                  y.data_ptr(), m, k, out_features, torch.get_num_threads())
         if rc != 0:
             raise MemoryError(f"quant_gemm: no memory for the {m}-row batch's buffers")
         return y
@@ -185,9 +185,9 @@ class CpuKernels:
             raise RuntimeError("native decoder step: a kernel refused its shapes or found no memory")
 
     def paged_attention(self, q: torch.Tensor, layer_cache: torch.Tensor, block_tables: torch.Tensor,
-                        query_start_loc: torch.Tensor, context_lens: torch.Tensor, max_query_len: int,
-                        scale: float, out: torch.Tensor, span_masks: torch.Tensor | None = None) -> None:
-        """Fill out[T, heads*D] for every sequence with at most max_query_len query tokens.
+                        query_start_loc: torch.Tensor, context_lens: torch.Tensor, scale: float,
+                        out: torch.Tensor, span_masks: torch.Tensor | None = None) -> None:
+        """Fill out[T, heads*D] for every sequence of the batch.
 
         q: [T, heads, D] fp32; layer_cache: [blocks, 2, block_size, kv_heads, D] (any block/kv/offset
         strides, heads and D contiguous); block_tables int64 [B, max_blocks]; query_start_loc and
@@ -200,7 +200,7 @@ class CpuKernels:
         rc = self._lib.pd_paged_attention(
             q.data_ptr(), layer_cache.data_ptr(), s_block, s_kv, s_offset,
             block_tables.data_ptr(), block_tables.shape[1], query_start_loc.data_ptr(), context_lens.data_ptr(),
-            context_lens.shape[0], max_query_len, heads, layer_cache.shape[3], dim, layer_cache.shape[2], scale,
+            context_lens.shape[0], heads, layer_cache.shape[3], dim, layer_cache.shape[2], scale,
             out.data_ptr(), span_masks.data_ptr() if span_masks is not None else None, torch.get_num_threads(),
         )
         if rc != 0:

@@ -14,7 +14,7 @@ import ctypes
 
 import torch
 
-from engine.attention import ANY_QUERY, native_paged_attention
+from engine.attention import native_paged_attention
 from engine.batch import ForwardBatch
 from engine.cpu_kernels import CpuKernels
 from engine.quant import KERNEL_FORMAT
@@ -39,7 +39,7 @@ class _Model(ctypes.Structure):
 
 
 class _Batch(ctypes.Structure):
-    _fields_ = [(name, ctypes.c_int) for name in ("tokens", "num_seqs", "max_blocks", "max_query_len")] + [
+    _fields_ = [(name, ctypes.c_int) for name in ("tokens", "num_seqs", "max_blocks")] + [
         (name, ctypes.c_void_p) for name in ("positions", "slot_blocks", "slot_offsets", "block_tables",
                                              "query_start_loc", "context_lens", "span_masks", "cos", "sin")]
 
@@ -92,7 +92,7 @@ class NativeDecoder:
         rotary = self.model.rotary
         positions = batch.positions.contiguous()
         tables = meta.block_tables.contiguous()
-        run = _Batch(t, meta.context_lens.shape[0], tables.shape[1], ANY_QUERY,
+        run = _Batch(t, meta.context_lens.shape[0], tables.shape[1],
                      positions.data_ptr(), meta.slot_blocks.data_ptr(), meta.slot_offsets.data_ptr(),
                      tables.data_ptr(), meta.query_start_loc.data_ptr(), meta.context_lens.data_ptr(),
                      meta.span_masks.data_ptr() if meta.span_masks is not None else None,

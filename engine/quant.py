@@ -22,6 +22,8 @@ BLOCK_BYTES = {"Q8_0": 34, "Q4_0": 18, "Q4_1": 20}
 QUANT_TYPES = tuple(BLOCK_BYTES)
 # The kernels' two panel formats: Q8 (scale only) and Q4 (scale and min; Q4_0 becomes m = -8d).
 KERNEL_FORMAT = {"Q8_0": 8, "Q4_0": 4, "Q4_1": 4}
+# A panel's bytes per column and block, per kernel format (Q8_BYTES, Q4_BYTES in csrc/kernels.h).
+PANEL_BLOCK_BYTES = {8: 34, 4: 20}
 # Bytes of a column kept together in a panel: one for the exact kernel (a vector of columns per k),
 # four for the int8 dot products (one 32-bit lane per column, its next 4 k values).
 GROUP = {False: 1, True: 4}

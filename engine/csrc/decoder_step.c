@@ -40,8 +40,8 @@ typedef struct {
     long s_block, s_layer, s_kv, s_offset;
 } pd_model;
 
-typedef struct {  /* one forward's batch: T rows in sequences of short queries */
-    int tokens, num_seqs, max_blocks, max_query_len;
+typedef struct {  /* one forward's batch: T rows, the sequences' query tokens one after another */
+    int tokens, num_seqs, max_blocks;
     const long *positions, *slot_blocks, *slot_offsets;        /* [T] */
     const long *block_tables;                                  /* [B][max_blocks] */
     const int *query_start_loc, *context_lens, *span_masks;    /* [B+1], [B], [T] or NULL */
@@ -70,7 +70,7 @@ static void rms_norm(const float *x, const float *w, float *out, int T, int n, f
     }
 }
 
-/* Rotate-half RoPE (HF convention) of `heads` heads of D at row r, position pos. */
+/* Rotate-half RoPE (HF convention) of `heads` heads of D at row r, with its position's cos/sin. */
 static void rope(float *r, int heads, int D, const float *cos, const float *sin) {
     int half = D / 2;
     for (int h = 0; h < heads; h++) {
@@ -101,8 +101,8 @@ static int attention_block(const pd_model *m, const pd_layer *L, float *cache, c
     for (int t = 0; t < T; t++)  /* q rows packed [T][heads * D] for the attention kernel */
         memmove(h + (size_t)t * q_size, qkv + (size_t)t * width, sizeof(float) * q_size);
     if (pd_paged_attention(h, cache, m->s_block, m->s_kv, m->s_offset, b->block_tables, b->max_blocks,
-                           b->query_start_loc, b->context_lens, b->num_seqs, b->max_query_len, m->heads,
-                           m->kv_heads, D, m->block_size, m->scale, att, b->span_masks, threads))
+                           b->query_start_loc, b->context_lens, b->num_seqs, m->heads, m->kv_heads, D,
+                           m->block_size, m->scale, att, b->span_masks, threads))
         return -1;
     if (matmul(&L->o, att, tmp, T, q_size, H, threads)) return -1;
     for (size_t i = 0; i < (size_t)T * H; i++) x[i] += tmp[i];

@@ -23,8 +23,7 @@ int pd_quant_gemm_i8(int qtype, const float *x, const unsigned char *packed, con
                      int K, int N, int num_threads);
 int pd_paged_attention(const float *q, const float *cache, long s_block, long s_kv, long s_offset,
                        const long *block_tables, int max_blocks, const int *query_start_loc,
-                       const int *context_lens, int num_seqs, int max_query_len, int heads,
-                       int kv_heads, int dim, int block_size, float scale, float *out,
-                       const int *span_masks, int num_threads);
+                       const int *context_lens, int num_seqs, int heads, int kv_heads, int dim,
+                       int block_size, float scale, float *out, const int *span_masks, int num_threads);
 
 #endif

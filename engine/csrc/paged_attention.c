@@ -202,9 +202,11 @@ typedef struct {
     const int *span_masks;
 } tile_job;
 
-/* Rows of tokens [t0, t1) of the job's sequence (all heads of the kv head's group) as one tile:
- * keys in cache order, tree masks applied per row. */
-static void attend_tokens(const tile_job *j, int t0, int t1) {
+/* Rows of tokens [t0, t1) of the job's sequence (all heads of the kv head's group) as one tile.
+ * span_map NULL: keys in cache order, tree masks applied per row. Else (one token, t1 = t0 + 1):
+ * its `visible` keys are the prefix, then the span tokens span_map lists, read as one contiguous
+ * run (see attend_tree_token). */
+static void attend_tokens(const tile_job *j, int t0, int t1, const int *span_map, int visible) {
     if (t0 >= t1) return;
     const float *qrows[MAX_ROWS];
     float *outs[MAX_ROWS];
@@ -214,10 +216,10 @@ static void attend_tokens(const tile_job *j, int t0, int t1) {
             long row = (long)(j->first + i) * j->heads + j->kv_head * j->group + g;
             qrows[nrows] = j->q + row * j->dim;
             outs[nrows] = j->out + row * j->dim;
-            pos[nrows] = j->pos0 + i;
-            tree[nrows] = j->span_masks ? j->span_masks[j->first + i] : -1;
+            pos[nrows] = span_map ? visible - 1 : j->pos0 + i;  /* the last key it sees, in the run it reads */
+            tree[nrows] = j->span_masks && !span_map ? j->span_masks[j->first + i] : -1;
         }
-    attend_tile_dim(qrows, pos, tree, j->pos0, 0, nrows, j->cache, j->s_block, j->s_kv, j->s_offset, j->table,
+    attend_tile_dim(qrows, pos, tree, j->pos0, span_map, nrows, j->cache, j->s_block, j->s_kv, j->s_offset, j->table,
                     j->block_size, j->kv_head, j->dim, j->scale, outs);
 }
 
@@ -230,29 +232,17 @@ static void attend_tree_token(const tile_job *j, int i, int mask) {
     int span_map[32], n = 0;
     for (int k = 0; k <= i; k++)
         if ((mask >> k) & 1) span_map[n++] = k;
-    const float *qrows[MAX_ROWS];
-    float *outs[MAX_ROWS];
-    int pos[MAX_ROWS], tree[MAX_ROWS];
-    for (int g = 0; g < j->group; g++) {
-        long row = (long)(j->first + i) * j->heads + j->kv_head * j->group + g;
-        qrows[g] = j->q + row * j->dim;
-        outs[g] = j->out + row * j->dim;
-        pos[g] = j->pos0 + n - 1;  /* the last visible key's index in the compacted run */
-        tree[g] = -1;
-    }
-    attend_tile_dim(qrows, pos, tree, j->pos0, span_map, j->group, j->cache, j->s_block, j->s_kv, j->s_offset,
-                    j->table, j->block_size, j->kv_head, j->dim, j->scale, outs);
+    attend_tokens(j, i, i + 1, span_map, j->pos0 + n);
 }
 
 /* q: [T, heads, dim]; out: [T, heads*dim]; block_tables: [num_seqs, max_blocks]; span_masks:
- * [T] tree masks, or NULL (all causal). Sequences with
- * more than max_query_len query tokens are skipped (prefill chunks go to a GEMM-based path).
+ * [T] tree masks, or NULL (all causal). Every sequence, prefill chunks as much as decode steps:
+ * a row computes the same bits however long its sequence's query is.
  * Returns 0, or -1 if a shape is outside the kernel's limits (the caller checks these first). */
 int pd_paged_attention(const float *q, const float *cache, long s_block, long s_kv, long s_offset,
                        const long *block_tables, int max_blocks, const int *query_start_loc,
-                       const int *context_lens, int num_seqs, int max_query_len, int heads,
-                       int kv_heads, int dim, int block_size, float scale, float *out,
-                       const int *span_masks, int num_threads) {
+                       const int *context_lens, int num_seqs, int heads, int kv_heads, int dim,
+                       int block_size, float scale, float *out, const int *span_masks, int num_threads) {
     int group = heads / kv_heads;
     if (dim % 16 || dim > MAX_DIM || group > MAX_ROWS) return -1;
     int tokens_per_tile = MAX_ROWS / group;
@@ -260,7 +250,6 @@ int pd_paged_attention(const float *q, const float *cache, long s_block, long s_
     for (int b = 0; b < num_seqs; b++) {
         for (int h = 0; h < kv_heads; h++) {
             int first = query_start_loc[b], qlen = query_start_loc[b + 1] - first;
-            if (qlen > max_query_len) continue;
             tile_job job = {q, cache, s_block, s_kv, s_offset, block_tables + (long)b * max_blocks, first,
                             context_lens[b] - qlen, heads, group, h, dim, block_size, scale, out, span_masks};
             int t0 = 0;  /* the pending tile: tokens t0 .. i-1 */
@@ -268,15 +257,15 @@ int pd_paged_attention(const float *q, const float *cache, long s_block, long s_
                 int mask = span_masks ? span_masks[first + i] : -1;
                 int causal = mask == -1 || mask == (int)((2u << i) - 1);  /* sees all span tokens up to i */
                 if (!causal) {  /* a tree row off the chain: its visible keys compacted, alone */
-                    attend_tokens(&job, t0, i);
+                    attend_tokens(&job, t0, i, 0, 0);
                     attend_tree_token(&job, i, mask);
                     t0 = i + 1;
                 } else if (i + 1 - t0 == tokens_per_tile) {
-                    attend_tokens(&job, t0, i + 1);
+                    attend_tokens(&job, t0, i + 1, 0, 0);
                     t0 = i + 1;
                 }
             }
-            attend_tokens(&job, t0, qlen);
+            attend_tokens(&job, t0, qlen, 0, 0);
         }
     }
     return 0;

@@ -26,7 +26,6 @@
 
 #pragma GCC optimize("fp-contract=off")
 
-
 typedef struct {  /* the activation rows, quantized */
     const int8_t *q;   /* [M][K] */
     const float *d;    /* [M][K/32]: d_x */
@@ -53,7 +52,7 @@ static void quantize_rows(const float *x, int M, int K, int8_t *q, float *d, flo
 }
 
 /* Per block and vector v of columns: the integer dots of MM rows with the block's quants, each
- * row's as a vector of int32 (one lane per column), handed to SCALE. */
+ * row's as a vector of int32 (one lane per column), which the tile below scales and sums. */
 #if defined(__AVX512BW__) || defined(__AVX2__)
 #if defined(__AVX512BW__)
 typedef __m512i vi;
