@@ -26,45 +26,61 @@
 
 #pragma GCC optimize("fp-contract=off")
 
-typedef struct {  /* the activation rows, quantized */
-    const int8_t *q;   /* [M][K] */
-    const float *d;    /* [M][K/32]: d_x */
-    const float *ds;   /* [M][K/32]: d_x * sum(q_x) */
+/* The activation rows, quantized, with every 4 bytes of q_x repeated across a vector: the tiles
+ * read a row's next 4 activations for all LANES columns with one plain load (which the multiply
+ * takes as its memory operand) instead of a broadcast, which costs a vector-ALU slot on AMD
+ * Zen where the multiplies and adds already fill those ports. */
+#define VBYTES (LANES * 4)
+typedef struct {
+    const uint8_t *xb;  /* [M][K/4][VBYTES] */
+    const float *d;     /* [M][K/32]: d_x */
+    const float *ds;    /* [M][K/32]: d_x * sum(q_x) */
     int K;
 } qrows;
 
-static void quantize_rows(const float *x, int M, int K, int8_t *q, float *d, float *ds) {
-    for (int m = 0; m < M; m++)
-        for (int b = 0; b < K / QBLOCK; b++) {
-            const float *xb = x + (size_t)m * K + b * QBLOCK;
-            int8_t *qb = q + (size_t)m * K + b * QBLOCK;
-            float amax = 0.0f;
-            for (int i = 0; i < QBLOCK; i++) amax = fabsf(xb[i]) > amax ? fabsf(xb[i]) : amax;  /* fmaxf is a libm call here */
-            float scale = amax / 127.0f, inv = amax > 0.0f ? 127.0f / amax : 0.0f;
-            int sum = 0;
-            for (int i = 0; i < QBLOCK; i++) {
-                qb[i] = (int8_t)nearbyintf(xb[i] * inv);
-                sum += qb[i];
+static void quantize_row(const float *x, int K, uint8_t *xb, float *d, float *ds) {
+    for (int b = 0; b < K / QBLOCK; b++) {
+        const float *xs = x + b * QBLOCK;
+        float amax = 0.0f;
+        for (int i = 0; i < QBLOCK; i++) amax = fabsf(xs[i]) > amax ? fabsf(xs[i]) : amax;  /* fmaxf is a libm call here */
+        float scale = amax / 127.0f, inv = amax > 0.0f ? 127.0f / amax : 0.0f;
+        int sum = 0;
+        for (int j = 0; j < QBLOCK / 4; j++) {
+            int8_t q4[4];
+            for (int i = 0; i < 4; i++) {
+                q4[i] = (int8_t)nearbyintf(xs[4 * j + i] * inv);
+                sum += q4[i];
             }
-            d[(size_t)m * (K / QBLOCK) + b] = scale;
-            ds[(size_t)m * (K / QBLOCK) + b] = scale * (float)sum;
+            uint8_t *dst = xb + (size_t)(b * QBLOCK / 4 + j) * VBYTES;
+            for (int l = 0; l < LANES; l++) memcpy(dst + 4 * l, q4, 4);
         }
+        d[b] = scale;
+        ds[b] = scale * (float)sum;
+    }
 }
 
-/* Per block and vector v of columns: the integer dots of MM rows with the block's quants, each
- * row's as a vector of int32 (one lane per column), which the tile below scales and sums. */
+/* xr's row m, 4-byte group j of block b, repeated across a vector. */
+#define XROW(m) (xr->xb + (size_t)(m) * K * LANES + (size_t)b * 8 * VBYTES)
+#define XV(m, j) LOAD(XROW(m) + (j) * VBYTES)
+
+/* Per block and vector v of columns: each row's integer dots with the block's quants, as a
+ * vector of int32 (one lane per column), handed to EMIT(m, dots) which scales and sums them.
+ * Q4: the block's 4 weight vectors are unpacked once into 8 registers of nibbles, then each
+ * row runs its 8 multiplies against them (row after row, so one accumulator is live).
+ * Q8: 8 weight vectors (and their magnitudes) would need 16 registers, so there the groups are
+ * the outer loop and every row's accumulator stays live. */
 #if defined(__AVX512BW__) || defined(__AVX2__)
 #if defined(__AVX512BW__)
 typedef __m512i vi;
-#define BCAST_ASM "vpbroadcastd %1, %0" : "=v"
 #define LOAD(p) _mm512_loadu_si512((const void *)(p))
-#define BCAST(p) bcast32(p)
 #define SET1_8(c) _mm512_set1_epi8(c)
 #define AND(a, b) _mm512_and_si512(a, b)
 #define SRL16(a, n) _mm512_srli_epi16(a, n)
 #define ABS8(w) _mm512_abs_epi8(w)
 #define ZERO() _mm512_setzero_si512()
 #define TO_FLOAT(v) ((vfloat)_mm512_cvtepi32_ps(v))
+#define FMA(a, b, c) ((vfloat)_mm512_fmadd_ps((__m512)(a), (__m512)(b), (__m512)(c)))
+#define SPLAT(s) ((vfloat)_mm512_set1_ps(s))
 #define ADD16(a, b) _mm512_add_epi16(a, b)
 #define MADDUBS(u, s) _mm512_maddubs_epi16(u, s)
 #define WIDEN16(a) _mm512_madd_epi16(a, _mm512_set1_epi16(1))
@@ -77,15 +93,15 @@ typedef __m512i vi;
 #define SIGN_OF(x, w) _mm512_mask_sub_epi8(x, _mm512_movepi8_mask(w), _mm512_setzero_si512(), x)
 #else
 typedef __m256i vi;
-#define BCAST_ASM "vpbroadcastd %1, %0" : "=x"
 #define LOAD(p) _mm256_loadu_si256((const __m256i *)(p))
-#define BCAST(p) bcast32(p)
 #define SET1_8(c) _mm256_set1_epi8(c)
 #define AND(a, b) _mm256_and_si256(a, b)
 #define SRL16(a, n) _mm256_srli_epi16(a, n)
 #define ABS8(w) _mm256_sign_epi8(w, w)
 #define ZERO() _mm256_setzero_si256()
 #define TO_FLOAT(v) ((vfloat)_mm256_cvtepi32_ps(v))
+#define FMA(a, b, c) ((vfloat)_mm256_fmadd_ps((__m256)(a), (__m256)(b), (__m256)(c)))
+#define SPLAT(s) ((vfloat)_mm256_set1_ps(s))
 #define ADD16(a, b) _mm256_add_epi16(a, b)
 #define MADDUBS(u, s) _mm256_maddubs_epi16(u, s)
 #define WIDEN16(a) _mm256_madd_epi16(a, _mm256_set1_epi16(1))
@@ -93,14 +109,9 @@ typedef __m256i vi;
 #define SIGN_OF(x, w) _mm256_sign_epi8(x, w)
 #endif
 
-/* A row's next 4 activation bytes in every 32-bit lane, straight from memory (one load uop).
- * As asm volatile so the compiler neither hoists the tile's 8 x rows broadcasts out of the loop
- * over column vectors (it did, and spilled them all) nor merges them. */
-static inline vi bcast32(const int8_t *p) {
-    vi r;
-    __asm__ volatile(BCAST_ASM(r) : "m"(*(const int32_t *)p));
-    return r;
-}
+/* An accumulator materialised here: integer adds are associative, and without this GCC
+ * regroups a tile's products into one sum tree at the end, spilling every product. */
+#define KEEP(v) __asm__("" : "+x"(v))
 
 #if defined(__AVX512VNNI__)
 #define Q4_PAIR(acc, lo, hi, xl, xh) DOT4(DOT4(acc, lo, xl), hi, xh)
@@ -111,86 +122,94 @@ static inline vi bcast32(const int8_t *p) {
 #define Q4_PAIR(acc, lo, hi, xl, xh) ADD16(acc, ADD16(MADDUBS(lo, xl), MADDUBS(hi, xh)))
 #define Q4_FINISH(acc) WIDEN16(acc)
 #endif
-#define Q4_DOTS(MM)                                                                             \
-    vi acc[MM];                                                                                 \
-    for (int m = 0; m < MM; m++) acc[m] = ZERO();                                              \
+#define Q4_DOTS(MM, EMIT)                                                                       \
+    vi lo[4], hi[4];                                                                           \
     for (int g = 0; g < 4; g++) {                                                              \
         vi w = LOAD(q + ((size_t)g * PACK + v * LANES) * 4);                                    \
-        vi lo = AND(w, SET1_8(0x0F)), hi = AND(SRL16(w, 4), SET1_8(0x0F));                     \
-        for (int m = 0; m < MM; m++)                                                           \
-            acc[m] = Q4_PAIR(acc[m], lo, hi, BCAST(x + (size_t)m * K + 4 * g),                  \
-                             BCAST(x + (size_t)m * K + 16 + 4 * g));                            \
+        lo[g] = AND(w, SET1_8(0x0F));                                                          \
+        hi[g] = AND(SRL16(w, 4), SET1_8(0x0F));                                                \
     }                                                                                          \
-    for (int m = 0; m < MM; m++) acc[m] = Q4_FINISH(acc[m]);
-#define Q8_DOTS(MM)                                                                             \
+    for (int m = 0; m < MM; m++) {                                                             \
+        vi acc = ZERO();                                                                       \
+        for (int g = 0; g < 4; g++) {                                                          \
+            acc = Q4_PAIR(acc, lo[g], hi[g], XV(m, g), XV(m, 4 + g));                          \
+            KEEP(acc);                                                                         \
+        }                                                                                      \
+        EMIT(m, TO_FLOAT(Q4_FINISH(acc)));                                                     \
+    }
+#define Q8_DOTS(MM, EMIT)                                                                       \
     vi acc[MM];                                                                                 \
     for (int m = 0; m < MM; m++) acc[m] = ZERO();                                              \
     for (int g = 0; g < 8; g++) {                                                              \
         vi w = LOAD(q + ((size_t)g * PACK + v * LANES) * 4), aw = ABS8(w);                      \
-        for (int m = 0; m < MM; m++)                                                           \
-            acc[m] = DOT4(acc[m], aw, SIGN_OF(BCAST(x + (size_t)m * K + 4 * g), w));            \
-    }
-#define DOT_VECTOR(m) TO_FLOAT(acc[m])
+        for (int m = 0; m < MM; m++) {                                                         \
+            acc[m] = DOT4(acc[m], aw, SIGN_OF(XV(m, g), w));                                   \
+            KEEP(acc[m]);                                                                      \
+        }                                                                                      \
+    }                                                                                          \
+    for (int m = 0; m < MM; m++) EMIT(m, TO_FLOAT(acc[m]));
 #else
-#define Q4_DOTS(MM)                                                                             \
-    int32_t acc[MM][LANES];                                                                     \
-    for (int m = 0; m < MM; m++)                                                               \
+#define FMA(a, b, c) ((a) * (b) + (c))
+#define SPLAT(s) ((s) - (vfloat){0})
+/* Byte i of row m's 4-byte group j (every lane holds the same 4). */
+#define XS(m, j, i) ((int8_t)XROW(m)[(j) * VBYTES + (i)])
+#define Q4_DOTS(MM, EMIT)                                                                       \
+    for (int m = 0; m < MM; m++) {                                                             \
+        float f[LANES];                                                                        \
         for (int c = 0; c < LANES; c++) {                                                      \
             int32_t s = 0;                                                                     \
             for (int g = 0; g < 4; g++)                                                        \
                 for (int i = 0; i < 4; i++) {                                                  \
-                    uint8_t b = q[((size_t)g * PACK + v * LANES + c) * 4 + i];                 \
-                    s += (b & 15) * x[(size_t)m * K + 4 * g + i] + (b >> 4) * x[(size_t)m * K + 16 + 4 * g + i]; \
+                    uint8_t b8 = q[((size_t)g * PACK + v * LANES + c) * 4 + i];                \
+                    s += (b8 & 15) * XS(m, g, i) + (b8 >> 4) * XS(m, 4 + g, i);                \
                 }                                                                              \
-            acc[m][c] = s;                                                                     \
-        }
-#define Q8_DOTS(MM)                                                                             \
-    int32_t acc[MM][LANES];                                                                     \
-    for (int m = 0; m < MM; m++)                                                               \
+            f[c] = (float)s;                                                                   \
+        }                                                                                      \
+        EMIT(m, load_f32(f));                                                                  \
+    }
+#define Q8_DOTS(MM, EMIT)                                                                       \
+    for (int m = 0; m < MM; m++) {                                                             \
+        float f[LANES];                                                                        \
         for (int c = 0; c < LANES; c++) {                                                      \
             int32_t s = 0;                                                                     \
             for (int g = 0; g < 8; g++)                                                        \
                 for (int i = 0; i < 4; i++)                                                    \
-                    s += (int8_t)q[((size_t)g * PACK + v * LANES + c) * 4 + i] * x[(size_t)m * K + 4 * g + i]; \
-            acc[m][c] = s;                                                                     \
-        }
-static inline vfloat ints_to_float(const int32_t *a) {
-    float f[LANES];
-    for (int c = 0; c < LANES; c++) f[c] = (float)a[c];
-    return load_f32(f);
-}
-#define DOT_VECTOR(m) ints_to_float(acc[m])
+                    s += (int8_t)q[((size_t)g * PACK + v * LANES + c) * 4 + i] * XS(m, g, i);  \
+            f[c] = (float)s;                                                                   \
+        }                                                                                      \
+        EMIT(m, load_f32(f));                                                                  \
+    }
 #endif
 
 /* MM rows of y = bias + the sum over blocks of d_w d_x dot (+ m_w d_x sum(q_x)). The running
- * sums live in out[MM][PACK] (L1); no FMA contraction in this file: fused or not could differ
- * between row counts as the compiler schedules them, and a row must compute the same in any
- * batch. */
+ * sums live in out[MM][PACK] (L1). Fused multiply-adds only where written (FMA; contraction is
+ * off in this file): a row must compute the same bits in any batch, whatever the compiler
+ * would fuse in each tile height's copy. */
 #define DEFINE_QI_TILE(NAME, QTYPE, DOTS, BLOCK_BYTES, MM)                                      \
     static void NAME##_##MM(const qrows *xr, const uint8_t *panel, const float *bias, float *y, \
                             int ldy, int ncols) {                                              \
-        int K = xr->K, nb = K / QBLOCK;                                                        \
+        const int K = xr->K, nb = K / QBLOCK, has_min = QTYPE == 4;                            \
         float out[MM][PACK];                                                                   \
         for (int m = 0; m < MM; m++)                                                           \
             for (int c = 0; c < PACK; c++) out[m][c] = bias && c < ncols ? bias[c] : 0.0f;     \
         for (int b = 0; b < nb; b++) {                                                         \
             const uint8_t *blk = panel + (size_t)b * BLOCK_BYTES;                              \
             const uint8_t *q = blk + (QTYPE == 8 ? 2 : 4) * PACK;                              \
-            const int8_t *x = xr->q + b * QBLOCK;                                              \
             for (int v = 0; v < GEMM_VECS; v++) {                                              \
-                DOTS(MM)                                                                       \
                 vfloat dw = load_f16((const uint16_t *)blk + v * LANES);                       \
                 vfloat mw = QTYPE == 8 ? (vfloat){0} : load_f16((const uint16_t *)blk + PACK + v * LANES); \
-                for (int m = 0; m < MM; m++) {                                                 \
-                    float dx = xr->d[(size_t)m * nb + b], dsx = xr->ds[(size_t)m * nb + b];    \
-                    vfloat sum = load_f32(out[m] + v * LANES) + DOT_VECTOR(m) * (dw * dx);     \
-                    if (QTYPE == 4) sum = sum + mw * dsx;                                      \
-                    store_f32(out[m] + v * LANES, sum);                                        \
-                }                                                                              \
+                DOTS(MM, EMIT_BLOCK)                                                           \
             }                                                                                  \
         }                                                                                      \
         for (int m = 0; m < MM; m++) memcpy(y + (size_t)m * ldy, out[m], sizeof(float) * ncols); \
     }
+#define EMIT_BLOCK(m, dots)                                                                     \
+    do {                                                                                       \
+        float *o = out[m] + v * LANES;                                                         \
+        vfloat sum = FMA(dots, dw * xr->d[(size_t)(m) * nb + b], load_f32(o));                 \
+        if (has_min) sum = FMA(mw, SPLAT(xr->ds[(size_t)(m) * nb + b]), sum);           \
+        store_f32(o, sum);                                                                     \
+    } while (0)
 
 #define Q8I_TILE(MM) DEFINE_QI_TILE(q8i_tile, 8, Q8_DOTS, Q8_BYTES, MM)
 #define Q4I_TILE(MM) DEFINE_QI_TILE(q4i_tile, 4, Q4_DOTS, Q4_BYTES, MM)
@@ -208,27 +227,43 @@ typedef void (*qi_tile_fn)(const qrows *, const uint8_t *, const float *, float 
 DEFINE_QI_TILES(Q8I_TILE, q8i_tile)
 DEFINE_QI_TILES(Q4I_TILE, q4i_tile)
 
+/* Rows per pass over the panels: the repeated activations of a pass (rows x K x LANES bytes)
+ * stay in a core's L2 while every panel streams past them; longer batches (prefill) take
+ * several passes, each reading the weights again. */
+static int rows_per_pass(int K) {
+    int rows = (256 * 1024) / (K * LANES) / GEMM_ROWS * GEMM_ROWS;
+    return rows > GEMM_ROWS ? rows : GEMM_ROWS;
+}
+
 /* y[M][N] = x[M][K] @ W^T (+ bias) for W of qtype 8 (Q8) or 4 (Q4) packed as above, x quantized
  * to int8 per row and 32-block first. Returns 0, or -1 for a bad qtype or K, or no memory. */
 int pd_quant_gemm_i8(int qtype, const float *x, const uint8_t *packed, const float *bias, float *y, int M, int K,
                      int N, int num_threads) {
     if ((qtype != 8 && qtype != 4) || K % QBLOCK) return -1;
     int nb = K / QBLOCK;
-    char *mem = malloc((size_t)M * K + 2 * sizeof(float) * (size_t)M * nb);
+    char *mem = malloc((size_t)M * K * LANES + 2 * sizeof(float) * (size_t)M * nb);
     if (!mem) return -1;
     float *dx = (float *)mem, *dsx = dx + (size_t)M * nb;
-    int8_t *qx = (int8_t *)(dsx + (size_t)M * nb);
-    quantize_rows(x, M, K, qx, dx, dsx);
+    uint8_t *xb = (uint8_t *)(dsx + (size_t)M * nb);
     size_t panel_bytes = (size_t)nb * (qtype == 8 ? Q8_BYTES : Q4_BYTES);
-    int panels = (N + PACK - 1) / PACK;
-    #pragma omp parallel for schedule(static) num_threads(num_threads)
-    for (int p = 0; p < panels; p++) {
-        int col = p * PACK, ncols = N - col < PACK ? N - col : PACK;
-        for (int m0 = 0; m0 < M; m0 += GEMM_ROWS) {
-            qrows rows = {qx + (size_t)m0 * K, dx + (size_t)m0 * nb, dsx + (size_t)m0 * nb, K};
-            (qtype == 8 ? q8i_tile_tiles : q4i_tile_tiles)[M - m0 < GEMM_ROWS ? M - m0 : GEMM_ROWS](
-                &rows, packed + p * panel_bytes, bias ? bias + col : 0, y + (size_t)m0 * N + col, N, ncols);
-        }
+    int panels = (N + PACK - 1) / PACK, pass_rows = rows_per_pass(K), passes = (M + pass_rows - 1) / pass_rows;
+    const qi_tile_fn *tiles = qtype == 8 ? q8i_tile_tiles : q4i_tile_tiles;
+    #pragma omp parallel num_threads(num_threads)
+    {
+        #pragma omp for schedule(static)
+        for (int m = 0; m < M; m++)
+            quantize_row(x + (size_t)m * K, K, xb + (size_t)m * K * LANES, dx + (size_t)m * nb, dsx + (size_t)m * nb);
+        #pragma omp for schedule(static) collapse(2)
+        for (int pass = 0; pass < passes; pass++)
+            for (int p = 0; p < panels; p++) {
+                int col = p * PACK, ncols = N - col < PACK ? N - col : PACK;
+                int end = (pass + 1) * pass_rows < M ? (pass + 1) * pass_rows : M;
+                for (int m0 = pass * pass_rows; m0 < end; m0 += GEMM_ROWS) {
+                    qrows rows = {xb + (size_t)m0 * K * LANES, dx + (size_t)m0 * nb, dsx + (size_t)m0 * nb, K};
+                    tiles[end - m0 < GEMM_ROWS ? end - m0 : GEMM_ROWS](
+                        &rows, packed + p * panel_bytes, bias ? bias + col : 0, y + (size_t)m0 * N + col, N, ncols);
+                }
+            }
     }
     free(mem);
     return 0;
