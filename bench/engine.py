@@ -7,6 +7,8 @@ dequantized fp32 ones:
 - the cost of one forward over n new tokens (default 1, 2, 4, 6, 8; logits at every row) after a
   256-token context, relative to the first n (1 by default: what a speculative verification step
   costs against a decode step);
+- where our forward over n tokens spends its time: GEMMs (layers, lm_head), attention, the rest
+  of the native layer loop, and outside it (embedding, final norm, Python);
 - with --prefill N ..., the time of one forward over an N-token prompt (no cache; ours only).
 Prints one JSON object (with the ISA level our kernels ran and torch's CPU capability), then a
 table.
@@ -24,6 +26,7 @@ import json
 import random
 import statistics
 import time
+from contextlib import contextmanager
 
 import torch
 from tqdm import tqdm
@@ -56,8 +59,9 @@ def ours_decode(engine: Engine, batch: int) -> float:
     return decoded / (time.perf_counter() - start)
 
 
-def ours_span_costs(engine: Engine, spans: list[int], reps: int) -> dict[int, float]:
-    """Median ms of a forward over n new tokens after a 256-token cached context."""
+@contextmanager
+def _after_context(engine: Engine, spans: list[int]):
+    """{n: a chunk of n new tokens} after a 256-token cached context (rolled back after)."""
     prompt = _prompts(1, 40000)[0]
     blocks = engine.blocks
     cached = blocks.allocate("span", prompt)
@@ -65,11 +69,43 @@ def ours_span_costs(engine: Engine, spans: list[int], reps: int) -> dict[int, fl
     blocks.commit("span", prompt[cached:])
     blocks.reserve("span", max(spans))
     table = blocks.block_table("span")
-    chunks = {n: SeqChunk(list(range(1000, 1000 + n)), PROMPT_LEN, table, n) for n in spans}
-    costs = _interleaved_median_ms({n: (lambda c=c: engine.runner.forward([c])) for n, c in chunks.items()}, reps)
+    yield {n: SeqChunk(list(range(1000, 1000 + n)), PROMPT_LEN, table, n) for n in spans}
     blocks.rollback("span")
     blocks.free("span")
-    return costs
+
+
+def ours_span_costs(engine: Engine, spans: list[int], reps: int) -> dict[int, float]:
+    """Median ms of a forward over n new tokens after a 256-token cached context."""
+    with _after_context(engine, spans) as chunks:
+        return _interleaved_median_ms({n: (lambda c=c: engine.runner.forward([c])) for n, c in chunks.items()}, reps)
+
+
+def ours_breakdown(engine: Engine, spans: list[int], reps: int) -> dict[int, dict[str, float]]:
+    """Where a forward over n new tokens (as in ours_span_costs) spends its time, mean ms: the
+    layers' GEMMs and the lm_head's (timed alone on the same rows), attention, the rest of the
+    native layer loop (norms, RoPE, KV writes, SiLU, residuals), and everything outside it
+    (embedding, final norm, batch building, Python). Needs the native decoder step."""
+    model = engine.runner.model
+    if model.native is None:
+        return {}
+    out = {}
+    with _after_context(engine, spans) as chunks:
+        for n, chunk in chunks.items():
+            h = torch.randn(n, model.config.hidden_size)
+            head_ms = _interleaved_median_ms({"head": lambda: model.lm_head(h)}, reps)["head"]
+            model.native.timings = torch.zeros(3, dtype=torch.float64)
+            engine.runner.forward([chunk])  # warm
+            model.native.timings.zero_()
+            start = time.perf_counter()
+            for _ in range(reps):
+                engine.runner.forward([chunk])
+            total = (time.perf_counter() - start) * 1e3 / reps
+            gemm, attention, layers = (model.native.timings * 1e3 / reps).tolist()
+            model.native.timings = None
+            out[n] = {"total": total, "gemm": gemm + head_ms, "layer_gemm": gemm, "lm_head": head_ms,
+                      "attention": attention, "layers_other": layers - gemm - attention,
+                      "outside_layers": total - layers - head_ms, "outside_gemm": total - gemm - head_ms}
+    return out
 
 
 def ours_prefill_ms(engine: Engine, n: int) -> float:
@@ -162,6 +198,8 @@ def main() -> None:
     for who, costs in spans.items():
         result[who]["span_ms"] = {n: round(ms, 2) for n, ms in costs.items()}
         result[who]["span_rel"] = {n: round(ms / costs[args.spans[0]], 3) for n, ms in costs.items()}
+    result["ours"]["breakdown_ms"] = {n: {k: round(v, 2) for k, v in parts.items()}
+                                      for n, parts in ours_breakdown(engine, args.spans, args.reps).items()}
     result["ours"]["prefill_ms"] = {n: round(ours_prefill_ms(engine, n), 1) for n in args.prefill}
     print(json.dumps(result))
     _table(result, args.batches, args.spans)
@@ -177,6 +215,10 @@ def _table(result: dict, batches: list[int], spans: list[int]) -> None:
     for n in spans:
         print(f"{f'forward {n} tok ms (x1)':<28}" + "".join(
             f"{result[w]['span_ms'][n]:>8.2f} ({result[w]['span_rel'][n]:.2f})" for w in who))
+    for n, parts in result["ours"]["breakdown_ms"].items():
+        print(f"{f'forward {n} tok, where (ms)':<28}" + ", ".join(
+            f"{k} {parts[k]:.2f}" for k in ("layer_gemm", "lm_head", "attention", "layers_other", "outside_layers")))
+        print(f"{f'forward {n} tok outside GEMMs':<28}{parts['outside_gemm']:>11.2f} ms")
     for n, ms in result["ours"]["prefill_ms"].items():
         print(f"{f'prefill {n} tok ms':<28}{ms:>14.1f}")
 

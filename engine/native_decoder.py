@@ -41,7 +41,8 @@ class _Model(ctypes.Structure):
 class _Batch(ctypes.Structure):
     _fields_ = [(name, ctypes.c_int) for name in ("tokens", "num_seqs", "max_blocks")] + [
         (name, ctypes.c_void_p) for name in ("positions", "slot_blocks", "slot_offsets", "block_tables",
-                                             "query_start_loc", "context_lens", "span_masks", "cos", "sin")]
+                                             "query_start_loc", "context_lens", "span_masks", "cos", "sin",
+                                             "timings")]
 
 
 def _matrix(linear) -> _Matrix:
@@ -79,6 +80,9 @@ class NativeDecoder:
         q_size, width = c.num_heads * c.head_dim, (c.num_heads + 2 * c.num_kv_heads) * c.head_dim
         self._scratch_per_row = (max(q_size, c.hidden_size) + max(width, 2 * c.intermediate_size) + q_size
                                  + c.hidden_size)
+        # Set to float64 zeros(3) to add up seconds spent in the layers' GEMMs, their attention
+        # and the whole layer loop (benchmarks read it; None costs nothing).
+        self.timings: torch.Tensor | None = None
 
     def layers(self, x: torch.Tensor, batch: ForwardBatch, kv_cache: torch.Tensor, aux_ids: list[int]) -> torch.Tensor:
         """Runs every layer over x [T, hidden] in place; returns the residual stream entering
@@ -96,7 +100,8 @@ class NativeDecoder:
                      positions.data_ptr(), meta.slot_blocks.data_ptr(), meta.slot_offsets.data_ptr(),
                      tables.data_ptr(), meta.query_start_loc.data_ptr(), meta.context_lens.data_ptr(),
                      meta.span_masks.data_ptr() if meta.span_masks is not None else None,
-                     rotary.cos.data_ptr(), rotary.sin.data_ptr())
+                     rotary.cos.data_ptr(), rotary.sin.data_ptr(),
+                     self.timings.data_ptr() if self.timings is not None else None)
         aux = torch.empty(t, len(aux_ids) * c.hidden_size)
         ids = (ctypes.c_int * len(aux_ids))(*aux_ids)
         scratch = torch.empty(t * self._scratch_per_row)

@@ -84,6 +84,24 @@ def test_native_attention_dense_decode_batch(isa):
 
 
 @pytest.mark.parametrize("isa", ISAS)
+def test_a_row_computes_the_same_bits_alone_and_in_a_batch(isa):
+    """A sequence alone has few tiles, so its key partitions run as separate tasks folded after;
+    in a batch of many, each tile runs its partitions in turn. Either way (and for a verification
+    span as for a decode step, with contexts of several partitions) each row gets the same bits."""
+    query_lens, context_lens = [1, 6, 1, 1, 6, 1, 1, 1], [300, 200, 65, 64, 130, 1, 257, 90]
+    q, layer_cache, meta = _case(query_lens, context_lens, 9, 3, 64, 16, seed=3)
+    batched = native_paged_attention(q, layer_cache, meta, 0.125, isa)
+    query_lens_, context_lens_, tables, block_size = meta.lists
+    row = 0
+    for n, ctx, table in zip(query_lens, context_lens, tables):
+        slots = torch.tensor([table[p // block_size] * block_size + p % block_size for p in range(ctx - n, ctx)])
+        alone = AttentionMetadata.build([n], [ctx], [table], slots, block_size, torch.device("cpu"))
+        assert torch.equal(native_paged_attention(q[row : row + n], layer_cache, alone, 0.125, isa),
+                           batched[row : row + n]), (n, ctx)
+        row += n
+
+
+@pytest.mark.parametrize("isa", ISAS)
 @pytest.mark.parametrize("heads, kv_heads, dim, block_size", [(9, 3, 64, 16), (4, 4, 32, 8)])
 def test_tree_spans_see_the_prefix_and_their_ancestors_only(isa, heads, kv_heads, dim, block_size):
     """Span masks: tree rows see their ancestors in the span, other rows stay causal (torch path

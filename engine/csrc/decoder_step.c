@@ -18,6 +18,8 @@
 #include <stddef.h>
 #include <string.h>
 
+#include <omp.h>
+
 #include "kernels.h"
 
 #pragma GCC optimize("fp-contract=off")
@@ -46,9 +48,18 @@ typedef struct {  /* one forward's batch: T rows, the sequences' query tokens on
     const long *block_tables;                                  /* [B][max_blocks] */
     const int *query_start_loc, *context_lens, *span_masks;    /* [B+1], [B], [T] or NULL */
     const float *cos, *sin;                                    /* [max_positions][D] */
+    double *timings;  /* NULL, or seconds added up: [0] GEMMs, [1] attention, [2] the whole call */
 } pd_batch;
 
-static int matmul(const pd_matrix *w, const float *x, float *y, int M, int K, int N, int threads) {
+enum { TIME_GEMM, TIME_ATTENTION, TIME_LAYERS };
+
+static double clock_start(const pd_batch *b) { return b->timings ? omp_get_wtime() : 0.0; }
+
+static void clock_add(const pd_batch *b, int what, double start) {
+    if (b->timings) b->timings[what] += omp_get_wtime() - start;
+}
+
+static int gemm(const pd_matrix *w, const float *x, float *y, int M, int K, int N, int threads) {
     switch (w->format) {
     case PD_F32: pd_packed_gemm(x, w->weight, w->bias, y, M, K, N, threads); return 0;
     case PD_BF16: pd_packed_gemm_bf16(x, w->weight, w->bias, y, M, K, N, threads); return 0;
@@ -58,6 +69,13 @@ static int matmul(const pd_matrix *w, const float *x, float *y, int M, int K, in
     case PD_Q4_I8: return pd_quant_gemm_i8(4, x, w->weight, w->bias, y, M, K, N, threads);
     default: return -1;
     }
+}
+
+static int matmul(const pd_batch *b, const pd_matrix *w, const float *x, float *y, int M, int K, int N, int threads) {
+    double start = clock_start(b);
+    int rc = gemm(w, x, y, M, K, N, threads);
+    clock_add(b, TIME_GEMM, start);
+    return rc;
 }
 
 static void rms_norm(const float *x, const float *w, float *out, int T, int n, float eps) {
@@ -88,7 +106,7 @@ static int attention_block(const pd_model *m, const pd_layer *L, float *cache, c
     int T = b->tokens, H = m->hidden, D = m->head_dim;
     int q_size = m->heads * D, kv_size = m->kv_heads * D, width = q_size + 2 * kv_size;
     rms_norm(x, L->input_norm, h, T, H, m->eps);
-    if (matmul(&L->qkv, h, qkv, T, H, width, threads)) return -1;
+    if (matmul(b, &L->qkv, h, qkv, T, H, width, threads)) return -1;
     for (int t = 0; t < T; t++) {
         float *r = qkv + (size_t)t * width;
         const float *c = b->cos + (size_t)b->positions[t] * D, *s = b->sin + (size_t)b->positions[t] * D;
@@ -100,20 +118,22 @@ static int attention_block(const pd_model *m, const pd_layer *L, float *cache, c
     }
     for (int t = 0; t < T; t++)  /* q rows packed [T][heads * D] for the attention kernel */
         memmove(h + (size_t)t * q_size, qkv + (size_t)t * width, sizeof(float) * q_size);
-    if (pd_paged_attention(h, cache, m->s_block, m->s_kv, m->s_offset, b->block_tables, b->max_blocks,
-                           b->query_start_loc, b->context_lens, b->num_seqs, m->heads, m->kv_heads, D,
-                           m->block_size, m->scale, att, b->span_masks, threads))
-        return -1;
-    if (matmul(&L->o, att, tmp, T, q_size, H, threads)) return -1;
+    double start = clock_start(b);
+    int rc = pd_paged_attention(h, cache, m->s_block, m->s_kv, m->s_offset, b->block_tables, b->max_blocks,
+                                b->query_start_loc, b->context_lens, b->num_seqs, m->heads, m->kv_heads, D,
+                                m->block_size, m->scale, att, b->span_masks, threads);
+    clock_add(b, TIME_ATTENTION, start);
+    if (rc) return -1;
+    if (matmul(b, &L->o, att, tmp, T, q_size, H, threads)) return -1;
     for (size_t i = 0; i < (size_t)T * H; i++) x[i] += tmp[i];
     return 0;
 }
 
-static int mlp_block(const pd_model *m, const pd_layer *L, float *x, float *h, float *gu, float *tmp,
-                      int T, int threads) {
-    int H = m->hidden, I = m->intermediate;
+static int mlp_block(const pd_model *m, const pd_layer *L, const pd_batch *b, float *x, float *h, float *gu,
+                      float *tmp, int threads) {
+    int T = b->tokens, H = m->hidden, I = m->intermediate;
     rms_norm(x, L->post_norm, h, T, H, m->eps);
-    if (matmul(&L->gate_up, h, gu, T, H, 2 * I, threads)) return -1;
+    if (matmul(b, &L->gate_up, h, gu, T, H, 2 * I, threads)) return -1;
     for (int t = 0; t < T; t++) {  /* silu(gate) * up, packed [T][I] in place */
         const float *g = gu + (size_t)t * 2 * I, *u = g + I;
         float *out = gu + (size_t)t * I;
@@ -122,7 +142,7 @@ static int mlp_block(const pd_model *m, const pd_layer *L, float *x, float *h, f
             out[i] = gi / (1.0f + expf(-gi)) * ui;
         }
     }
-    if (matmul(&L->down, gu, tmp, T, I, H, threads)) return -1;
+    if (matmul(b, &L->down, gu, tmp, T, I, H, threads)) return -1;
     for (size_t i = 0; i < (size_t)T * H; i++) x[i] += tmp[i];
     return 0;
 }
@@ -139,6 +159,7 @@ int pd_decoder_layers(const pd_model *m, const pd_layer *layers, int num_layers,
     float *h = scratch, *qkv = h + (size_t)T * (m->heads * D > H ? m->heads * D : H);
     float *att = qkv + (size_t)T * (width > 2 * m->intermediate ? width : 2 * m->intermediate);
     float *tmp = att + (size_t)T * m->heads * D;
+    double start = clock_start(b);
     for (int l = 0; l < num_layers; l++) {
         for (int j = 0; j < num_aux; j++)
             if (aux_layers[j] == l)
@@ -146,8 +167,9 @@ int pd_decoder_layers(const pd_model *m, const pd_layer *layers, int num_layers,
                     memcpy(aux + ((size_t)t * num_aux + j) * H, x + (size_t)t * H, sizeof(float) * H);
         float *cache = m->cache + (size_t)l * m->s_layer;
         if (attention_block(m, &layers[l], cache, b, x, h, qkv, att, tmp, threads) ||
-            mlp_block(m, &layers[l], x, h, qkv, tmp, T, threads))
+            mlp_block(m, &layers[l], b, x, h, qkv, tmp, threads))
             return -1;
     }
+    clock_add(b, TIME_LAYERS, start);
     return 0;
 }

@@ -17,6 +17,7 @@
  */
 #include <math.h>
 #include <stddef.h>
+#include <stdlib.h>
 #include <string.h>
 
 #include "vector_isa.h"
@@ -116,22 +117,21 @@ static inline vfloat sum_lanes(vfloat *d) {
  * compile-time constant in each inlined copy (see attend_tile_dim), so the loops over it unroll
  * and the accumulators stay in registers. */
 static inline __attribute__((always_inline)) void attend_tile(
-    const float **qrows, const int *pos, const int *tree, int span0, const int *span_map, int nrows, const float *cache,
+    const float *const *qrows, const int *pos, const int *tree, int span0, const int *span_map, int nrows, const float *cache,
     long s_block, long s_kv, long s_offset, const long *table, int block_size, int kv_head, const int dim,
-    float scale, float **outs) {
+    float scale, int k0, int k1, float *part) {
     const int chunks = dim / LANES;
     float m[MAX_ROWS], l[MAX_ROWS];
     vfloat acc[MAX_ROWS][MAX_DIM / LANES];
     const vint lane = {LANE_LIST(LANE_INDEX, 0)};
-    int last = 0;
+    int last = k1 - 1;  /* the partition's last key any row sees */
     for (int r = 0; r < nrows; r++) {
         m[r] = -INFINITY;
         l[r] = 0;
         for (int c = 0; c < chunks; c++) acc[r][c] = splat(0.0f);
-        if (pos[r] > last) last = pos[r];
     }
     const float *keys[KEYS];
-    for (int start = 0; start <= last; start += KEYS) {
+    for (int start = k0; start <= last; start += KEYS) {
         int n = last + 1 - start < KEYS ? last + 1 - start : KEYS;
         for (int o = 0; o < n; o++) {
             int p = start + o;
@@ -173,16 +173,19 @@ static inline __attribute__((always_inline)) void attend_tile(
         }
     }
     for (int r = 0; r < nrows; r++) {
-        float inv = 1.0f / l[r];
-        for (int c = 0; c < chunks; c++) storev(outs[r] + LANES * c, acc[r][c] * inv);
+        float *row = part + (size_t)r * (dim + 2);
+        for (int c = 0; c < chunks; c++) storev(row + LANES * c, acc[r][c]);
+        row[dim] = m[r];
+        row[dim + 1] = l[r];
     }
 }
 
-static void attend_tile_dim(const float **qrows, const int *pos, const int *tree, int span0, const int *span_map,
+static __attribute__((noinline)) void attend_tile_dim(const float *const *qrows, const int *pos, const int *tree, int span0, const int *span_map,
                             int nrows, const float *cache, long s_block, long s_kv, long s_offset,
-                            const long *table, int block_size, int kv_head, int dim, float scale, float **outs) {
+                            const long *table, int block_size, int kv_head, int dim, float scale, int k0, int k1,
+                            float *part) {
 #define ATTEND(D) attend_tile(qrows, pos, tree, span0, span_map, nrows, cache, s_block, s_kv, s_offset, table, \
-                              block_size, kv_head, D, scale, outs)
+                              block_size, kv_head, D, scale, k0, k1, part)
     switch (dim) {  /* the common head sizes get fully unrolled copies */
         case 64: ATTEND(64); break;
         case 128: ATTEND(128); break;
@@ -191,82 +194,189 @@ static void attend_tile_dim(const float **qrows, const int *pos, const int *tree
 #undef ATTEND
 }
 
-/* One (sequence, kv head): what every tile of its query tokens shares. */
+/* Keys per partition. Each row's keys are cut into partitions at fixed positions, each
+ * partition's softmax sums are computed on their own, then folded in order (fold_part). Where
+ * the partitions run (one task each when a batch has few tiles, as a decode step of one
+ * sequence has; in turn inside the tile's task otherwise) never changes a row's bits. */
+#define PART_KEYS 64
+
+/* Shapes and pointers of one call. */
 typedef struct {
     const float *q, *cache;
     long s_block, s_kv, s_offset;
-    const long *table;
-    int first, pos0, heads, group, kv_head, dim, block_size;
+    const long *block_tables;
+    const int *query_start_loc, *context_lens, *span_masks;
+    int max_blocks, heads, kv_heads, group, dim, block_size;
     float scale;
     float *out;
-    const int *span_masks;
-} tile_job;
+} attn_call;
 
-/* Rows of tokens [t0, t1) of the job's sequence (all heads of the kv head's group) as one tile.
- * span_map NULL: keys in cache order, tree masks applied per row. Else (one token, t1 = t0 + 1):
- * its `visible` keys are the prefix, then the span tokens span_map lists, read as one contiguous
- * run (see attend_tree_token). */
-static void attend_tokens(const tile_job *j, int t0, int t1, const int *span_map, int visible) {
-    if (t0 >= t1) return;
-    const float *qrows[MAX_ROWS];
-    float *outs[MAX_ROWS];
-    int pos[MAX_ROWS], tree[MAX_ROWS], nrows = 0;
-    for (int i = t0; i < t1; i++)
-        for (int g = 0; g < j->group; g++, nrows++) {
-            long row = (long)(j->first + i) * j->heads + j->kv_head * j->group + g;
-            qrows[nrows] = j->q + row * j->dim;
-            outs[nrows] = j->out + row * j->dim;
-            pos[nrows] = span_map ? visible - 1 : j->pos0 + i;  /* the last key it sees, in the run it reads */
-            tree[nrows] = j->span_masks && !span_map ? j->span_masks[j->first + i] : -1;
+/* Query tokens [t0, t1) of one sequence, all heads of one kv head's group: rows that read the
+ * same keys. A tree token off the chain (mask != 0) is a tile alone: its visible keys (the
+ * prefix, then the span tokens its mask names) are read as one contiguous run, chunked as
+ * plain decoding would chunk them, so the row computes the bits of the token decoded at its
+ * logical position. (Keys at masked slots in between would shift the online softmax's chunks
+ * and a last-bit difference can change a token downstream.) */
+typedef struct {
+    int seq, kv_head, t0, t1, mask;
+    int keys;  /* the run of keys the tile's rows read: positions 0 .. keys - 1 */
+} tile;
+
+static int tile_parts(const tile *t) { return (t->keys + PART_KEYS - 1) / PART_KEYS; }
+
+typedef struct {
+    const float *q[MAX_ROWS];
+    float *out[MAX_ROWS];
+    int pos[MAX_ROWS], tree[MAX_ROWS], span_map[32], n, pos0;
+} tile_rows;
+
+static void rows_of(const attn_call *a, const tile *t, tile_rows *r) {
+    int first = a->query_start_loc[t->seq], qlen = a->query_start_loc[t->seq + 1] - first;
+    r->pos0 = a->context_lens[t->seq] - qlen;
+    int visible = 0;
+    if (t->mask)
+        for (int k = 0; k <= t->t0; k++)
+            if ((t->mask >> k) & 1) r->span_map[visible++] = k;
+    r->n = 0;
+    for (int i = t->t0; i < t->t1; i++)
+        for (int g = 0; g < a->group; g++, r->n++) {
+            long row = (long)(first + i) * a->heads + t->kv_head * a->group + g;
+            r->q[r->n] = a->q + row * a->dim;
+            r->out[r->n] = a->out + row * a->dim;
+            r->pos[r->n] = t->mask ? r->pos0 + visible - 1 : r->pos0 + i;  /* the last key it sees, in the run it reads */
+            r->tree[r->n] = a->span_masks && !t->mask ? a->span_masks[first + i] : -1;
         }
-    attend_tile_dim(qrows, pos, tree, j->pos0, span_map, nrows, j->cache, j->s_block, j->s_kv, j->s_offset, j->table,
-                    j->block_size, j->kv_head, j->dim, j->scale, outs);
 }
 
-/* Token i of a tree span whose ancestors are not all the span tokens before it (a leaf off the
- * chain): its visible keys (the prefix, then the span tokens in its mask) are read as one
- * contiguous run, chunked as plain decoding would chunk them, so the row computes the same bits
- * as the token decoded at its logical position. (Keys at masked slots in between would shift the
- * online softmax's chunks and pairs, and a last-bit difference can change a token downstream.) */
-static void attend_tree_token(const tile_job *j, int i, int mask) {
-    int span_map[32], n = 0;
-    for (int k = 0; k <= i; k++)
-        if ((mask >> k) & 1) span_map[n++] = k;
-    attend_tokens(j, i, i + 1, span_map, j->pos0 + n);
+/* Partition p of the tile's keys: [n rows][dim + 2] = unnormalised sums, running max, sum of exps. */
+static void attend_part(const attn_call *a, const tile *t, const tile_rows *r, int p, float *part) {
+    int k0 = p * PART_KEYS, k1 = k0 + PART_KEYS < t->keys ? k0 + PART_KEYS : t->keys;
+    attend_tile_dim(r->q, r->pos, r->tree, r->pos0, t->mask ? r->span_map : 0, r->n, a->cache, a->s_block, a->s_kv,
+                    a->s_offset, a->block_tables + (long)t->seq * a->max_blocks, a->block_size, t->kv_head, a->dim,
+                    a->scale, k0, k1, part);
+}
+
+/* state (same layout as a partition, empty: l = 0) += the next partition, as one softmax. */
+static __attribute__((noinline)) void fold_part(float *state, const float *part, int n, int dim) {
+    for (int r = 0; r < n; r++) {
+        float *s = state + (size_t)r * (dim + 2);
+        const float *p = part + (size_t)r * (dim + 2);
+        if (p[dim + 1] == 0.0f) continue;  /* no key of this partition visible to the row */
+        if (s[dim + 1] == 0.0f) {
+            memcpy(s, p, sizeof(float) * (dim + 2));
+            continue;
+        }
+        float m = s[dim] > p[dim] ? s[dim] : p[dim], cs = expf(s[dim] - m), cp = expf(p[dim] - m);
+        for (int d = 0; d < dim; d++) s[d] = s[d] * cs + p[d] * cp;
+        s[dim] = m;
+        s[dim + 1] = s[dim + 1] * cs + p[dim + 1] * cp;
+    }
+}
+
+static void write_rows(const tile_rows *r, const float *state, int dim) {
+    for (int i = 0; i < r->n; i++) {
+        const float *s = state + (size_t)i * (dim + 2);
+        float inv = 1.0f / s[dim + 1];
+        for (int d = 0; d < dim; d++) r->out[i][d] = s[d] * inv;
+    }
+}
+
+/* A tile start to end in one task: its partitions in turn. */
+static void attend_whole_tile(const attn_call *a, const tile *t, float *state, float *part) {
+    tile_rows r;
+    rows_of(a, t, &r);
+    for (int i = 0; i < r.n; i++) state[(size_t)i * (a->dim + 2) + a->dim + 1] = 0.0f;
+    for (int p = 0; p < tile_parts(t); p++) {
+        attend_part(a, t, &r, p, part);
+        fold_part(state, part, r.n, a->dim);
+    }
+    write_rows(&r, state, a->dim);
+}
+
+/* The tiles of every sequence and kv head into `tiles` (room for kv_heads * (T + num_seqs)). */
+static int make_tiles(const attn_call *a, int num_seqs, tile *tiles) {
+    int n = 0, tokens_per_tile = MAX_ROWS / a->group;
+    for (int b = 0; b < num_seqs; b++) {
+        int first = a->query_start_loc[b], qlen = a->query_start_loc[b + 1] - first;
+        int pos0 = a->context_lens[b] - qlen;
+        for (int h = 0; h < a->kv_heads; h++) {
+            int t0 = 0;  /* the pending tile: tokens t0 .. i-1 */
+            for (int i = 0; i <= qlen; i++) {
+                int mask = a->span_masks && i < qlen ? a->span_masks[first + i] : -1;
+                int off_chain = i < qlen && mask != -1 && mask != (int)((2u << i) - 1);
+                if (i > t0 && (i == qlen || off_chain || i - t0 == tokens_per_tile)) {
+                    tiles[n++] = (tile){b, h, t0, i, 0, pos0 + i};
+                    t0 = i;
+                }
+                if (off_chain) {
+                    tiles[n++] = (tile){b, h, i, i + 1, mask, pos0 + __builtin_popcount(mask)};
+                    t0 = i + 1;
+                }
+            }
+        }
+    }
+    return n;
 }
 
 /* q: [T, heads, dim]; out: [T, heads*dim]; block_tables: [num_seqs, max_blocks]; span_masks:
- * [T] tree masks, or NULL (all causal). Every sequence, prefill chunks as much as decode steps:
- * a row computes the same bits however long its sequence's query is.
- * Returns 0, or -1 if a shape is outside the kernel's limits (the caller checks these first). */
+ * [T] tree masks (bit j: the row sees the span's token j; -1 = all, the causal rule alone), or
+ * NULL. Every sequence, prefill chunks as much as decode steps: a row computes the same bits
+ * however long its sequence's query is and whatever else is in the batch.
+ * Returns 0, or -1 if a shape is outside the kernel's limits (the caller checks these first)
+ * or memory runs out. */
 int pd_paged_attention(const float *q, const float *cache, long s_block, long s_kv, long s_offset,
                        const long *block_tables, int max_blocks, const int *query_start_loc,
                        const int *context_lens, int num_seqs, int heads, int kv_heads, int dim,
                        int block_size, float scale, float *out, const int *span_masks, int num_threads) {
     int group = heads / kv_heads;
     if (dim % 16 || dim > MAX_DIM || group > MAX_ROWS) return -1;
-    int tokens_per_tile = MAX_ROWS / group;
-    #pragma omp parallel for collapse(2) schedule(dynamic) num_threads(num_threads)
-    for (int b = 0; b < num_seqs; b++) {
-        for (int h = 0; h < kv_heads; h++) {
-            int first = query_start_loc[b], qlen = query_start_loc[b + 1] - first;
-            tile_job job = {q, cache, s_block, s_kv, s_offset, block_tables + (long)b * max_blocks, first,
-                            context_lens[b] - qlen, heads, group, h, dim, block_size, scale, out, span_masks};
-            int t0 = 0;  /* the pending tile: tokens t0 .. i-1 */
-            for (int i = 0; i < qlen; i++) {
-                int mask = span_masks ? span_masks[first + i] : -1;
-                int causal = mask == -1 || mask == (int)((2u << i) - 1);  /* sees all span tokens up to i */
-                if (!causal) {  /* a tree row off the chain: its visible keys compacted, alone */
-                    attend_tokens(&job, t0, i, 0, 0);
-                    attend_tree_token(&job, i, mask);
-                    t0 = i + 1;
-                } else if (i + 1 - t0 == tokens_per_tile) {
-                    attend_tokens(&job, t0, i + 1, 0, 0);
-                    t0 = i + 1;
-                }
-            }
-            attend_tokens(&job, t0, qlen, 0, 0);
+    attn_call a = {q, cache, s_block, s_kv, s_offset, block_tables, query_start_loc, context_lens, span_masks,
+                   max_blocks, heads, kv_heads, group, dim, block_size, scale, out};
+    tile *tiles = malloc(sizeof(tile) * (size_t)kv_heads * (query_start_loc[num_seqs] + num_seqs));
+    if (!tiles) return -1;
+    int ntiles = make_tiles(&a, num_seqs, tiles), failed = 0;
+    size_t row_floats = (size_t)MAX_ROWS * (dim + 2);
+    if (ntiles >= 4 * num_threads) {  /* enough tiles to share out whole */
+        #pragma omp parallel num_threads(num_threads) reduction(|: failed)
+        {
+            float *state = malloc(2 * row_floats * sizeof(float));
+            failed = !state;
+            #pragma omp for schedule(dynamic)
+            for (int i = 0; i < ntiles; i++)
+                if (state) attend_whole_tile(&a, &tiles[i], state, state + row_floats);
+            free(state);
         }
+    } else {  /* few tiles (a decode step of a few sequences): their partitions are the tasks */
+        int tasks = 0;
+        for (int i = 0; i < ntiles; i++) tasks += tile_parts(&tiles[i]);
+        int *task_tile = malloc(sizeof(int) * 2 * (size_t)tasks);
+        float *parts = malloc(sizeof(float) * row_floats * (size_t)tasks);
+        failed = !task_tile || !parts;
+        if (!failed)
+            for (int i = 0, k = 0; i < ntiles; i++)
+                for (int p = 0; p < tile_parts(&tiles[i]); p++, k++) task_tile[2 * k] = i, task_tile[2 * k + 1] = p;
+        #pragma omp parallel num_threads(num_threads) if (!failed)
+        {
+            #pragma omp for schedule(dynamic)
+            for (int k = 0; k < (failed ? 0 : tasks); k++) {
+                tile_rows r;
+                rows_of(&a, &tiles[task_tile[2 * k]], &r);
+                attend_part(&a, &tiles[task_tile[2 * k]], &r, task_tile[2 * k + 1], parts + row_floats * k);
+            }
+            #pragma omp for schedule(static)
+            for (int i = 0; i < (failed ? 0 : ntiles); i++) {
+                int k = 0;
+                for (int j = 0; j < i; j++) k += tile_parts(&tiles[j]);
+                tile_rows r;
+                rows_of(&a, &tiles[i], &r);
+                float *state = parts + row_floats * k;  /* folded into the first partition's room */
+                for (int p = 1; p < tile_parts(&tiles[i]); p++) fold_part(state, parts + row_floats * (k + p), r.n, dim);
+                write_rows(&r, state, dim);
+            }
+        }
+        free(task_tile);
+        free(parts);
     }
-    return 0;
+    free(tiles);
+    return failed ? -1 : 0;
 }
