@@ -129,19 +129,33 @@ static int attention_block(const pd_model *m, const pd_layer *L, float *cache, c
     return 0;
 }
 
+/* out = silu(g) * u, LANES at a time: sigmoid(g) = 1 / (1 + e) for g >= 0, else e / (1 + e),
+ * with e = exp(-|g|) (never overflows). A short last vector goes through a padded copy, so each
+ * element computes the same whatever its row's length. */
+static inline vfloat silu_times(vfloat g, vfloat u) {
+    vfloat e = vexp(select_lanes(g < 0, g, -g)), one = splat(1.0f);
+    return g * (select_lanes(g < 0, e, one) / (one + e)) * u;
+}
+
+static void silu_mul(const float *g, const float *u, float *out, int n) {
+    int i = 0;
+    for (; i + LANES <= n; i += LANES) store_f32(out + i, silu_times(load_f32(g + i), load_f32(u + i)));
+    if (i < n) {
+        float gb[LANES] = {0}, ub[LANES] = {0}, ob[LANES];
+        memcpy(gb, g + i, sizeof(float) * (n - i));
+        memcpy(ub, u + i, sizeof(float) * (n - i));
+        store_f32(ob, silu_times(load_f32(gb), load_f32(ub)));
+        memcpy(out + i, ob, sizeof(float) * (n - i));
+    }
+}
+
 static int mlp_block(const pd_model *m, const pd_layer *L, const pd_batch *b, float *x, float *h, float *gu,
                       float *tmp, int threads) {
     int T = b->tokens, H = m->hidden, I = m->intermediate;
     rms_norm(x, L->post_norm, h, T, H, m->eps);
     if (matmul(b, &L->gate_up, h, gu, T, H, 2 * I, threads)) return -1;
-    for (int t = 0; t < T; t++) {  /* silu(gate) * up, packed [T][I] in place */
-        const float *g = gu + (size_t)t * 2 * I, *u = g + I;
-        float *out = gu + (size_t)t * I;
-        for (int i = 0; i < I; i++) {
-            float gi = g[i], ui = u[i];
-            out[i] = gi / (1.0f + expf(-gi)) * ui;
-        }
-    }
+    for (int t = 0; t < T; t++)  /* silu(gate) * up, packed [T][I] in place (behind what it reads) */
+        silu_mul(gu + (size_t)t * 2 * I, gu + (size_t)t * 2 * I + I, gu + (size_t)t * I, I);
     if (matmul(b, &L->down, gu, tmp, T, I, H, threads)) return -1;
     for (size_t i = 0; i < (size_t)T * H; i++) x[i] += tmp[i];
     return 0;

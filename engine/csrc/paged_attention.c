@@ -12,8 +12,10 @@
  * Query token i of sequence b sits at position ctx_b - qlen_b + i and sees keys 0..position; with
  * span_masks (a tree-shaped verification span), of the sequence's own query tokens only those
  * whose bit is set in the row's mask (bit j: query token j; -1 = all, the causal rule alone).
- * Softmax is computed online, one vector of keys at a time (flash-attention style), with a
- * vectorised exp; the vector width follows the ISA build (vector_isa.h).
+ * A row's keys are cut into partitions of PART_KEYS at fixed positions; within one, the scores,
+ * their max and exps are computed whole, and partitions are folded in order as one softmax
+ * (flash-decoding style), with a vectorised exp; the vector width follows the ISA build
+ * (vector_isa.h).
  */
 #include <math.h>
 #include <stddef.h>
@@ -22,11 +24,15 @@
 
 #include "vector_isa.h"
 
-typedef int vint __attribute__((vector_size(LANES * 4)));
-
 #define MAX_ROWS 64      /* query tokens x grouped heads handled together */
 #define MAX_DIM 256
-#define KEYS LANES       /* keys per online-softmax step: one vector of scores */
+#define KEYS LANES       /* keys per step: one vector of scores */
+
+/* Keys per partition. Each row's keys are cut into partitions at fixed positions, each
+ * partition's softmax sums are computed on their own, then folded in order (fold_part). Where
+ * the partitions run (one task each when a batch has few tiles, as a decode step of one
+ * sequence has; in turn inside the tile's task otherwise) never changes a row's bits. */
+#define PART_KEYS 64
 
 /* F(0, h), ..., F(LANES - 1, h): the lanes of a vector constant. */
 #if LANES == 16
@@ -39,22 +45,6 @@ typedef int vint __attribute__((vector_size(LANES * 4)));
 #endif
 #define LANE_INDEX(i, h) (i)
 
-static inline vfloat loadv(const float *p) { vfloat v; memcpy(&v, p, sizeof v); return v; }
-static inline void storev(float *p, vfloat v) { memcpy(p, &v, sizeof v); }
-static inline vfloat splat(float x) { return (vfloat){0} + x; }
-static inline vint splat_i(int x) { return (vint){0} + x; }
-
-/* Lane-wise mask ? a : b (GCC's C front end has no vector ternary). */
-static inline vfloat select_lanes(vint mask, vfloat a, vfloat b) {
-    vint ia, ib;
-    memcpy(&ia, &a, sizeof a);
-    memcpy(&ib, &b, sizeof b);
-    vint r = (mask & ia) | (~mask & ib);
-    vfloat out;
-    memcpy(&out, &r, sizeof out);
-    return out;
-}
-
 /* Tree reduction: a plain loop over the lanes is a LANES-step dependency chain. */
 static inline float hsum(vfloat v) {
     float s[LANES];
@@ -64,27 +54,12 @@ static inline float hsum(vfloat v) {
     return s[0];
 }
 
-/* exp(x) for x <= 0 (scores minus their running max): Cody-Waite range reduction and a
- * degree-6 polynomial, relative error ~2e-7; inputs below -87 flush to 0. */
-static inline vfloat vexp(vfloat x) {
-    const vfloat lo = splat(-87.0f);
-    vint under = x < lo;
-    x = select_lanes(x < lo, lo, x);
-    vfloat n = x * 1.44269504088896341f;
-    /* round to nearest: add and subtract 1.5 * 2^23 */
-    n = (n + 12582912.0f) - 12582912.0f;
-    vfloat r = x - n * 0.693359375f + n * 2.12194440e-4f;
-    vfloat p = splat(1.3981999507e-3f);
-    p = p * r + 8.3334519073e-3f;
-    p = p * r + 4.1665795894e-2f;
-    p = p * r + 1.6666665459e-1f;
-    p = p * r + 5.0000001201e-1f;
-    p = p * r * r + r + 1.0f;
-    vint bits = (__builtin_convertvector(n, vint) + 127) << 23;
-    vfloat scale;
-    memcpy(&scale, &bits, sizeof scale);
-    vfloat y = p * scale;
-    return select_lanes(under, splat(0.0f), y);
+static inline float hmax(vfloat v) {
+    float s[LANES];
+    memcpy(s, &v, sizeof v);
+    for (int width = LANES / 2; width > 0; width /= 2)
+        for (int i = 0; i < width; i++) s[i] = s[i + width] > s[i] ? s[i + width] : s[i];
+    return s[0];
 }
 
 /* Lane o of the result = sum of the lanes of d[o], for LANES vectors: a transpose-and-add tree
@@ -113,71 +88,87 @@ static inline vfloat sum_lanes(vfloat *d) {
     return d[0];
 }
 
-/* One tile of rows (query token, head) of one sequence against one kv head's keys. `dim` is a
- * compile-time constant in each inlined copy (see attend_tile_dim), so the loops over it unroll
- * and the accumulators stay in registers. */
+/* One tile of rows (query token, head) of one sequence against keys [k0, k1) of one kv head
+ * (one partition, at most PART_KEYS): per row the unnormalised softmax-weighted sum of values,
+ * the scores' max and the sum of exps, into part [rows][dim + 2]. Three passes, the keys in
+ * vectors of KEYS shared by all rows while they are in L1: scores, then each row's exps, then
+ * values. `dim` is a compile-time constant in each inlined copy (see attend_tile_dim), so the
+ * loops over it unroll and the accumulators stay in registers. */
 static inline __attribute__((always_inline)) void attend_tile(
-    const float *const *qrows, const int *pos, const int *tree, int span0, const int *span_map, int nrows, const float *cache,
-    long s_block, long s_kv, long s_offset, const long *table, int block_size, int kv_head, const int dim,
-    float scale, int k0, int k1, float *part) {
-    const int chunks = dim / LANES;
-    float m[MAX_ROWS], l[MAX_ROWS];
-    vfloat acc[MAX_ROWS][MAX_DIM / LANES];
+    const float *const *qrows, const int *pos, const int *tree, int span0, const int *span_map, int nrows,
+    const float *cache, long s_block, long s_kv, long s_offset, const long *table, int block_size, int kv_head,
+    const int dim, float scale, int k0, int k1, float *part) {
+    const int chunks = dim / LANES, steps = (k1 - k0 + KEYS - 1) / KEYS;
+    vfloat scores[MAX_ROWS][PART_KEYS / KEYS];
     const vint lane = {LANE_LIST(LANE_INDEX, 0)};
-    int last = k1 - 1;  /* the partition's last key any row sees */
-    for (int r = 0; r < nrows; r++) {
-        m[r] = -INFINITY;
-        l[r] = 0;
-        for (int c = 0; c < chunks; c++) acc[r][c] = splat(0.0f);
+    const float *keys[PART_KEYS];
+    for (int o = 0; o < steps * KEYS; o++) {
+        int p = k0 + o < k1 ? k0 + o : k0;  /* past k1: valid memory, masked out below */
+        if (span_map && p >= span0) p = span0 + span_map[p - span0];
+        keys[o] = cache + table[p / block_size] * s_block + (long)(p % block_size) * s_offset + (long)kv_head * dim;
     }
-    const float *keys[KEYS];
-    for (int start = k0; start <= last; start += KEYS) {
-        int n = last + 1 - start < KEYS ? last + 1 - start : KEYS;
-        for (int o = 0; o < n; o++) {
-            int p = start + o;
-            if (span_map && p >= span0) p = span0 + span_map[p - span0];
-            keys[o] = cache + table[p / block_size] * s_block + (long)(p % block_size) * s_offset
-                      + (long)kv_head * dim;
-        }
-        for (int o = n; o < KEYS; o++) keys[o] = keys[0];  /* valid memory; masked out below */
+#define VISIBLE(r, st) (pos[r] + 1 - (k0 + (st) * KEYS) < KEYS ? pos[r] + 1 - (k0 + (st) * KEYS) : KEYS)
+    for (int st = 0; st < steps; st++) {
+        const float *const *kv = keys + st * KEYS;
         for (int r = 0; r < nrows; r++) {
-            int visible = pos[r] + 1 - start < n ? pos[r] + 1 - start : n;
-            if (visible <= 0) continue;
-            vfloat d[KEYS];
-            for (int o = 0; o < KEYS; o++) {
-                d[o] = loadv(qrows[r]) * loadv(keys[o]);
-                for (int c = 1; c < chunks; c++) d[o] += loadv(qrows[r] + LANES * c) * loadv(keys[o] + LANES * c);
+            int visible = VISIBLE(r, st);
+            if (visible <= 0) {
+                scores[r][st] = splat(-INFINITY);
+                continue;
+            }
+            /* each chunk of the query loaded once, against that chunk of every key */
+            vfloat d[KEYS], qc = load_f32(qrows[r]);
+            for (int o = 0; o < KEYS; o++) d[o] = qc * load_f32(kv[o]);
+            for (int c = 1; c < chunks; c++) {
+                qc = load_f32(qrows[r] + LANES * c);
+                for (int o = 0; o < KEYS; o++) d[o] += qc * load_f32(kv[o] + LANES * c);
             }
             vint valid = lane < visible;
             if (tree[r] != -1) {  /* keys in the span: only the row's ancestors (and itself) */
-                vint span_key = lane + (start - span0);
+                vint span_key = lane + (k0 + st * KEYS - span0);
                 valid &= (span_key < 0) | (((splat_i(tree[r]) >> (span_key & 31)) & 1) != 0);
             }
-            vfloat s = select_lanes(valid, sum_lanes(d) * scale, splat(-INFINITY));
-            float mnew = s[0];
-            for (int o = 1; o < visible; o++) mnew = s[o] > mnew ? s[o] : mnew;
-            mnew = mnew > m[r] ? mnew : m[r];
-            float correction = expf(m[r] - mnew);
-            vfloat e = select_lanes(valid, vexp(s - mnew), splat(0.0f));
-            l[r] = l[r] * correction + hsum(e);
-            m[r] = mnew;
-            /* Two accumulators per chunk halve the FMA dependency chain over the keys. */
-            vfloat a0[MAX_DIM / LANES], a1[MAX_DIM / LANES];
-            for (int c = 0; c < chunks; c++) { a0[c] = acc[r][c] * correction; a1[c] = splat(0.0f); }
-            for (int o = 0; o < visible; o += 2) {
-                for (int c = 0; c < chunks; c++) a0[c] += e[o] * loadv(keys[o] + s_kv + LANES * c);
-                if (o + 1 < visible)
-                    for (int c = 0; c < chunks; c++) a1[c] += e[o + 1] * loadv(keys[o + 1] + s_kv + LANES * c);
-            }
-            for (int c = 0; c < chunks; c++) acc[r][c] = a0[c] + a1[c];
+            scores[r][st] = select_lanes(valid, sum_lanes(d) * scale, splat(-INFINITY));
         }
+    }
+    for (int r = 0; r < nrows; r++) {  /* scores -> exps (below -87 after the max: 0) */
+        vfloat mv = scores[r][0];
+        for (int st = 1; st < steps; st++) mv = select_lanes(scores[r][st] > mv, scores[r][st], mv);
+        float m = hmax(mv), *row = part + (size_t)r * (dim + 2);
+        row[dim] = m;
+        if (m == -INFINITY) {  /* no key of the partition visible to the row */
+            row[dim + 1] = 0.0f;
+            continue;
+        }
+        vfloat sum = splat(0.0f);
+        for (int st = 0; st < steps; st++) sum += scores[r][st] = vexp(scores[r][st] - m);
+        row[dim + 1] = hsum(sum);
     }
     for (int r = 0; r < nrows; r++) {
         float *row = part + (size_t)r * (dim + 2);
-        for (int c = 0; c < chunks; c++) storev(row + LANES * c, acc[r][c]);
-        row[dim] = m[r];
-        row[dim + 1] = l[r];
+        for (int c = 0; c < chunks; c++) store_f32(row + LANES * c, splat(0.0f));
     }
+    for (int st = 0; st < steps; st++) {
+        const float *const *kv = keys + st * KEYS;
+        for (int r = 0; r < nrows; r++) {
+            int visible = VISIBLE(r, st);
+            float *row = part + (size_t)r * (dim + 2);
+            if (visible <= 0 || row[dim] == -INFINITY) continue;
+            vfloat e = scores[r][st];
+            /* one FMA chain per chunk; with fewer than 8 chunks (wide vectors, small heads) a
+             * second set of accumulators takes every other key, so 8 chains keep the FMAs busy */
+            vfloat a0[MAX_DIM / LANES], a1[MAX_DIM / LANES];
+            for (int c = 0; c < chunks; c++) { a0[c] = load_f32(row + LANES * c); a1[c] = splat(0.0f); }
+            int stride = chunks >= 8 ? 1 : 2;
+            for (int o = 0; o < visible; o += stride) {
+                for (int c = 0; c < chunks; c++) a0[c] += e[o] * load_f32(kv[o] + s_kv + LANES * c);
+                if (stride == 2 && o + 1 < visible)
+                    for (int c = 0; c < chunks; c++) a1[c] += e[o + 1] * load_f32(kv[o + 1] + s_kv + LANES * c);
+            }
+            for (int c = 0; c < chunks; c++) store_f32(row + LANES * c, a0[c] + a1[c]);
+        }
+    }
+#undef VISIBLE
 }
 
 static __attribute__((noinline)) void attend_tile_dim(const float *const *qrows, const int *pos, const int *tree, int span0, const int *span_map,
@@ -193,12 +184,6 @@ static __attribute__((noinline)) void attend_tile_dim(const float *const *qrows,
     }
 #undef ATTEND
 }
-
-/* Keys per partition. Each row's keys are cut into partitions at fixed positions, each
- * partition's softmax sums are computed on their own, then folded in order (fold_part). Where
- * the partitions run (one task each when a batch has few tiles, as a decode step of one
- * sequence has; in turn inside the tile's task otherwise) never changes a row's bits. */
-#define PART_KEYS 64
 
 /* Shapes and pointers of one call. */
 typedef struct {

@@ -38,24 +38,39 @@ typedef struct {
     int K;
 } qrows;
 
+/* One row, per 32-block: d_x = max|x| / 127, q_x = round-half-even(x / d_x) (the magic-number
+ * rounding is nearbyintf's in the default rounding mode, |x / d_x| <= 127). */
 static void quantize_row(const float *x, int K, uint8_t *xb, float *d, float *ds) {
+    typedef int8_t vbyte __attribute__((vector_size(LANES)));
     for (int b = 0; b < K / QBLOCK; b++) {
         const float *xs = x + b * QBLOCK;
-        float amax = 0.0f;
-        for (int i = 0; i < QBLOCK; i++) amax = fabsf(xs[i]) > amax ? fabsf(xs[i]) : amax;  /* fmaxf is a libm call here */
-        float scale = amax / 127.0f, inv = amax > 0.0f ? 127.0f / amax : 0.0f;
-        int sum = 0;
+        vfloat amax = splat(0.0f);
+        for (int i = 0; i < QBLOCK; i += LANES) {
+            vfloat v = load_f32(xs + i), a = select_lanes(v < 0, -v, v);
+            amax = select_lanes(a > amax, a, amax);
+        }
+        float m = 0.0f, lanes[LANES];
+        store_f32(lanes, amax);
+        for (int l = 0; l < LANES; l++) m = lanes[l] > m ? lanes[l] : m;
+        float scale = m / 127.0f, inv = m > 0.0f ? 127.0f / m : 0.0f;
+        vint sum = splat_i(0);
+        int8_t q[QBLOCK];
+        for (int i = 0; i < QBLOCK; i += LANES) {
+            vint qi = __builtin_convertvector((load_f32(xs + i) * inv + 12582912.0f) - 12582912.0f, vint);
+            sum += qi;
+            vbyte qb = __builtin_convertvector(qi, vbyte);
+            memcpy(q + i, &qb, LANES);
+        }
+        int total = 0;
+        for (int l = 0; l < LANES; l++) total += sum[l];
         for (int j = 0; j < QBLOCK / 4; j++) {
-            int8_t q4[4];
-            for (int i = 0; i < 4; i++) {
-                q4[i] = (int8_t)nearbyintf(xs[4 * j + i] * inv);
-                sum += q4[i];
-            }
-            uint8_t *dst = xb + (size_t)(b * QBLOCK / 4 + j) * VBYTES;
-            for (int l = 0; l < LANES; l++) memcpy(dst + 4 * l, q4, 4);
+            int32_t group;
+            memcpy(&group, q + 4 * j, 4);
+            vint rep = splat_i(group);
+            memcpy(xb + (size_t)(b * QBLOCK / 4 + j) * VBYTES, &rep, VBYTES);
         }
         d[b] = scale;
-        ds[b] = scale * (float)sum;
+        ds[b] = scale * (float)total;
     }
 }
 

@@ -58,4 +58,44 @@ static inline vfloat load_f16(const uint16_t *p) {
 #endif
 }
 
+/* Lane helpers and exp, shared by the attention kernel and the decoder step. */
+typedef int vint __attribute__((vector_size(LANES * 4)));
+
+static inline vfloat splat(float x) { return (vfloat){0} + x; }
+static inline vint splat_i(int x) { return (vint){0} + x; }
+
+/* Lane-wise mask ? a : b (GCC's C front end has no vector ternary). */
+static inline vfloat select_lanes(vint mask, vfloat a, vfloat b) {
+    vint ia, ib;
+    memcpy(&ia, &a, sizeof a);
+    memcpy(&ib, &b, sizeof b);
+    vint r = (mask & ia) | (~mask & ib);
+    vfloat out;
+    memcpy(&out, &r, sizeof out);
+    return out;
+}
+
+/* exp(x) for x <= 0 (attention's scores minus their max, SiLU's -|x|): Cody-Waite range
+ * reduction and a degree-6 polynomial, relative error ~2e-7; inputs below -87 flush to 0. */
+static inline vfloat vexp(vfloat x) {
+    const vfloat lo = splat(-87.0f);
+    vint under = x < lo;
+    x = select_lanes(x < lo, lo, x);
+    vfloat n = x * 1.44269504088896341f;
+    /* round to nearest: add and subtract 1.5 * 2^23 */
+    n = (n + 12582912.0f) - 12582912.0f;
+    vfloat r = x - n * 0.693359375f + n * 2.12194440e-4f;
+    vfloat p = splat(1.3981999507e-3f);
+    p = p * r + 8.3334519073e-3f;
+    p = p * r + 4.1665795894e-2f;
+    p = p * r + 1.6666665459e-1f;
+    p = p * r + 5.0000001201e-1f;
+    p = p * r * r + r + 1.0f;
+    vint bits = (__builtin_convertvector(n, vint) + 127) << 23;
+    vfloat scale;
+    memcpy(&scale, &bits, sizeof scale);
+    vfloat y = p * scale;
+    return select_lanes(under, splat(0.0f), y);
+}
+
 #endif
