@@ -175,12 +175,16 @@ def main() -> None:
     ap.add_argument("--prefill", type=int, nargs="*", default=[], help="prompt lengths to time one prefill forward of")
     ap.add_argument("--quantization", choices=["auto", "exact", "none"], default="auto",
                     help="engine.quantization: how the GGUF's quantized weights run")
+    ap.add_argument("--kv-cache-dtype", choices=["auto", "float32", "bfloat16"], default="auto",
+                    help="engine.kv_cache_dtype: our KV cache's element type")
     ap.add_argument("--skip-hf", action="store_true", help="ours only")
     args = ap.parse_args()
     torch.set_num_threads(args.threads)
     engine = Engine(EngineConfig(model=args.model, num_kv_blocks=1024, max_num_seqs=max(args.batches),
-                                 max_num_batched_tokens=max(args.prefill + [2048]), quantization=args.quantization))
+                                 max_num_batched_tokens=max(args.prefill + [2048]), quantization=args.quantization,
+                                 kv_cache_dtype=args.kv_cache_dtype))
     result = {"threads": args.threads, "isa": cpu_kernels.selected_isa(), "quantization": args.quantization,
+              "kv_cache_dtype": engine.config.cache_dtype,
               "torch_cpu_capability": torch.backends.cpu.get_cpu_capability(),
               "prompt_len": PROMPT_LEN, "new_tokens": NEW_TOKENS, "ours": {}, "transformers": {}}
     hf = None

@@ -160,8 +160,8 @@ def _short_group(ids, starts, query_lens, context_lens, block_tables, block_size
 
 def write_kv(layer_cache: torch.Tensor, meta: AttentionMetadata, k: torch.Tensor, v: torch.Tensor) -> None:
     """layer_cache: [num_blocks, 2, block_size, kv_heads, D]; k, v: [T, kv_heads, D]."""
-    layer_cache[meta.slot_blocks, 0, meta.slot_offsets] = k
-    layer_cache[meta.slot_blocks, 1, meta.slot_offsets] = v
+    layer_cache[meta.slot_blocks, 0, meta.slot_offsets] = k.to(layer_cache.dtype)
+    layer_cache[meta.slot_blocks, 1, meta.slot_offsets] = v.to(layer_cache.dtype)
 
 
 def paged_attention(q: torch.Tensor, layer_cache: torch.Tensor, meta: AttentionMetadata, scale: float) -> torch.Tensor:
@@ -189,9 +189,9 @@ def native_paged_attention(q: torch.Tensor, layer_cache: torch.Tensor, meta: Att
     return out
 
 
-def _gather_kv(layer_cache: torch.Tensor, tables: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-    """[..., blocks] tables -> keys, values [..., kv_heads, blocks*block_size, D]."""
-    kv = layer_cache[tables]  # [..., blocks, 2, bs, kv_heads, D]
+def _gather_kv(layer_cache: torch.Tensor, tables: torch.Tensor, dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
+    """[..., blocks] tables -> keys, values [..., kv_heads, blocks*block_size, D] as dtype (the queries')."""
+    kv = layer_cache[tables].to(dtype)  # [..., blocks, 2, bs, kv_heads, D]
     *lead, blocks, _, bs, kv_heads, d = kv.shape
     kv = kv.movedim(-4, 0).reshape(2, *lead, blocks * bs, kv_heads, d).transpose(-3, -2)
     return kv[0], kv[1]
@@ -200,7 +200,7 @@ def _gather_kv(layer_cache: torch.Tensor, tables: torch.Tensor) -> tuple[torch.T
 def _short_attention(q, layer_cache, group: ShortGroup, scale, out) -> None:
     heads, d = q.shape[1:]
     b, ql = group.batch, group.query_len
-    keys, values = _gather_kv(layer_cache, group.block_tables)  # [B, kvh, S, D]
+    keys, values = _gather_kv(layer_cache, group.block_tables, q.dtype)  # [B, kvh, S, D]
     kv_heads = keys.shape[1]
     rep = heads // kv_heads
     qb = q if group.rows is None else q.index_select(0, group.rows)
@@ -218,7 +218,7 @@ def _short_attention(q, layer_cache, group: ShortGroup, scale, out) -> None:
 
 
 def _long_attention(q, layer_cache, lq: LongQuery, scale, out) -> None:
-    keys, values = _gather_kv(layer_cache, lq.block_table)  # [kvh, S_pad, D]
+    keys, values = _gather_kv(layer_cache, lq.block_table, q.dtype)  # [kvh, S_pad, D]
     context = lq.mask.shape[1] if lq.mask is not None else lq.end - lq.start
     keys, values = keys[:, :context], values[:, :context]
     qs = q[lq.start : lq.end].transpose(0, 1).unsqueeze(0)  # [1, heads, Lq, D]

@@ -147,6 +147,9 @@ class EngineConfig(BaseModel):
         "auto", description="on CPU, how a GGUF's Q8_0/Q4_0/Q4_1 weights run. auto: as stored, multiplied with "
         "activations quantized to int8 per 32-block (llama.cpp's arithmetic; fastest); exact: as stored, widened "
         "to their exact fp32 values (bit-identical to none); none: dequantized to dtype at load")
+    kv_cache_dtype: Literal["auto", "float32", "bfloat16"] = Field(
+        "auto", description="KV cache element type (vLLM's name). auto: dtype; bfloat16 halves the cache's memory, "
+        "attention's reads and every KV transfer's bytes (prefill and decode workers must agree)")
     block_size: int = Field(16, ge=1, le=256, description="tokens per KV block")
     num_kv_blocks: int = Field(2048, ge=2, description="KV blocks in the pool (target and draft share block ids)")
     max_num_seqs: int = Field(16, ge=1, description="sequences in one running batch")
@@ -159,3 +162,8 @@ class EngineConfig(BaseModel):
         None, ge=1, description="CPU threads for this engine; default: all cores. Processes sharing cores "
         "should split them: spinning OpenMP threads of two processes on one core stall each other"
     )
+
+    @property
+    def cache_dtype(self) -> str:
+        """The KV cache's torch dtype name: kv_cache_dtype, or dtype when that is auto."""
+        return self.dtype if self.kv_cache_dtype == "auto" else self.kv_cache_dtype

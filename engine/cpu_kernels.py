@@ -110,7 +110,8 @@ class CpuKernels:
             gemm.argtypes = [ctypes.c_int] + [ctypes.c_void_p] * 4 + [ctypes.c_int] * 4
         lib.pd_paged_attention.restype = ctypes.c_int
         lib.pd_paged_attention.argtypes = (
-            [ctypes.c_void_p] * 2 + [ctypes.c_long] * 3 + [ctypes.c_void_p, ctypes.c_int] + [ctypes.c_void_p] * 2
+            [ctypes.c_void_p] * 2 + [ctypes.c_int] + [ctypes.c_long] * 3 + [ctypes.c_void_p, ctypes.c_int]
+            + [ctypes.c_void_p] * 2
             + [ctypes.c_int] * 5 + [ctypes.c_float] + [ctypes.c_void_p] * 2 + [ctypes.c_int]
         )
         lib.pd_decoder_layers.restype = ctypes.c_int
@@ -189,16 +190,18 @@ class CpuKernels:
                         out: torch.Tensor, span_masks: torch.Tensor | None = None) -> None:
         """Fill out[T, heads*D] for every sequence of the batch.
 
-        q: [T, heads, D] fp32; layer_cache: [blocks, 2, block_size, kv_heads, D] (any block/kv/offset
-        strides, heads and D contiguous); block_tables int64 [B, max_blocks]; query_start_loc and
+        q: [T, heads, D] fp32; layer_cache: [blocks, 2, block_size, kv_heads, D] fp32 or bf16 (any
+        block/kv/offset strides, heads and D contiguous); block_tables int64 [B, max_blocks]; query_start_loc and
         context_lens int32; span_masks: int32 [T] tree masks (see engine/attention.py) or None."""
         q = q.contiguous()
         _, heads, dim = q.shape
         s_block, s_kv, s_offset, s_head, s_dim = layer_cache.stride()
         if s_dim != 1 or s_head != dim:
             raise ValueError("paged_attention: the cache's kv-head and head-dim axes must be contiguous")
+        if layer_cache.dtype not in (torch.float32, torch.bfloat16):
+            raise ValueError(f"paged_attention: a {layer_cache.dtype} cache; the kernel reads float32 or bfloat16")
         rc = self._lib.pd_paged_attention(
-            q.data_ptr(), layer_cache.data_ptr(), s_block, s_kv, s_offset,
+            q.data_ptr(), layer_cache.data_ptr(), layer_cache.dtype == torch.bfloat16, s_block, s_kv, s_offset,
             block_tables.data_ptr(), block_tables.shape[1], query_start_loc.data_ptr(), context_lens.data_ptr(),
             context_lens.shape[0], heads, layer_cache.shape[3], dim, layer_cache.shape[2], scale,
             out.data_ptr(), span_masks.data_ptr() if span_masks is not None else None, torch.get_num_threads(),

@@ -34,7 +34,7 @@ class _Layer(ctypes.Structure):
 class _Model(ctypes.Structure):
     _fields_ = [(name, ctypes.c_int) for name in ("hidden", "heads", "kv_heads", "head_dim", "intermediate",
                                                   "block_size")] + [
-        ("eps", ctypes.c_float), ("scale", ctypes.c_float), ("cache", ctypes.c_void_p),
+        ("eps", ctypes.c_float), ("scale", ctypes.c_float), ("cache", ctypes.c_void_p), ("cache_bf16", ctypes.c_int),
         ("s_block", ctypes.c_long), ("s_layer", ctypes.c_long), ("s_kv", ctypes.c_long), ("s_offset", ctypes.c_long)]
 
 
@@ -92,6 +92,7 @@ class NativeDecoder:
         s_block, s_layer, s_kv, s_offset = kv_cache.stride()[:4]
         model = _Model(c.hidden_size, c.num_heads, c.num_kv_heads, c.head_dim, c.intermediate_size,
                        kv_cache.shape[3], c.rms_norm_eps, c.head_dim**-0.5, kv_cache.data_ptr(),
+                       kv_cache.dtype == torch.bfloat16,
                        s_block, s_layer, s_kv, s_offset)
         rotary = self.model.rotary
         positions = batch.positions.contiguous()

@@ -52,7 +52,7 @@ class ModelRunner:
         self.layout = KVLayout(
             # Quantized weights compute other KV than the float ones they came from: not interchangeable.
             model=model_fingerprint(self.model_dir) + (f"+{blocks}" if quantized else ""),
-            dtype=config.dtype,
+            dtype=config.cache_dtype,
             block_size=config.block_size,
             target=CacheShape(mc.num_layers, mc.num_kv_heads, mc.head_dim),
             draft=CacheShape(1, self.draft.config.layer.num_kv_heads, self.draft.config.layer.head_dim)

@@ -94,8 +94,8 @@ def _paged_attention_kernel(
         block = tl.load(table + k_pos // BLOCK_SIZE, mask=k_valid, other=0)
         base = block * stride_cb + (k_pos % BLOCK_SIZE) * stride_co + kv_head * stride_ch
         kv_ptrs = cache + base[:, None] + dims[None, :] * stride_cd
-        k = tl.load(kv_ptrs, mask=k_valid[:, None], other=0.0)
-        v = tl.load(kv_ptrs + stride_ckv, mask=k_valid[:, None], other=0.0)
+        k = tl.load(kv_ptrs, mask=k_valid[:, None], other=0.0).to(q_tile.dtype)  # the cache may be narrower
+        v = tl.load(kv_ptrs + stride_ckv, mask=k_valid[:, None], other=0.0).to(q_tile.dtype)
 
         if IEEE:
             s = tl.dot(q_tile, tl.trans(k), input_precision="ieee")
@@ -137,7 +137,6 @@ def triton_paged_attention(
     t, heads, d = q.shape
     _, two, block_size, kv_heads, cache_d = layer_cache.shape
     assert two == 2 and cache_d == d, f"layer_cache {tuple(layer_cache.shape)} does not match q {tuple(q.shape)}"
-    assert q.dtype == layer_cache.dtype, f"q is {q.dtype} but the cache is {layer_cache.dtype}"
     assert d in (16, 32, 64, 128), f"head_dim must be a power of two in [16, 128] (tl.dot needs >= 16), got {d}"
     assert block_size & (block_size - 1) == 0, f"block_size must be a power of two, got {block_size}"
     assert heads % kv_heads == 0, f"{heads} query heads do not divide into {kv_heads} kv heads"

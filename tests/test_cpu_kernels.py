@@ -66,11 +66,13 @@ def _explicit_attention(q, layer_cache, meta, scale, visible):
 
 @pytest.mark.parametrize("isa", ISAS)
 @pytest.mark.parametrize("heads, kv_heads, dim, block_size", [(9, 3, 64, 16), (4, 4, 32, 8), (8, 2, 128, 16)])
-def test_native_attention_matches_torch_path(isa, heads, kv_heads, dim, block_size):
+@pytest.mark.parametrize("cache_dtype", [torch.float32, torch.bfloat16])
+def test_native_attention_matches_torch_path(isa, heads, kv_heads, dim, block_size, cache_dtype):
     # decodes, verification spans crossing blocks, a 16-token span, and two long prefill chunks
     query_lens = [1, 6, 1, 16, 5, 40, 20]
     context_lens = [1, 37, 300, 50, 18, 40, 61]
     q, layer_cache, meta = _case(query_lens, context_lens, heads, kv_heads, dim, block_size, seed=dim)
+    layer_cache = layer_cache.to(cache_dtype)  # engine.kv_cache_dtype: both paths widen it to fp32
     ours = native_paged_attention(q, layer_cache, meta, dim**-0.5, isa)
     ref = paged_attention(q, layer_cache, meta, dim**-0.5)
     assert (ours - ref).abs().max() < 1e-4

@@ -310,14 +310,18 @@ def test_wrong_token_is_unauthenticated(backend, source, dest):
 
 
 @pytest.mark.parametrize("backend", BACKENDS)
-def test_layout_mismatch_names_the_field_and_moves_nothing(backend, source, dest):
-    other = dataclasses.replace(LAYOUT, block_size=8)
-    honest = source.pin(f"layout-{backend}")  # caught here, from the handle
-    forged = source.pin(f"forged-layout-{backend}")  # the handle claims our layout: the source must catch it
+@pytest.mark.parametrize("field, value", [("block_size", 8), ("dtype", "float32")])
+def test_layout_mismatch_names_the_field_and_moves_nothing(backend, source, dest, field, value):
+    """A KV cache dtype (engine.kv_cache_dtype) or block size differing between the sides: refused,
+    naming the field and both values."""
+    other = dataclasses.replace(LAYOUT, **{field: value})
+    honest = source.pin(f"layout-{backend}-{field}")  # caught here, from the handle
+    forged = source.pin(f"forged-layout-{backend}-{field}")  # the handle claims our layout: the source must catch it
     forged.layout.CopyFrom(layout_to_proto(other))
     for handle in (honest, forged):
         error = dest.pull_error(backend, handle, layout=other)
-        assert "'block_size'" in str(error) and not error.retryable
+        assert f"'{field}'" in str(error) and str(value) in str(error) and str(getattr(LAYOUT, field)) in str(error)
+        assert not error.retryable
         source.wait_released(handle.request_id)
     assert_local(dest, {}, layout=other)
 

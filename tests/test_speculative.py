@@ -153,6 +153,22 @@ def test_tree_drafts_are_lossless_and_return_every_block(prompts, plain_outputs)
     assert tight.blocks.num_used_blocks == 0
 
 
+def test_a_bfloat16_kv_cache_keeps_speculation_lossless(prompts):
+    """engine.kv_cache_dtype bfloat16: target and draft caches are bf16 (the C kernels widen them
+    as they read, the KV writes round to nearest even), and tree speculation with leaf KV moves
+    reproduces plain decoding over the same bf16 cache token for token."""
+    def engine(**spec) -> Engine:
+        return Engine(EngineConfig(num_kv_blocks=256, max_num_seqs=4, kv_cache_dtype="bfloat16", speculative=spec))
+
+    plain, tree = engine(), engine(method="eagle3", num_speculative_tokens=6, draft_top_k=4)
+    assert plain.runner.kv_cache.dtype == tree.runner.draft_cache.dtype == torch.bfloat16
+    assert plain.runner.layout.dtype == "bfloat16"
+    params = [SamplingParams(max_tokens=32)] * 4
+    expected = _run(plain, prompts[:4], params)
+    assert _run(tree, prompts[:4], params) == expected
+    assert tree.counters["accepted_tokens"] > 0 and tree.blocks.num_used_blocks == 0
+
+
 @pytest.mark.parametrize("spec, message", [({"method": "ngram", "draft_top_k": 2}, "draft_top_k > 1 needs method 'eagle3'"),
                                            ({"method": "eagle3", "draft_top_k": 9}, "draft_top_k")])
 def test_bad_draft_top_k_names_the_field(spec, message):

@@ -17,7 +17,7 @@ import pytest
 
 ROOT = Path(__file__).resolve().parent.parent
 
-# (name, heads, kv_heads, head_dim, block_size, dtype, batch)
+# (name, heads, kv_heads, head_dim, block_size, dtype[:cache dtype], batch)
 # batch: (query_len, context_len) per sequence. "mixed": a 20-token chunk after a 20-token cached
 # prefix, a fresh 17-token prefill, three decodes (one at context 1), and a 6-token verification
 # span at positions 13..18 that crosses a block boundary for block sizes 8 and 16.
@@ -33,6 +33,7 @@ CASES = [
     ("mha-d32-bs8-fp32-decode", 4, 4, 32, 8, "float32", DECODE),
     ("gqa-d32-bs8-fp16", 6, 2, 32, 8, "float16", MIXED),
     ("gqa-d64-bs16-fp16", 6, 2, 64, 16, "float16", MIXED),
+    ("trees-gqa-d64-bs16-fp32-bf16-cache", 6, 2, 64, 16, "float32:bfloat16", TREES),  # engine.kv_cache_dtype
 ]
 # fp16: outputs (|x| < 8, half an ulp <= 2e-3) and the probabilities fed to P @ V are rounded to fp16.
 TOLERANCE = {"float32": 1e-4, "float16": 5e-3}
@@ -59,7 +60,8 @@ def _run_case(heads: int, kv_heads: int, head_dim: int, block_size: int, dtype: 
 
     # The whole cache is random, so reading any slot past a context or outside a table shows up.
     num_layers, layer = 2, 1
-    cache = torch.randn(num_blocks, num_layers, 2, block_size, kv_heads, head_dim).to(getattr(torch, dtype))
+    dtype, _, cache_dtype = dtype.partition(":")
+    cache = torch.randn(num_blocks, num_layers, 2, block_size, kv_heads, head_dim).to(getattr(torch, cache_dtype or dtype))
     layer_cache = cache[:, layer]
     assert not layer_cache.is_contiguous()
 
@@ -70,7 +72,7 @@ def _run_case(heads: int, kv_heads: int, head_dim: int, block_size: int, dtype: 
     masks = [m for n, _, *tree in batch for m in (tree_layout(tree[0])[1] if tree else [-1] * n)]
     meta = AttentionMetadata.build(query_lens, context_lens, tables, torch.tensor(slots), block_size,
                                    torch.device("cpu"), masks if any(len(b) == 3 for b in batch) else None)
-    q = torch.randn(sum(query_lens), heads, head_dim).to(cache.dtype)
+    q = torch.randn(sum(query_lens), heads, head_dim).to(getattr(torch, dtype))
     scale = head_dim ** -0.5
 
     # Reference in fp32 on the same (possibly fp16-rounded) inputs.
@@ -103,7 +105,7 @@ def results() -> dict:
 
 @pytest.mark.parametrize("case", CASES, ids=[c[0] for c in CASES])
 def test_matches_torch_reference(results: dict, case) -> None:
-    name, dtype = case[0], case[5]
+    name, dtype = case[0], case[5].partition(":")[0]
     result = results[name]
     assert "error" not in result, result.get("error")
     assert result["max_err"] < TOLERANCE[dtype], f"{name}: max abs error {result['max_err']:.2e}"

@@ -38,7 +38,8 @@ typedef struct {
 typedef struct {
     int hidden, heads, kv_heads, head_dim, intermediate, block_size;
     float eps, scale;
-    float *cache;                      /* layer 0 of [blocks, layers, 2, block_size, kv_heads, D] */
+    void *cache;                       /* layer 0 of [blocks, layers, 2, block_size, kv_heads, D] */
+    int cache_bf16;                    /* the cache's elements: bf16, else fp32 */
     long s_block, s_layer, s_kv, s_offset;
 } pd_model;
 
@@ -101,7 +102,17 @@ static void rope(float *r, int heads, int D, const float *cos, const float *sin)
     }
 }
 
-static int attention_block(const pd_model *m, const pd_layer *L, float *cache, const pd_batch *b,
+/* n floats into the cache at element `at`, as its element type. */
+static void cache_write(const pd_model *m, char *cache, long at, const float *x, int n) {
+    if (!m->cache_bf16) {
+        memcpy(cache + at * 4, x, sizeof(float) * n);
+        return;
+    }
+    uint16_t *dst = (uint16_t *)cache + at;
+    for (int i = 0; i < n; i++) dst[i] = to_bf16(x[i]);
+}
+
+static int attention_block(const pd_model *m, const pd_layer *L, char *cache, const pd_batch *b,
                             float *x, float *h, float *qkv, float *att, float *tmp, int threads) {
     int T = b->tokens, H = m->hidden, D = m->head_dim;
     int q_size = m->heads * D, kv_size = m->kv_heads * D, width = q_size + 2 * kv_size;
@@ -112,14 +123,14 @@ static int attention_block(const pd_model *m, const pd_layer *L, float *cache, c
         const float *c = b->cos + (size_t)b->positions[t] * D, *s = b->sin + (size_t)b->positions[t] * D;
         rope(r, m->heads, D, c, s);
         rope(r + q_size, m->kv_heads, D, c, s);
-        float *slot = cache + b->slot_blocks[t] * m->s_block + b->slot_offsets[t] * m->s_offset;
-        memcpy(slot, r + q_size, sizeof(float) * kv_size);
-        memcpy(slot + m->s_kv, r + q_size + kv_size, sizeof(float) * kv_size);
+        long slot = b->slot_blocks[t] * m->s_block + b->slot_offsets[t] * m->s_offset;
+        cache_write(m, cache, slot, r + q_size, kv_size);
+        cache_write(m, cache, slot + m->s_kv, r + q_size + kv_size, kv_size);
     }
     for (int t = 0; t < T; t++)  /* q rows packed [T][heads * D] for the attention kernel */
         memmove(h + (size_t)t * q_size, qkv + (size_t)t * width, sizeof(float) * q_size);
     double start = clock_start(b);
-    int rc = pd_paged_attention(h, cache, m->s_block, m->s_kv, m->s_offset, b->block_tables, b->max_blocks,
+    int rc = pd_paged_attention(h, cache, m->cache_bf16, m->s_block, m->s_kv, m->s_offset, b->block_tables, b->max_blocks,
                                 b->query_start_loc, b->context_lens, b->num_seqs, m->heads, m->kv_heads, D,
                                 m->block_size, m->scale, att, b->span_masks, threads);
     clock_add(b, TIME_ATTENTION, start);
@@ -179,7 +190,7 @@ int pd_decoder_layers(const pd_model *m, const pd_layer *layers, int num_layers,
             if (aux_layers[j] == l)
                 for (int t = 0; t < T; t++)
                     memcpy(aux + ((size_t)t * num_aux + j) * H, x + (size_t)t * H, sizeof(float) * H);
-        float *cache = m->cache + (size_t)l * m->s_layer;
+        char *cache = (char *)m->cache + (size_t)l * m->s_layer * (m->cache_bf16 ? 2 : 4);
         if (attention_block(m, &layers[l], cache, b, x, h, qkv, att, tmp, threads) ||
             mlp_block(m, &layers[l], b, x, h, qkv, tmp, threads))
             return -1;

@@ -21,7 +21,7 @@ int pd_quant_gemm(int qtype, const float *x, const unsigned char *packed, const 
                   int K, int N, int num_threads);
 int pd_quant_gemm_i8(int qtype, const float *x, const unsigned char *packed, const float *bias, float *y, int M,
                      int K, int N, int num_threads);
-int pd_paged_attention(const float *q, const float *cache, long s_block, long s_kv, long s_offset,
+int pd_paged_attention(const float *q, const void *cache, int kv_bf16, long s_block, long s_kv, long s_offset,
                        const long *block_tables, int max_blocks, const int *query_start_loc,
                        const int *context_lens, int num_seqs, int heads, int kv_heads, int dim,
                        int block_size, float scale, float *out, const int *span_masks, int num_threads);

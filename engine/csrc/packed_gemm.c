@@ -21,19 +21,6 @@
 
 #include "kernels.h"
 
-typedef uint16_t vhalf __attribute__((vector_size(LANES * 2)));
-typedef uint32_t vword __attribute__((vector_size(LANES * 4)));
-
-
-/* bf16 -> fp32 is a 16-bit left shift of the bit pattern. */
-static inline vfloat load_bf16(const uint16_t *p) {
-    vhalf h;
-    memcpy(&h, p, sizeof h);
-    vword w = __builtin_convertvector(h, vword) << 16;
-    vfloat f;
-    memcpy(&f, &w, sizeof f);
-    return f;
-}
 
 /* A tile's pieces, shared by the fp32/bf16 tiles and the exact quantized ones: MM rows x PACK
  * columns of accumulators started from the bias, one k step (PACK weights at `row`, read with

@@ -8,6 +8,7 @@
  *
  * Cache addressing (one layer of the block-major cache, any strides):
  *   key(block, offset, kv_head)   = cache + block*s_block + offset*s_offset + kv_head*D
+ * in elements of the cache's type: fp32, or bf16 (kv_bf16; widened to fp32 as it is read).
  *   value(block, offset, kv_head) = the same + s_kv
  * Query token i of sequence b sits at position ctx_b - qlen_b + i and sees keys 0..position; with
  * span_masks (a tree-shaped verification span), of the sequence's own query tokens only those
@@ -96,20 +97,35 @@ static inline vfloat sum_lanes(vfloat *d) {
  * loops over it unroll and the accumulators stay in registers. */
 static inline __attribute__((always_inline)) void attend_tile(
     const float *const *qrows, const int *pos, const int *tree, int span0, const int *span_map, int nrows,
-    const float *cache, long s_block, long s_kv, long s_offset, const long *table, int block_size, int kv_head,
-    const int dim, float scale, int k0, int k1, float *part) {
+    const char *cache, long s_block, long s_kv, long s_offset, const long *table, int block_size, int kv_head,
+    const int dim, int kv_bf16, float scale, int k0, int k1, float *part) {
+    /* A bf16 cache's keys and values of the partition are widened once into fp32 here, for all
+     * rows of the tile (widening at every read would cost each row two more instructions per FMA). */
+    static __thread float widened[2 * PART_KEYS * MAX_DIM];
+    const long esize = kv_bf16 ? 2 : 4;
+    long value_offset = s_kv * esize;  /* bytes from a key to its value */
+#define KV(p, c) load_f32((const float *)(p) + LANES * (c))
     const int chunks = dim / LANES, steps = (k1 - k0 + KEYS - 1) / KEYS;
     vfloat scores[MAX_ROWS][PART_KEYS / KEYS];
     const vint lane = {LANE_LIST(LANE_INDEX, 0)};
-    const float *keys[PART_KEYS];
+    const char *keys[PART_KEYS];
     for (int o = 0; o < steps * KEYS; o++) {
         int p = k0 + o < k1 ? k0 + o : k0;  /* past k1: valid memory, masked out below */
         if (span_map && p >= span0) p = span0 + span_map[p - span0];
-        keys[o] = cache + table[p / block_size] * s_block + (long)(p % block_size) * s_offset + (long)kv_head * dim;
+        keys[o] = cache + (table[p / block_size] * s_block + (long)(p % block_size) * s_offset + (long)kv_head * dim) * esize;
+        if (kv_bf16) {
+            float *k = widened + (size_t)o * dim, *v = k + PART_KEYS * dim;
+            for (int c = 0; c < dim / LANES; c++) {
+                store_f32(k + LANES * c, load_bf16((const uint16_t *)keys[o] + LANES * c));
+                store_f32(v + LANES * c, load_bf16((const uint16_t *)(keys[o] + s_kv * esize) + LANES * c));
+            }
+            keys[o] = (const char *)k;
+        }
     }
+    if (kv_bf16) value_offset = (long)PART_KEYS * dim * sizeof(float);
 #define VISIBLE(r, st) (pos[r] + 1 - (k0 + (st) * KEYS) < KEYS ? pos[r] + 1 - (k0 + (st) * KEYS) : KEYS)
     for (int st = 0; st < steps; st++) {
-        const float *const *kv = keys + st * KEYS;
+        const char *const *kv = keys + st * KEYS;
         for (int r = 0; r < nrows; r++) {
             int visible = VISIBLE(r, st);
             if (visible <= 0) {
@@ -118,10 +134,10 @@ static inline __attribute__((always_inline)) void attend_tile(
             }
             /* each chunk of the query loaded once, against that chunk of every key */
             vfloat d[KEYS], qc = load_f32(qrows[r]);
-            for (int o = 0; o < KEYS; o++) d[o] = qc * load_f32(kv[o]);
+            for (int o = 0; o < KEYS; o++) d[o] = qc * KV(kv[o], 0);
             for (int c = 1; c < chunks; c++) {
                 qc = load_f32(qrows[r] + LANES * c);
-                for (int o = 0; o < KEYS; o++) d[o] += qc * load_f32(kv[o] + LANES * c);
+                for (int o = 0; o < KEYS; o++) d[o] += qc * KV(kv[o], c);
             }
             vint valid = lane < visible;
             if (tree[r] != -1) {  /* keys in the span: only the row's ancestors (and itself) */
@@ -149,7 +165,7 @@ static inline __attribute__((always_inline)) void attend_tile(
         for (int c = 0; c < chunks; c++) store_f32(row + LANES * c, splat(0.0f));
     }
     for (int st = 0; st < steps; st++) {
-        const float *const *kv = keys + st * KEYS;
+        const char *const *kv = keys + st * KEYS;
         for (int r = 0; r < nrows; r++) {
             int visible = VISIBLE(r, st);
             float *row = part + (size_t)r * (dim + 2);
@@ -161,33 +177,36 @@ static inline __attribute__((always_inline)) void attend_tile(
             for (int c = 0; c < chunks; c++) { a0[c] = load_f32(row + LANES * c); a1[c] = splat(0.0f); }
             int stride = chunks >= 8 ? 1 : 2;
             for (int o = 0; o < visible; o += stride) {
-                for (int c = 0; c < chunks; c++) a0[c] += e[o] * load_f32(kv[o] + s_kv + LANES * c);
+                for (int c = 0; c < chunks; c++) a0[c] += e[o] * KV(kv[o] + value_offset, c);
                 if (stride == 2 && o + 1 < visible)
-                    for (int c = 0; c < chunks; c++) a1[c] += e[o + 1] * load_f32(kv[o + 1] + s_kv + LANES * c);
+                    for (int c = 0; c < chunks; c++) a1[c] += e[o + 1] * KV(kv[o + 1] + value_offset, c);
             }
             for (int c = 0; c < chunks; c++) store_f32(row + LANES * c, a0[c] + a1[c]);
         }
     }
 #undef VISIBLE
+#undef KV
 }
 
-static __attribute__((noinline)) void attend_tile_dim(const float *const *qrows, const int *pos, const int *tree, int span0, const int *span_map,
-                            int nrows, const float *cache, long s_block, long s_kv, long s_offset,
-                            const long *table, int block_size, int kv_head, int dim, float scale, int k0, int k1,
-                            float *part) {
-#define ATTEND(D) attend_tile(qrows, pos, tree, span0, span_map, nrows, cache, s_block, s_kv, s_offset, table, \
-                              block_size, kv_head, D, scale, k0, k1, part)
+static __attribute__((noinline)) void attend_tile_dim(
+    const float *const *qrows, const int *pos, const int *tree, int span0, const int *span_map, int nrows,
+    const char *cache, long s_block, long s_kv, long s_offset, const long *table, int block_size, int kv_head,
+    int dim, int kv_bf16, float scale, int k0, int k1, float *part) {
+#define ATTEND(D, B) attend_tile(qrows, pos, tree, span0, span_map, nrows, cache, s_block, s_kv, s_offset, table, \
+                                 block_size, kv_head, D, B, scale, k0, k1, part)
     switch (dim) {  /* the common head sizes get fully unrolled copies */
-        case 64: ATTEND(64); break;
-        case 128: ATTEND(128); break;
-        default: ATTEND(dim);
+        case 64: ATTEND(64, kv_bf16); break;
+        case 128: ATTEND(128, kv_bf16); break;
+        default: ATTEND(dim, kv_bf16);
     }
 #undef ATTEND
 }
 
 /* Shapes and pointers of one call. */
 typedef struct {
-    const float *q, *cache;
+    const float *q;
+    const char *cache;
+    int kv_bf16;
     long s_block, s_kv, s_offset;
     const long *block_tables;
     const int *query_start_loc, *context_lens, *span_masks;
@@ -238,7 +257,7 @@ static void attend_part(const attn_call *a, const tile *t, const tile_rows *r, i
     int k0 = p * PART_KEYS, k1 = k0 + PART_KEYS < t->keys ? k0 + PART_KEYS : t->keys;
     attend_tile_dim(r->q, r->pos, r->tree, r->pos0, t->mask ? r->span_map : 0, r->n, a->cache, a->s_block, a->s_kv,
                     a->s_offset, a->block_tables + (long)t->seq * a->max_blocks, a->block_size, t->kv_head, a->dim,
-                    a->scale, k0, k1, part);
+                    a->kv_bf16, a->scale, k0, k1, part);
 }
 
 /* state (same layout as a partition, empty: l = 0) += the next partition, as one softmax. */
@@ -305,17 +324,17 @@ static int make_tiles(const attn_call *a, int num_seqs, tile *tiles) {
 
 /* q: [T, heads, dim]; out: [T, heads*dim]; block_tables: [num_seqs, max_blocks]; span_masks:
  * [T] tree masks (bit j: the row sees the span's token j; -1 = all, the causal rule alone), or
- * NULL. Every sequence, prefill chunks as much as decode steps: a row computes the same bits
+ * NULL; cache: fp32, or bf16 with kv_bf16 (strides in elements). Every sequence, prefill chunks as much as decode steps: a row computes the same bits
  * however long its sequence's query is and whatever else is in the batch.
  * Returns 0, or -1 if a shape is outside the kernel's limits (the caller checks these first)
  * or memory runs out. */
-int pd_paged_attention(const float *q, const float *cache, long s_block, long s_kv, long s_offset,
+int pd_paged_attention(const float *q, const void *cache, int kv_bf16, long s_block, long s_kv, long s_offset,
                        const long *block_tables, int max_blocks, const int *query_start_loc,
                        const int *context_lens, int num_seqs, int heads, int kv_heads, int dim,
                        int block_size, float scale, float *out, const int *span_masks, int num_threads) {
     int group = heads / kv_heads;
     if (dim % 16 || dim > MAX_DIM || group > MAX_ROWS) return -1;
-    attn_call a = {q, cache, s_block, s_kv, s_offset, block_tables, query_start_loc, context_lens, span_masks,
+    attn_call a = {q, cache, kv_bf16, s_block, s_kv, s_offset, block_tables, query_start_loc, context_lens, span_masks,
                    max_blocks, heads, kv_heads, group, dim, block_size, scale, out};
     tile *tiles = malloc(sizeof(tile) * (size_t)kv_heads * (query_start_loc[num_seqs] + num_seqs));
     if (!tiles) return -1;

@@ -43,6 +43,26 @@ typedef float vfloat __attribute__((vector_size(LANES * 4)));
 static inline vfloat load_f32(const float *p) { vfloat v; memcpy(&v, p, sizeof v); return v; }
 static inline void store_f32(float *p, vfloat v) { memcpy(p, &v, sizeof v); }
 
+/* bf16 -> fp32 is a 16-bit left shift of the bit pattern. */
+typedef uint16_t vhalf __attribute__((vector_size(LANES * 2)));
+typedef uint32_t vword __attribute__((vector_size(LANES * 4)));
+static inline vfloat load_bf16(const uint16_t *p) {
+    vhalf h;
+    memcpy(&h, p, sizeof h);
+    vword w = __builtin_convertvector(h, vword) << 16;
+    vfloat f;
+    memcpy(&f, &w, sizeof f);
+    return f;
+}
+
+/* fp32 -> bf16, rounded to nearest even (torch's rounding; NaN stays NaN). */
+static inline uint16_t to_bf16(float x) {
+    uint32_t u;
+    memcpy(&u, &x, sizeof u);
+    if ((u & 0x7fffffffu) > 0x7f800000u) return (uint16_t)((u >> 16) | 0x40);
+    return (uint16_t)((u + 0x7fffu + ((u >> 16) & 1)) >> 16);
+}
+
 /* LANES fp16 values (GGUF block scales) as fp32: F16C on x86-64-v3 and up, else one by one. */
 static inline vfloat load_f16(const uint16_t *p) {
 #if defined(__AVX512F__)
