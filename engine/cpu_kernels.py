@@ -27,7 +27,7 @@ from pathlib import Path
 import torch
 
 from engine.home import pdspec_home
-from engine.quant import KERNEL_FORMAT, PANEL_BLOCK_BYTES, QBLOCK, QuantizedTensor, pack_panels
+from engine.quant import GROUP, KERNEL_FORMAT, PANEL_BLOCK_BYTES, QBLOCK, QuantizedTensor, pack_panels
 
 ISA_ENV = "PDSPEC_CPU_ISA"
 ISA_LEVELS = ("avx512", "avx2", "portable")  # best first
@@ -108,6 +108,12 @@ class CpuKernels:
         for gemm in (lib.pd_quant_gemm, lib.pd_quant_gemm_i8):
             gemm.restype = ctypes.c_int
             gemm.argtypes = [ctypes.c_int] + [ctypes.c_void_p] * 4 + [ctypes.c_int] * 4
+        lib.pd_norm_rows.restype = None
+        lib.pd_norm_rows.argtypes = [ctypes.c_void_p] * 2 + [ctypes.c_int] * 2 + [ctypes.c_void_p, ctypes.c_float,
+                                                                                ctypes.c_void_p]
+        lib.pd_panel_rows.restype = ctypes.c_int
+        lib.pd_panel_rows.argtypes = [ctypes.c_int] * 2 + [ctypes.c_void_p, ctypes.c_int, ctypes.c_long, ctypes.c_void_p,
+                                                            ctypes.c_int, ctypes.c_void_p]
         lib.pd_paged_attention.restype = ctypes.c_int
         lib.pd_paged_attention.argtypes = (
             [ctypes.c_void_p] * 2 + [ctypes.c_int] + [ctypes.c_long] * 3 + [ctypes.c_void_p, ctypes.c_int]
@@ -175,6 +181,26 @@ class CpuKernels:
         if rc != 0:
             raise MemoryError(f"quant_gemm: no memory for the {m}-row batch's buffers")
         return y
+
+    def panel_rows(self, panels: torch.Tensor, qtype: str, cols: int, ids: torch.Tensor,
+                   int8_dot: bool = False) -> torch.Tensor:
+        """fp32 rows `ids` of the [N, cols] matrix `pack_quantized` packed (an embedding lookup),
+        exactly its dequantized values."""
+        ids = ids.to(torch.long).contiguous()
+        out = torch.empty(len(ids), cols)
+        rows = panels.shape[0] * self.pack_width
+        if self._lib.pd_panel_rows(KERNEL_FORMAT[qtype], GROUP[int8_dot], panels.data_ptr(), cols, rows, ids.data_ptr(),
+                                   len(ids), out.data_ptr()):
+            raise IndexError(f"panel_rows: ids outside the {rows} packed rows")
+        return out
+
+    def norm_rows(self, x: torch.Tensor, rows: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
+        """rms_norm(x[rows]) * weight for x [T, hidden] fp32 contiguous, rows int64 (in range: the
+        batch's own logits indices)."""
+        out = torch.empty(len(rows), x.shape[1])
+        self._lib.pd_norm_rows(x.data_ptr(), rows.data_ptr(), len(rows), x.shape[1], weight.data_ptr(), eps,
+                               out.data_ptr())
+        return out
 
     def decoder_layers(self, model, layers, num_layers: int, batch, x: torch.Tensor, aux: torch.Tensor,
                        aux_ids, num_aux: int, scratch: torch.Tensor) -> None:

@@ -17,7 +17,7 @@ import torch.nn.functional as F
 
 from engine import cpu_kernels
 from engine.config import ModelConfig, ModelConfigError
-from engine.quant import QuantizedTensor, panel_rows
+from engine.quant import QuantizedTensor
 
 
 def uses_packed_gemm(device: torch.device, dtype: torch.dtype) -> bool:
@@ -77,7 +77,7 @@ class Linear:
         """Rows of W (an embedding lookup when the head is tied to the embeddings); fp32 for
         quantized weights."""
         if self.qtype is not None:
-            return panel_rows(self.weight, self.qtype, self.in_features, self.kernels.pack_width, ids, self.int8_dot)
+            return self.kernels.panel_rows(self.weight, self.qtype, self.in_features, ids, self.int8_dot)
         if self.packed:
             return cpu_kernels.unpack_rows(self.weight, ids)
         return self.weight[ids]

@@ -143,7 +143,10 @@ class CausalLM:
             x, aux = self._layers(x, batch, kv_cache, wanted)
         if batch.return_aux and len(self.layers) in self.aux_layer_ids:
             aux.append(x)  # "entering layer L" is the last layer's output (self-distillation reads it)
-        h = rms_norm(x.index_select(0, batch.logits_indices), self.norm, self.config.rms_norm_eps)
+        if self.native is not None:
+            h = self.native.final_norm(x, batch.logits_indices)
+        else:
+            h = rms_norm(x.index_select(0, batch.logits_indices), self.norm, self.config.rms_norm_eps)
         logits = self.tp.all_gather_last(self.lm_head(h).float())
         return ForwardOutput(logits, torch.cat(aux, dim=-1) if aux else None)
 

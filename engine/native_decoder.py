@@ -109,3 +109,7 @@ class NativeDecoder:
         self.kernels.decoder_layers(ctypes.byref(model), self._layers, len(self.model.layers), ctypes.byref(run),
                                     x, aux, ids, len(aux_ids), scratch)
         return aux
+
+    def final_norm(self, x: torch.Tensor, rows: torch.Tensor) -> torch.Tensor:
+        """The model's final RMSNorm of x's `rows` (the positions whose logits are wanted)."""
+        return self.kernels.norm_rows(x, rows, self.model.norm, self.config.rms_norm_eps)

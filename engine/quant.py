@@ -129,27 +129,3 @@ def pack_panels(w: QuantizedTensor, width: int) -> torch.Tensor:
     quants = quants.reshape(*quants.shape[:3], -1, g).transpose(2, 3)
     parts = [s.reshape(*s.shape[:2], -1) for s in scales] + [quants.reshape(*quants.shape[:2], -1)]
     return torch.cat(parts, dim=-1).reshape(blocks.shape[0], -1).contiguous()
-
-
-def panel_rows(panels: torch.Tensor, qtype: str, cols: int, width: int, ids: torch.Tensor,
-               int8_dot: bool = False) -> torch.Tensor:
-    """fp32 rows `ids` of the matrix packed by `pack_panels` (an embedding lookup)."""
-    nb, g = cols // QBLOCK, GROUP[int8_dot]
-    kernel = KERNEL_FORMAT[qtype]
-    blocks = panels[ids // width].reshape(len(ids), nb, -1)  # [n, blocks, panel block bytes]
-    lane = (ids % width).view(-1, 1, 1)
-
-    def column(start: int, count: int) -> torch.Tensor:  # bytes [n, blocks, count] of each id's column
-        part = blocks[..., start * width : (start + count) * width].reshape(len(ids), nb, count // g, width, g)
-        lanes = lane.view(-1, 1, 1, 1, 1).expand(-1, nb, count // g, 1, g)
-        return part.gather(3, lanes).reshape(len(ids), nb, count)
-
-    def half(start: int) -> torch.Tensor:
-        part = blocks[..., start * width : (start + 2) * width].contiguous().view(torch.float16).float()
-        return part.gather(2, lane.expand(-1, nb, 1))
-
-    if kernel == 8:
-        q = column(2, 32).contiguous().view(torch.int8).float()
-        return (q * half(0)).reshape(len(ids), cols)
-    q = _nibbles(column(4, 16)).float()
-    return (q * half(0) + half(2)).reshape(len(ids), cols)

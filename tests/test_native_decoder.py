@@ -77,8 +77,10 @@ def test_a_row_computes_the_same_bits_however_it_is_batched(engine):
                 blocks.allocate("y", other)
                 step.append(SeqChunk(other, 0, blocks.block_table("y"), 1))
             decoded = engine.runner.forward(step).logits[0]
-            table = blocks.block_table("x")
-            runs.append((out.logits[-1], decoded, engine.runner.kv_cache[table].clone()))
+            table, bs = blocks.block_table("x"), engine.runner.config.block_size
+            written = [(table[p // bs], p % bs) for p in range(len(prompt) + 1)]  # a block's other slots: stale
+            kv = torch.stack([engine.runner.kv_cache[b, :, :, o] for b, o in written])
+            runs.append((out.logits[-1], decoded, kv))
         finally:
             blocks.rollback("x")
             blocks.free("x")

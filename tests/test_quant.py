@@ -14,7 +14,7 @@ from engine.config import EngineConfig
 from engine.engine import Engine
 from engine.layers import Linear
 from engine.params import SamplingParams
-from engine.quant import QUANT_TYPES, QuantizedTensor, cat_rows, panel_rows
+from engine.quant import QUANT_TYPES, QuantizedTensor, cat_rows
 
 ISAS = cpu_kernels.supported_isas()
 
@@ -75,14 +75,17 @@ def test_int8_gemm_matches_its_reference_and_each_row_is_batch_invariant(isa, qt
         assert torch.equal(alone[0], y[row])
 
 
+@pytest.mark.parametrize("isa", ISAS)
 @pytest.mark.parametrize("int8_dot", [False, True])
 @pytest.mark.parametrize("qtype", QUANT_TYPES)
-def test_rows_read_back_from_panels(qtype, int8_dot):
-    kernels = cpu_kernels.kernels()
+def test_rows_read_back_from_panels(isa, qtype, int8_dot):
+    kernels = cpu_kernels.kernels(isa)
     w = _quantized(qtype, 70, 64, int8_dot=int8_dot)
+    panels = kernels.pack_quantized(w)
     ids = torch.tensor([0, 69, 5, 16, 5])
-    rows = panel_rows(kernels.pack_quantized(w), qtype, 64, kernels.pack_width, ids, int8_dot)
-    assert torch.equal(rows, w.dequantize()[ids])
+    assert torch.equal(kernels.panel_rows(panels, qtype, 64, ids, int8_dot), w.dequantize()[ids])
+    with pytest.raises(IndexError, match="outside"):
+        kernels.panel_rows(panels, qtype, 64, torch.tensor([3, panels.shape[0] * kernels.pack_width]), int8_dot)
 
 
 def test_slicing_and_stacking_keep_blocks():

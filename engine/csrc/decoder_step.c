@@ -172,6 +172,11 @@ static int mlp_block(const pd_model *m, const pd_layer *L, const pd_batch *b, fl
     return 0;
 }
 
+/* out[i] = rmsnorm(x[rows[i]]) * w, i < n: the final norm of the rows whose logits are wanted. */
+void pd_norm_rows(const float *x, const long *rows, int n, int hidden, const float *w, float eps, float *out) {
+    for (int i = 0; i < n; i++) rms_norm(x + (size_t)rows[i] * hidden, w, out + (size_t)i * hidden, 1, hidden, eps);
+}
+
 /* Layers [0, num_layers) over x [T][hidden], in place. aux: NULL, or [T][num_aux * hidden]
  * receiving x as it enters layer aux_layers[j] in column block j. scratch: T * (max(heads * D,
  * hidden) + max(qkv width, 2 * intermediate) + heads * D + hidden) floats. Returns 0, or -1

@@ -128,6 +128,43 @@ int pd_vector_lanes(void) { return LANES; }
  */
 
 
+static inline float f16_to_f32(const uint8_t *p) {
+    _Float16 h;
+    memcpy(&h, p, sizeof h);
+    return (float)h;
+}
+
+/* Rows `ids` of a quantized [N][cols] matrix packed in either layout (quant bytes in groups of
+ * `group`: 1 as above, 4 as quant_dot.c's), as the exact fp32 values above: the embedding lookup
+ * through a tied lm_head. out: [n][cols]. Returns 0, or -1 (nothing read) if an id is not in
+ * [0, rows). */
+int pd_panel_rows(int qtype, int group, const uint8_t *panels, int cols, long rows, const long *ids, int n,
+                  float *out) {
+    int nb = cols / QBLOCK, quants = qtype == 8 ? QBLOCK : QBLOCK / 2;
+    size_t block_bytes = qtype == 8 ? Q8_BYTES : Q4_BYTES;
+    for (int r = 0; r < n; r++)
+        if (ids[r] < 0 || ids[r] >= rows) return -1;
+    for (int r = 0; r < n; r++) {
+        int lane = (int)(ids[r] % PACK);
+        const uint8_t *panel = panels + (size_t)(ids[r] / PACK) * nb * block_bytes;
+        for (int b = 0; b < nb; b++) {
+            const uint8_t *blk = panel + b * block_bytes, *q = blk + (qtype == 8 ? 2 : 4) * PACK;
+            float d = f16_to_f32(blk + 2 * lane), m = qtype == 8 ? 0.0f : f16_to_f32(blk + 2 * (PACK + lane));
+            float *o = out + (size_t)r * cols + b * QBLOCK;
+            for (int j = 0; j < quants; j++) {
+                uint8_t byte = q[((size_t)(j / group) * PACK + lane) * group + j % group];
+                if (qtype == 8) {
+                    o[j] = (float)(int8_t)byte * d;
+                } else {
+                    o[j] = (float)(byte & 15) * d + m;
+                    o[j + QBLOCK / 2] = (float)(byte >> 4) * d + m;
+                }
+            }
+        }
+    }
+    return 0;
+}
+
 /* LANES bytes widened to fp32, signed (Q8) or as two nibbles (Q4). Intrinsics on x86: GCC's
  * generic vector conversions of sub-register vectors come out scalarized in the unrolled tiles. */
 #if defined(__AVX512F__) || defined(__AVX2__)

@@ -88,29 +88,30 @@ def make_verify_input(params: list[SamplingParams], generators: list[torch.Gener
 def verify(inp: VerifyInput) -> VerifyOutput:
     b = inp.num_drafts.shape[0]
     width = int(inp.num_drafts.max()) + 1 if b else 1
-    tokens = torch.full((b, width), -1, dtype=torch.long)
-    path = torch.full((b, max(width - 1, 1)), -1, dtype=torch.long)
-    num_accepted = torch.zeros(b, dtype=torch.long)
     argmax = inp.target_logits.argmax(dim=-1).tolist()
     drafts = inp.draft_ids.tolist()
     parents = inp.draft_parents.tolist() if inp.draft_parents is not None else None
+    tokens, paths, num_accepted = [], [], []  # lists, one tensor each at the end: few torch calls per step
     row = draft = 0
-    for s, n in enumerate(inp.num_drafts.tolist()):
+    for s, (n, greedy) in enumerate(zip(inp.num_drafts.tolist(), inp.greedy.tolist())):
         seq_drafts = drafts[draft : draft + n]
         seq_parents = parents[draft : draft + n] if parents else list(range(-1, n - 1))
-        if inp.greedy[s]:
+        if greedy:
             accepted = _greedy_path(seq_drafts, seq_parents, argmax[row:])
             last = argmax[row + 1 + accepted[-1]] if accepted else argmax[row]
         else:
             accepted, last = _stochastic(inp, row, seq_drafts, seq_parents)
         a = len(accepted)
-        tokens[s, :a] = torch.tensor([seq_drafts[i] for i in accepted], dtype=torch.long)
-        tokens[s, a] = last
-        path[s, :a] = torch.tensor(accepted, dtype=torch.long)
-        num_accepted[s] = a
+        tokens.append([seq_drafts[i] for i in accepted] + [last] + [-1] * (width - a - 1))
+        paths.append(accepted + [-1] * (max(width - 1, 1) - a))
+        num_accepted.append(a)
         row += n + 1
         draft += n
-    return VerifyOutput(tokens, num_accepted, path)
+    if not b:
+        return VerifyOutput(torch.full((0, width), -1, dtype=torch.long), torch.zeros(0, dtype=torch.long),
+                            torch.full((0, 1), -1, dtype=torch.long))
+    return VerifyOutput(torch.tensor(tokens, dtype=torch.long), torch.tensor(num_accepted, dtype=torch.long),
+                        torch.tensor(paths, dtype=torch.long))
 
 
 def _greedy_path(drafts: list[int], parents, argmax: list[int]) -> list[int]:
