@@ -74,6 +74,21 @@ class QuantizedTensor:
         return dequantize_blocks(self.qtype, self.data).to(dtype)
 
 
+def quantize_q8_0(w: torch.Tensor, int8_dot: bool = True) -> QuantizedTensor:
+    """A float [rows, cols] matrix (cols a multiple of 32) as Q8_0 blocks, bit-identical to
+    gguf's (and ggml's) quantizer: d = max|x| / 127, q = x / d rounded half away from zero."""
+    rows, cols = w.shape
+    if cols % QBLOCK:
+        raise ValueError(f"Q8_0 needs columns in blocks of {QBLOCK}; this matrix has {cols}")
+    blocks = w.detach().float().reshape(-1, QBLOCK)
+    d = blocks.abs().amax(dim=1, keepdim=True) / 127
+    v = blocks * torch.where(d == 0, torch.zeros_like(d), 1 / d)
+    a = v.abs()
+    q = v.sign() * (a.floor() + (2 * (a - a.floor())).floor())
+    data = torch.cat([d.half().view(torch.uint8), q.to(torch.int8).view(torch.uint8)], dim=1)
+    return QuantizedTensor("Q8_0", data.reshape(rows, -1).contiguous(), cols, int8_dot)
+
+
 def cat_rows(parts: list) -> "QuantizedTensor | torch.Tensor":
     """Stack matrices by rows (a fused projection): quantized parts of one type stay quantized;
     float parts, or quantized parts of different types, become fp32 (dequantized exactly)."""

@@ -135,7 +135,9 @@ class ModelRunner:
         if draft_config.aux_layer_ids is not None:
             self.model.aux_layer_ids = draft_config.aux_layer_ids
         weights = load_weights(draft_dir, self.dtype, self.device)
-        return Eagle3Draft(draft_config, weights, self.model.embed_tokens, self.max_model_len, self.config.block_size)
+        int8 = self.config.quantization == "auto" and self.device.type == "cpu" and self.dtype == torch.float32
+        return Eagle3Draft(draft_config, weights, self.model.embed_tokens, self.max_model_len, self.config.block_size,
+                           int8=int8)
 
 
 def start_tensor_parallel(config: EngineConfig, model: ModelConfig) -> tuple[TensorParallel, list]:

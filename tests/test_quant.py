@@ -14,7 +14,7 @@ from engine.config import EngineConfig
 from engine.engine import Engine
 from engine.layers import Linear
 from engine.params import SamplingParams
-from engine.quant import QUANT_TYPES, QuantizedTensor, cat_rows
+from engine.quant import QUANT_TYPES, QuantizedTensor, cat_rows, quantize_q8_0
 
 ISAS = cpu_kernels.supported_isas()
 
@@ -25,12 +25,13 @@ def _quantized(qtype: str, rows: int, cols: int, seed: int = 0, int8_dot: bool =
 
 
 def _int8_reference(x: torch.Tensor, w: QuantizedTensor, bias: torch.Tensor) -> torch.Tensor:
-    """llama.cpp's arithmetic in float64: x per 32-block to round-half-even(x * 127 / max|x|),
-    scaled back, times the dequantized weights."""
-    blocks = x.double().view(x.shape[0], -1, 32)
+    """llama.cpp's arithmetic: x per 32-block to round-half-even(x * (127 / max|x|)) in fp32 as the
+    kernel rounds it (in float64 a product can fall on the other side of a tie), scaled back,
+    times the dequantized weights in float64."""
+    blocks = x.float().view(x.shape[0], -1, 32)
     amax = blocks.abs().amax(-1, keepdim=True)
-    q = torch.round(blocks * torch.where(amax > 0, 127 / amax, 0))
-    return (q * amax / 127).view_as(x) @ w.dequantize().double().T + bias.double()
+    q = torch.round(blocks * torch.where(amax > 0, 127 / amax, 0)).double()
+    return (q * amax.double() / 127).view_as(x) @ w.dequantize().double().T + bias.double()
 
 
 @pytest.mark.parametrize("qtype", QUANT_TYPES)
@@ -156,3 +157,21 @@ def test_default_engine_quantizes_activations_and_agrees_with_the_exact_one(engi
         agree += sum(a == b for a, b in zip(ours, ref))
         total += len(ref)
     assert agree / total >= INT8_TOP1_AGREEMENT, f"int8 top-1 agrees with exact on {agree}/{total} positions"
+
+
+def test_q8_0_quantization_at_load_is_ggufs():
+    """Float weights quantized at load (the EAGLE3 draft of an int8 engine) get the very blocks
+    gguf's quantizer writes, zero blocks and ties included."""
+    torch.manual_seed(0)
+    w = torch.randn(70, 128) * 3
+    w[3, :32] = 0
+    w[5, :32] = torch.arange(32) - 15.5  # ties at q = k + 0.5 after scaling
+    assert np.array_equal(quantize_q8_0(w).data.numpy(), quantize(w.numpy(), GGMLQuantizationType.Q8_0))
+    with pytest.raises(ValueError, match="blocks of 32"):
+        quantize_q8_0(torch.zeros(4, 40))
+
+
+def test_the_draft_of_an_int8_engine_runs_q8_0():
+    draft = Engine(EngineConfig(num_kv_blocks=64, speculative={"method": "eagle3"})).runner.draft
+    for linear in (draft.fc, draft.midlayer.qkv, draft.midlayer.down, draft.lm_head):
+        assert linear.qtype == "Q8_0" and linear.int8_dot

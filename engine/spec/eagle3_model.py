@@ -25,6 +25,7 @@ from engine.config import ModelConfig, ModelConfigError
 from engine.layers import Linear, Rotary, rms_norm
 from engine.batch import ForwardBatch
 from engine.model import DecoderLayer, attention_for
+from engine.quant import quantize_q8_0
 
 EAGLE3_ARCHITECTURES = ("LlamaForCausalLMEagle3", "Eagle3LlamaForCausalLM")
 
@@ -67,12 +68,17 @@ class DraftOutput:
 
 class Eagle3Draft:
     def __init__(self, config: Eagle3Config, weights: dict[str, torch.Tensor], target_embed, max_positions: int,
-                 block_size: int, packed_dtype: torch.dtype | None = torch.bfloat16):
+                 block_size: int, packed_dtype: torch.dtype | None = torch.bfloat16, int8: bool = False):
         c = config.layer
         self.config = config
         w = {k.removeprefix("model."): v for k, v in weights.items()}
         # The draft's weights are read K times per step, and their precision cannot change the
-        # output (verification decides): by default bf16 panels halve their memory traffic on CPU.
+        # output (verification decides): by default bf16 panels halve their memory traffic on CPU;
+        # int8 (the quantized target's engines) makes its matrices Q8_0 blocks with int8
+        # activations, a quarter of fp32's bytes through the target's own kernels.
+        if int8:
+            w = {k: quantize_q8_0(v) if k.endswith("proj.weight") or k in ("fc.weight", "lm_head.weight") else v
+                 for k, v in w.items()}
         packed = packed_dtype
         self.fc = Linear(w["fc.weight"], packed_dtype=packed)
         self.input_norm = w["midlayer.input_layernorm.weight"]
