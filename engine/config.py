@@ -118,6 +118,10 @@ class SpeculativeConfig(BaseModel):
     disable_by_batch_size: int | None = Field(
         None, ge=1, description="no drafting while more than this many sequences run (a draft's cost per "
         "step stays while its gain per sequence shrinks as the batch grows); None = no limit")
+    adaptive: bool = Field(
+        True, description="draft only while it pays: per batch size, the measured time per emitted token with "
+        "and without drafting decides each step, the other way re-measured every 16 steps (output is the same "
+        "either way; false = always draft)")
 
     @model_validator(mode="after")
     def _check(self) -> "SpeculativeConfig":

@@ -17,6 +17,7 @@ Each step:
 
 import collections
 import itertools
+import time
 from collections.abc import Iterator, Sequence as Seq
 
 import torch
@@ -31,6 +32,7 @@ from engine.params import SamplingParams
 from engine.scheduler import ScheduledSeq, Scheduler
 from engine.sequence import Sequence
 from engine.spec.factory import make_proposer
+from engine.spec.governor import SpeculationGovernor
 from engine.spec.proposer import Proposal
 from engine.spec.rejection import make_verify_input, verify
 from engine.stats import EngineStats
@@ -55,6 +57,9 @@ class Engine:
         self.incoming: dict[str, Sequence] = {}  # blocks allocated, KV arriving from a prefill worker
         self._ids = itertools.count()
         self.counters: collections.Counter[str] = collections.Counter()  # monotonic totals, for metrics
+        spec = config.speculative
+        self.governor = SpeculationGovernor() if spec.method != "none" and spec.adaptive else None
+        self._drafting = True  # this step's choice (the governor's, when adaptive)
 
     def stats(self) -> EngineStats:
         counters = dict(self.counters)
@@ -93,6 +98,8 @@ class Engine:
         return self.scheduler.has_unfinished()
 
     def step(self) -> list[RequestOutput]:
+        batch, start = len(self.scheduler.running), time.perf_counter()
+        self._drafting = self.governor is None or self.governor.should_draft(batch)
         scheduled = self.scheduler.schedule(self._lookahead)
         if not scheduled:
             return []
@@ -125,6 +132,10 @@ class Engine:
                 self.counters["verify_steps"] += 1
             tokens = verdict.tokens[j, : a + 1].tolist()
             outputs.append(self._prefilled_handle(seq, tokens[0]) if seq.prefill_only else self._append(seq, tokens))
+        if self.governor is not None and len(scheduled) == batch and all(s.num_tokens == 1 for s in scheduled):
+            # a decode step of the whole running batch (a prefill chunk's cost would skew the figures)
+            self.governor.record(batch, self._drafting, time.perf_counter() - start,
+                                 len(sampling) + int(verdict.num_accepted.sum()))
         return outputs
 
     def _kept_rows(self, chunk: SeqChunk, num_drafts: int, path: list[int]) -> list[int]:
@@ -203,11 +214,12 @@ class Engine:
 
     def _lookahead(self, seq: Sequence) -> int:
         """Draft tokens to reserve for a decoding sequence: never more than it may still emit - 1,
-        none while the batch is larger than speculative.disable_by_batch_size, and none for a
+        none in a step the governor decided not to draft, none while the batch is larger than
+        speculative.disable_by_batch_size, and none for a
         prefill that is handed off after its first token (a chunked prefill whose last chunk is
         one token looks like a decoding sequence)."""
         limit = self.config.speculative.disable_by_batch_size
-        if seq.prefill_only or (limit is not None and len(self.scheduler.running) > limit):
+        if not self._drafting or seq.prefill_only or (limit is not None and len(self.scheduler.running) > limit):
             return 0
         k = seq.params.num_speculative_tokens
         k = self.num_speculative_tokens if k is None else min(k, self.num_speculative_tokens)

@@ -13,6 +13,7 @@ from engine.engine import Engine
 from engine.loader import load_weights
 from engine.params import SamplingParams
 from engine.spec.eagle3_proposer import CATCH_UP
+from engine.spec.governor import PROBE_EVERY, SpeculationGovernor
 from engine.spec.rejection import VerifyInput, verify
 from tools.eagle3_training.model import TrainableEagle3
 from engine.stats import AcceptanceStats
@@ -39,9 +40,9 @@ def random_head(engine, tmp_path_factory):
 @pytest.fixture(scope="module")
 def spec_engines(random_head):
     return {
-        "eagle3": Engine(EngineConfig(num_kv_blocks=512, speculative={"method": "eagle3", "model": random_head,
+        "eagle3": Engine(EngineConfig(num_kv_blocks=512, speculative={"adaptive": False, "method": "eagle3", "model": random_head,
                                                                     "num_speculative_tokens": 8})),
-        "ngram": Engine(EngineConfig(num_kv_blocks=512, speculative={"method": "ngram", "num_speculative_tokens": 8})),
+        "ngram": Engine(EngineConfig(num_kv_blocks=512, speculative={"adaptive": False, "method": "ngram", "num_speculative_tokens": 8})),
     }
 
 
@@ -88,7 +89,7 @@ def test_a_stop_token_inside_an_accepted_run_ends_the_output_there(spec_engines,
     the shipped head; when the request ends, writing its pending draft KV stops at the last kept
     token: the positions after it have no next token)."""
     engine = spec_engines["ngram"] if method == "ngram" else Engine(EngineConfig(
-        num_kv_blocks=256, speculative={"method": "eagle3", "num_speculative_tokens": 5}))
+        num_kv_blocks=256, speculative={"adaptive": False, "method": "eagle3", "num_speculative_tokens": 5}))
     plain = plain_outputs[7]  # copying text: long accepted runs
     for end in range(4, len(plain) - 1):
         if plain[end] in plain[:end]:
@@ -106,7 +107,7 @@ def test_a_confidence_threshold_ends_chains_early_and_stays_lossless(prompts, pl
 
     def run(threshold: float, which: list[int], batched: bool, batch_limit: int | None = None) -> tuple[int, int]:
         engine = Engine(EngineConfig(num_kv_blocks=256, speculative={
-            "method": "eagle3", "num_speculative_tokens": 5, "draft_confidence_threshold": threshold,
+            "adaptive": False, "method": "eagle3", "num_speculative_tokens": 5, "draft_confidence_threshold": threshold,
             "disable_by_batch_size": batch_limit}))
         chosen = [prompts[i] for i in which]
         outs = (_run(engine, chosen, [params] * len(chosen)) if batched
@@ -135,7 +136,7 @@ def test_tree_drafts_are_lossless_and_return_every_block(prompts, plain_outputs)
     lossless (its distribution: test_sampled_speculation_matches_plain_sampling_frequencies)."""
     def engine(top_k: int, num_kv_blocks: int = 256) -> Engine:
         return Engine(EngineConfig(num_kv_blocks=num_kv_blocks, max_num_seqs=8, speculative={
-            "method": "eagle3", "num_speculative_tokens": 8, "draft_top_k": top_k}))
+            "adaptive": False, "method": "eagle3", "num_speculative_tokens": 8, "draft_top_k": top_k}))
 
     tree = engine(4)
     moves, move_kv = [], tree.runner.move_kv
@@ -153,6 +154,33 @@ def test_tree_drafts_are_lossless_and_return_every_block(prompts, plain_outputs)
     assert tight.blocks.num_used_blocks == 0
 
 
+def test_the_governor_takes_the_cheaper_way_and_re_measures_the_other():
+    """Per batch size: draft first, then measure plain decoding once; afterwards the cheaper way,
+    the other re-measured every PROBE_EVERY steps (a change in costs flips the choice)."""
+    g = SpeculationGovernor()
+    assert g.should_draft(1)
+    g.record(1, True, 0.030, 2)  # 15 ms per token drafting
+    assert not g.should_draft(1)
+    g.record(1, False, 0.010, 1)  # 10 ms plain: cheaper
+    choices = []
+    for _ in range(2 * PROBE_EVERY + 2):
+        choices.append(g.should_draft(1))
+        g.record(1, choices[-1], 0.030 if choices[-1] else 0.010, 2 if choices[-1] else 1)
+    assert choices.count(True) == 2 and choices.index(True) == PROBE_EVERY - 1  # a probe after PROBE_EVERY plain steps
+    assert g.should_draft(4)  # another batch size is measured on its own
+    for _ in range(PROBE_EVERY):  # drafting gets cheap: 5 ms per token; at the next probe it wins
+        g.record(1, True, 0.010, 2)
+    assert g.should_draft(1) and g.figures()[1]["draft"] < g.figures()[1]["plain"]
+
+
+def test_adaptive_speculation_measures_both_ways_and_stays_lossless(prompts, plain_outputs):
+    engine = Engine(EngineConfig(num_kv_blocks=256, speculative={"method": "eagle3", "num_speculative_tokens": 5}))
+    assert engine.config.speculative.adaptive  # the default
+    assert _run(engine, prompts[:2], [SamplingParams(max_tokens=32)] * 2) == plain_outputs[:2]
+    assert [_run(engine, [p], [SamplingParams(max_tokens=32)])[0] for p in prompts[:2]] == plain_outputs[:2]
+    assert set(engine.governor.figures()[1]) == {"draft", "plain"} and engine.counters["draft_tokens"] > 0
+
+
 def test_a_bfloat16_kv_cache_keeps_speculation_lossless(prompts):
     """engine.kv_cache_dtype bfloat16: target and draft caches are bf16 (the C kernels widen them
     as they read, the KV writes round to nearest even), and tree speculation with leaf KV moves
@@ -160,7 +188,7 @@ def test_a_bfloat16_kv_cache_keeps_speculation_lossless(prompts):
     def engine(**spec) -> Engine:
         return Engine(EngineConfig(num_kv_blocks=256, max_num_seqs=4, kv_cache_dtype="bfloat16", speculative=spec))
 
-    plain, tree = engine(), engine(method="eagle3", num_speculative_tokens=6, draft_top_k=4)
+    plain, tree = engine(), engine(method="eagle3", num_speculative_tokens=6, draft_top_k=4, adaptive=False)
     assert plain.runner.kv_cache.dtype == tree.runner.draft_cache.dtype == torch.bfloat16
     assert plain.runner.layout.dtype == "bfloat16"
     params = [SamplingParams(max_tokens=32)] * 4
@@ -197,7 +225,7 @@ def test_draft_caches_left_behind_catch_up_to_what_one_forward_computes(prompts)
     values alone, from the target's features gathered over steps (projected for the whole batch
     at once). Each must end up holding what one full draft forward over the same tokens writes:
     its blocks stay in the prefix cache, draft entries included."""
-    config = EngineConfig(num_kv_blocks=64, speculative={"method": "eagle3", "num_speculative_tokens": 5})
+    config = EngineConfig(num_kv_blocks=64, speculative={"adaptive": False, "method": "eagle3", "num_speculative_tokens": 5})
     lagging, reference = Engine(config), Engine(config)
     params = SamplingParams(max_tokens=CATCH_UP + 16, num_speculative_tokens=0, ignore_eos=True)
     ids = [lagging.add_request(prompts[i], params) for i in (0, 3)]
@@ -253,7 +281,7 @@ def test_a_prefill_that_is_handed_off_never_drafts():
     reserved and nothing drafted or committed past the prompt (a repeating prompt: ngram would
     draft)."""
     engine = Engine(EngineConfig(num_kv_blocks=64, max_num_batched_tokens=16,
-                                 speculative={"method": "ngram", "num_speculative_tokens": 8}))
+                                 speculative={"adaptive": False, "method": "ngram", "num_speculative_tokens": 8}))
     prompt = [1000, 1001, 1002, 1003] * 8 + [1000]  # chunks of 16, 16, then 1 token
     rid = engine.add_request(prompt, SamplingParams(max_tokens=16), prefill_only=True)
     outs = []
@@ -269,7 +297,7 @@ def test_a_preempted_sequence_is_released_while_it_still_holds_its_blocks(prompt
     """The proposer writes what is pending into the draft cache at preemption, as at a finish, so
     both must come while the sequence's blocks are allocated (they may stay in the prefix cache
     and be reused when the sequence is recomputed)."""
-    tight = Engine(EngineConfig(num_kv_blocks=12, max_num_seqs=4, speculative={"method": "eagle3"}))
+    tight = Engine(EngineConfig(num_kv_blocks=12, max_num_seqs=4, speculative={"adaptive": False, "method": "eagle3"}))
     released, release = [], tight.proposer.release
 
     def recording_release(seq):
@@ -287,7 +315,7 @@ def test_a_preempted_sequence_is_released_while_it_still_holds_its_blocks(prompt
 def test_short_pool_degrades_to_plain_decoding(random_head, prompts, plain_outputs):
     """With barely enough blocks, reservations fail and sequences fall back to K=0, not to errors."""
     tight = Engine(EngineConfig(num_kv_blocks=10, max_num_seqs=4,
-                                speculative={"method": "eagle3", "model": random_head, "num_speculative_tokens": 8}))
+                                speculative={"adaptive": False, "method": "eagle3", "model": random_head, "num_speculative_tokens": 8}))
     params = [SamplingParams(max_tokens=32)] * 4
     assert _run(tight, prompts[:4], params) == plain_outputs[:4]
     assert tight.blocks.num_used_blocks == 0
@@ -355,6 +383,6 @@ def test_sampled_speculation_matches_plain_sampling_frequencies(engine, spec_eng
     is limited: two plain runs with other seeds differ by 0.05, speculation measured 0.02, so it
     catches gross errors (wrong rows or KV); exactness is tested on known distributions above."""
     spec = spec_engines["ngram"] if method == "ngram" else Engine(EngineConfig(num_kv_blocks=256, speculative={
-        "method": "eagle3", "num_speculative_tokens": 5, "draft_top_k": 4}))
+        "adaptive": False, "method": "eagle3", "num_speculative_tokens": 5, "draft_top_k": 4}))
     tv = 0.5 * (sampled_histogram(engine) - sampled_histogram(spec)).abs().sum()
     assert tv < 0.1  # total variation

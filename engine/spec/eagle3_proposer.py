@@ -107,6 +107,10 @@ class Eagle3Proposer:
 
     @torch.inference_mode()
     def propose(self, seqs: list[Sequence], chain_slots: list[int]) -> list[Proposal]:
+        if not any(chain_slots) and sum(aux.shape[0] for *_, aux in self.unprojected) <= CATCH_UP * len(seqs):
+            # Nobody drafts this step (a plain step of the governor's): the target's features wait,
+            # to be projected and written in one batch when drafting resumes or they pile up.
+            return [Proposal([]) for _ in seqs]
         self._project()
         known = [(s, k) for s, k in zip(seqs, chain_slots) if s.seq_id in self.pending]
         if any(self.pending[s.seq_id][1].shape[0] > CATCH_UP for s, _ in known):
