@@ -147,10 +147,11 @@ class EngineConfig(BaseModel):
     model: str | None = Field(None, description="HF model directory; None = the embedded SmolLM2-135M-Instruct")
     dtype: DType = Field("float32", description="weights and activations dtype")
     device: Literal["cpu", "cuda"] = "cpu"
-    quantization: Literal["auto", "exact", "none"] = Field(
+    quantization: Literal["auto", "int8", "exact", "none"] = Field(
         "auto", description="on CPU, how a GGUF's Q8_0/Q4_0/Q4_1 weights run. auto: as stored, multiplied with "
-        "activations quantized to int8 per 32-block (llama.cpp's arithmetic; fastest); exact: as stored, widened "
-        "to their exact fp32 values (bit-identical to none); none: dequantized to dtype at load")
+        "activations quantized to int8 per 32-block (llama.cpp's arithmetic; fastest); int8: as auto, and every "
+        "float matrix (an HF model's) quantized to Q8_0 at load; exact: as stored, widened to their exact fp32 "
+        "values (bit-identical to none); none: dequantized to dtype at load")
     kv_cache_dtype: Literal["auto", "float32", "bfloat16"] = Field(
         "auto", description="KV cache element type (vLLM's name). auto: dtype; bfloat16 halves the cache's memory, "
         "attention's reads and every KV transfer's bytes (prefill and decode workers must agree)")

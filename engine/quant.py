@@ -89,6 +89,13 @@ def quantize_q8_0(w: torch.Tensor, int8_dot: bool = True) -> QuantizedTensor:
     return QuantizedTensor("Q8_0", data.reshape(rows, -1).contiguous(), cols, int8_dot)
 
 
+def quantize_matrices(weights: dict) -> dict:
+    """Every float matrix (2-D, columns in whole blocks) as Q8_0 blocks with int8 activations;
+    norms, biases, index tables and tensors already quantized are kept as they are."""
+    return {name: quantize_q8_0(w) if isinstance(w, torch.Tensor) and w.is_floating_point() and w.dim() == 2
+            and w.shape[1] % QBLOCK == 0 else w for name, w in weights.items()}
+
+
 def cat_rows(parts: list) -> "QuantizedTensor | torch.Tensor":
     """Stack matrices by rows (a fused projection): quantized parts of one type stay quantized;
     float parts, or quantized parts of different types, become fp32 (dequantized exactly)."""

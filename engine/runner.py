@@ -15,7 +15,7 @@ from engine.config import EngineConfig, ModelConfig, ModelConfigError, check_div
 from engine.spec.eagle3_model import DraftOutput, Eagle3Config, Eagle3Draft
 from engine.kv_layout import CacheShape, KVLayout, allocate_cache
 from engine.loader import load_weights
-from engine.quant import QuantizedTensor
+from engine.quant import QuantizedTensor, quantize_matrices
 from engine.model_dir import model_fingerprint, resolve_model_dir
 from engine.model import CausalLM, ForwardOutput
 from engine.parallel import TensorParallel
@@ -42,8 +42,15 @@ class ModelRunner:
         if tp is None:
             tp, self._followers = start_tensor_parallel(config, self.model_config)
         self.tp = tp
-        blocks = {"auto": "int8", "exact": "exact"}.get(config.quantization) if self.device.type == "cpu" else None
-        weights = tp.shard(self.model_config, load_weights(self.model_dir, self.dtype, self.device, blocks=blocks))
+        if config.quantization == "int8" and (self.device.type != "cpu" or self.dtype != torch.float32):
+            raise ModelConfigError(f"engine.quantization: int8 runs on CPU with dtype float32 (got {config.device}, "
+                                   f"{config.dtype}); use auto or none")
+        blocks = {"auto": "int8", "int8": "int8", "exact": "exact"}.get(config.quantization)
+        blocks = blocks if self.device.type == "cpu" else None
+        weights = load_weights(self.model_dir, self.dtype, self.device, blocks=blocks)
+        if config.quantization == "int8":
+            weights = quantize_matrices(weights)
+        weights = tp.shard(self.model_config, weights)
         quantized = any(isinstance(w, QuantizedTensor) for w in weights.values())
         self.model = CausalLM(self.model_config, weights, self.max_model_len, config.block_size, tp)
         is_driver = tp.rank == 0
@@ -135,7 +142,7 @@ class ModelRunner:
         if draft_config.aux_layer_ids is not None:
             self.model.aux_layer_ids = draft_config.aux_layer_ids
         weights = load_weights(draft_dir, self.dtype, self.device)
-        int8 = self.config.quantization == "auto" and self.device.type == "cpu" and self.dtype == torch.float32
+        int8 = self.config.quantization in ("auto", "int8") and self.device.type == "cpu" and self.dtype == torch.float32
         return Eagle3Draft(draft_config, weights, self.model.embed_tokens, self.max_model_len, self.config.block_size,
                            int8=int8)
 

@@ -159,6 +159,29 @@ def test_default_engine_quantizes_activations_and_agrees_with_the_exact_one(engi
     assert agree / total >= INT8_TOP1_AGREEMENT, f"int8 top-1 agrees with exact on {agree}/{total} positions"
 
 
+def test_an_hf_model_runs_int8_and_agrees_with_its_float_weights(model_dir, exact_engine, chat_prompts, tmp_path):
+    """quantization int8: an HF safetensors model's float matrices become Q8_0 blocks at load
+    (int8 activations, the GGUF path's kernels); next-token choices stay those of the same
+    weights in fp32 (here: the embedded model's dequantized weights without their GGUF blocks)."""
+    from tests.test_engine import _solo, _teacher_forced_top1
+
+    for f in model_dir.iterdir():  # the directory as an HF model: no gguf/ blocks beside the fp32 weights
+        if f.name != "gguf":
+            (tmp_path / f.name).symlink_to(f)
+    int8 = Engine(EngineConfig(model=str(tmp_path), quantization="int8", num_kv_blocks=128))
+    model = int8.runner.model
+    assert all(lin.qtype == "Q8_0" and lin.int8_dot for lin in (model.layers[0].qkv, model.layers[29].down, model.lm_head))
+    agree = total = 0
+    for prompt in chat_prompts[:2]:
+        answer = _solo(exact_engine, prompt, SamplingParams(max_tokens=32))
+        ours, ref = (_teacher_forced_top1(e, prompt, answer) for e in (int8, exact_engine))
+        agree += sum(a == b for a, b in zip(ours, ref))
+        total += len(ref)
+    assert agree / total >= INT8_TOP1_AGREEMENT, f"Q8_0 at load agrees with fp32 on {agree}/{total} positions"
+    with pytest.raises(ValueError, match="engine.quantization: int8 runs on CPU with dtype float32"):
+        Engine(EngineConfig(model=str(tmp_path), quantization="int8", dtype="bfloat16", num_kv_blocks=16))
+
+
 def test_q8_0_quantization_at_load_is_ggufs():
     """Float weights quantized at load (the EAGLE3 draft of an int8 engine) get the very blocks
     gguf's quantizer writes, zero blocks and ties included."""

@@ -25,7 +25,7 @@ from engine.config import ModelConfig, ModelConfigError
 from engine.layers import Linear, Rotary, rms_norm
 from engine.batch import ForwardBatch
 from engine.model import DecoderLayer, attention_for
-from engine.quant import quantize_q8_0
+from engine.quant import quantize_matrices
 
 EAGLE3_ARCHITECTURES = ("LlamaForCausalLMEagle3", "Eagle3LlamaForCausalLM")
 
@@ -77,8 +77,7 @@ class Eagle3Draft:
         # int8 (the quantized target's engines) makes its matrices Q8_0 blocks with int8
         # activations, a quarter of fp32's bytes through the target's own kernels.
         if int8:
-            w = {k: quantize_q8_0(v) if k.endswith("proj.weight") or k in ("fc.weight", "lm_head.weight") else v
-                 for k, v in w.items()}
+            w = quantize_matrices(w)
         packed = packed_dtype
         self.fc = Linear(w["fc.weight"], packed_dtype=packed)
         self.input_norm = w["midlayer.input_layernorm.weight"]
