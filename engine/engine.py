@@ -60,6 +60,9 @@ class Engine:
         spec = config.speculative
         self.governor = SpeculationGovernor() if spec.method != "none" and spec.adaptive else None
         self._drafting = True  # this step's choice (the governor's, when adaptive)
+        # Where the steps that drafted spent their time (seconds): draft, verify (the target's
+        # forward), bookkeeping (scheduling, acceptance, KV commits, outputs); for bench spec.
+        self.drafting_seconds: collections.Counter[str] = collections.Counter()
 
     def stats(self) -> EngineStats:
         counters = dict(self.counters)
@@ -103,9 +106,12 @@ class Engine:
         scheduled = self.scheduler.schedule(self._lookahead)
         if not scheduled:
             return []
+        scheduled_at = time.perf_counter()
         proposals = self._propose(scheduled)
         chunks = [self._chunk(s, p) for s, p in zip(scheduled, proposals)]
+        drafted_at = time.perf_counter()
         out = self.runner.forward(chunks, return_aux=self.proposer.needs_aux)
+        verified_at = time.perf_counter()
         sampling = [i for i, s in enumerate(scheduled) if s.yields_token]
         seqs = [scheduled[i].seq for i in sampling]
         verdict = self.verify(make_verify_input([s.params for s in seqs], [s.generator for s in seqs],
@@ -132,10 +138,16 @@ class Engine:
                 self.counters["verify_steps"] += 1
             tokens = verdict.tokens[j, : a + 1].tolist()
             outputs.append(self._prefilled_handle(seq, tokens[0]) if seq.prefill_only else self._append(seq, tokens))
+        end, emitted = time.perf_counter(), len(sampling) + int(verdict.num_accepted.sum())
+        if any(p.token_ids for p in proposals):
+            self.drafting_seconds.update(draft=drafted_at - scheduled_at, verify=verified_at - drafted_at,
+                                         bookkeeping=(scheduled_at - start) + (end - verified_at))
+            self.counters["drafting_steps"] += 1
+            self.counters["drafting_step_tokens"] += emitted
+            self.counters["verify_rows"] += len(sampling) + sum(len(proposals[i].token_ids) for i in sampling)
         if self.governor is not None and len(scheduled) == batch and all(s.num_tokens == 1 for s in scheduled):
             # a decode step of the whole running batch (a prefill chunk's cost would skew the figures)
-            self.governor.record(batch, self._drafting, time.perf_counter() - start,
-                                 len(sampling) + int(verdict.num_accepted.sum()))
+            self.governor.record(batch, self._drafting, end - start, emitted)
         return outputs
 
     def _kept_rows(self, chunk: SeqChunk, num_drafts: int, path: list[int]) -> list[int]:

@@ -46,6 +46,9 @@ def test_bench_spec_reports_a_lossless_comparison(tmp_path):
     low, high = out["speedup_ci95"]  # two batches: the pooled speedup lies between theirs
     assert low < high and low <= out["speedup"] <= high
     assert out["tokens_per_s_spec"] > 0 and out["tokens_per_s_base"] > 0
+    split = out["drafting_step_ms"]  # where a drafting step's time went
+    assert out["drafting_steps"] > 0 and set(split) == {"draft", "verify", "bookkeeping"} and min(split.values()) > 0
+    assert 1.0 <= out["verify_rows_per_token"] <= 4.0  # each drafting step verified its drafts plus one row
 
 
 def test_bench_spec_usage_errors_are_clear(tmp_path):

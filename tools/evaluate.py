@@ -3,8 +3,9 @@ one in the same process, alternating prompt by prompt so drift in machine speed 
 
 Reports tau (mean tokens emitted per target forward), tokens/s of each, their ratio (speedup)
 with a 95 % bootstrap interval over the prompt batches (how much the speedup depends on which
-prompts ran and on the machine's drift while they ran), per-position acceptance, and whether
-every greedy output is token-identical (lossless).
+prompts ran and on the machine's drift while they ran), per-position acceptance, whether every
+greedy output is token-identical (lossless), and for the steps that drafted: where their time
+went (draft, verification, bookkeeping) and the target rows verified per emitted token.
 """
 
 import random
@@ -64,6 +65,21 @@ def evaluate(base: Engine, spec: Engine, prompts: list[list[int]], max_tokens: i
         "per_position_acceptance_rate": summary["per_position_acceptance_rate"],
         "drafted": summary["drafted"],
         "accepted": summary["accepted"],
+        **_drafting_split(spec),
+    }
+
+
+def _drafting_split(spec: Engine) -> dict:
+    """Where a step that drafted spent its time (ms, mean over those steps) and how many target
+    rows it verified per token it emitted (1 would be plain decoding's)."""
+    steps = spec.counters["drafting_steps"]
+    if not steps:
+        return {"drafting_steps": 0}
+    seconds = spec.drafting_seconds
+    return {
+        "drafting_steps": steps,
+        "drafting_step_ms": {part: round(seconds[part] * 1e3 / steps, 2) for part in ("draft", "verify", "bookkeeping")},
+        "verify_rows_per_token": round(spec.counters["verify_rows"] / spec.counters["drafting_step_tokens"], 3),
     }
 
 
