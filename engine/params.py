@@ -1,21 +1,28 @@
 """Per-request sampling parameters: pydantic, no torch, so the router validates requests with
 the same rules the engine applies (field names in the errors match the API's)."""
 
-from pydantic import BaseModel, ConfigDict, Field
+from pydantic import BaseModel, ConfigDict, Field, field_validator
 
 
 class SamplingParams(BaseModel):
     model_config = ConfigDict(extra="forbid", frozen=True)
 
     max_tokens: int = Field(256, ge=1, description="new tokens to generate at most")
-    temperature: float = Field(0.0, ge=0.0, description="0 = greedy")
+    temperature: float = Field(0.0, ge=0.0, le=2.0, allow_inf_nan=False, description="0 = greedy; at most 2")
     top_k: int = Field(0, ge=0, description="0 = no top-k filtering")
-    top_p: float = Field(1.0, gt=0.0, le=1.0)
+    top_p: float = Field(1.0, gt=0.0, le=1.0, allow_inf_nan=False)
     seed: int | None = Field(None, ge=0, lt=2**63)
     stop: tuple[str, ...] = Field((), description="strings that end generation (not included in the text)")
     stop_token_ids: tuple[int, ...] = ()
     ignore_eos: bool = False
     num_speculative_tokens: int | None = Field(None, ge=0, le=16, description="per-request override of K; 0 = no speculation")
+
+    @field_validator("stop")
+    @classmethod
+    def _no_empty_stop(cls, stop: tuple[str, ...]) -> tuple[str, ...]:
+        if any(s == "" for s in stop):
+            raise ValueError("an empty stop string would end every answer at once")
+        return stop
 
     @property
     def greedy(self) -> bool:

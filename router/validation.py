@@ -34,8 +34,13 @@ class ValidRequest:
     speculation: common_pb2.SpeculationOptions
 
 
+MAX_REQUEST_ID = 128  # characters: an id is echoed in the answer's messages
+
+
 def validate(request: router_pb2.GenerateRequest, tokenizer: Tokenizer, max_model_len: int | None) -> ValidRequest:
     """`max_model_len`: the registered workers' smallest context limit (None: no workers, no check)."""
+    if len(request.request_id) > MAX_REQUEST_ID:
+        raise InvalidRequest(f"request_id: at most {MAX_REQUEST_ID} characters, got {len(request.request_id)}")
     check_sampling(request.sampling, request.speculation)
     prompt = prompt_token_ids(request, tokenizer)
     if max_model_len is not None and len(prompt) >= max_model_len:
