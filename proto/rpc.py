@@ -49,6 +49,37 @@ class _TokenCheck(grpc.ServerInterceptor):
         return self._deny_stream if handler is not None and handler.response_streaming else self._deny
 
 
+class _Unparsable:
+    def __init__(self, reason: str):
+        self.reason = reason
+
+
+class _MalformedRequest(grpc.ServerInterceptor):
+    """A request that does not parse (e.g. a string field holding invalid UTF-8) is the caller's
+    error: INVALID_ARGUMENT naming the method, where grpc itself would answer INTERNAL."""
+
+    def intercept_service(self, continuation, details):
+        handler = continuation(details)
+        if handler is None or handler.request_streaming or handler.request_deserializer is None:
+            return handler
+        parse, kind = handler.request_deserializer, "unary_stream" if handler.response_streaming else "unary_unary"
+        behavior = getattr(handler, kind)
+
+        def deserialize(data: bytes):
+            try:
+                return parse(data)
+            except Exception as e:  # protobuf's DecodeError, whatever the runtime names it
+                return _Unparsable(str(e))
+
+        def run(request, context):
+            if isinstance(request, _Unparsable):
+                context.abort(grpc.StatusCode.INVALID_ARGUMENT, f"{details.method}: the request is not a valid message "
+                              f"({request.reason}); string fields must be UTF-8")
+            return behavior(request, context)
+
+        return handler._replace(request_deserializer=deserialize, **{kind: run})
+
+
 Registration = tuple[Callable[[object, grpc.Server], None], object, str]  # (add_*_to_server, servicer, full name)
 
 
@@ -57,7 +88,7 @@ def serve(services: Sequence[Registration], address: str, token: str | None = No
     """Start a server on `address` ("127.0.0.1:0" picks a free port); returns it and its port.
 
     `internal` names the services (full names, e.g. "pdspec.v1.DecodeWorker") that need the token."""
-    interceptors = [_TokenCheck(token, set(internal))] if token else []
+    interceptors = [_MalformedRequest()] + ([_TokenCheck(token, set(internal))] if token else [])
     server = grpc.server(futures.ThreadPoolExecutor(max_workers=max_workers), interceptors=interceptors,
                          options=_OPTIONS)
     health_servicer = health.HealthServicer()

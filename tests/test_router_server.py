@@ -69,6 +69,16 @@ def test_request_errors(router):
     assert not stub.Abort(common_pb2.AbortRequest(request_id="nobody"), timeout=10).found
 
 
+def test_a_request_that_does_not_parse_is_invalid_argument(router):
+    """A prompt with invalid UTF-8 (what a client without protobuf's checks can send)."""
+    _, _, public = router
+    raw = router_pb2.GenerateRequest(prompt="Hello X").SerializeToString().replace(b"X", b"\xff")
+    generate = public.unary_stream("/pdspec.v1.Router/Generate", request_serializer=None,
+                                   response_deserializer=router_pb2.GenerateResponse.FromString)
+    e = rpc_error(lambda: list(generate(raw, timeout=10)))
+    assert e.code() == grpc.StatusCode.INVALID_ARGUMENT and "string fields must be UTF-8" in e.details()
+
+
 def test_registry_needs_the_cluster_token(router, model_dir):
     _, _, public = router
     e = rpc_error(lambda: worker_pb2_grpc.RegistryStub(public).Register(registration("w", "x:1"), timeout=10))
