@@ -84,19 +84,23 @@ Registration = tuple[Callable[[object, grpc.Server], None], object, str]  # (add
 
 
 def serve(services: Sequence[Registration], address: str, token: str | None = None,
-          internal: Sequence[str] = (), max_workers: int = 64) -> tuple[grpc.Server, int]:
+          internal: Sequence[str] = (), max_workers: int = 64,
+          health_servicer: health.HealthServicer | None = None, not_ready: Sequence[str] = ()) -> tuple[grpc.Server, int]:
     """Start a server on `address` ("127.0.0.1:0" picks a free port); returns it and its port.
 
-    `internal` names the services (full names, e.g. "pdspec.v1.DecodeWorker") that need the token."""
+    `internal` names the services (full names, e.g. "pdspec.v1.DecodeWorker") that need the token.
+    Health: the "" service (liveness) and every service SERVING, except those in `not_ready`,
+    which start NOT_SERVING in `health_servicer` (given by a caller that flips them later)."""
     interceptors = [_MalformedRequest()] + ([_TokenCheck(token, set(internal))] if token else [])
     server = grpc.server(futures.ThreadPoolExecutor(max_workers=max_workers), interceptors=interceptors,
                          options=_OPTIONS)
-    health_servicer = health.HealthServicer()
+    health_servicer = health_servicer or health.HealthServicer()
     health_pb2_grpc.add_HealthServicer_to_server(health_servicer, server)
     names = []
     for add, servicer, name in services:
         add(servicer, server)
-        health_servicer.set(name, health_pb2.HealthCheckResponse.SERVING)
+        status = health_pb2.HealthCheckResponse.NOT_SERVING if name in not_ready else health_pb2.HealthCheckResponse.SERVING
+        health_servicer.set(name, status)
         names.append(name)
     health_servicer.set("", health_pb2.HealthCheckResponse.SERVING)
     reflection.enable_server_reflection([*names, health.SERVICE_NAME, reflection.SERVICE_NAME], server)

@@ -6,6 +6,7 @@ import threading
 from pathlib import Path
 
 import grpc
+from grpc_health.v1 import health, health_pb2
 
 from engine.tokenizer import Tokenizer
 from proto.pdspec.v1 import router_pb2_grpc, worker_pb2_grpc
@@ -15,6 +16,7 @@ from router.registry import Registry
 from router.service import RegistryServicer, RouterServicer
 
 log = logging.getLogger(__name__)
+ROUTER_SERVICE = "pdspec.v1.Router"
 
 
 def run_router(rc: RouterConfig, token: str | None, model_dir: Path, port: int | None = None) -> tuple[grpc.Server, int]:
@@ -22,19 +24,27 @@ def run_router(rc: RouterConfig, token: str | None, model_dir: Path, port: int |
 
     `token`: the cluster token internal services require; `model_dir` supplies the tokenizer and
     chat template, it must be the workers' model."""
-    registry = Registry()
+    # Readiness: the Router service is SERVING only while a request sent now has a route; the ""
+    # service (liveness) stays SERVING while the process lives.
+    health_servicer = health.HealthServicer()
+    registry = Registry(on_change=lambda: health_servicer.set(ROUTER_SERVICE, _status(registry.can_serve())))
     services = [
         (router_pb2_grpc.add_RouterServicer_to_server, RouterServicer(registry, Tokenizer.from_dir(model_dir), rc, token),
-         "pdspec.v1.Router"),
+         ROUTER_SERVICE),
         (worker_pb2_grpc.add_RegistryServicer_to_server, RegistryServicer(registry, rc.heartbeat_interval_s),
          "pdspec.v1.Registry"),
     ]
     address = f"{rc.host}:{rc.port if port is None else port}"
-    server, bound = serve(services, address, token, internal=["pdspec.v1.Registry"])
+    server, bound = serve(services, address, token, internal=["pdspec.v1.Registry"], health_servicer=health_servicer,
+                          not_ready=[ROUTER_SERVICE])
     threading.Thread(target=_evict_until_stopped, args=(server, registry, rc), name="router-evict", daemon=True).start()
     log.info("router serving on %s:%d (policy %s, cluster token %s)", rc.host, bound, rc.policy,
              "set" if token else "NOT set: internal services are open")
     return server, bound
+
+
+def _status(ready: bool) -> int:
+    return health_pb2.HealthCheckResponse.SERVING if ready else health_pb2.HealthCheckResponse.NOT_SERVING
 
 
 def _evict_until_stopped(server: grpc.Server, registry: Registry, config: RouterConfig) -> None:

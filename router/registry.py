@@ -54,11 +54,20 @@ class _Worker:
 
 
 class Registry:
-    def __init__(self, clock: Callable[[], float] = time.monotonic) -> None:
+    def __init__(self, clock: Callable[[], float] = time.monotonic,
+                 on_change: Callable[[], None] = lambda: None) -> None:
+        """on_change: called (without the lock held) after a worker joins or leaves."""
         self._clock = clock
+        self._on_change = on_change
         self._lock = threading.Lock()
         self._workers: dict[str, _Worker] = {}
         self._index = KVIndex()
+
+    def can_serve(self) -> bool:
+        """A request sent now has a route: a prefill and a decode worker, or an aggregated one."""
+        with self._lock:
+            roles = {w.registration.role for w in self._workers.values()}
+        return "aggregated" in roles or {"prefill", "decode"} <= roles
 
     def register(self, request: worker_pb2.RegisterRequest) -> None:
         """Add (or replace, after a worker restart) a worker; raises RegistrationError."""
@@ -71,6 +80,7 @@ class Registry:
             self._workers[request.worker_id] = _Worker(request, self._clock(), load)
             self._index.clear(request.worker_id)  # the snapshot replaces whatever we knew
             self._index.store(request.worker_id, request.cached_block_hashes)
+        self._on_change()
 
     def heartbeat(self, request: worker_pb2.HeartbeatRequest) -> bool:
         """Record load and apply KV events in order; False if the worker is unknown (register again)."""
@@ -95,7 +105,9 @@ class Registry:
             for wid in stale:
                 del self._workers[wid]
                 self._index.clear(wid)
-            return stale
+        if stale:
+            self._on_change()
+        return stale
 
     def workers(self) -> list[WorkerView]:
         with self._lock:

@@ -32,9 +32,9 @@ def router(model_dir):
     server.stop(0)
 
 
-def registration(worker_id: str, address: str) -> worker_pb2.RegisterRequest:
+def registration(worker_id: str, address: str, role: str = "aggregated") -> worker_pb2.RegisterRequest:
     layout = kv_pb2.KVLayout(model="smollm2", dtype="float32", block_size=16)
-    return worker_pb2.RegisterRequest(worker_id=worker_id, role="aggregated", address=address, layout=layout,
+    return worker_pb2.RegisterRequest(worker_id=worker_id, role=role, address=address, layout=layout,
                                       total_blocks=64, max_model_len=256, metrics_address="127.0.0.1:9100")
 
 
@@ -51,9 +51,25 @@ def rpc_error(call) -> grpc.RpcError:
 
 
 def test_health_and_reflection(router):
-    _, _, public = router
-    health = health_pb2_grpc.HealthStub(public).Check(health_pb2.HealthCheckRequest(service="pdspec.v1.Router"))
-    assert health.status == health_pb2.HealthCheckResponse.SERVING
+    _, registry, public = router
+    health = health_pb2_grpc.HealthStub(public)
+
+    def status(service: str = "pdspec.v1.Router") -> int:
+        return health.Check(health_pb2.HealthCheckRequest(service=service), timeout=10).status
+
+    serving, not_serving = health_pb2.HealthCheckResponse.SERVING, health_pb2.HealthCheckResponse.NOT_SERVING
+    # Readiness: a request sent now would be served. Liveness ("") holds throughout.
+    assert (status(), status("")) == (not_serving, serving)
+    registry.Register(registration("p", "127.0.0.1:1", role="prefill"), timeout=10)
+    assert status() == not_serving  # a prefill worker alone is no route
+    registry.Register(registration("d", "127.0.0.1:2", role="decode"), timeout=10)
+    assert status() == serving
+    deadline = time.monotonic() + 10
+    while status() == serving and time.monotonic() < deadline:  # no heartbeats: both evicted after 0.5 s
+        time.sleep(0.1)
+    assert (status(), status("")) == (not_serving, serving)
+    registry.Register(registration("agg", "127.0.0.1:3"), timeout=10)
+    assert status() == serving
     reflection = reflection_pb2_grpc.ServerReflectionStub(public)
     answer = next(reflection.ServerReflectionInfo(iter([reflection_pb2.ServerReflectionRequest(list_services="")])))
     assert {"pdspec.v1.Router", "pdspec.v1.Registry"} <= {s.name for s in answer.list_services_response.service}
