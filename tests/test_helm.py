@@ -120,7 +120,8 @@ def test_every_pod_runs_pdspec_with_the_mounted_config(rendered):
 def test_workers_register_with_the_router_and_advertise_their_pod_ip(rendered):
     name, docs = rendered
     config = merged_values(name)["config"]
-    router_service = by_kind(docs, "Service")["rel-pdspec-router"]
+    router_service = by_kind(docs, "Service")["rel-pdspec-router-registry"]
+    assert router_service["spec"]["publishNotReadyAddresses"]  # the router is not ready before workers register
     for deployment in by_kind(docs, "Deployment").values():
         if component(deployment) == "router":
             continue
@@ -160,8 +161,12 @@ def test_probes_are_grpc_health_checks_on_the_serving_port(rendered):
         if component(deployment) != "router":
             assert ports["metrics"] == config[component(deployment)]["metrics_port"]
         for probe in ("startupProbe", "readinessProbe", "livenessProbe"):
-            # service unset: the kubelet asks for "", the server's overall health.
-            assert container[probe]["grpc"] == {"port": ports["grpc"]}, (deployment["metadata"]["name"], probe)
+            # service unset: the kubelet asks for "", the server's overall health (liveness);
+            # the router is ready only while its Router service is (a route exists).
+            expected = {"port": ports["grpc"]}
+            if probe == "readinessProbe" and component(deployment) == "router":
+                expected["service"] = "pdspec.v1.Router"
+            assert container[probe]["grpc"] == expected, (deployment["metadata"]["name"], probe)
 
 
 def test_resources_follow_the_role_config(rendered):

@@ -30,8 +30,10 @@ helm.sh/chart: {{ printf "%s-%s" .Chart.Name .Chart.Version }}
 {{- .Values.clusterToken.existingSecret | default (printf "%s-token" (include "pdspec.fullname" .)) -}}
 {{- end -}}
 
+{{/* Where workers register: a Service that also lists a router not yet ready (it is not ready
+until workers have registered). */}}
 {{- define "pdspec.routerAddress" -}}
-{{- printf "%s-router:%v" (include "pdspec.fullname" .) .Values.config.router.port -}}
+{{- printf "%s-router-registry:%v" (include "pdspec.fullname" .) .Values.config.router.port -}}
 {{- end -}}
 
 {{/* Checks that the schema cannot express because they are about running in pods. */}}
@@ -113,7 +115,7 @@ startupProbe:
   periodSeconds: {{ .root.Values.startupProbe.periodSeconds }}
   failureThreshold: {{ .root.Values.startupProbe.failureThreshold }}
 readinessProbe:
-  grpc: {port: {{ $port }}}
+  grpc: {port: {{ $port }}{{ with .readyService }}, service: {{ . }}{{ end }}}
   periodSeconds: 5
   failureThreshold: 2
 livenessProbe:
