@@ -168,32 +168,29 @@ typedef __m256i vi;
 #define SPLAT(s) ((s) - (vfloat){0})
 /* Byte i of row m's 4-byte group j (every lane holds the same 4). */
 #define XS(m, j, i) ((int8_t)XROW(m)[(j) * VBYTES + (i)])
-#define Q4_DOTS(MM, EMIT)                                                                       \
+/* Each row's int32 dot per column of the vector, one column at a time (COLUMN(m, c) adds its
+ * products into s). */
+#define SCALAR_DOTS(MM, EMIT, COLUMN)                                                           \
     for (int m = 0; m < MM; m++) {                                                             \
         float f[LANES];                                                                        \
         for (int c = 0; c < LANES; c++) {                                                      \
             int32_t s = 0;                                                                     \
-            for (int g = 0; g < 4; g++)                                                        \
-                for (int i = 0; i < 4; i++) {                                                  \
-                    uint8_t b8 = q[((size_t)g * PACK + v * LANES + c) * 4 + i];                \
-                    s += (b8 & 15) * XS(m, g, i) + (b8 >> 4) * XS(m, 4 + g, i);                \
-                }                                                                              \
+            COLUMN(m, c)                                                                       \
             f[c] = (float)s;                                                                   \
         }                                                                                      \
         EMIT(m, load_f32(f));                                                                  \
     }
-#define Q8_DOTS(MM, EMIT)                                                                       \
-    for (int m = 0; m < MM; m++) {                                                             \
-        float f[LANES];                                                                        \
-        for (int c = 0; c < LANES; c++) {                                                      \
-            int32_t s = 0;                                                                     \
-            for (int g = 0; g < 8; g++)                                                        \
-                for (int i = 0; i < 4; i++)                                                    \
-                    s += (int8_t)q[((size_t)g * PACK + v * LANES + c) * 4 + i] * XS(m, g, i);  \
-            f[c] = (float)s;                                                                   \
-        }                                                                                      \
-        EMIT(m, load_f32(f));                                                                  \
-    }
+#define Q4_COLUMN(m, c)                                                                         \
+    for (int g = 0; g < 4; g++)                                                                \
+        for (int i = 0; i < 4; i++) {                                                          \
+            uint8_t b8 = q[((size_t)g * PACK + v * LANES + c) * 4 + i];                        \
+            s += (b8 & 15) * XS(m, g, i) + (b8 >> 4) * XS(m, 4 + g, i);                        \
+        }
+#define Q8_COLUMN(m, c)                                                                         \
+    for (int g = 0; g < 8; g++)                                                                \
+        for (int i = 0; i < 4; i++) s += (int8_t)q[((size_t)g * PACK + v * LANES + c) * 4 + i] * XS(m, g, i);
+#define Q4_DOTS(MM, EMIT) SCALAR_DOTS(MM, EMIT, Q4_COLUMN)
+#define Q8_DOTS(MM, EMIT) SCALAR_DOTS(MM, EMIT, Q8_COLUMN)
 #endif
 
 /* MM rows of y = bias + the sum over blocks of d_w d_x dot (+ m_w d_x sum(q_x)). The running
