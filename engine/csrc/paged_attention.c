@@ -219,11 +219,12 @@ typedef struct {
  * same keys. A tree token off the chain (mask != 0) is a tile alone: its visible keys (the
  * prefix, then the span tokens its mask names) are read as one contiguous run, chunked as
  * plain decoding would chunk them, so the row computes the bits of the token decoded at its
- * logical position. (Keys at masked slots in between would shift the online softmax's chunks
- * and a last-bit difference can change a token downstream.) */
+ * logical position. (Keys at masked slots in between would shift the partitions and their
+ * chunks, and a last-bit difference can change a token downstream.) */
 typedef struct {
     int seq, kv_head, t0, t1, mask;
-    int keys;  /* the run of keys the tile's rows read: positions 0 .. keys - 1 */
+    int keys;        /* the run of keys the tile's rows read: positions 0 .. keys - 1 */
+    int first_part;  /* its first partition's index among all tiles' partitions, in order */
 } tile;
 
 static int tile_parts(const tile *t) { return (t->keys + PART_KEYS - 1) / PART_KEYS; }
@@ -297,8 +298,9 @@ static void attend_whole_tile(const attn_call *a, const tile *t, float *state, f
     write_rows(&r, state, a->dim);
 }
 
-/* The tiles of every sequence and kv head into `tiles` (room for kv_heads * (T + num_seqs)). */
-static int make_tiles(const attn_call *a, int num_seqs, tile *tiles) {
+/* The tiles of every sequence and kv head into `tiles` (room for kv_heads * (T + num_seqs)), their
+ * first_part numbered; returns how many, and their partitions in *parts. */
+static int make_tiles(const attn_call *a, int num_seqs, tile *tiles, int *parts) {
     int n = 0, tokens_per_tile = MAX_ROWS / a->group;
     for (int b = 0; b < num_seqs; b++) {
         int first = a->query_start_loc[b], qlen = a->query_start_loc[b + 1] - first;
@@ -309,23 +311,81 @@ static int make_tiles(const attn_call *a, int num_seqs, tile *tiles) {
                 int mask = a->span_masks && i < qlen ? a->span_masks[first + i] : -1;
                 int off_chain = i < qlen && mask != -1 && mask != (int)((2u << i) - 1);
                 if (i > t0 && (i == qlen || off_chain || i - t0 == tokens_per_tile)) {
-                    tiles[n++] = (tile){b, h, t0, i, 0, pos0 + i};
+                    tiles[n++] = (tile){b, h, t0, i, 0, pos0 + i, 0};
                     t0 = i;
                 }
                 if (off_chain) {
-                    tiles[n++] = (tile){b, h, i, i + 1, mask, pos0 + __builtin_popcount(mask)};
+                    tiles[n++] = (tile){b, h, i, i + 1, mask, pos0 + __builtin_popcount(mask), 0};
                     t0 = i + 1;
                 }
             }
         }
     }
+    *parts = 0;
+    for (int i = 0; i < n; i++) {
+        tiles[i].first_part = *parts;
+        *parts += tile_parts(&tiles[i]);
+    }
     return n;
+}
+
+/* Enough tiles to share out whole: each task runs one tile's partitions in turn. */
+static int attend_tiles_whole(const attn_call *a, const tile *tiles, int ntiles, int num_threads) {
+    size_t row_floats = (size_t)MAX_ROWS * (a->dim + 2);
+    int failed = 0;
+    #pragma omp parallel num_threads(num_threads) reduction(|: failed)
+    {
+        float *state = malloc(2 * row_floats * sizeof(float));
+        failed = !state;
+        #pragma omp for schedule(dynamic)
+        for (int i = 0; i < ntiles; i++)
+            if (state) attend_whole_tile(a, &tiles[i], state, state + row_floats);
+        free(state);
+    }
+    return failed ? -1 : 0;
+}
+
+/* Few tiles (a decode step of a few sequences): each partition is a task, then each tile's
+ * partitions are folded in order, into its first one's room. */
+static int attend_tiles_split(const attn_call *a, const tile *tiles, int ntiles, int parts, int num_threads) {
+    size_t row_floats = (size_t)MAX_ROWS * (a->dim + 2);
+    int *task_tile = malloc(sizeof(int) * (size_t)parts);
+    float *partials = malloc(sizeof(float) * row_floats * (size_t)parts);
+    if (!task_tile || !partials) {
+        free(task_tile);
+        free(partials);
+        return -1;
+    }
+    for (int i = 0; i < ntiles; i++)
+        for (int p = 0; p < tile_parts(&tiles[i]); p++) task_tile[tiles[i].first_part + p] = i;
+    #pragma omp parallel num_threads(num_threads)
+    {
+        #pragma omp for schedule(dynamic)
+        for (int k = 0; k < parts; k++) {
+            const tile *t = &tiles[task_tile[k]];
+            tile_rows r;
+            rows_of(a, t, &r);
+            attend_part(a, t, &r, k - t->first_part, partials + row_floats * k);
+        }
+        #pragma omp for schedule(static)
+        for (int i = 0; i < ntiles; i++) {
+            tile_rows r;
+            rows_of(a, &tiles[i], &r);
+            float *state = partials + row_floats * tiles[i].first_part;
+            for (int p = 1; p < tile_parts(&tiles[i]); p++) fold_part(state, state + row_floats * p, r.n, a->dim);
+            write_rows(&r, state, a->dim);
+        }
+    }
+    free(task_tile);
+    free(partials);
+    return 0;
 }
 
 /* q: [T, heads, dim]; out: [T, heads*dim]; block_tables: [num_seqs, max_blocks]; span_masks:
  * [T] tree masks (bit j: the row sees the span's token j; -1 = all, the causal rule alone), or
- * NULL; cache: fp32, or bf16 with kv_bf16 (strides in elements). Every sequence, prefill chunks as much as decode steps: a row computes the same bits
- * however long its sequence's query is and whatever else is in the batch.
+ * NULL; cache: fp32, or bf16 with kv_bf16 (strides in elements). Every sequence, prefill chunks
+ * as much as decode steps: a row computes the same bits however long its sequence's query is
+ * and whatever else is in the batch.
  * Returns 0, or -1 if a shape is outside the kernel's limits (the caller checks these first)
  * or memory runs out. */
 int pd_paged_attention(const float *q, const void *cache, int kv_bf16, long s_block, long s_kv, long s_offset,
@@ -338,49 +398,9 @@ int pd_paged_attention(const float *q, const void *cache, int kv_bf16, long s_bl
                    max_blocks, heads, kv_heads, group, dim, block_size, scale, out};
     tile *tiles = malloc(sizeof(tile) * (size_t)kv_heads * (query_start_loc[num_seqs] + num_seqs));
     if (!tiles) return -1;
-    int ntiles = make_tiles(&a, num_seqs, tiles), failed = 0;
-    size_t row_floats = (size_t)MAX_ROWS * (dim + 2);
-    if (ntiles >= 4 * num_threads) {  /* enough tiles to share out whole */
-        #pragma omp parallel num_threads(num_threads) reduction(|: failed)
-        {
-            float *state = malloc(2 * row_floats * sizeof(float));
-            failed = !state;
-            #pragma omp for schedule(dynamic)
-            for (int i = 0; i < ntiles; i++)
-                if (state) attend_whole_tile(&a, &tiles[i], state, state + row_floats);
-            free(state);
-        }
-    } else {  /* few tiles (a decode step of a few sequences): their partitions are the tasks */
-        int tasks = 0;
-        for (int i = 0; i < ntiles; i++) tasks += tile_parts(&tiles[i]);
-        int *task_tile = malloc(sizeof(int) * 2 * (size_t)tasks);
-        float *parts = malloc(sizeof(float) * row_floats * (size_t)tasks);
-        failed = !task_tile || !parts;
-        if (!failed)
-            for (int i = 0, k = 0; i < ntiles; i++)
-                for (int p = 0; p < tile_parts(&tiles[i]); p++, k++) task_tile[2 * k] = i, task_tile[2 * k + 1] = p;
-        #pragma omp parallel num_threads(num_threads) if (!failed)
-        {
-            #pragma omp for schedule(dynamic)
-            for (int k = 0; k < (failed ? 0 : tasks); k++) {
-                tile_rows r;
-                rows_of(&a, &tiles[task_tile[2 * k]], &r);
-                attend_part(&a, &tiles[task_tile[2 * k]], &r, task_tile[2 * k + 1], parts + row_floats * k);
-            }
-            #pragma omp for schedule(static)
-            for (int i = 0; i < (failed ? 0 : ntiles); i++) {
-                int k = 0;
-                for (int j = 0; j < i; j++) k += tile_parts(&tiles[j]);
-                tile_rows r;
-                rows_of(&a, &tiles[i], &r);
-                float *state = parts + row_floats * k;  /* folded into the first partition's room */
-                for (int p = 1; p < tile_parts(&tiles[i]); p++) fold_part(state, parts + row_floats * (k + p), r.n, dim);
-                write_rows(&r, state, dim);
-            }
-        }
-        free(task_tile);
-        free(parts);
-    }
+    int parts, ntiles = make_tiles(&a, num_seqs, tiles, &parts);
+    int rc = ntiles >= 4 * num_threads ? attend_tiles_whole(&a, tiles, ntiles, num_threads)
+                                       : attend_tiles_split(&a, tiles, ntiles, parts, num_threads);
     free(tiles);
-    return failed ? -1 : 0;
+    return rc;
 }
