@@ -138,17 +138,25 @@ class Engine:
                 self.counters["verify_steps"] += 1
             tokens = verdict.tokens[j, : a + 1].tolist()
             outputs.append(self._prefilled_handle(seq, tokens[0]) if seq.prefill_only else self._append(seq, tokens))
-        end, emitted = time.perf_counter(), len(sampling) + int(verdict.num_accepted.sum())
+        self._note_time(batch, scheduled, [proposals[i] for i in sampling], int(verdict.num_accepted.sum()),
+                        (start, scheduled_at, drafted_at, verified_at, time.perf_counter()))
+        return outputs
+
+    def _note_time(self, batch: int, scheduled: list[ScheduledSeq], proposals: list[Proposal], accepted: int,
+                   times: tuple[float, ...]) -> None:
+        """A step's timings: where a drafting step's time went (bench spec), and the governor's
+        figures. proposals: the sampling sequences'; times: start, scheduled, drafted, verified, end."""
+        start, scheduled_at, drafted_at, verified_at, end = times
+        emitted = len(proposals) + accepted
         if any(p.token_ids for p in proposals):
             self.drafting_seconds.update(draft=drafted_at - scheduled_at, verify=verified_at - drafted_at,
                                          bookkeeping=(scheduled_at - start) + (end - verified_at))
             self.counters["drafting_steps"] += 1
             self.counters["drafting_step_tokens"] += emitted
-            self.counters["verify_rows"] += len(sampling) + sum(len(proposals[i].token_ids) for i in sampling)
+            self.counters["verify_rows"] += len(proposals) + sum(len(p.token_ids) for p in proposals)
         if self.governor is not None and len(scheduled) == batch and all(s.num_tokens == 1 for s in scheduled):
             # a decode step of the whole running batch (a prefill chunk's cost would skew the figures)
             self.governor.record(batch, self._drafting, end - start, emitted)
-        return outputs
 
     def _kept_rows(self, chunk: SeqChunk, num_drafts: int, path: list[int]) -> list[int]:
         """The chunk's rows whose KV stays: its real tokens and the accepted drafts. A tree's
