@@ -102,7 +102,7 @@ def main() -> None:
     num_source = 2 * args.blocks  # room to scatter the prompt's blocks, as a real block table is
     pinned = rng.sample(range(num_source), args.blocks)
     local_ids = rng.sample(range(args.blocks), args.blocks)
-    nbytes = args.blocks * sum(LAYOUT.block_bytes(shape) for shape in LAYOUT.caches().values())
+    nbytes = args.blocks * LAYOUT.bytes_per_block()
     source_caches, local = _caches(num_source), _caches(args.blocks)
 
     def memcpy() -> None:

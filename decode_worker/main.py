@@ -6,6 +6,7 @@ from typing import Literal
 from decode_worker.service import DecodeServicer
 from kvtransfer.backends import make_connector
 from proto.pdspec.v1 import worker_pb2_grpc
+from serving.metrics import HandoffMetrics
 from serving.worker_process import RunningWorker, WorkerSpec, announce, bind, kv_caches, start_engine
 
 
@@ -16,7 +17,9 @@ def start_decode_worker(spec: WorkerSpec, kv_transfer: Literal["nixl", "grpc"] |
     connector = None
     if kv_transfer is not None:
         connector = make_connector(kv_transfer, loop.engine.runner.layout, kv_caches(loop), spec.token)
-    servicer = DecodeServicer(loop, connector, admission_timeout_s=admission_timeout_s)
+    handoffs = HandoffMetrics(spec.worker_id)
+    servicer = DecodeServicer(loop, connector, handoffs, admission_timeout_s=admission_timeout_s)
     server, address = bind(spec, [(worker_pb2_grpc.add_DecodeWorkerServicer_to_server, servicer,
                                    "pdspec.v1.DecodeWorker")])
-    return announce(spec, loop, server, address, [connector] if connector else [], kv_transfer or "none")
+    return announce(spec, loop, server, address, [connector] if connector else [], kv_transfer or "none",
+                    collectors=[handoffs])

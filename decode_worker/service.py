@@ -6,6 +6,7 @@ room for its prompt and the batch a free slot; the prefill side keeps its blocks
 meanwhile. Nothing is dropped silently: every failure ends the stream with a status code.
 """
 
+import dataclasses
 import logging
 import math
 import time
@@ -22,6 +23,7 @@ from engine.loop import EngineLoop
 from engine.output import KVHandle, RequestOutput
 from kvtransfer.connector import KVConnector, KVTransferError
 from serving.convert import acceptance, sampling_params
+from serving.metrics import HandoffMetrics
 from proto.pdspec.v1 import common_pb2, worker_pb2, worker_pb2_grpc
 from proto.rpc import FAILED_KV_SOURCE_METADATA_KEY
 
@@ -29,9 +31,9 @@ log = logging.getLogger(__name__)
 
 
 class DecodeServicer(worker_pb2_grpc.DecodeWorkerServicer):
-    def __init__(self, loop: EngineLoop, connector: KVConnector | None, transfer_timeout_s: float = 30.0,
-                 admission_timeout_s: float = 60.0):
-        self.loop, self.connector = loop, connector
+    def __init__(self, loop: EngineLoop, connector: KVConnector | None, handoffs: HandoffMetrics,
+                 transfer_timeout_s: float = 30.0, admission_timeout_s: float = 60.0):
+        self.loop, self.connector, self.handoffs = loop, connector, handoffs
         self.transfer_timeout_s, self.admission_timeout_s = transfer_timeout_s, admission_timeout_s
 
     def Decode(self, request, context: grpc.ServicerContext) -> Iterator[worker_pb2.DecodeResponse]:
@@ -67,6 +69,7 @@ class DecodeServicer(worker_pb2_grpc.DecodeWorkerServicer):
         cached, table = self._reserve(rid, prompt, params, context)
         block_size = self.loop.engine.config.block_size
         first, end = cached // block_size, math.ceil(len(prompt) / block_size)
+        started = time.perf_counter()
         try:
             self.connector.pull(handle, list(handle.block_ids[first:end]), table[first:end], self.transfer_timeout_s)
         except KVTransferError as e:
@@ -75,6 +78,7 @@ class DecodeServicer(worker_pb2_grpc.DecodeWorkerServicer):
             if e.retryable:
                 context.set_trailing_metadata([(FAILED_KV_SOURCE_METADATA_KEY, handle.source_worker_id)])
             context.abort(code, f"KV transfer from {handle.source_worker_id} failed: {e}")
+        self.handoffs.observe(time.perf_counter() - started, (end - first) * self.loop.engine.runner.layout.bytes_per_block())
         return self.loop.admit_prefilled(rid, _engine_handle(handle, table))
 
     def _reserve(self, rid, prompt, params, context) -> tuple[int, list[int]]:
@@ -100,15 +104,14 @@ def _engine_handle(handle, table: list[int]) -> KVHandle:
         rng_state=torch.frombuffer(bytearray(handle.rng_state), dtype=torch.uint8),
         draft_hidden=torch.from_numpy(hidden.copy()).view(1, -1) if hidden.size else None,
         cached_prompt_tokens=handle.cached_prompt_tokens,
+        queue_seconds=handle.queue_seconds,
     )
 
 
 def _response(out: RequestOutput) -> worker_pb2.DecodeResponse:
     response = worker_pb2.DecodeResponse(token_ids=out.token_ids, text=out.text, finish_reason=out.finish_reason or "")
     if out.usage is not None:
-        response.usage.CopyFrom(common_pb2.Usage(prompt_tokens=out.usage.prompt_tokens,
-                                                 completion_tokens=out.usage.completion_tokens,
-                                                 cached_prompt_tokens=out.usage.cached_prompt_tokens))
+        response.usage.CopyFrom(common_pb2.Usage(**dataclasses.asdict(out.usage)))
     if out.acceptance is not None:
         response.acceptance.CopyFrom(acceptance(out.acceptance))
     return response

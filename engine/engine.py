@@ -189,6 +189,7 @@ class Engine:
             rng_state=seq.generator.get_state(),
             draft_hidden=self.proposer.prefill_draft(seq),
             cached_prompt_tokens=seq.num_cached_prompt,
+            queue_seconds=seq.queue_seconds,
         )
         seq.finish_reason = "prefilled"
         self.proposer.release(seq)
@@ -225,6 +226,7 @@ class Engine:
         self.blocks.commit(request_id, seq.token_ids[seq.num_cached_prompt :])
         seq.num_computed = len(seq.token_ids)
         seq.num_cached_prompt = handle.cached_prompt_tokens  # usage reports the prefill side's cache hits
+        seq.queue_seconds = handle.queue_seconds  # and its queue
         seq.generator.set_state(handle.rng_state)
         self.proposer.adopt(seq, seq.num_computed - 1, handle.draft_hidden)
         self.seqs[request_id] = seq
@@ -294,7 +296,8 @@ class Engine:
         del self.seqs[seq.seq_id]
         return RequestOutput(seq.seq_id, ids, text, finished=True, finish_reason=reason,
                              acceptance=seq.acceptance if self.num_speculative_tokens else None,
-                             usage=Usage(seq.num_prompt_tokens, seq.num_generated, seq.num_cached_prompt))
+                             usage=Usage(seq.num_prompt_tokens, seq.num_generated, seq.num_cached_prompt,
+                                         seq.queue_seconds))
 
     def _validate(self, request_id: str, prompt: Seq[int], params: SamplingParams) -> None:
         if request_id in self.seqs or request_id in self.incoming or request_id in self.handed_off:

@@ -40,6 +40,10 @@ class KVLayout:
             elements *= n
         return elements * torch.empty((), dtype=getattr(torch, self.dtype)).element_size()
 
+    def bytes_per_block(self) -> int:
+        """One block of positions across every cache (what a KV transfer moves per block)."""
+        return sum(self.block_bytes(cache) for cache in self.caches().values())
+
     def caches(self) -> dict[str, CacheShape]:
         """The caches a block spans, by name ("target", and "draft" when present)."""
         return {"target": self.target} | ({"draft": self.draft} if self.draft else {})

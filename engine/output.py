@@ -22,6 +22,7 @@ class KVHandle:
     rng_state: torch.Tensor  # the request's generator after sampling the first token
     draft_hidden: torch.Tensor | None  # EAGLE3 draft input hidden state of the last prompt position
     cached_prompt_tokens: int
+    queue_seconds: float  # waited in this engine's queue before the prompt was computed
 
 
 @dataclass
@@ -29,6 +30,7 @@ class Usage:
     prompt_tokens: int
     completion_tokens: int
     cached_prompt_tokens: int  # served from a prefix cache
+    queue_seconds: float  # waited in this engine's queue before the prompt was computed
 
 
 @dataclass

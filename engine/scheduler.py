@@ -9,6 +9,7 @@ preempted (its blocks freed, to be recomputed later, mostly from the prefix cach
 speculative reservation that does not fit degrades to no speculation for that step.
 """
 
+import time
 from collections import deque
 from collections.abc import Callable
 from dataclasses import dataclass
@@ -84,8 +85,9 @@ class Scheduler:
                 break
             self.waiting.popleft()
             cached = self.blocks.allocate(seq.seq_id, seq.token_ids)
-            if seq.num_generated == 0:
+            if seq.num_generated == 0:  # first admission (a preempted sequence comes back with tokens)
                 seq.num_cached_prompt = cached
+                seq.queue_seconds = time.monotonic() - seq.arrived
             seq.num_computed = cached
             seq.status = SeqStatus.RUNNING
             self.running.append(seq)

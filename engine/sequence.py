@@ -1,6 +1,7 @@
 """A request's state inside one engine."""
 
 import enum
+import time
 from dataclasses import dataclass, field
 
 import torch
@@ -26,6 +27,8 @@ class Sequence:
     status: SeqStatus = SeqStatus.WAITING
     num_computed: int = 0  # tokens whose KV is in the cache (committed in the block manager)
     num_cached_prompt: int = 0  # prompt tokens served by the prefix cache at admission
+    arrived: float = field(default_factory=time.monotonic)
+    queue_seconds: float = 0.0  # from arrival until its prompt's computation was first scheduled
     finish_reason: str | None = None
     prefill_only: bool = False  # stop after the first token and hand the KV off (disaggregated prefill)
     acceptance: AcceptanceStats = field(default_factory=AcceptanceStats)

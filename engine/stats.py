@@ -60,4 +60,5 @@ class AcceptanceStats:
             "steps": self.steps,
             "mean_acceptance_length": round(self.mean_acceptance_length, 4),
             "per_position_acceptance_rate": [round(a / d, 4) for a, d in zip(accepted_at, self.drafted_at)],
+            "accepted_per_position": accepted_at,
         }

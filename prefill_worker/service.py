@@ -46,5 +46,5 @@ class PrefillServicer(worker_pb2_grpc.PrefillWorkerServicer):
             block_ids=h.block_table, num_prompt_tokens=len(request.prompt_token_ids), first_token=h.first_token,
             rng_state=h.rng_state.numpy().tobytes(),
             draft_hidden=h.draft_hidden.float().numpy().tobytes() if h.draft_hidden is not None else b"",
-            cached_prompt_tokens=h.cached_prompt_tokens,
+            cached_prompt_tokens=h.cached_prompt_tokens, queue_seconds=h.queue_seconds,
         )

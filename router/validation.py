@@ -42,6 +42,7 @@ def validate(request: router_pb2.GenerateRequest, tokenizer: Tokenizer, max_mode
     if len(request.request_id) > MAX_REQUEST_ID:
         raise InvalidRequest(f"request_id: at most {MAX_REQUEST_ID} characters, got {len(request.request_id)}")
     check_sampling(request.sampling, request.speculation)
+    _check_token_ids(request.sampling.stop_token_ids, tokenizer.vocab_size, "sampling.stop_token_ids")
     prompt = prompt_token_ids(request, tokenizer)
     if max_model_len is not None and len(prompt) >= max_model_len:
         raise InvalidRequest(
@@ -68,7 +69,7 @@ def prompt_token_ids(request: router_pb2.GenerateRequest, tokenizer: Tokenizer) 
         return _encode_chat(request.messages.messages, tokenizer)
     if kind == "prompt":
         return tokenizer.encode(request.prompt)
-    _check_token_ids(request.token_ids.ids, tokenizer.vocab_size)
+    _check_token_ids(request.token_ids.ids, tokenizer.vocab_size, "token_ids.ids")
     return list(request.token_ids.ids)
 
 
@@ -82,10 +83,10 @@ def _encode_chat(messages: Sequence[common_pb2.ChatMessage], tokenizer: Tokenize
         raise InvalidRequest(f"messages.messages: {e}") from None
 
 
-def _check_token_ids(ids: Sequence[int], vocab_size: int) -> None:
+def _check_token_ids(ids: Sequence[int], vocab_size: int, field: str) -> None:
     for i, token in enumerate(ids):
         if not 0 <= token < vocab_size:
-            raise InvalidRequest(f"token_ids.ids[{i}]: must be in [0, {vocab_size}), got {token}")
+            raise InvalidRequest(f"{field}[{i}]: must be in [0, {vocab_size}), got {token}")
 
 
 def _describe(err: dict) -> str:

@@ -12,20 +12,22 @@ def sampling_params(options: common_pb2.SamplingOptions, speculation: common_pb2
               if options.HasField(name)}
     if speculation is not None and speculation.HasField("num_speculative_tokens"):
         fields["num_speculative_tokens"] = speculation.num_speculative_tokens
-    return SamplingParams(stop=tuple(options.stop), ignore_eos=options.ignore_eos, **fields)
+    return SamplingParams(stop=tuple(options.stop), stop_token_ids=tuple(options.stop_token_ids),
+                          ignore_eos=options.ignore_eos, **fields)
 
 
 def sampling_options(params: SamplingParams) -> common_pb2.SamplingOptions:
     return common_pb2.SamplingOptions(max_tokens=params.max_tokens, temperature=params.temperature, top_p=params.top_p,
                                       top_k=params.top_k, seed=params.seed, stop=list(params.stop),
-                                      ignore_eos=params.ignore_eos)
+                                      stop_token_ids=list(params.stop_token_ids), ignore_eos=params.ignore_eos)
 
 
 def acceptance(stats: AcceptanceStats) -> common_pb2.Acceptance:
     d = stats.to_dict()
     return common_pb2.Acceptance(drafted=d["drafted"], accepted=d["accepted"], steps=d["steps"],
                                  mean_acceptance_length=d["mean_acceptance_length"],
-                                 per_position_acceptance_rate=d["per_position_acceptance_rate"])
+                                 per_position_acceptance_rate=d["per_position_acceptance_rate"],
+                                 accepted_per_position=d["accepted_per_position"])
 
 
 def kv_event(event: KVEvent) -> kv_pb2.KVEvent:

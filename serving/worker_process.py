@@ -8,10 +8,12 @@ picks one by role. Launchers (local processes, Ray actors, Kubernetes pods) all 
 import logging
 import socket
 import uuid
+from collections.abc import Iterable
 from dataclasses import dataclass, field
 from typing import Any, Callable, Protocol
 
 import grpc
+from prometheus_client.registry import Collector
 
 from engine.config import EngineConfig
 from engine.engine import Engine
@@ -95,10 +97,11 @@ def bind(spec: WorkerSpec, services: list[Service]) -> tuple[grpc.Server, str]:
 
 
 def announce(spec: WorkerSpec, loop: EngineLoop, server: grpc.Server, address: str, closers: list[Closeable],
-             kv_transfer: str) -> RunningWorker:
-    """Export metrics and register with the router, which routes to the worker once the first
-    heartbeat lands."""
-    metrics_server, metrics_port = serve_metrics(loop, spec.role, spec.worker_id, spec.host, spec.metrics_port)
+             kv_transfer: str, collectors: Iterable[Collector] = ()) -> RunningWorker:
+    """Export metrics (the engine's, and `collectors`) and register with the router, which routes
+    to the worker once the first heartbeat lands."""
+    metrics_server, metrics_port = serve_metrics(loop, spec.role, spec.worker_id, spec.host, spec.metrics_port,
+                                                 collectors)
     engine = loop.engine
     request = registration(spec.worker_id, spec.role, address, layout_message(loop), engine.blocks.num_blocks,
                            engine.max_model_len)

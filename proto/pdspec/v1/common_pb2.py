@@ -24,7 +24,7 @@ _sym_db = _symbol_database.Default()
 
 
 
-DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n\x1cproto/pdspec/v1/common.proto\x12\tpdspec.v1\",\n\x0b\x43hatMessage\x12\x0c\n\x04role\x18\x01 \x01(\t\x12\x0f\n\x07\x63ontent\x18\x02 \x01(\t\"\xdd\x01\n\x0fSamplingOptions\x12\x17\n\nmax_tokens\x18\x01 \x01(\x05H\x00\x88\x01\x01\x12\x18\n\x0btemperature\x18\x02 \x01(\x02H\x01\x88\x01\x01\x12\x12\n\x05top_p\x18\x03 \x01(\x02H\x02\x88\x01\x01\x12\x12\n\x05top_k\x18\x04 \x01(\x05H\x03\x88\x01\x01\x12\x11\n\x04seed\x18\x05 \x01(\x04H\x04\x88\x01\x01\x12\x0c\n\x04stop\x18\x06 \x03(\t\x12\x12\n\nignore_eos\x18\x07 \x01(\x08\x42\r\n\x0b_max_tokensB\x0e\n\x0c_temperatureB\x08\n\x06_top_pB\x08\n\x06_top_kB\x07\n\x05_seed\"T\n\x12SpeculationOptions\x12#\n\x16num_speculative_tokens\x18\x01 \x01(\x05H\x00\x88\x01\x01\x42\x19\n\x17_num_speculative_tokens\"W\n\x05Usage\x12\x15\n\rprompt_tokens\x18\x01 \x01(\x05\x12\x19\n\x11\x63ompletion_tokens\x18\x02 \x01(\x05\x12\x1c\n\x14\x63\x61\x63hed_prompt_tokens\x18\x03 \x01(\x05\"\x84\x01\n\nAcceptance\x12\x0f\n\x07\x64rafted\x18\x01 \x01(\x05\x12\x10\n\x08\x61\x63\x63\x65pted\x18\x02 \x01(\x05\x12\r\n\x05steps\x18\x03 \x01(\x05\x12\x1e\n\x16mean_acceptance_length\x18\x04 \x01(\x02\x12$\n\x1cper_position_acceptance_rate\x18\x05 \x03(\x02\"\"\n\x0c\x41\x62ortRequest\x12\x12\n\nrequest_id\x18\x01 \x01(\t\"\x1e\n\rAbortResponse\x12\r\n\x05\x66ound\x18\x01 \x01(\x08\x62\x06proto3')
+DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n\x1cproto/pdspec/v1/common.proto\x12\tpdspec.v1\",\n\x0b\x43hatMessage\x12\x0c\n\x04role\x18\x01 \x01(\t\x12\x0f\n\x07\x63ontent\x18\x02 \x01(\t\"\xf5\x01\n\x0fSamplingOptions\x12\x17\n\nmax_tokens\x18\x01 \x01(\x05H\x00\x88\x01\x01\x12\x18\n\x0btemperature\x18\x02 \x01(\x02H\x01\x88\x01\x01\x12\x12\n\x05top_p\x18\x03 \x01(\x02H\x02\x88\x01\x01\x12\x12\n\x05top_k\x18\x04 \x01(\x05H\x03\x88\x01\x01\x12\x11\n\x04seed\x18\x05 \x01(\x04H\x04\x88\x01\x01\x12\x0c\n\x04stop\x18\x06 \x03(\t\x12\x12\n\nignore_eos\x18\x07 \x01(\x08\x12\x16\n\x0estop_token_ids\x18\x08 \x03(\x05\x42\r\n\x0b_max_tokensB\x0e\n\x0c_temperatureB\x08\n\x06_top_pB\x08\n\x06_top_kB\x07\n\x05_seed\"T\n\x12SpeculationOptions\x12#\n\x16num_speculative_tokens\x18\x01 \x01(\x05H\x00\x88\x01\x01\x42\x19\n\x17_num_speculative_tokens\"n\n\x05Usage\x12\x15\n\rprompt_tokens\x18\x01 \x01(\x05\x12\x19\n\x11\x63ompletion_tokens\x18\x02 \x01(\x05\x12\x1c\n\x14\x63\x61\x63hed_prompt_tokens\x18\x03 \x01(\x05\x12\x15\n\rqueue_seconds\x18\x04 \x01(\x01\"\xa3\x01\n\nAcceptance\x12\x0f\n\x07\x64rafted\x18\x01 \x01(\x05\x12\x10\n\x08\x61\x63\x63\x65pted\x18\x02 \x01(\x05\x12\r\n\x05steps\x18\x03 \x01(\x05\x12\x1e\n\x16mean_acceptance_length\x18\x04 \x01(\x02\x12$\n\x1cper_position_acceptance_rate\x18\x05 \x03(\x02\x12\x1d\n\x15\x61\x63\x63\x65pted_per_position\x18\x06 \x03(\x05\"\"\n\x0c\x41\x62ortRequest\x12\x12\n\nrequest_id\x18\x01 \x01(\t\"\x1e\n\rAbortResponse\x12\r\n\x05\x66ound\x18\x01 \x01(\x08\x62\x06proto3')
 
 _globals = globals()
 _builder.BuildMessageAndEnumDescriptors(DESCRIPTOR, _globals)
@@ -34,15 +34,15 @@ if not _descriptor._USE_C_DESCRIPTORS:
   _globals['_CHATMESSAGE']._serialized_start=43
   _globals['_CHATMESSAGE']._serialized_end=87
   _globals['_SAMPLINGOPTIONS']._serialized_start=90
-  _globals['_SAMPLINGOPTIONS']._serialized_end=311
-  _globals['_SPECULATIONOPTIONS']._serialized_start=313
-  _globals['_SPECULATIONOPTIONS']._serialized_end=397
-  _globals['_USAGE']._serialized_start=399
-  _globals['_USAGE']._serialized_end=486
-  _globals['_ACCEPTANCE']._serialized_start=489
-  _globals['_ACCEPTANCE']._serialized_end=621
-  _globals['_ABORTREQUEST']._serialized_start=623
-  _globals['_ABORTREQUEST']._serialized_end=657
-  _globals['_ABORTRESPONSE']._serialized_start=659
-  _globals['_ABORTRESPONSE']._serialized_end=689
+  _globals['_SAMPLINGOPTIONS']._serialized_end=335
+  _globals['_SPECULATIONOPTIONS']._serialized_start=337
+  _globals['_SPECULATIONOPTIONS']._serialized_end=421
+  _globals['_USAGE']._serialized_start=423
+  _globals['_USAGE']._serialized_end=533
+  _globals['_ACCEPTANCE']._serialized_start=536
+  _globals['_ACCEPTANCE']._serialized_end=699
+  _globals['_ABORTREQUEST']._serialized_start=701
+  _globals['_ABORTREQUEST']._serialized_end=735
+  _globals['_ABORTRESPONSE']._serialized_start=737
+  _globals['_ABORTRESPONSE']._serialized_end=767
 # @@protoc_insertion_point(module_scope)
