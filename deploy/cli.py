@@ -196,7 +196,7 @@ def _serve(args: argparse.Namespace) -> int:
     from deploy.config import load_config
     from deploy.local import LocalCluster
 
-    config = load_config(Path(args.config))
+    config = _with_http_port(load_config(Path(args.config)), args.http_port)
     port = args.port if args.port is not None else config.router.port
     if args.launcher == "local":
         if args.address is not None:
@@ -211,7 +211,8 @@ def _serve(args: argparse.Namespace) -> int:
     try:
         cluster.start()
         logs = f" (logs in {cluster.log_dir})" if args.launcher == "local" else ""
-        print(f"pdspec: router ready at {cluster.router_address}{logs}", flush=True)
+        http = f", OpenAI API at {cluster.http_url}" if cluster.http_url else ""
+        print(f"pdspec: router ready at {cluster.router_address}{http}{logs}", flush=True)
         if args.once is not None:
             _answer(cluster.router_address, args.once)
         elif args.launcher == "ray" and cluster.detached:
@@ -222,6 +223,13 @@ def _serve(args: argparse.Namespace) -> int:
     finally:
         cluster.stop()
     return 0
+
+
+def _with_http_port(config, http_port: int | None):
+    """--http-port overrides router.http_port as --port does router.port."""
+    from deploy.config import with_router
+
+    return config if http_port is None else with_router(config, "--http-port", http_port=http_port)
 
 
 def _stop(args: argparse.Namespace) -> int:
@@ -252,11 +260,11 @@ def _router(args: argparse.Namespace) -> int:
     from engine.model_dir import resolve_model_dir
     from router.main import run_router
 
-    config = load_config(Path(args.config))
-    server, port = run_router(config.router, config.token(), resolve_model_dir(config.engine.model), args.port)
-    logging.getLogger("pdspec").info("router serving on port %d", port)
+    config = _with_http_port(load_config(Path(args.config)), args.http_port)
+    router = run_router(config.router, config.token(), resolve_model_dir(config.engine.model),
+                        config.served_model_name(), args.port)
     _wait_for_signal()
-    server.stop(grace=2).wait()
+    router.stop()
     return 0
 
 
@@ -275,6 +283,8 @@ def _add_cluster(sub: argparse._SubParsersAction) -> None:
     p = sub.add_parser("serve", help="start the router and every worker of a config (Ray actors or local processes)")
     p.add_argument("--config", required=True, help="deployment YAML (see deploy/configs/)")
     p.add_argument("--port", type=int, default=None, help="router port (default: the config's router.port)")
+    p.add_argument("--http-port", type=int, default=None,
+                   help="OpenAI API port (default: the config's router.http_port; 0: any free port)")
     p.add_argument("--launcher", choices=["ray", "local"], default="ray",
                    help="ray: one Ray actor per process (default); local: plain processes on this machine")
     p.add_argument("--address", default=None,
@@ -293,6 +303,7 @@ def _add_cluster(sub: argparse._SubParsersAction) -> None:
     p = sub.add_parser("router", help="run the router (one process)")
     p.add_argument("--config", required=True)
     p.add_argument("--port", type=int, default=None)
+    p.add_argument("--http-port", type=int, default=None)
     p.set_defaults(func=_router)
     p = sub.add_parser("worker", help="run one worker (one process)")
     p.add_argument("--role", required=True, choices=WORKER_ROLES)

@@ -11,6 +11,7 @@ import yaml
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, model_validator
 
 from engine.config import EngineConfig
+from engine.model_dir import model_name
 from router.config import RouterConfig
 from serving.roles import WORKER_ROLES
 
@@ -47,6 +48,10 @@ class DeploymentConfig(_Strict):
     aggregated: RoleConfig = Field(default_factory=RoleConfig)
     pin_timeout_s: float = Field(30.0, gt=0, description="prefill blocks stay pinned this long awaiting the decode side")
     cluster_token: str | None = Field(None, description="shared secret of internal RPCs (default: $PDSPEC_CLUSTER_TOKEN)")
+
+    def served_model_name(self) -> str:
+        """The model's name in the HTTP API: router.served_model_name, else the model's own."""
+        return self.router.served_model_name or model_name(self.engine.model)
 
     def token(self) -> str | None:
         """The cluster token: the config's, else $PDSPEC_CLUSTER_TOKEN."""
@@ -101,6 +106,13 @@ def parse_config(raw: dict, source: str = "config") -> DeploymentConfig:
         return DeploymentConfig.model_validate(raw)
     except ValidationError as e:
         raise ConfigError(f"{source}: " + "; ".join(_describe(err) for err in e.errors())) from None
+
+
+def with_router(config: DeploymentConfig, source: str, **fields) -> DeploymentConfig:
+    """`config` with router fields replaced (e.g. from a CLI flag named `source`), validated as a file is."""
+    raw = config.model_dump(mode="json")
+    raw["router"].update(fields)
+    return parse_config(raw, source=source)
 
 
 def _describe(err: dict) -> str:

@@ -15,7 +15,7 @@ from pathlib import Path
 
 import yaml
 
-from deploy.config import DeploymentConfig, check_launchable
+from deploy.config import DeploymentConfig, check_launchable, with_router
 from deploy.readiness import wait_for_workers
 from proto.rpc import free_port, wait_healthy
 from serving.roles import WORKER_ROLES
@@ -31,10 +31,18 @@ class LocalCluster:
 
     def __post_init__(self) -> None:
         self.router_port = self.router_port or free_port(self.host)  # 0: any free port
+        if self.config.router.http_port == 0:
+            self.config = with_router(self.config, "router.http_port", http_port=free_port(self.host))
 
     @property
     def router_address(self) -> str:
         return f"{self.host}:{self.router_port}"
+
+    @property
+    def http_url(self) -> str | None:
+        """The OpenAI API's base URL (None: router.http_port is off)."""
+        port = self.config.router.http_port
+        return None if port is None else f"http://{self.host}:{port}/v1"
 
     def start(self, timeout_s: float = 300.0) -> "LocalCluster":
         """Start everything; if any part fails to come up, stop what did before raising."""

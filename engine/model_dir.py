@@ -5,7 +5,12 @@ from pathlib import Path
 
 import xxhash
 
-from engine.config import ModelConfigError
+from engine.config import EMBEDDED_NAME, ModelConfigError
+
+
+def model_name(model: str | None) -> str:
+    """What to call a model (`engine.model`) in an API: the embedded model's name, else its directory's."""
+    return EMBEDDED_NAME if model is None else Path(model).expanduser().resolve().name
 
 
 def resolve_model_dir(model: str | None) -> Path:

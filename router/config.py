@@ -10,6 +10,10 @@ class RouterConfig(BaseModel):
 
     host: str = "127.0.0.1"
     port: int = Field(50051, ge=0, le=65535, description="public gRPC port (0: pick a free one)")
+    http_port: int | None = Field(None, ge=0, le=65535,
+                                  description="OpenAI-compatible HTTP API port (null: off; 0: pick a free one)")
+    served_model_name: str | None = Field(None, min_length=1, description="the model name the HTTP API serves "
+                                          "(default: the model directory's name; the embedded model's own name)")
     policy: Literal["kv", "round_robin", "random"] = "kv"
     overlap_weight: float = Field(1.0, ge=0.0, description="weight of prefill blocks to compute in the kv cost")
     temperature: float = Field(0.0, ge=0.0, description="softmax temperature over -cost; 0 = always the cheapest")

@@ -1,8 +1,9 @@
 """Start the router: the public Router service, the internal Registry (cluster token required),
-and a thread that evicts workers whose heartbeats stopped."""
+a thread that evicts workers whose heartbeats stopped, and (router.http_port) the OpenAI API."""
 
 import logging
 import threading
+from dataclasses import dataclass
 from pathlib import Path
 
 import grpc
@@ -12,25 +13,45 @@ from engine.tokenizer import Tokenizer
 from proto.pdspec.v1 import router_pb2_grpc, worker_pb2_grpc
 from proto.rpc import serve
 from router.config import RouterConfig
+from router.http_server import HttpServer
+from router.metrics import RouterMetrics
+from router.openai_api import create_app
 from router.registry import Registry
 from router.service import RegistryServicer, RouterServicer
 
 log = logging.getLogger(__name__)
 ROUTER_SERVICE = "pdspec.v1.Router"
+_WILDCARD = ("0.0.0.0", "::", "")
 
 
-def run_router(rc: RouterConfig, token: str | None, model_dir: Path, port: int | None = None) -> tuple[grpc.Server, int]:
-    """Serve on rc.host:`port` (None: rc.port; 0: a free one); returns the server and its port.
+@dataclass
+class RunningRouter:
+    server: grpc.Server
+    port: int
+    http: HttpServer | None
+    http_port: int | None  # None: the HTTP API is off
+
+    def stop(self, grace_s: float = 2.0) -> None:
+        if self.http is not None:
+            self.http.stop()
+        self.server.stop(grace=grace_s).wait()
+
+
+def run_router(rc: RouterConfig, token: str | None, model_dir: Path, model_name: str,
+               port: int | None = None) -> RunningRouter:
+    """Serve gRPC on rc.host:`port` (None: rc.port; 0: a free one) and, if rc.http_port is set,
+    the OpenAI API on rc.host:rc.http_port (0: a free one).
 
     `token`: the cluster token internal services require; `model_dir` supplies the tokenizer and
-    chat template, it must be the workers' model."""
+    chat template, it must be the workers' model; `model_name`: what the HTTP API calls it."""
     # Readiness: the Router service is SERVING only while a request sent now has a route; the ""
     # service (liveness) stays SERVING while the process lives.
     health_servicer = health.HealthServicer()
     registry = Registry(on_change=lambda: health_servicer.set(ROUTER_SERVICE, _status(registry.can_serve())))
+    metrics = RouterMetrics(model_name)
+    router = RouterServicer(registry, Tokenizer.from_dir(model_dir), rc, token, metrics)
     services = [
-        (router_pb2_grpc.add_RouterServicer_to_server, RouterServicer(registry, Tokenizer.from_dir(model_dir), rc, token),
-         ROUTER_SERVICE),
+        (router_pb2_grpc.add_RouterServicer_to_server, router, ROUTER_SERVICE),
         (worker_pb2_grpc.add_RegistryServicer_to_server, RegistryServicer(registry, rc.heartbeat_interval_s),
          "pdspec.v1.Registry"),
     ]
@@ -40,7 +61,17 @@ def run_router(rc: RouterConfig, token: str | None, model_dir: Path, port: int |
     threading.Thread(target=_evict_until_stopped, args=(server, registry, rc), name="router-evict", daemon=True).start()
     log.info("router serving on %s:%d (policy %s, cluster token %s)", rc.host, bound, rc.policy,
              "set" if token else "NOT set: internal services are open")
-    return server, bound
+    if rc.http_port is None:
+        return RunningRouter(server, bound, None, None)
+    grpc_address = f"{'127.0.0.1' if rc.host in _WILDCARD else rc.host}:{bound}"
+    http = HttpServer(create_app(grpc_address, model_name, metrics.registry, registry.can_serve), rc.host, rc.http_port)
+    try:
+        http_port = http.start()
+    except RuntimeError:
+        server.stop(0)
+        raise
+    log.info("OpenAI API serving %s on http://%s:%d/v1", model_name, rc.host, http_port)
+    return RunningRouter(server, bound, http, http_port)
 
 
 def _status(ready: bool) -> int:

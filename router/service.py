@@ -18,6 +18,7 @@ from typing import NoReturn
 import grpc
 
 from router.config import RouterConfig
+from router.metrics import RouterMetrics
 from engine.tokenizer import Tokenizer
 from proto import rpc
 from proto.pdspec.v1 import common_pb2, kv_pb2, kv_pb2_grpc, router_pb2, router_pb2_grpc, worker_pb2, worker_pb2_grpc
@@ -98,14 +99,24 @@ class _Peers:
 
 class RouterServicer(router_pb2_grpc.RouterServicer):
     def __init__(self, registry: Registry, tokenizer: Tokenizer, config: RouterConfig, token: str | None,
-                 policy: PrefillPolicy | None = None) -> None:
+                 metrics: RouterMetrics, policy: PrefillPolicy | None = None) -> None:
         self._registry, self._tokenizer, self._config = registry, tokenizer, config
         self._policy = policy or make_policy(config)
         self._peers = _Peers(token)
+        self._metrics = metrics
         self._runs_lock = threading.Lock()
         self._runs: dict[str, _Run] = {}
 
     def Generate(self, request, context) -> Iterator[router_pb2.GenerateResponse]:
+        observer = self._metrics.start()
+        try:
+            for response in self._generate(request, context):
+                observer.on_response(response)
+                yield response
+        finally:
+            observer.finish(_status_name(context))
+
+    def _generate(self, request, context) -> Iterator[router_pb2.GenerateResponse]:
         try:
             req = validate(request, self._tokenizer, self._registry.max_model_len())
         except InvalidRequest as e:
@@ -292,6 +303,14 @@ def _response(request_id: str, out: worker_pb2.DecodeResponse) -> router_pb2.Gen
 def _aborted(req: ValidRequest, completion_tokens: int) -> router_pb2.GenerateResponse:
     usage = common_pb2.Usage(prompt_tokens=len(req.prompt_token_ids), completion_tokens=completion_tokens)
     return router_pb2.GenerateResponse(request_id=req.request_id, finish_reason="abort", usage=usage)
+
+
+def _status_name(context) -> str:
+    """How a Generate ended: the code it aborted with, CANCELLED if the client left, else OK."""
+    code = context.code()
+    if code is not None:
+        return code.name
+    return "OK" if context.is_active() else "CANCELLED"
 
 
 def _client_code(code: grpc.StatusCode) -> grpc.StatusCode:

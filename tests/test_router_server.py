@@ -7,6 +7,7 @@ import time
 from pathlib import Path
 
 import grpc
+import httpx
 import pytest
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 from grpc_reflection.v1alpha import reflection_pb2, reflection_pb2_grpc
@@ -25,11 +26,11 @@ HELLO = router_pb2.GenerateRequest(prompt="Hello")
 def router(model_dir):
     config = DeploymentConfig(cluster_token=TOKEN, router=RouterConfig(
         heartbeat_interval_s=0.1, heartbeat_timeout_s=0.5, max_retries=1))
-    server, port = run_router(config.router, config.token(), model_dir, port=0)
-    address = f"127.0.0.1:{port}"
+    router = run_router(config.router, config.token(), model_dir, "smollm2", port=0)
+    address = f"127.0.0.1:{router.port}"
     with channel(address) as public, channel(address, TOKEN) as internal:
         yield router_pb2_grpc.RouterStub(public), worker_pb2_grpc.RegistryStub(internal), public
-    server.stop(0)
+    router.stop(0)
 
 
 def registration(worker_id: str, address: str, role: str = "aggregated") -> worker_pb2.RegisterRequest:
@@ -128,3 +129,33 @@ def test_failed_workers_are_retried_elsewhere_then_named(router):
 def test_the_router_does_not_import_torch():
     code = "import sys, router.main; sys.exit('torch' in sys.modules)"
     assert subprocess.run([sys.executable, "-c", code], cwd=Path(__file__).parent.parent).returncode == 0
+
+
+def test_the_http_api_follows_readiness_and_answers_errors_in_openai_shape(model_dir):
+    rc = RouterConfig(http_port=0, heartbeat_interval_s=0.1, heartbeat_timeout_s=0.5)
+    router = run_router(rc, TOKEN, model_dir, "smollm2", port=0)
+    root = f"http://127.0.0.1:{router.http_port}"
+    try:
+        assert httpx.get(f"{root}/health").status_code == 200
+        assert httpx.get(f"{root}/ready").status_code == 503
+        answer = httpx.post(f"{root}/v1/chat/completions", json={"messages": [{"role": "user", "content": "Hi"}]})
+        assert answer.status_code == 503 and answer.json()["error"]["type"] == "service_unavailable"
+        assert "no prefill/decode workers registered" in answer.json()["error"]["message"]
+        with channel(f"127.0.0.1:{router.port}", TOKEN) as internal:
+            worker_pb2_grpc.RegistryStub(internal).Register(registration("agg", "127.0.0.1:3"), timeout=10)
+        assert httpx.get(f"{root}/ready").status_code == 200
+        deadline = time.monotonic() + 10
+        while httpx.get(f"{root}/ready").status_code == 200 and time.monotonic() < deadline:  # evicted: no heartbeats
+            time.sleep(0.1)
+        assert httpx.get(f"{root}/ready").status_code == 503
+    finally:
+        router.stop(0)
+
+
+def test_a_taken_http_port_fails_the_start_loudly(model_dir):
+    with socket.socket() as taken:
+        taken.bind(("127.0.0.1", 0))
+        taken.listen()
+        rc = RouterConfig(http_port=taken.getsockname()[1])
+        with pytest.raises(RuntimeError, match="router.http_port: cannot listen on 127.0.0.1"):
+            run_router(rc, TOKEN, model_dir, "smollm2", port=0)

@@ -1,0 +1,43 @@
+"""uvicorn serving the OpenAI API from a thread of the router's process."""
+
+import socket
+import threading
+import time
+
+import uvicorn
+from fastapi import FastAPI
+
+
+class HttpServer:
+    def __init__(self, app: FastAPI, host: str, port: int) -> None:
+        # log_config=None: keep the process's own (structured) logging instead of uvicorn's.
+        config = uvicorn.Config(app, log_config=None, access_log=False, lifespan="on")
+        self._host, self._port = host, port
+        self._server = uvicorn.Server(config)
+        self._thread: threading.Thread | None = None
+
+    def start(self, timeout_s: float = 30.0) -> int:
+        """Serve; returns the bound port once it accepts connections. Binding here (not in
+        uvicorn's thread) turns a taken port into an error the caller sees."""
+        sock = socket.socket(socket.AF_INET6 if ":" in self._host else socket.AF_INET)
+        sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+        try:
+            sock.bind((self._host, self._port))
+        except OSError as e:
+            sock.close()
+            raise RuntimeError(f"router.http_port: cannot listen on {self._host}:{self._port}: {e.strerror}") from None
+        self._thread = threading.Thread(target=self._server.run, kwargs={"sockets": [sock]}, name="http-api",
+                                        daemon=True)
+        self._thread.start()
+        deadline = time.monotonic() + timeout_s
+        while not self._server.started:
+            if not self._thread.is_alive() or time.monotonic() > deadline:
+                self.stop()
+                raise RuntimeError(f"the HTTP API did not start on {self._host}:{self._port}; see the log")
+            time.sleep(0.01)
+        return sock.getsockname()[1]
+
+    def stop(self) -> None:
+        self._server.should_exit = True
+        if self._thread is not None:
+            self._thread.join(timeout=10)

@@ -1,0 +1,176 @@
+"""The router's OpenAI-compatible HTTP API (FastAPI): chat and text completions, streamed as
+server-sent events or whole, the served model, liveness, readiness and Prometheus metrics.
+
+Each completion is one call to the router's own gRPC Generate on loopback, so one path
+validates, routes, retries and counts requests whichever front a client uses. A client that
+disconnects cancels that call, and the router frees the request on every worker, as it does for
+a gRPC client that leaves.
+"""
+
+import asyncio
+import contextlib
+import json
+import uuid
+from collections.abc import AsyncIterator, Callable
+from typing import Any
+
+import grpc
+from fastapi import FastAPI, Request
+from fastapi.exceptions import RequestValidationError
+from fastapi.responses import JSONResponse, Response, StreamingResponse
+from prometheus_client import CONTENT_TYPE_LATEST, CollectorRegistry, generate_latest
+
+from proto.pdspec.v1 import router_pb2, router_pb2_grpc
+from router.openai_schema import (ChatCompletionRequest, CompletionRequest, OpenAIError, Shape, api_field, extension,
+                                  invalid, usage)
+
+# gRPC status -> (HTTP status, OpenAI error type).
+_HTTP_STATUS = {
+    grpc.StatusCode.INVALID_ARGUMENT: (400, "invalid_request_error"),
+    grpc.StatusCode.UNAUTHENTICATED: (401, "authentication_error"),
+    grpc.StatusCode.NOT_FOUND: (404, "not_found_error"),
+    grpc.StatusCode.RESOURCE_EXHAUSTED: (429, "rate_limit_error"),
+    grpc.StatusCode.UNAVAILABLE: (503, "service_unavailable"),
+    grpc.StatusCode.DEADLINE_EXCEEDED: (504, "timeout"),
+}
+
+
+def create_app(router_address: str, model_name: str, registry: CollectorRegistry, ready: Callable[[], bool]) -> FastAPI:
+    """`router_address`: the router's gRPC port, dialled on loopback; `ready`: whether a request
+    sent now has a route (the readiness the gRPC health service reports)."""
+
+    @contextlib.asynccontextmanager
+    async def lifespan(app: FastAPI) -> AsyncIterator[None]:
+        async with grpc.aio.insecure_channel(router_address) as channel:
+            app.state.router = router_pb2_grpc.RouterStub(channel)
+            yield
+
+    app = FastAPI(title="pdspec", summary="OpenAI-compatible API of a pdspec cluster", lifespan=lifespan)
+
+    @app.exception_handler(OpenAIError)
+    async def openai_error(request: Request, e: OpenAIError) -> JSONResponse:
+        return JSONResponse(e.body(), status_code=e.status)
+
+    @app.exception_handler(RequestValidationError)
+    async def malformed(request: Request, e: RequestValidationError) -> JSONResponse:
+        error = e.errors()[0]
+        path = [str(p) for p in error["loc"] if p != "body"]
+        return await openai_error(request, invalid(path[0] if path else "body", f"{error['msg']} (at {'.'.join(path)})"))
+
+    @app.get("/health")
+    async def health() -> dict[str, str]:
+        return {"status": "ok"}
+
+    @app.get("/ready")
+    async def readiness() -> JSONResponse:
+        if ready():
+            return JSONResponse({"status": "ready"})
+        raise OpenAIError(503, "no route yet: needs a prefill and a decode worker, or an aggregated one",
+                          "service_unavailable")
+
+    @app.get("/metrics")
+    async def metrics() -> Response:
+        return Response(generate_latest(registry), media_type=CONTENT_TYPE_LATEST)
+
+    @app.get("/v1/models")
+    async def models() -> dict[str, Any]:
+        return {"object": "list", "data": [{"id": model_name, "object": "model", "created": 0, "owned_by": "pdspec"}]}
+
+    @app.post("/v1/chat/completions")
+    async def chat_completions(body: ChatCompletionRequest, request: Request) -> Response:
+        return await _complete(body, request, chat=True)
+
+    @app.post("/v1/completions")
+    async def completions(body: CompletionRequest, request: Request) -> Response:
+        return await _complete(body, request, chat=False)
+
+    def check_model(requested: str | None) -> None:
+        if requested is not None and requested != model_name:
+            raise OpenAIError(404, f"model: {requested!r} is not served here; this cluster serves {model_name!r} "
+                              "(GET /v1/models)", "not_found_error", "model")
+
+    async def _complete(body: ChatCompletionRequest | CompletionRequest, request: Request, chat: bool) -> Response:
+        check_model(body.model)
+        request_id = uuid.uuid4().hex
+        shape = Shape(chat, request_id, model_name)
+        call = request.app.state.router.Generate(body.generate_request(request_id))
+        if body.stream:
+            first = await _next(call)  # a request refused before its first token gets its own HTTP status
+            include_usage = body.stream_options is not None and body.stream_options.include_usage
+            return StreamingResponse(_events(call, first, shape, include_usage), media_type="text/event-stream")
+        async with _cancel_on_disconnect(request, call) as left:
+            try:
+                return JSONResponse(await _whole(call, shape))
+            except asyncio.CancelledError:
+                if not left():
+                    raise
+                return Response(status_code=499)  # nobody reads it: the client closed the connection
+
+    return app
+
+
+async def _next(call) -> router_pb2.GenerateResponse:
+    try:
+        message = await call.read()
+    except grpc.aio.AioRpcError as e:
+        status, kind = _HTTP_STATUS.get(e.code(), (500, "internal_error"))
+        text, param = api_field(e.details() or e.code().name) if status == 400 else (e.details(), None)
+        raise OpenAIError(status, text, kind, param) from None
+    if message is grpc.aio.EOF:
+        raise OpenAIError(502, "the router's stream ended without a finish_reason", "internal_error")
+    return message
+
+
+async def _whole(call, shape: Shape) -> dict[str, Any]:
+    message = await _next(call)
+    texts = [message.text]
+    while not message.finish_reason:
+        message = await _next(call)
+        texts.append(message.text)
+    return shape.whole("".join(texts), message)
+
+
+async def _events(call, message: router_pb2.GenerateResponse, shape: Shape, include_usage: bool) -> AsyncIterator[str]:
+    """SSE chunks as OpenAI streams them; a failure after the status line is an error event."""
+    fields = {"usage": None} if include_usage else {}
+    try:
+        if shape.chat:  # a chat stream opens with the assistant's role
+            yield _event(shape.chunk([shape.choice("", None, delta=True, first=True)], **fields))
+        while True:
+            last = bool(message.finish_reason)
+            if message.text or last:
+                choice = shape.choice(message.text, message.finish_reason, delta=True)
+                yield _event(shape.chunk([choice], **fields, **(extension(message) if last else {})))
+            if last:
+                break
+            message = await _next(call)
+        if include_usage:
+            yield _event(shape.chunk([], usage=usage(message)))
+    except OpenAIError as e:
+        yield _event(e.body())
+    finally:
+        call.cancel()  # finished: a no-op; cancelled (the client left): the router stops the request
+    yield "data: [DONE]\n\n"
+
+
+def _event(data: dict[str, Any]) -> str:
+    return f"data: {json.dumps(data, separators=(',', ':'))}\n\n"
+
+
+@contextlib.asynccontextmanager
+async def _cancel_on_disconnect(request: Request, call) -> AsyncIterator[Callable[[], bool]]:
+    """Cancel `call` if the client disconnects before the answer is sent; yields "did it?"."""
+    left = False
+
+    async def watch() -> None:
+        nonlocal left
+        while (await request.receive())["type"] != "http.disconnect":
+            pass
+        left = True
+        call.cancel()
+
+    watcher = asyncio.create_task(watch())
+    try:
+        yield lambda: left
+    finally:
+        watcher.cancel()

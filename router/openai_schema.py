@@ -1,0 +1,189 @@
+"""The OpenAI API's request bodies and response objects, and their translation to and from the
+Router's messages.
+
+Requests: unknown fields are ignored, as OpenAI does; fields pdspec knows but cannot honour
+(n > 1, logprobs, tools, penalties, ...) are refused naming the field, never silently dropped.
+Value ranges (temperature, top_p, token ids, context length) are the Router's own checks, so both
+fronts refuse the same requests; `api_field` renames the Router's field paths to OpenAI's.
+"""
+
+import time
+from typing import Annotated, Any, Literal
+
+from pydantic import BaseModel, ConfigDict, Field
+
+from proto.pdspec.v1 import common_pb2, router_pb2
+
+Int32 = Annotated[int, Field(ge=-(2**31), le=2**31 - 1)]  # the proto's field types, so a request always encodes
+UInt64 = Annotated[int, Field(ge=0, le=2**64 - 1)]
+
+
+class OpenAIError(Exception):
+    """An error answer in OpenAI's shape: {"error": {"message", "type", "param", "code"}}."""
+
+    def __init__(self, status: int, message: str, type_: str, param: str | None = None) -> None:
+        super().__init__(message)
+        self.status, self.message, self.type, self.param = status, message, type_, param
+
+    def body(self) -> dict[str, Any]:
+        return {"error": {"message": self.message, "type": self.type, "param": self.param, "code": None}}
+
+
+def invalid(param: str, message: str) -> OpenAIError:
+    return OpenAIError(400, f"{param}: {message}", "invalid_request_error", param)
+
+
+class _Body(BaseModel):
+    model_config = ConfigDict(extra="ignore")
+
+
+class TextPart(_Body):
+    type: Literal["text"]
+    text: str
+
+
+class Message(_Body):
+    role: str
+    content: str | list[TextPart] | None = None
+
+    def text(self) -> str:
+        if isinstance(self.content, list):
+            return "".join(part.text for part in self.content)
+        return self.content or ""
+
+
+class StreamOptions(_Body):
+    include_usage: bool = False
+
+
+# Known OpenAI fields pdspec does not implement, and the value that means "not used".
+_UNSUPPORTED = {"logprobs": (None, False), "top_logprobs": (None, 0), "logit_bias": (None, {}),
+                "presence_penalty": (None, 0), "frequency_penalty": (None, 0), "tools": (None, []),
+                "functions": (None, []), "echo": (None, False), "best_of": (None, 1), "suffix": (None, "")}
+
+
+class _Sampling(BaseModel):
+    model_config = ConfigDict(extra="allow")  # kept in model_extra, to refuse the unsupported ones by name
+
+    model: str | None = None
+    max_tokens: Int32 | None = None
+    temperature: float | None = None
+    top_p: float | None = None
+    top_k: Int32 | None = None  # not OpenAI's; vLLM and SGLang take it too
+    seed: UInt64 | None = None
+    stop: str | list[str] | None = None
+    stop_token_ids: list[Int32] = []  # vLLM's name for stopping on token ids
+    ignore_eos: bool = False
+    n: int = 1
+    user: str | None = None
+    stream: bool = False
+    stream_options: StreamOptions | None = None
+
+    def check_supported(self) -> None:
+        if self.n != 1:
+            raise invalid("n", f"only 1 choice per request is supported, got {self.n}")
+        for name, unused in _UNSUPPORTED.items():
+            value = (self.model_extra or {}).get(name)
+            if value not in unused:
+                raise invalid(name, f"not supported by pdspec (got {value!r}); leave it out")
+
+    def sampling(self, max_tokens: int | None) -> common_pb2.SamplingOptions:
+        stop = [self.stop] if isinstance(self.stop, str) else self.stop or []
+        options = common_pb2.SamplingOptions(stop=stop, stop_token_ids=self.stop_token_ids, ignore_eos=self.ignore_eos)
+        for name, value in (("max_tokens", max_tokens), ("temperature", self.temperature), ("top_p", self.top_p),
+                            ("top_k", self.top_k), ("seed", self.seed)):
+            if value is not None:
+                setattr(options, name, value)
+        return options
+
+
+class ChatCompletionRequest(_Sampling):
+    messages: list[Message]
+    max_completion_tokens: Int32 | None = None  # OpenAI's newer name for max_tokens; wins if both are set
+
+    def generate_request(self, request_id: str) -> router_pb2.GenerateRequest:
+        self.check_supported()
+        roles = {"developer": "system"}  # OpenAI's newer name for the system role
+        messages = [common_pb2.ChatMessage(role=roles.get(m.role, m.role), content=m.text()) for m in self.messages]
+        return router_pb2.GenerateRequest(request_id=request_id, messages=router_pb2.MessageList(messages=messages),
+                                          sampling=self.sampling(self.max_completion_tokens or self.max_tokens))
+
+
+class CompletionRequest(_Sampling):
+    prompt: str | list[Int32] | list[str] | list[list[Int32]]
+
+    def generate_request(self, request_id: str) -> router_pb2.GenerateRequest:
+        self.check_supported()
+        prompt = self.prompt
+        if isinstance(prompt, list) and prompt and isinstance(prompt[0], (str, list)):
+            if len(prompt) != 1:
+                raise invalid("prompt", f"one prompt per request is supported, got a batch of {len(prompt)}")
+            prompt = prompt[0]
+        request = router_pb2.GenerateRequest(request_id=request_id, sampling=self.sampling(self.max_tokens))
+        if isinstance(prompt, str):
+            request.prompt = prompt
+        else:
+            request.token_ids.ids.extend(prompt)
+        return request
+
+
+# The Router's field paths (router/validation.py) as OpenAI names them.
+_API_FIELDS = {"messages.messages": "messages", "token_ids.ids": "prompt", "sampling.max_tokens": "max_tokens",
+               "sampling.": "", "speculation.": "", "input": "messages"}
+
+
+def api_field(message: str) -> tuple[str, str | None]:
+    """A Router INVALID_ARGUMENT message with its leading field path renamed; and that field."""
+    path, sep, rest = message.partition(": ")
+    if not sep or " " in path:
+        return message, None
+    for ours, theirs in _API_FIELDS.items():
+        if path.startswith(ours):
+            path = theirs + path[len(ours):]
+            break
+    return f"{path}: {rest}", path.split("[")[0].split(".")[0]
+
+
+def usage(final: router_pb2.GenerateResponse) -> dict[str, Any]:
+    u = final.usage
+    return {"prompt_tokens": u.prompt_tokens, "completion_tokens": u.completion_tokens,
+            "total_tokens": u.prompt_tokens + u.completion_tokens,
+            "prompt_tokens_details": {"cached_tokens": u.cached_prompt_tokens}}
+
+
+def extension(final: router_pb2.GenerateResponse) -> dict[str, Any]:
+    """pdspec's own fields in a response: the speculation outcome, when it ran."""
+    if not final.HasField("acceptance"):
+        return {}
+    a = final.acceptance
+    return {"pdspec": {"acceptance": {
+        "drafted": a.drafted, "accepted": a.accepted, "steps": a.steps,
+        "mean_acceptance_length": round(a.mean_acceptance_length, 4),
+        "per_position_acceptance_rate": [round(r, 4) for r in a.per_position_acceptance_rate]}}}
+
+
+class Shape:
+    """The objects of one endpoint's answers: chat.completion(.chunk) or text_completion."""
+
+    def __init__(self, chat: bool, request_id: str, model: str) -> None:
+        self.chat = chat
+        self.head = {"id": f"{'chatcmpl' if chat else 'cmpl'}-{request_id}", "created": int(time.time()), "model": model}
+
+    def choice(self, text: str, finish_reason: str | None, delta: bool, first: bool = False) -> dict[str, Any]:
+        choice: dict[str, Any] = {"index": 0}
+        if not self.chat:
+            choice["text"] = text
+        elif delta:
+            choice["delta"] = {"role": "assistant", "content": text} if first else ({"content": text} if text else {})
+        else:
+            choice["message"] = {"role": "assistant", "content": text}
+        return choice | {"logprobs": None, "finish_reason": finish_reason or None}
+
+    def whole(self, text: str, final: router_pb2.GenerateResponse) -> dict[str, Any]:
+        return {**self.head, "object": "chat.completion" if self.chat else "text_completion",
+                "choices": [self.choice(text, final.finish_reason, delta=False)], "usage": usage(final),
+                **extension(final)}
+
+    def chunk(self, choices: list[dict[str, Any]], **fields: Any) -> dict[str, Any]:
+        return {**self.head, "object": "chat.completion.chunk" if self.chat else "text_completion",
+                "choices": choices, **fields}

@@ -1,0 +1,235 @@
+"""The OpenAI-compatible HTTP API end to end: the official `openai` client and raw HTTP against a
+local disaggregated cluster (router, prefill and decode workers as processes on loopback), and
+the router's request metrics it moves."""
+
+import json
+import re
+import socket
+import time
+import urllib.request
+
+import grpc
+import httpx
+import openai
+import pytest
+
+from deploy.config import parse_config
+from deploy.local import LocalCluster
+from engine.tokenizer import Tokenizer
+from proto.pdspec.v1 import common_pb2, router_pb2, router_pb2_grpc
+
+MODEL = "SmolLM2-135M-Instruct"
+QUESTION = [{"role": "user", "content": "Name three primary colors."}]
+MAX_TOKENS = 24
+
+
+@pytest.fixture(scope="module")
+def cluster():
+    config = parse_config({
+        "engine": {"num_kv_blocks": 256, "max_num_seqs": 8,
+                   "speculative": {"method": "eagle3", "num_speculative_tokens": 4, "adaptive": False}},
+        "cluster_token": "pdspec-tests",
+        "router": {"port": 0, "http_port": 0, "request_timeout_s": 900.0},
+        "prefill": {"replicas": 1, "kv_transfer": "grpc"}, "decode": {"replicas": 1, "kv_transfer": "grpc"},
+    })
+    cluster = LocalCluster(config, 0).start()
+    yield cluster
+    cluster.stop()
+
+
+@pytest.fixture(scope="module")
+def client(cluster) -> openai.OpenAI:
+    return openai.OpenAI(base_url=cluster.http_url, api_key="unused", max_retries=0)
+
+
+def _root(cluster: LocalCluster) -> str:
+    return cluster.http_url.removesuffix("/v1")
+
+
+def _grpc_answer(cluster: LocalCluster, **input_) -> tuple[str, list[int]]:
+    with grpc.insecure_channel(cluster.router_address) as channel:
+        request = router_pb2.GenerateRequest(sampling=common_pb2.SamplingOptions(max_tokens=MAX_TOKENS), **input_)
+        responses = list(router_pb2_grpc.RouterStub(channel).Generate(request))
+    return "".join(r.text for r in responses), [t for r in responses for t in r.token_ids]
+
+
+def test_chat_answers_as_the_grpc_api_does(cluster, client):
+    messages = router_pb2.MessageList(messages=[common_pb2.ChatMessage(**m) for m in QUESTION])
+    text, ids = _grpc_answer(cluster, messages=messages)
+    answer = client.chat.completions.create(model=MODEL, messages=QUESTION, max_tokens=MAX_TOKENS, temperature=0)
+    assert answer.object == "chat.completion" and answer.model == MODEL
+    assert answer.choices[0].message.role == "assistant"
+    assert answer.choices[0].message.content == text
+    assert answer.choices[0].finish_reason == ("length" if len(ids) == MAX_TOKENS else "stop")
+    assert answer.usage.completion_tokens == len(ids)
+    assert answer.usage.total_tokens == answer.usage.prompt_tokens + len(ids)
+    acceptance = answer.model_extra["pdspec"]["acceptance"]
+    assert acceptance["steps"] > 0 and acceptance["accepted"] <= acceptance["drafted"]
+
+
+def test_a_streamed_chat_is_the_whole_answer_in_deltas(client):
+    whole = client.chat.completions.create(model=MODEL, messages=QUESTION, max_completion_tokens=MAX_TOKENS)
+    chunks = list(client.chat.completions.create(model=MODEL, messages=QUESTION, max_completion_tokens=MAX_TOKENS,
+                                                 stream=True, stream_options={"include_usage": True}))
+    assert chunks[0].choices[0].delta.role == "assistant"
+    assert "".join(c.choices[0].delta.content or "" for c in chunks if c.choices) == whole.choices[0].message.content
+    assert [c.choices[0].finish_reason for c in chunks if c.choices and c.choices[0].finish_reason] == \
+        [whole.choices[0].finish_reason]
+    assert chunks[-1].choices == [] and chunks[-1].usage.completion_tokens == whole.usage.completion_tokens
+    assert all(c.usage is None for c in chunks[:-1])
+    assert len({c.id for c in chunks}) == 1
+
+
+def test_completions_take_text_or_token_ids(cluster, client, model_dir):
+    text, ids = _grpc_answer(cluster, prompt="The three primary colors are")
+    by_text = client.completions.create(model=MODEL, prompt="The three primary colors are", max_tokens=MAX_TOKENS)
+    assert by_text.object == "text_completion" and by_text.choices[0].text == text
+    prompt_ids = Tokenizer.from_dir(model_dir).encode("The three primary colors are")
+    by_ids = client.completions.create(model=MODEL, prompt=prompt_ids, max_tokens=MAX_TOKENS)
+    assert by_ids.choices[0].text == text and by_ids.usage.prompt_tokens == len(prompt_ids)
+    streamed = client.completions.create(model=MODEL, prompt="The three primary colors are", max_tokens=MAX_TOKENS,
+                                         stream=True)
+    assert "".join(c.choices[0].text for c in streamed) == text
+
+
+def test_stop_strings_and_token_ids_end_the_answer_without_leaking(cluster, client):
+    whole = client.completions.create(model=MODEL, prompt="Count: 1, 2, 3,", max_tokens=MAX_TOKENS).choices[0].text
+    stop = whole[len(whole) // 2: len(whole) // 2 + 2]
+    cut = client.completions.create(model=MODEL, prompt="Count: 1, 2, 3,", max_tokens=MAX_TOKENS, stop=[stop])
+    assert cut.choices[0].finish_reason == "stop"
+    assert cut.choices[0].text == whole[: whole.index(stop)]
+    chunks = client.completions.create(model=MODEL, prompt="Count: 1, 2, 3,", max_tokens=MAX_TOKENS, stop=stop,
+                                       stream=True)
+    assert "".join(c.choices[0].text for c in chunks) == whole[: whole.index(stop)]
+    _, ids = _grpc_answer(cluster, prompt="Count: 1, 2, 3,")
+    by_id = client.completions.create(model=MODEL, prompt="Count: 1, 2, 3,", max_tokens=MAX_TOKENS,
+                                      extra_body={"stop_token_ids": [ids[2]]})
+    assert by_id.choices[0].finish_reason == "stop" and by_id.usage.completion_tokens == ids.index(ids[2]) + 1
+
+
+def test_models_lists_the_served_model_and_unknown_ones_are_404(client):
+    assert [m.id for m in client.models.list()] == [MODEL]
+    with pytest.raises(openai.NotFoundError) as e:
+        client.chat.completions.create(model="gpt-4o", messages=QUESTION)
+    assert e.value.body["param"] == "model" and MODEL in e.value.body["message"]
+
+
+@pytest.mark.parametrize("fields, param", [
+    ({"temperature": 3}, "temperature"),
+    ({"n": 2}, "n"),
+    ({"logprobs": True}, "logprobs"),
+    ({"messages": [{"role": "robot", "content": "hi"}]}, "messages"),
+    ({"messages": []}, "messages"),
+    ({"max_tokens": "many"}, "max_tokens"),
+    ({"stop": [""]}, "stop"),
+])
+def test_bad_fields_are_400_naming_the_field(cluster, fields, param):
+    body = {"model": MODEL, "messages": QUESTION, **fields}
+    response = httpx.post(f"{cluster.http_url}/chat/completions", json=body, timeout=60)
+    assert response.status_code == 400, response.text
+    error = response.json()["error"]
+    assert error["type"] == "invalid_request_error" and error["param"] == param and param in error["message"]
+
+
+def test_raw_sse_framing(cluster):
+    body = {"model": MODEL, "messages": QUESTION, "max_tokens": 8, "stream": True}
+    with httpx.stream("POST", f"{cluster.http_url}/chat/completions", json=body, timeout=60) as response:
+        assert response.status_code == 200
+        assert response.headers["content-type"].startswith("text/event-stream")
+        raw = response.read().decode()
+    events = raw.split("\n\n")
+    assert events[-1] == "" and events[-2] == "data: [DONE]"
+    for event in events[:-2]:
+        assert event.startswith("data: ")
+        assert json.loads(event.removeprefix("data: "))["object"] == "chat.completion.chunk"
+
+
+def test_health_ready_and_metrics_endpoints(cluster):
+    root = _root(cluster)
+    assert httpx.get(f"{root}/health").json() == {"status": "ok"}
+    assert httpx.get(f"{root}/ready").status_code == 200
+    assert "pdspec_requests_total" in httpx.get(f"{root}/metrics").text
+
+
+def _metric(url: str, name: str, **labels: str) -> float:
+    """Sum of a sample over the label sets that include `labels` (0 if absent)."""
+    text = urllib.request.urlopen(url, timeout=10).read().decode()
+    total = 0.0
+    for match in re.finditer(rf"^{name}{{([^}}]*)}} (\S+)$", text, re.M):
+        have = dict(re.findall(r'(\w+)="([^"]*)"', match.group(1)))
+        if all(have.get(k) == v for k, v in labels.items()):
+            total += float(match.group(2))
+    return total
+
+
+def _decode_metrics_url(cluster: LocalCluster) -> str:
+    with grpc.insecure_channel(cluster.router_address) as channel:
+        workers = router_pb2_grpc.RouterStub(channel).ListWorkers(router_pb2.ListWorkersRequest()).workers
+    (decode,) = [w for w in workers if w.role == "decode"]
+    return f"http://{decode.metrics_address}/metrics"
+
+
+def test_a_request_moves_the_metrics_by_its_own_counts(cluster, client):
+    router, decode = f"{_root(cluster)}/metrics", _decode_metrics_url(cluster)
+    names = ["pdspec_requests_total", "pdspec_generation_tokens_total", "pdspec_prompt_tokens_total",
+             "pdspec_time_to_first_token_seconds_count", "pdspec_e2e_request_latency_seconds_count",
+             "pdspec_request_queue_seconds_count", "pdspec_inter_token_latency_seconds_count",
+             "pdspec_spec_draft_tokens_total", "pdspec_spec_accepted_tokens_total",
+             "pdspec_spec_accepted_tokens_per_position_total"]
+    before = {n: _metric(router, n) for n in names}
+    ok_before = _metric(router, "pdspec_requests_total", status="OK")
+    handoffs_before = _metric(decode, "pdspec_kv_transfer_seconds_count")
+    bytes_before = _metric(decode, "pdspec_kv_transfer_bytes_total")
+    answer = client.chat.completions.create(model=MODEL, messages=QUESTION, max_tokens=MAX_TOKENS)
+    after = {n: _metric(router, n) for n in names}
+    moved = {n: after[n] - before[n] for n in names}
+    a, usage = answer.model_extra["pdspec"]["acceptance"], answer.usage
+    assert moved["pdspec_requests_total"] == 1
+    assert _metric(router, "pdspec_requests_total", status="OK") - ok_before == 1
+    assert moved["pdspec_generation_tokens_total"] == usage.completion_tokens
+    assert moved["pdspec_prompt_tokens_total"] == usage.prompt_tokens
+    for one in ("pdspec_time_to_first_token_seconds_count", "pdspec_e2e_request_latency_seconds_count",
+                "pdspec_request_queue_seconds_count"):
+        assert moved[one] == 1, one
+    assert moved["pdspec_inter_token_latency_seconds_count"] == usage.completion_tokens - 1
+    assert moved["pdspec_spec_draft_tokens_total"] == a["drafted"]
+    assert moved["pdspec_spec_accepted_tokens_total"] == moved["pdspec_spec_accepted_tokens_per_position_total"] \
+        == a["accepted"]
+    assert _metric(decode, "pdspec_kv_transfer_seconds_count") - handoffs_before == 1
+    assert _metric(decode, "pdspec_kv_transfer_bytes_total") > bytes_before
+
+
+def _wait_blocks_free(cluster: LocalCluster, timeout_s: float = 60.0) -> float:
+    url = _decode_metrics_url(cluster)
+    deadline = time.monotonic() + timeout_s
+    while (used := _metric(url, "pdspec_kv_blocks_used")) and time.monotonic() < deadline:
+        time.sleep(0.1)
+    return used
+
+
+LONG = {"model": MODEL, "messages": QUESTION, "max_tokens": 4000, "ignore_eos": True}
+
+
+def test_a_streaming_client_that_leaves_frees_every_block(cluster):
+    cancelled = _metric(f"{_root(cluster)}/metrics", "pdspec_requests_total", status="CANCELLED")
+    with httpx.stream("POST", f"{cluster.http_url}/chat/completions", json=LONG | {"stream": True}, timeout=60) as r:
+        lines = r.iter_lines()
+        for _ in range(3):
+            next(lines)
+        assert _metric(_decode_metrics_url(cluster), "pdspec_kv_blocks_used") > 0
+    assert _wait_blocks_free(cluster) == 0
+    assert _metric(f"{_root(cluster)}/metrics", "pdspec_requests_total", status="CANCELLED") == cancelled + 1
+
+
+def test_a_client_that_leaves_before_a_whole_answer_frees_every_block(cluster):
+    """The answer comes only at the end: the client sends, waits until it is being decoded, hangs up."""
+    url, body = _decode_metrics_url(cluster), json.dumps(LONG).encode()
+    host, port = cluster.http_url.removeprefix("http://").removesuffix("/v1").split(":")
+    with socket.create_connection((host, int(port))) as conn:
+        conn.sendall(b"POST /v1/chat/completions HTTP/1.1\r\nHost: x\r\nContent-Type: application/json\r\n"
+                     b"Content-Length: %d\r\n\r\n%s" % (len(body), body))
+        deadline = time.monotonic() + 60
+        while not _metric(url, "pdspec_kv_blocks_used") and time.monotonic() < deadline:
+            time.sleep(0.05)
+        assert _metric(url, "pdspec_kv_blocks_used") > 0
+    assert _wait_blocks_free(cluster) == 0
