@@ -183,8 +183,11 @@ def _interrupt(signum, frame) -> None:
 
 
 def _wait_for_signal() -> None:
-    """Block until Ctrl-C or SIGTERM."""
-    signal.signal(signal.SIGTERM, _interrupt)
+    """Block until Ctrl-C (SIGINT), SIGTERM or SIGHUP (the terminal closed)."""
+    # SIGINT explicitly too: a shell starts a background job with SIGINT ignored, and Python then
+    # leaves it ignored, so `kill -INT` would not stop it.
+    for sig in (signal.SIGINT, signal.SIGTERM, signal.SIGHUP):
+        signal.signal(sig, _interrupt)
     try:
         while True:
             time.sleep(3600)

@@ -5,7 +5,9 @@ answers health checks and lists every worker. Stopping terminates all of them (S
 SIGKILL after a grace period), also when the launcher itself is interrupted.
 """
 
+import ctypes
 import os
+import signal
 import subprocess
 import sys
 import tempfile
@@ -19,6 +21,8 @@ from deploy.config import DeploymentConfig, check_launchable, with_router
 from deploy.readiness import wait_for_workers
 from proto.rpc import free_port, wait_healthy
 from serving.roles import WORKER_ROLES
+
+_PR_SET_PDEATHSIG = 1  # linux/prctl.h
 
 
 @dataclass
@@ -103,7 +107,15 @@ class LocalCluster:
     def _spawn(self, name: str, args: list[str], env: dict[str, str]) -> None:
         log = open(self.log_dir / f"{name}.log", "w")
         self.processes[name] = subprocess.Popen([sys.executable, "-m", "deploy.cli", *args], env=env,
-                                                stdout=log, stderr=subprocess.STDOUT, start_new_session=True)
+                                                stdout=log, stderr=subprocess.STDOUT, start_new_session=True,
+                                                preexec_fn=_die_with_parent)
+
+
+def _die_with_parent() -> None:
+    """Runs in the child before exec: the kernel sends it SIGTERM when the launcher dies, however
+    it dies (SIGKILL, a crash), so no worker outlives it (Linux; elsewhere stop() is the only way)."""
+    if sys.platform == "linux":
+        ctypes.CDLL(None).prctl(_PR_SET_PDEATHSIG, signal.SIGTERM)
 
 
 def default_threads(config: DeploymentConfig) -> dict[str, int]:

@@ -1,0 +1,53 @@
+"""`pdspec serve --launcher local` as a user runs it: signals stop every process it started, and
+its processes die with it when it is killed outright."""
+
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import psutil
+import pytest
+import yaml
+
+CONFIG = {"engine": {"num_kv_blocks": 64, "max_num_seqs": 2, "speculative": {"method": "none"}},
+          "router": {"port": 0}, "prefill": {"replicas": 0}, "decode": {"replicas": 0}, "aggregated": {"replicas": 1}}
+
+
+def _serve(tmp_path: Path, ignore_sigint: bool = False) -> tuple[subprocess.Popen, list[psutil.Process]]:
+    """Start serve and wait until it is ready; returns it and the processes it started."""
+    config = tmp_path / "config.yaml"
+    config.write_text(yaml.safe_dump(CONFIG))
+    # A shell's background job starts with SIGINT ignored; a signal disposition survives exec.
+    setup = (lambda: signal.signal(signal.SIGINT, signal.SIG_IGN)) if ignore_sigint else None
+    serve = subprocess.Popen([sys.executable, "-m", "deploy.cli", "serve", "--config", str(config), "--launcher",
+                              "local"], stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, preexec_fn=setup)
+    for line in serve.stdout:
+        if "router ready" in line:
+            break
+    else:
+        pytest.fail(f"serve exited ({serve.wait()}) before it was ready")
+    children = psutil.Process(serve.pid).children()
+    assert len(children) == 2  # the router and the aggregated worker
+    return serve, children
+
+
+def _gone(processes: list[psutil.Process], timeout_s: float = 60.0) -> list[psutil.Process]:
+    _, alive = psutil.wait_procs(processes, timeout=timeout_s)
+    return alive
+
+
+@pytest.mark.parametrize("sig", [signal.SIGINT, signal.SIGTERM, signal.SIGHUP])
+def test_a_signal_stops_serve_and_every_process_it_started(tmp_path, sig):
+    serve, children = _serve(tmp_path, ignore_sigint=True)
+    serve.send_signal(sig)
+    assert serve.wait(timeout=60) == 0
+    assert _gone(children, timeout_s=5) == []
+
+
+def test_processes_die_with_a_killed_serve(tmp_path):
+    serve, children = _serve(tmp_path)
+    serve.kill()
+    serve.wait()
+    assert _gone(children) == []
