@@ -10,6 +10,7 @@ import time
 from pathlib import Path
 
 import grpc
+import httpx
 import psutil
 import pytest
 import yaml
@@ -29,7 +30,7 @@ os.environ["RAY_USAGE_STATS_ENABLED"] = "0"  # Ray would otherwise report usage 
 
 DEPLOY = Path(__file__).parent.parent / "deploy"
 ENGINE = {"num_kv_blocks": 128, "max_num_seqs": 4, "speculative": {"method": "ngram", "num_speculative_tokens": 3}}
-ROUTER = {"port": 0, "heartbeat_interval_s": 0.2, "heartbeat_timeout_s": 2.0}
+ROUTER = {"port": 0, "http_port": 0, "heartbeat_interval_s": 0.2, "heartbeat_timeout_s": 2.0}
 ASKED = QUESTIONS[:4]
 MAX_TOKENS = 16
 # One replica per node, each node of one kind.
@@ -111,6 +112,8 @@ def test_local_ray_matches_the_engine_and_stops_without_leftovers(reference):
         assert set(_workers(cluster.router_address)) == {"prefill-0", "decode-0"}
         assert all(w.address.startswith("127.0.0.1:") for w in _workers(cluster.router_address).values())
         _check_answers(cluster.router_address, reference)
+        models = httpx.get(f"{cluster.http_url}/models", timeout=10).json()  # the router actor's OpenAI API
+        assert [m["id"] for m in models["data"]] == ["SmolLM2-135M-Instruct"]
         processes = _children_since(before)  # Ray's own processes and our actors
         assert {info["pid"] for info in _info(cluster).values()} <= {p.pid for p in processes}
     finally:
