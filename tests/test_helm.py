@@ -9,12 +9,17 @@ import re
 import subprocess
 import tomllib
 from pathlib import Path
+from types import SimpleNamespace
 
 import kubernetes_validate
 import pytest
 import yaml
 
 from deploy.config import parse_config
+from engine.stats import EngineStats
+from proto.pdspec.v1 import common_pb2, router_pb2
+from router.metrics import RouterMetrics
+from serving.metrics import EngineCollector, HandoffMetrics
 from tools import helm_schema
 from tools.helm_bin import helm_path
 
@@ -73,6 +78,11 @@ def component(doc: dict) -> str:
     return doc["metadata"]["labels"]["app.kubernetes.io/component"]
 
 
+def ports(spec: dict, key: str = "port") -> dict[str, int]:
+    """A Service's or a container's ports by name."""
+    return {p["name"]: p[key] for p in spec["ports"]}
+
+
 @pytest.fixture(scope="module", params=list(VALUE_SETS))
 def rendered(request, helm) -> tuple[str, list[dict]]:
     return request.param, render(helm, *value_args(request.param))
@@ -98,14 +108,15 @@ def test_every_manifest_validates_against_kubernetes_schemas(rendered, k8s_versi
 
 def test_config_map_is_the_values_config(rendered):
     name, docs = rendered
-    (config_map,) = by_kind(docs, "ConfigMap").values()
+    config_map = by_kind(docs, "ConfigMap")["rel-pdspec-config"]
     rendered_config = parse_config(yaml.safe_load(config_map["data"]["config.yaml"]), source="ConfigMap")
     assert rendered_config == parse_config(merged_values(name)["config"], source="values")
 
 
 def test_every_pod_runs_pdspec_with_the_mounted_config(rendered):
     _, docs = rendered
-    (config_map_name,) = by_kind(docs, "ConfigMap")
+    config_map_name = "rel-pdspec-config"
+    assert config_map_name in by_kind(docs, "ConfigMap")
     for deployment in by_kind(docs, "Deployment").values():
         pod = deployment["spec"]["template"]["spec"]
         (container,) = pod["containers"]
@@ -238,31 +249,175 @@ def test_cluster_token_from_values_or_an_existing_secret(helm, tmp_path):
         assert ref == {"name": "mine", "key": "tok"}
 
 
-def test_disruption_budgets_and_metrics_discovery_cover_each_worker_role(helm):
+def scraped_services(monitor: dict, services: dict[str, dict]) -> dict[str, set[str]]:
+    """Per endpoint (by port name) of a ServiceMonitor, the Services it scrapes: those its selector
+    matches that have a port of that name (the Prometheus Operator keeps only those targets)."""
+    selector = monitor["spec"]["selector"]
+
+    def selected(labels: dict) -> bool:
+        for expression in selector.get("matchExpressions", []):
+            assert expression["operator"] == "In"
+            if labels.get(expression["key"]) not in expression["values"]:
+                return False
+        return selector["matchLabels"].items() <= labels.items()
+
+    scraped = {}
+    for endpoint in monitor["spec"]["endpoints"]:
+        assert endpoint["path"] == "/metrics"
+        scraped[endpoint["port"]] = {name for name, service in services.items()
+                                     if selected(service["metadata"]["labels"]) and endpoint["port"] in ports(service["spec"])}
+    return scraped
+
+
+def test_disruption_budgets_and_metrics_discovery_cover_each_role(helm):
     docs = render(helm, *value_args("multi-gpu"))
     deployments = {component(d): d for d in by_kind(docs, "Deployment").values()}
-    services = {component(s): s for s in by_kind(docs, "Service").values()}
+    services = by_kind(docs, "Service")
     budgets = {component(b): b for b in by_kind(docs, "PodDisruptionBudget").values()}
     assert set(budgets) == set(deployments) - {"router"}  # one router: a budget would block drains
     for role, budget in budgets.items():
         pod_labels = deployments[role]["spec"]["template"]["metadata"]["labels"]
         assert budget["spec"]["selector"]["matchLabels"].items() <= pod_labels.items()
-        assert services[role]["spec"]["clusterIP"] == "None"
+        assert services[f"rel-pdspec-{role}"]["spec"]["clusterIP"] == "None"
     (monitor,) = by_kind(docs, "ServiceMonitor").values()
     assert monitor["apiVersion"] == "monitoring.coreos.com/v1"
     assert monitor["metadata"]["labels"]["release"] == "prometheus"
-    selector = monitor["spec"]["selector"]
-    (expression,) = selector["matchExpressions"]
-    scraped = {
-        role for role, service in services.items()
-        if selector["matchLabels"].items() <= service["metadata"]["labels"].items()
-        and expression["operator"] == "In" and service["metadata"]["labels"][expression["key"]] in expression["values"]
-    }
-    assert scraped == {"prefill", "decode"}
-    (endpoint,) = monitor["spec"]["endpoints"]
-    for role in scraped:
-        assert endpoint["port"] in {p["name"] for p in services[role]["spec"]["ports"]}
+    # Workers on their metrics ports; the router (it has http_port) on its HTTP port, once: through
+    # its Service, not the registry's too.
+    assert scraped_services(monitor, services) == {
+        "metrics": {"rel-pdspec-prefill", "rel-pdspec-decode"}, "http": {"rel-pdspec-router"}}
     assert not by_kind(render(helm), "ServiceMonitor")  # off unless asked for: it needs the CRD
+
+
+def test_router_serves_http_on_its_service_but_not_the_registry(rendered):
+    name, docs = rendered
+    config = merged_values(name)["config"]["router"]
+    assert config["http_port"] == 8000  # both value sets turn the OpenAI API on
+    services = by_kind(docs, "Service")
+    assert ports(services["rel-pdspec-router"]["spec"]) == {"grpc": config["port"], "http": config["http_port"]}
+    assert ports(services["rel-pdspec-router"]["spec"], "targetPort") == {"grpc": "grpc", "http": "http"}
+    assert ports(services["rel-pdspec-router-registry"]["spec"]) == {"grpc": config["port"]}  # for workers only
+    router = by_kind(docs, "Deployment")["rel-pdspec-router"]
+    (container,) = router["spec"]["template"]["spec"]["containers"]
+    assert ports(container, "containerPort") == {"grpc": config["port"], "http": config["http_port"]}
+    config_map = by_kind(docs, "ConfigMap")["rel-pdspec-config"]
+    assert yaml.safe_load(config_map["data"]["config.yaml"])["router"]["http_port"] == config["http_port"]
+
+
+def test_http_port_null_renders_no_http(helm, tmp_path):
+    values = {"config": {"router": {"http_port": None}}, "serviceMonitor": {"enabled": True}}
+    docs = render(helm, values=values, tmp_path=tmp_path)
+    config_map = by_kind(docs, "ConfigMap")["rel-pdspec-config"]
+    rendered_config = parse_config(yaml.safe_load(config_map["data"]["config.yaml"]), source="ConfigMap")
+    assert rendered_config.router.http_port is None  # Helm drops a key set to null: the schema's default, off
+    for doc in docs:
+        if doc["kind"] == "Service":
+            assert "http" not in ports(doc["spec"]), doc["metadata"]["name"]
+        elif doc["kind"] == "Deployment":
+            for container in doc["spec"]["template"]["spec"]["containers"]:
+                assert "http" not in ports(container, "containerPort"), doc["metadata"]["name"]
+    (monitor,) = by_kind(docs, "ServiceMonitor").values()
+    assert scraped_services(monitor, by_kind(docs, "Service")) == {"metrics": {"rel-pdspec-prefill", "rel-pdspec-decode"}}
+    assert "router" not in monitor["spec"]["selector"]["matchExpressions"][0]["values"]
+
+
+# --- the Grafana dashboard --------------------------------------------------------------------
+
+def exported_samples() -> dict[str, set[str]]:
+    """Every sample pdspec's code exports, name -> label names: the router's request metrics after
+    one served request (prometheus-client shows a labelled metric only once a label set is used),
+    a decode worker's KV hand-off, and a worker's engine gauges over a stats snapshot."""
+    router = RouterMetrics("m")
+    request = router.start()
+    request.on_response(router_pb2.GenerateResponse(token_ids=[1], prefill_worker="p", decode_worker="d"))
+    request.on_response(router_pb2.GenerateResponse(token_ids=[2, 3]))
+    request.on_response(router_pb2.GenerateResponse(
+        token_ids=[4], finish_reason="stop",
+        usage=common_pb2.Usage(prompt_tokens=9, completion_tokens=4, cached_prompt_tokens=4, queue_seconds=0.01),
+        acceptance=common_pb2.Acceptance(steps=2, drafted=4, accepted=1, accepted_per_position=[1, 0])))
+    request.finish("OK")
+    handoff = HandoffMetrics("w")
+    handoff.observe(0.002, 1 << 20)
+    stats = EngineStats(kv_blocks_used=3, kv_blocks_total=512, running=1, waiting=0, pinned=0,
+                        counters={"generated_tokens": 4})
+    engine = EngineCollector(SimpleNamespace(stats=lambda: stats), "decode", "w")
+    families = [*router.registry.collect(), *handoff.registry.collect(), *engine.collect()]
+    assert all(family.samples for family in families), [f.name for f in families if not f.samples]
+    samples: dict[str, set[str]] = {}
+    for family in families:
+        for sample in family.samples:
+            samples.setdefault(sample.name, set()).update(sample.labels)
+    return samples
+
+
+def dashboard_config_map(docs: list[dict]) -> dict:
+    return by_kind(docs, "ConfigMap")["rel-pdspec-dashboard"]
+
+
+def test_dashboard_is_off_by_default(helm):
+    assert set(by_kind(render(helm), "ConfigMap")) == {"rel-pdspec-config"}
+    # the multi-GPU example turns it on, so the Kubernetes schema test validates its ConfigMap
+    assert merged_values("multi-gpu")["grafanaDashboard"]["enabled"]
+
+
+def test_dashboard_config_map_is_labelled_for_the_grafana_sidecar(helm, tmp_path):
+    docs = render(helm, "--set", "grafanaDashboard.enabled=true")
+    config_map = dashboard_config_map(docs)
+    assert config_map["metadata"]["labels"]["grafana_dashboard"] == "1"
+    assert "namespace" not in config_map["metadata"]  # the release's
+    assert config_map["data"]["pdspec.json"] == (CHART / "dashboards" / "pdspec.json").read_text().rstrip("\n")
+    values = {"grafanaDashboard": {"enabled": True, "label": "example.com/dashboard", "labelValue": "pdspec",
+                                   "namespace": "monitoring", "annotations": {"grafana_folder": "LLM"}}}
+    metadata = dashboard_config_map(render(helm, values=values, tmp_path=tmp_path))["metadata"]
+    assert metadata["labels"]["example.com/dashboard"] == "pdspec" and "grafana_dashboard" not in metadata["labels"]
+    assert (metadata["namespace"], metadata["annotations"]) == ("monitoring", {"grafana_folder": "LLM"})
+
+
+def test_dashboard_is_a_grafana_dashboard_model(helm):
+    dashboard = json.loads(dashboard_config_map(render(helm, "--set", "grafanaDashboard.enabled=true"))["data"]["pdspec.json"])
+    assert dashboard["uid"] == "pdspec" and dashboard["title"] and dashboard["schemaVersion"] >= 36
+    variables = {v["name"]: v for v in dashboard["templating"]["list"]}
+    assert (variables["datasource"]["type"], variables["datasource"]["query"]) == ("datasource", "prometheus")
+    panels = dashboard["panels"]
+    assert len({p["id"] for p in panels}) == len(panels)
+    cells = set()  # grid cells taken: panels lie within the 24 columns and never overlap
+    for panel in panels:
+        g = panel["gridPos"]
+        assert all(isinstance(g[k], int) for k in "xywh") and g["w"] > 0 and g["h"] > 0 and g["x"] + g["w"] <= 24, panel["title"]
+        mine = {(x, y) for x in range(g["x"], g["x"] + g["w"]) for y in range(g["y"], g["y"] + g["h"])}
+        assert not mine & cells, panel["title"]
+        cells |= mine
+        if panel["type"] == "row":
+            continue
+        assert panel["type"] == "timeseries" and panel["title"]
+        assert panel["datasource"] == {"type": "prometheus", "uid": "${datasource}"}, panel["title"]
+        assert panel["targets"], panel["title"]
+        ref_ids = [target["refId"] for target in panel["targets"]]
+        assert len(set(ref_ids)) == len(ref_ids), panel["title"]
+        for target in panel["targets"]:
+            assert target["datasource"] == panel["datasource"] and target["expr"], panel["title"]
+
+
+def test_every_dashboard_query_names_metrics_pdspec_exports(helm):
+    """Each metric a query names is a sample the code exports (histogram quantiles read the
+    family's `_bucket` samples; counters their `_total`), and each label it groups, selects or
+    ignores by is one of those samples' labels."""
+    dashboard = json.loads(dashboard_config_map(render(helm, "--set", "grafanaDashboard.enabled=true"))["data"]["pdspec.json"])
+    samples = exported_samples()
+    queries = [(panel["title"], target["expr"]) for panel in dashboard["panels"] for target in panel.get("targets", [])]
+    queries += [(f"${v['name']}", v["definition"]) for v in dashboard["templating"]["list"] if v["type"] == "query"]
+    assert len(queries) > 20
+    for title, expr in queries:
+        expr = re.sub(r"\$\w+", "", expr)  # $model, $__rate_interval: Grafana's, not names
+        metrics = set(re.findall(r"pdspec_[a-z0-9_]+", expr))
+        assert metrics, (title, expr)
+        assert metrics <= samples.keys(), (title, metrics - samples.keys())
+        labels = set().union(*(samples[m] for m in metrics))
+        used = {name.strip() for group in re.findall(r"\b(?:by|ignoring)\s*\(([^)]*)\)", expr)
+                for name in group.split(",") if name.strip()}
+        used |= set(re.findall(r"(\w+)\s*=~?", expr))  # selectors: {model=~"..."}
+        used |= set(re.findall(r"label_values\(\s*\w+\s*,\s*(\w+)\s*\)", expr))
+        assert used <= labels, (title, used - labels)
 
 
 @pytest.mark.parametrize("command", ["template", "lint"])
@@ -286,6 +441,8 @@ def test_values_schema_rejects_a_bad_config_naming_the_field(helm, tmp_path, com
     ({"config": {"decode": {"port": 0}}}, "config.decode.port"),
     ({"config": {"prefill": {"metrics_port": 0}}}, "config.prefill.metrics_port"),
     ({"config": {"cluster_token": "oops"}}, "config.cluster_token"),
+    ({"config": {"router": {"http_port": 0}}}, "config.router.http_port"),
+    ({"config": {"router": {"http_port": 50051}}}, "config.router.http_port"),  # the gRPC port
     ({"image": {"pullPolicy": "Sometimes"}}, "image.pullPolicy"),
 ])
 def test_chart_rejects_values_that_cannot_work_in_kubernetes(helm, tmp_path, override, field):

@@ -17,6 +17,8 @@ SCHEMA_PATH = Path(__file__).resolve().parents[1] / "deploy" / "helm" / "pdspec"
 # need the right shape, so a typo'd key at the chart's level still fails early.
 _STR_MAP = {"type": "object", "additionalProperties": {"type": "string"}}
 _OBJECTS = {"type": "array", "items": {"type": "object"}}
+# A Kubernetes label key: an optional DNS-subdomain prefix and `/`, then a name.
+_LABEL_KEY = r"^([a-z0-9]([-a-z0-9]*[a-z0-9])?(\.[a-z0-9]([-a-z0-9]*[a-z0-9])?)*/)?[A-Za-z0-9]([-A-Za-z0-9_.]*[A-Za-z0-9])?$"
 _QUANTITY = {"type": "string", "pattern": r"^[0-9]+(\.[0-9]+)?([KMGTPE]i|[kMGTPEm])?$"}
 
 
@@ -67,6 +69,14 @@ CHART_PROPERTIES = {
         "enabled": {"type": "boolean"},
         "interval": {"type": "string", "pattern": r"^([0-9]+(ms|s|m|h))+$"},
         "labels": _STR_MAP,
+    }),
+    "grafanaDashboard": _strict({
+        "enabled": {"type": "boolean"},
+        "label": {"type": "string", "pattern": _LABEL_KEY},
+        "labelValue": {"type": "string", "pattern": r"^(([A-Za-z0-9][-A-Za-z0-9_.]*)?[A-Za-z0-9])?$"},
+        "namespace": {"type": "string", "pattern": r"^([a-z0-9]([-a-z0-9]*[a-z0-9])?)?$",
+                      "description": "empty: the release's"},
+        "annotations": _STR_MAP,
     }),
     # Helm adds `global` to a chart's values when it is used as a subchart.
     "global": {"type": "object"},

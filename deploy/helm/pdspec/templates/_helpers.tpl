@@ -30,6 +30,12 @@ helm.sh/chart: {{ printf "%s-%s" .Chart.Name .Chart.Version }}
 {{- .Values.clusterToken.existingSecret | default (printf "%s-token" (include "pdspec.fullname" .)) -}}
 {{- end -}}
 
+{{/* The router's HTTP port (the OpenAI API and its /metrics), or "" when config.router.http_port
+is null (Helm drops a key set to null, so an override of null turns it off). */}}
+{{- define "pdspec.httpPort" -}}
+{{- with .Values.config.router.http_port -}}{{ int . }}{{- end -}}
+{{- end -}}
+
 {{/* Where workers register: a Service that also lists a router not yet ready (it is not ready
 until workers have registered). */}}
 {{- define "pdspec.routerAddress" -}}
@@ -47,6 +53,15 @@ until workers have registered). */}}
 {{- end -}}
 {{- if not $c.router.port -}}
 {{- fail "config.router.port: 0 (any free port) cannot be named by a Service; set a fixed port" -}}
+{{- end -}}
+{{- $http := $c.router.http_port -}}
+{{- if not (kindIs "invalid" $http) -}}
+{{- if not $http -}}
+{{- fail "config.router.http_port: 0 (any free port) cannot be named by a Service; set a fixed port, or null to turn the HTTP API off" -}}
+{{- end -}}
+{{- if eq (int $http) (int $c.router.port) -}}
+{{- fail (printf "config.router.http_port: %v is config.router.port, the gRPC API's; give HTTP a port of its own" (int $http)) -}}
+{{- end -}}
 {{- end -}}
 {{- range $role := list "prefill" "decode" "aggregated" -}}
 {{- $rc := get $c $role | default dict -}}
