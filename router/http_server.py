@@ -19,7 +19,10 @@ class HttpServer:
     def start(self, timeout_s: float = 30.0) -> int:
         """Serve; returns the bound port once it accepts connections. Binding here (not in
         uvicorn's thread) turns a taken port into an error the caller sees."""
-        sock = socket.socket(socket.AF_INET6 if ":" in self._host else socket.AF_INET)
+        # IPPROTO_TCP named, as getaddrinfo would: asyncio sets TCP_NODELAY only on sockets that say
+        # so, and without it a response's second write waits out the client's delayed ACK (~40 ms).
+        sock = socket.socket(socket.AF_INET6 if ":" in self._host else socket.AF_INET, socket.SOCK_STREAM,
+                             socket.IPPROTO_TCP)
         sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
         try:
             sock.bind((self._host, self._port))
