@@ -10,6 +10,9 @@ driven by the same load (`tools/loadgen.py`, what `pdspec bench serve` runs):
             the KV pull, admission on the decode side, and with EAGLE3 the draft's prefill).
 - load:     aggregated vs disaggregated (1 + 1, NIXL) under Poisson chat traffic with EAGLE3:
             TTFT, inter-token latency, throughput, acceptance.
+- http:     the OpenAI HTTP front's cost: one disaggregated cluster without speculation (so an
+            SSE chunk is one token, as a gRPC message is), the same prompts through gRPC and HTTP
+            taking turns one at a time, then each API under the same Poisson load.
 
     python -m bench.serve [--scenarios routing ttft load] [--rate R] [--num-requests N]
 
@@ -38,25 +41,38 @@ NIXL = {"kv_transfer": "nixl", "num_threads": 1}
 DISAGGREGATED = {"prefill": {"replicas": 1, **NIXL}, "decode": {"replicas": 1, **NIXL}}
 AGGREGATED = {"prefill": {"replicas": 0}, "decode": {"replicas": 0}, "aggregated": {"replicas": 1, "num_threads": 2}}
 KEYS = ["requests", "errors", "mean_prompt_tokens", "prefill_tokens_computed", "cached_prompt_tokens",
-        "ttft_ms_p50", "ttft_ms_p99", "ttft_ms_mean", "second_token_ms_p50", "itl_ms_p50", "itl_ms_p99",
+        "ttft_ms_p50", "ttft_ms_p99", "ttft_ms_mean", "second_token_ms_p50", "itl_ms_p50", "itl_ms_p99", "e2e_ms_p50",
         "output_tokens_per_s", "tau", "prefill_workers"]
 
 
 @contextlib.contextmanager
-def _cluster(roles: dict, router: dict, warmup, engine=ENGINE) -> Iterator[str]:
+def _cluster(roles: dict, router: dict, warmup, engine=ENGINE) -> Iterator[LocalCluster]:
     """A fresh local cluster, warmed up one request at a time (kernels, first allocations,
-    caches); yields the router's address."""
+    caches)."""
     cluster = LocalCluster(parse_config({"engine": engine, "router": {"port": 0, **router}, **roles}), 0).start()
     try:
         run_load(cluster.router_address, warmup, 0, 4)
-        yield cluster.router_address
+        yield cluster
     finally:
         cluster.stop()
 
 
 def _measure(roles: dict, router: dict, warmup, workload, rate: float, max_tokens: int, engine=ENGINE) -> dict:
-    with _cluster(roles, router, warmup, engine) as address:
-        return summarize(*run_load(address, workload, rate, max_tokens))
+    with _cluster(roles, router, warmup, engine) as cluster:
+        return summarize(*run_load(cluster.router_address, workload, rate, max_tokens))
+
+
+def _take_turns(targets: dict[str, str], workload, max_tokens: int) -> dict[str, dict]:
+    """Each prompt once per target, one request at a time, alternating who goes first: pairs the
+    samples against this VM's drifting speed."""
+    records: dict[str, list] = {name: [] for name in targets}
+    walls = dict.fromkeys(targets, 0.0)
+    for i, messages in enumerate(workload):
+        for name in sorted(targets, reverse=i % 2 == 1):
+            got, wall = run_load(targets[name], [messages], 0, max_tokens)
+            records[name] += got
+            walls[name] += wall
+    return {name: summarize(records[name], walls[name]) for name in targets}
 
 
 def routing(args, questions: list[str]) -> dict[str, dict]:
@@ -90,17 +106,10 @@ def ttft(args, questions: list[str]) -> dict[str, dict]:
               for method in ("eagle3", "none")
               for mode, roles in (("aggregated", AGGREGATED), ("disaggregated", {"prefill": both_cores,
                                                                                  "decode": both_cores}))}
-    records: dict[str, list] = {name: [] for name in setups}
-    walls = dict.fromkeys(setups, 0.0)
     with contextlib.ExitStack() as stack:
-        addresses = {name: stack.enter_context(_cluster(roles, {}, workload[:2], engine))
+        addresses = {name: stack.enter_context(_cluster(roles, {}, workload[:2], engine)).router_address
                      for name, (roles, engine) in setups.items()}
-        for i, messages in enumerate(workload[2:]):
-            for name in sorted(setups, reverse=i % 2 == 1):  # alternate who goes first
-                got, wall = run_load(addresses[name], [messages], 0, 4)
-                records[name] += got
-                walls[name] += wall
-    return {name: summarize(records[name], walls[name]) for name in setups}
+        return _take_turns(addresses, workload[2:], 4)
 
 
 def load(args, questions: list[str]) -> dict[str, dict]:
@@ -109,7 +118,18 @@ def load(args, questions: list[str]) -> dict[str, dict]:
             for name, roles in (("aggregated", AGGREGATED), ("disaggregated", DISAGGREGATED))}
 
 
-SCENARIOS = {"routing": routing, "ttft": ttft, "load": load}
+def http(args, questions: list[str]) -> dict[str, dict]:
+    workload = make_workload(questions, args.num_requests + 2)
+    engine = {**ENGINE, "speculative": {"method": "none"}}
+    with _cluster(DISAGGREGATED, {"http_port": 0}, workload[:2], engine) as cluster:
+        targets = {"grpc": cluster.router_address, "http": cluster.http_url}
+        rows = _take_turns(targets, workload[2:], 32)
+        for name, target in targets.items():
+            rows[f"{name}@{args.rate:g}/s"] = summarize(*run_load(target, workload[2:], args.rate, 64))
+    return rows
+
+
+SCENARIOS = {"routing": routing, "ttft": ttft, "load": load, "http": http}
 
 
 def main() -> None:

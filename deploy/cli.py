@@ -110,11 +110,12 @@ def _bench_serve(args: argparse.Namespace) -> int:
         if getattr(args, name) < least:
             raise ValueError(f"--{name.replace('_', '-')}: must be at least {least}, got {getattr(args, name)}")
     workload = make_workload(read_prompts(Path(args.prompts)), args.num_requests, args.num_prefixes, args.prefix_tokens)
-    summary = summarize(*run_load(args.router, workload, args.rate, args.max_tokens, args.seed))
+    target = args.http or args.router
+    summary = summarize(*run_load(target, workload, args.rate, args.max_tokens, args.seed))
     if args.json:
         print(json.dumps(summary))
     else:
-        print_table({args.router: summary}, list(summary))
+        print_table({target: summary}, list(summary))
     return 0
 
 
@@ -130,7 +131,9 @@ def _add_bench(sub: argparse._SubParsersAction) -> None:
     _add_engine_args(p)
     p.set_defaults(func=_bench_spec, speculative="eagle3")
     p = bench.add_parser("serve", help="Poisson load against a running router: TTFT, inter-token latency, throughput")
-    p.add_argument("--router", required=True, help="HOST:PORT of the router")
+    target = p.add_mutually_exclusive_group(required=True)
+    target.add_argument("--router", help="HOST:PORT of the router's gRPC API")
+    target.add_argument("--http", metavar="URL", help="base URL of the router's OpenAI API, e.g. http://127.0.0.1:8000/v1")
     p.add_argument("--prompts", required=True, help="JSONL with 'prompt' or MT-bench style 'turns' (first turn)")
     p.add_argument("--rate", type=float, default=1.0, help="requests per second, Poisson arrivals; 0: one at a time")
     p.add_argument("--num-requests", type=int, default=32)

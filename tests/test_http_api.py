@@ -16,6 +16,7 @@ import pytest
 from deploy.config import parse_config
 from deploy.local import LocalCluster
 from engine.tokenizer import Tokenizer
+from tools.loadgen import make_workload, run_load, summarize
 from proto.pdspec.v1 import common_pb2, router_pb2, router_pb2_grpc
 
 MODEL = "SmolLM2-135M-Instruct"
@@ -233,3 +234,15 @@ def test_a_client_that_leaves_before_a_whole_answer_frees_every_block(cluster):
             time.sleep(0.05)
         assert _metric(url, "pdspec_kv_blocks_used") > 0
     assert _wait_blocks_free(cluster) == 0
+
+
+def test_load_over_http_accounts_for_every_token(cluster):
+    workload = make_workload(["Say hello.", "Count to three."], 4, num_prefixes=1, prefix_tokens=200)
+    records, wall = run_load(cluster.http_url, workload, rate=20.0, max_tokens=8)
+    summary = summarize(records, wall)
+    assert summary["requests"] == 4 and summary["errors"] == 0, summary["first_error"]
+    assert all(r.completion_tokens == 8 and r.sent < r.first <= r.done for r in records)  # EOS ignored
+    assert summary["prefill_tokens_computed"] + summary["cached_prompt_tokens"] == sum(r.prompt_tokens for r in records)
+    assert summary["itl_ms_p50"] > 0 and summary["tau"] >= 1
+    assert summarize(*run_load(cluster.http_url.replace("/v1", "/v2"), workload[:1], 0, 8))["first_error"] \
+        .startswith("HTTP 404")

@@ -1,4 +1,5 @@
-"""`pdspec bench serve`: open-loop load against a running router, measured from the client side.
+"""`pdspec bench serve`: open-loop load against a running router, measured from the client side,
+through the gRPC API or the OpenAI HTTP API.
 
 Requests arrive as a Poisson process at `rate` per second (rate 0: one at a time, each sent when
 the previous one finished), so a slow server faces a growing queue instead of a politely waiting
@@ -7,6 +8,10 @@ inter-token latency (each chunk's gap spread evenly over its tokens: speculation
 several tokens per chunk), and from the last response usage (prompt tokens the server computed
 versus served from a prefix cache) and acceptance.
 
+Over HTTP an SSE chunk carries text, not token ids, and a message whose tokens decoded to no text
+yet sends no chunk: there each chunk's gap is spread over the answer's mean tokens per chunk
+(1 without speculation, where both APIs measure the same thing).
+
 Optional shared prefixes model the traffic KV-aware routing is for: `num_prefixes` long system
 prompts (documents of about `prefix_tokens` tokens), each request carrying one drawn at random
 (seeded) before its question. Random, not request i mod `num_prefixes`: a cycle would line up
@@ -14,12 +19,17 @@ with round-robin's and hand that policy perfect cache affinity for free.
 """
 
 import concurrent.futures
+import contextlib
+import functools
+import json
 import random
 import statistics
 import time
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass, field
 
 import grpc
+import httpx
 
 from proto.pdspec.v1 import common_pb2, router_pb2, router_pb2_grpc
 
@@ -72,23 +82,38 @@ def arrival_times(num_requests: int, rate: float, seed: int) -> list[float]:
     return times
 
 
-def run_load(router_address: str, workload: list[list[common_pb2.ChatMessage]], rate: float, max_tokens: int,
+Sender = Callable[[list[common_pb2.ChatMessage]], RequestRecord]
+
+
+def run_load(target: str, workload: list[list[common_pb2.ChatMessage]], rate: float, max_tokens: int,
              seed: int = 0, timeout_s: float = 600.0) -> tuple[list[RequestRecord], float]:
-    """Send the workload; returns a record per request and the wall time from first send to last token."""
-    with grpc.insecure_channel(router_address) as channel:
-        stub = router_pb2_grpc.RouterStub(channel)
+    """Send the workload to `target`: a router's gRPC HOST:PORT, or the base URL of its OpenAI API
+    (http://HOST:PORT/v1). Returns a record per request and the wall time from first send to last token."""
+    with _sender(target, max_tokens, timeout_s, len(workload)) as send:
         start = time.perf_counter()
         if rate <= 0:
-            records = [_one(stub, messages, max_tokens, timeout_s) for messages in workload]
+            records = [send(messages) for messages in workload]
         else:
             # A thread per request: an arrival never waits for an earlier request to finish.
             with concurrent.futures.ThreadPoolExecutor(max_workers=len(workload)) as pool:
                 futures = []
                 for messages, at in zip(workload, arrival_times(len(workload), rate, seed)):
                     time.sleep(max(0.0, start + at - time.perf_counter()))
-                    futures.append(pool.submit(_one, stub, messages, max_tokens, timeout_s))
+                    futures.append(pool.submit(send, messages))
                 records = [f.result() for f in futures]
     return records, max((r.done or r.sent) for r in records) - start
+
+
+@contextlib.contextmanager
+def _sender(target: str, max_tokens: int, timeout_s: float, concurrency: int) -> Iterator[Sender]:
+    if target.startswith(("http://", "https://")):
+        limits = httpx.Limits(max_connections=concurrency, max_keepalive_connections=concurrency)
+        with httpx.Client(base_url=target, limits=limits, timeout=timeout_s) as client:
+            yield functools.partial(_one_http, client, max_tokens=max_tokens)
+    else:
+        with grpc.insecure_channel(target) as channel:
+            yield functools.partial(_one, router_pb2_grpc.RouterStub(channel), max_tokens=max_tokens,
+                                    timeout_s=timeout_s)
 
 
 def _one(stub, messages, max_tokens: int, timeout_s: float) -> RequestRecord:
@@ -119,6 +144,46 @@ def _one(stub, messages, max_tokens: int, timeout_s: float) -> RequestRecord:
     return record
 
 
+def _one_http(client: httpx.Client, messages, max_tokens: int) -> RequestRecord:
+    body = {"messages": [{"role": m.role, "content": m.content} for m in messages], "max_tokens": max_tokens,
+            "ignore_eos": True, "stream": True, "stream_options": {"include_usage": True}}
+    record, chunks = RequestRecord(sent=time.perf_counter()), []
+    try:
+        with client.stream("POST", "/chat/completions", json=body) as response:
+            if response.status_code != 200:
+                record.error = f"HTTP {response.status_code}: {response.read().decode(errors='replace')[:300]}"
+            else:
+                _read_events(response, record, chunks)
+    except httpx.HTTPError as e:
+        record.error = f"{type(e).__name__}: {e}"
+    record.done = time.perf_counter()
+    if chunks:
+        record.first, record.second = chunks[0], chunks[1] if len(chunks) > 1 else None
+        per_chunk = max(1.0, (record.completion_tokens - 1) / max(1, len(chunks) - 1))
+        record.token_gaps = [(b - a) / per_chunk for a, b in zip(chunks, chunks[1:])]
+    return record
+
+
+def _read_events(response: httpx.Response, record: RequestRecord, chunks: list[float]) -> None:
+    """Note when each chunk with text arrived, and the final usage, acceptance or error."""
+    for line in response.iter_lines():
+        if not line.startswith("data: {"):  # blank separators and the closing [DONE]
+            continue
+        data = json.loads(line.removeprefix("data: "))
+        if "error" in data:
+            record.error = data["error"]["message"]
+            return
+        if data["choices"] and data["choices"][0].get("delta", {}).get("content"):
+            chunks.append(time.perf_counter())
+        if data.get("usage"):
+            usage = data["usage"]
+            record.completion_tokens, record.prompt_tokens = usage["completion_tokens"], usage["prompt_tokens"]
+            record.cached_prompt_tokens = usage["prompt_tokens_details"]["cached_tokens"]
+        if "pdspec" in data:  # the last choice's extension: speculation's outcome
+            a = data["pdspec"]["acceptance"]
+            record.drafted, record.accepted, record.steps = a["drafted"], a["accepted"], a["steps"]
+
+
 def summarize(records: list[RequestRecord], wall_s: float) -> dict:
     ok = [r for r in records if not r.error and r.first is not None]
     ttft = [1000 * (r.first - r.sent) for r in ok]
@@ -130,6 +195,7 @@ def summarize(records: list[RequestRecord], wall_s: float) -> dict:
         "ttft_ms_mean": round(statistics.fmean(ttft), 2) if ttft else None,
         "second_token_ms_p50": _pct([1000 * (r.second - r.sent) for r in ok if r.second is not None], 50),
         "itl_ms_p50": _pct(itl, 50), "itl_ms_p99": _pct(itl, 99),
+        "e2e_ms_p50": _pct([1000 * (r.done - r.sent) for r in ok], 50),
         "output_tokens_per_s": round(sum(r.completion_tokens for r in ok) / wall_s, 2) if wall_s > 0 else 0.0,
         "requests_per_s": round(len(ok) / wall_s, 3) if wall_s > 0 else 0.0,
         "mean_prompt_tokens": round(statistics.fmean(r.prompt_tokens for r in ok), 1) if ok else 0.0,
