@@ -26,21 +26,29 @@
 
 #pragma GCC optimize("fp-contract=off")
 
-/* The activation rows, quantized, with every 4 bytes of q_x repeated across a vector: the tiles
- * read a row's next 4 activations for all LANES columns with one plain load (which the multiply
- * takes as its memory operand) instead of a broadcast, which costs a vector-ALU slot on AMD
- * Zen where the multiplies and adds already fill those ports. */
-#define VBYTES (LANES * 4)
+/* The activation rows, quantized. Without VNNI every 4 bytes of q_x are repeated across a
+ * vector: the tiles read a row's next 4 activations for all LANES columns with one plain load
+ * (which the multiply takes as its memory operand) instead of a broadcast, which costs a
+ * vector-ALU slot on AMD Zen where the multiplies and adds already fill those ports. With VNNI,
+ * vpdpbusd takes a 4-byte group broadcast from memory ({1to16}) as its operand at no cost, so the
+ * rows stay compact (K bytes each, in L1 instead of LANES times that in L2). */
+#if defined(__AVX512VNNI__)
+#define XREP 1
+#else
+#define XREP LANES
+#endif
+#define VBYTES (XREP * 4)
 typedef struct {
     const uint8_t *xb;  /* [M][K/4][VBYTES] */
     const float *d;     /* [M][K/32]: d_x */
     const float *ds;    /* [M][K/32]: d_x * sum(q_x) */
+    const int32_t *s;   /* [M][K/32]: sum(q_x) */
     int K;
 } qrows;
 
 /* One row, per 32-block: d_x = max|x| / 127, q_x = round-half-even(x / d_x) (the magic-number
  * rounding is nearbyintf's in the default rounding mode, |x / d_x| <= 127). */
-static void quantize_row(const float *x, int K, uint8_t *xb, float *d, float *ds) {
+static void quantize_row(const float *x, int K, uint8_t *xb, float *d, float *ds, int32_t *s) {
     typedef int8_t vbyte __attribute__((vector_size(LANES)));
     for (int b = 0; b < K / QBLOCK; b++) {
         const float *xs = x + b * QBLOCK;
@@ -71,19 +79,21 @@ static void quantize_row(const float *x, int K, uint8_t *xb, float *d, float *ds
         }
         d[b] = scale;
         ds[b] = scale * (float)total;
+        s[b] = total;
     }
 }
 
 /* xr's row m, 4-byte group j of block b, repeated across a vector. */
-#define XROW(m) (xr->xb + (size_t)(m) * K * LANES + (size_t)b * 8 * VBYTES)
+#define XROW(m) (xr->xb + (size_t)(m) * K * XREP + (size_t)b * 8 * VBYTES)
+#if XREP == 1
+static inline int32_t load_i32(const uint8_t *p) { int32_t v; memcpy(&v, p, 4); return v; }
+#define XV(m, j) _mm512_set1_epi32(load_i32(XROW(m) + (j) * VBYTES))
+#else
 #define XV(m, j) LOAD(XROW(m) + (j) * VBYTES)
+#endif
 
 /* Per block and vector v of columns: each row's integer dots with the block's quants, as a
- * vector of int32 (one lane per column), handed to EMIT(m, dots) which scales and sums them.
- * Q4: the block's 4 weight vectors are unpacked once into 8 registers of nibbles, then each
- * row runs its 8 multiplies against them (row after row, so one accumulator is live).
- * Q8: 8 weight vectors (and their magnitudes) would need 16 registers, so there the groups are
- * the outer loop and every row's accumulator stays live. */
+ * vector of int32 (one lane per column), handed to EMIT(m, dots) which scales and sums them. */
 #if defined(__AVX512BW__) || defined(__AVX2__)
 #if defined(__AVX512BW__)
 typedef __m512i vi;
@@ -128,14 +138,35 @@ typedef __m256i vi;
  * regroups a tile's products into one sum tree at the end, spilling every product. */
 #define KEEP(v) __asm__("" : "+x"(v))
 
+/* Q4: the block's 4 weight vectors are unpacked once into 8 registers of nibbles, then each
+ * row runs its 8 multiplies against them (row after row, so one row's accumulators are live). */
 #if defined(__AVX512VNNI__)
-#define Q4_PAIR(acc, lo, hi, xl, xh) DOT4(DOT4(acc, lo, xl), hi, xh)
-#define Q4_FINISH(acc) (acc)
+/* Two chains per row (low and high nibbles): one chain of 8 dependent vpdpbusd would run at the
+ * instruction's latency instead of its throughput. */
+#define Q4_ROW(acc, m)                                                                          \
+    do {                                                                                       \
+        vi acc_hi = ZERO();                                                                    \
+        acc = ZERO();                                                                          \
+        for (int g = 0; g < 4; g++) {                                                          \
+            acc = DOT4(acc, lo[g], XV(m, g));                                                  \
+            acc_hi = DOT4(acc_hi, hi[g], XV(m, 4 + g));                                        \
+            KEEP(acc);                                                                         \
+            KEEP(acc_hi);                                                                      \
+        }                                                                                      \
+        acc = _mm512_add_epi32(acc, acc_hi);                                                   \
+    } while (0)
 #else
 /* Without VNNI the pair sums stay 16-bit through the block (|sum| <= 16 * 15 * 127 = 30480),
  * widened to 32 bits once per block: two instructions per group and row fewer. */
-#define Q4_PAIR(acc, lo, hi, xl, xh) ADD16(acc, ADD16(MADDUBS(lo, xl), MADDUBS(hi, xh)))
-#define Q4_FINISH(acc) WIDEN16(acc)
+#define Q4_ROW(acc, m)                                                                          \
+    do {                                                                                       \
+        acc = ZERO();                                                                          \
+        for (int g = 0; g < 4; g++) {                                                          \
+            acc = ADD16(acc, ADD16(MADDUBS(lo[g], XV(m, g)), MADDUBS(hi[g], XV(m, 4 + g))));   \
+            KEEP(acc);                                                                         \
+        }                                                                                      \
+        acc = WIDEN16(acc);                                                                    \
+    } while (0)
 #endif
 #define Q4_DOTS(MM, EMIT)                                                                       \
     vi lo[4], hi[4];                                                                           \
@@ -145,20 +176,29 @@ typedef __m256i vi;
         hi[g] = AND(SRL16(w, 4), SET1_8(0x0F));                                                \
     }                                                                                          \
     for (int m = 0; m < MM; m++) {                                                             \
-        vi acc = ZERO();                                                                       \
-        for (int g = 0; g < 4; g++) {                                                          \
-            acc = Q4_PAIR(acc, lo[g], hi[g], XV(m, g), XV(m, 4 + g));                          \
-            KEEP(acc);                                                                         \
-        }                                                                                      \
-        EMIT(m, TO_FLOAT(Q4_FINISH(acc)));                                                     \
+        vi acc;                                                                                \
+        Q4_ROW(acc, m);                                                                        \
+        EMIT(m, TO_FLOAT(acc));                                                                \
     }
+/* Q8: 8 weight vectors would need 16 registers, so the groups are the outer loop and every
+ * row's accumulator stays live. Multiplies take an unsigned and a signed operand. With VNNI the
+ * weights are made unsigned (w + 128: one xor per weight vector, for all rows) so that x, the
+ * signed operand, comes broadcast from memory, and each accumulator starts at -128 sum(q_x):
+ * the dot stays exact. Without it |w| and x with w's sign. */
+#if defined(__AVX512VNNI__)
+#define Q8_START(m) _mm512_set1_epi32(-128 * xr->s[(size_t)(m) * nb + b])
+#define Q8_DOT(acc, w, m, g) DOT4(acc, _mm512_xor_si512(w, SET1_8((char)0x80)), XV(m, g))
+#else
+#define Q8_START(m) ZERO()
+#define Q8_DOT(acc, w, m, g) DOT4(acc, ABS8(w), SIGN_OF(XV(m, g), w))
+#endif
 #define Q8_DOTS(MM, EMIT)                                                                       \
     vi acc[MM];                                                                                 \
-    for (int m = 0; m < MM; m++) acc[m] = ZERO();                                              \
+    for (int m = 0; m < MM; m++) acc[m] = Q8_START(m);                                         \
     for (int g = 0; g < 8; g++) {                                                              \
-        vi w = LOAD(q + ((size_t)g * PACK + v * LANES) * 4), aw = ABS8(w);                      \
+        vi w = LOAD(q + ((size_t)g * PACK + v * LANES) * 4);                                    \
         for (int m = 0; m < MM; m++) {                                                         \
-            acc[m] = DOT4(acc[m], aw, SIGN_OF(XV(m, g), w));                                   \
+            acc[m] = Q8_DOT(acc[m], w, m, g);                                                  \
             KEEP(acc[m]);                                                                      \
         }                                                                                      \
     }                                                                                          \
@@ -243,7 +283,7 @@ DEFINE_QI_TILES(Q4I_TILE, q4i_tile)
  * stay in a core's L2 while every panel streams past them; longer batches (prefill) take
  * several passes, each reading the weights again. */
 static int rows_per_pass(int K) {
-    int rows = (256 * 1024) / (K * LANES) / GEMM_ROWS * GEMM_ROWS;
+    int rows = (256 * 1024) / (K * XREP) / GEMM_ROWS * GEMM_ROWS;
     return rows > GEMM_ROWS ? rows : GEMM_ROWS;
 }
 
@@ -253,10 +293,11 @@ int pd_quant_gemm_i8(int qtype, const float *x, const uint8_t *packed, const flo
                      int N, int num_threads) {
     if ((qtype != 8 && qtype != 4) || K % QBLOCK) return -1;
     int nb = K / QBLOCK;
-    char *mem = malloc((size_t)M * K * LANES + 2 * sizeof(float) * (size_t)M * nb);
+    char *mem = malloc((size_t)M * K * XREP + 3 * sizeof(float) * (size_t)M * nb);
     if (!mem) return -1;
     float *dx = (float *)mem, *dsx = dx + (size_t)M * nb;
-    uint8_t *xb = (uint8_t *)(dsx + (size_t)M * nb);
+    int32_t *sx = (int32_t *)(dsx + (size_t)M * nb);
+    uint8_t *xb = (uint8_t *)(sx + (size_t)M * nb);
     size_t panel_bytes = (size_t)nb * (qtype == 8 ? Q8_BYTES : Q4_BYTES);
     int panels = (N + PACK - 1) / PACK, pass_rows = rows_per_pass(K), passes = (M + pass_rows - 1) / pass_rows;
     const qi_tile_fn *tiles = qtype == 8 ? q8i_tile_tiles : q4i_tile_tiles;
@@ -264,14 +305,16 @@ int pd_quant_gemm_i8(int qtype, const float *x, const uint8_t *packed, const flo
     {
         #pragma omp for schedule(static)
         for (int m = 0; m < M; m++)
-            quantize_row(x + (size_t)m * K, K, xb + (size_t)m * K * LANES, dx + (size_t)m * nb, dsx + (size_t)m * nb);
+            quantize_row(x + (size_t)m * K, K, xb + (size_t)m * K * XREP, dx + (size_t)m * nb, dsx + (size_t)m * nb,
+                         sx + (size_t)m * nb);
         #pragma omp for schedule(static) collapse(2)
         for (int pass = 0; pass < passes; pass++)
             for (int p = 0; p < panels; p++) {
                 int col = p * PACK, ncols = N - col < PACK ? N - col : PACK;
                 int end = (pass + 1) * pass_rows < M ? (pass + 1) * pass_rows : M;
                 for (int m0 = pass * pass_rows; m0 < end; m0 += GEMM_ROWS) {
-                    qrows rows = {xb + (size_t)m0 * K * LANES, dx + (size_t)m0 * nb, dsx + (size_t)m0 * nb, K};
+                    qrows rows = {xb + (size_t)m0 * K * XREP, dx + (size_t)m0 * nb, dsx + (size_t)m0 * nb,
+                                   sx + (size_t)m0 * nb, K};
                     tiles[end - m0 < GEMM_ROWS ? end - m0 : GEMM_ROWS](
                         &rows, packed + p * panel_bytes, bias ? bias + col : 0, y + (size_t)m0 * N + col, N, ncols);
                 }
