@@ -20,6 +20,9 @@ TOKEN_METADATA_KEY = "x-pdspec-token"
 # Trailing metadata on a failed Decode whose KV source (the prefill worker) failed: its worker id,
 # so the router retries on another prefill worker instead of blaming the decode worker.
 FAILED_KV_SOURCE_METADATA_KEY = "x-pdspec-failed-kv-source"
+# Trailing metadata on a Generate refused with RESOURCE_EXHAUSTED: whole seconds to wait before a
+# retry (the HTTP front's Retry-After).
+RETRY_AFTER_METADATA_KEY = "retry-after"
 MAX_MESSAGE_BYTES = 256 * 1024 * 1024
 _OPTIONS = [
     ("grpc.max_send_message_length", MAX_MESSAGE_BYTES),

@@ -12,6 +12,7 @@ from grpc_health.v1 import health, health_pb2
 from engine.tokenizer import Tokenizer
 from proto.pdspec.v1 import router_pb2_grpc, worker_pb2_grpc
 from proto.rpc import serve
+from router.admission import Admission
 from router.config import RouterConfig
 from router.http_server import HttpServer
 from router.metrics import RouterMetrics
@@ -22,6 +23,9 @@ from router.service import RegistryServicer, RouterServicer
 log = logging.getLogger(__name__)
 ROUTER_SERVICE = "pdspec.v1.Router"
 _WILDCARD = ("0.0.0.0", "::", "")
+# A running or queued Generate holds one of the server's threads (created as needed): the
+# admission queue runs at most this many at once, and the pool keeps room for the control RPCs.
+_MAX_RUNNING, _CONTROL_THREADS = 512, 32
 
 
 @dataclass
@@ -48,8 +52,10 @@ def run_router(rc: RouterConfig, token: str | None, model_dir: Path, model_name:
     # service (liveness) stays SERVING while the process lives.
     health_servicer = health.HealthServicer()
     registry = Registry(on_change=lambda: health_servicer.set(ROUTER_SERVICE, _status(registry.can_serve())))
-    metrics = RouterMetrics(model_name)
-    router = RouterServicer(registry, Tokenizer.from_dir(model_dir), rc, token, metrics)
+    admission = Admission(lambda: min(registry.capacity(), _MAX_RUNNING), rc.max_queued_requests,
+                          rc.max_queue_seconds)
+    metrics = RouterMetrics(model_name, admission.snapshot)
+    router = RouterServicer(registry, Tokenizer.from_dir(model_dir), rc, token, metrics, admission)
     services = [
         (router_pb2_grpc.add_RouterServicer_to_server, router, ROUTER_SERVICE),
         (worker_pb2_grpc.add_RegistryServicer_to_server, RegistryServicer(registry, rc.heartbeat_interval_s),
@@ -57,7 +63,8 @@ def run_router(rc: RouterConfig, token: str | None, model_dir: Path, model_name:
     ]
     address = f"{rc.host}:{rc.port if port is None else port}"
     server, bound = serve(services, address, token, internal=["pdspec.v1.Registry"], health_servicer=health_servicer,
-                          not_ready=[ROUTER_SERVICE])
+                          not_ready=[ROUTER_SERVICE],
+                          max_workers=_MAX_RUNNING + rc.max_queued_requests + _CONTROL_THREADS)
     threading.Thread(target=_evict_until_stopped, args=(server, registry, rc), name="router-evict", daemon=True).start()
     log.info("router serving on %s:%d (policy %s, cluster token %s)", rc.host, bound, rc.policy,
              "set" if token else "NOT set: internal services are open")

@@ -7,8 +7,9 @@ prometheus-client adds `_total` to counters and `_bucket`/`_sum`/`_count` to his
 """
 
 import time
+from collections.abc import Callable
 
-from prometheus_client import CollectorRegistry, Counter, Histogram
+from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram
 
 from proto.pdspec.v1 import router_pb2
 
@@ -22,10 +23,15 @@ QUEUE_BUCKETS = (0.001, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0,
 class RouterMetrics:
     """The router's Prometheus registry and its request metrics, labelled by the served model."""
 
-    def __init__(self, model_name: str) -> None:
+    def __init__(self, model_name: str, admission: Callable[[], tuple[int, int]]) -> None:
+        """`admission`: (requests running, requests waiting in the admission queue) now."""
         self.model_name = model_name
         r = self.registry = CollectorRegistry()
         model = ["model"]
+        Gauge("pdspec_num_requests_running", "requests holding a running slot", registry=r).set_function(
+            lambda: admission()[0])
+        Gauge("pdspec_num_requests_waiting", "requests waiting in the router's admission queue",
+              registry=r).set_function(lambda: admission()[1])
         self.ttft = Histogram("pdspec_time_to_first_token_seconds", "request arrival at the router to its first token",
                               model + ["prefill_worker"], buckets=TTFT_BUCKETS, registry=r)
         self.itl = Histogram("pdspec_inter_token_latency_seconds",
@@ -34,7 +40,8 @@ class RouterMetrics:
         self.e2e = Histogram("pdspec_e2e_request_latency_seconds", "request arrival to its last message", model,
                              buckets=E2E_BUCKETS, registry=r)
         self.queue = Histogram("pdspec_request_queue_seconds",
-                               "time waiting in a worker's queue before the prompt's computation started", model,
+                               "time waiting in the router's admission queue and a worker's queue before the "
+                               "prompt's computation started", model,
                                buckets=QUEUE_BUCKETS, registry=r)
         self.prompt_tokens = Counter("pdspec_prompt_tokens", "prompt tokens of finished requests", model, registry=r)
         self.cached_prompt_tokens = Counter("pdspec_prefix_cache_hit_tokens",

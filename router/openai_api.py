@@ -20,6 +20,7 @@ from fastapi.exceptions import RequestValidationError
 from fastapi.responses import JSONResponse, Response, StreamingResponse
 from prometheus_client import CONTENT_TYPE_LATEST, CollectorRegistry, generate_latest
 
+from proto import rpc
 from proto.pdspec.v1 import router_pb2, router_pb2_grpc
 from router.openai_schema import (ChatCompletionRequest, CompletionRequest, OpenAIError, Shape, api_field, extension,
                                   invalid, usage)
@@ -49,7 +50,7 @@ def create_app(router_address: str, model_name: str, registry: CollectorRegistry
 
     @app.exception_handler(OpenAIError)
     async def openai_error(request: Request, e: OpenAIError) -> JSONResponse:
-        return JSONResponse(e.body(), status_code=e.status)
+        return JSONResponse(e.body(), status_code=e.status, headers=e.headers)
 
     @app.exception_handler(RequestValidationError)
     async def malformed(request: Request, e: RequestValidationError) -> JSONResponse:
@@ -115,7 +116,8 @@ async def _next(call) -> router_pb2.GenerateResponse:
     except grpc.aio.AioRpcError as e:
         status, kind = _HTTP_STATUS.get(e.code(), (500, "internal_error"))
         text, param = api_field(e.details() or e.code().name) if status == 400 else (e.details(), None)
-        raise OpenAIError(status, text, kind, param) from None
+        retry_after = dict(e.trailing_metadata() or ()).get(rpc.RETRY_AFTER_METADATA_KEY)
+        raise OpenAIError(status, text, kind, param, {"Retry-After": retry_after} if retry_after else None) from None
     if message is grpc.aio.EOF:
         raise OpenAIError(502, "the router's stream ended without a finish_reason", "internal_error")
     return message

@@ -21,9 +21,11 @@ UInt64 = Annotated[int, Field(ge=0, le=2**64 - 1)]
 class OpenAIError(Exception):
     """An error answer in OpenAI's shape: {"error": {"message", "type", "param", "code"}}."""
 
-    def __init__(self, status: int, message: str, type_: str, param: str | None = None) -> None:
+    def __init__(self, status: int, message: str, type_: str, param: str | None = None,
+                 headers: dict[str, str] | None = None) -> None:
         super().__init__(message)
         self.status, self.message, self.type, self.param = status, message, type_, param
+        self.headers = headers or {}
 
     def body(self) -> dict[str, Any]:
         return {"error": {"message": self.message, "type": self.type, "param": self.param, "code": None}}

@@ -132,6 +132,11 @@ class Registry:
                 worker.routed_blocks += blocks
                 worker.routed_requests += 1
 
+    def capacity(self) -> int:
+        """Requests the registered workers' running batches hold, together."""
+        with self._lock:
+            return sum(w.registration.max_num_seqs for w in self._workers.values())
+
     def max_model_len(self) -> int | None:
         """The smallest context limit among registered workers: any of them may serve a request."""
         with self._lock:
@@ -156,6 +161,7 @@ def _check_fields(r: worker_pb2.RegisterRequest) -> None:
         (r.layout.block_size < 1, f"layout.block_size: must be >= 1, got {r.layout.block_size}"),
         (r.total_blocks < 1, f"total_blocks: must be >= 1, got {r.total_blocks}"),
         (r.max_model_len < 1, f"max_model_len: must be >= 1, got {r.max_model_len}"),
+        (r.max_num_seqs < 1, f"max_num_seqs: must be >= 1, got {r.max_num_seqs}"),
     ]
     for bad, message in problems:
         if bad:

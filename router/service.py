@@ -1,7 +1,8 @@
 """The router's gRPC servicers: the public Router (Generate, Abort, ListWorkers) and the internal
 Registry that workers register and heartbeat with.
 
-Generate, per attempt: choose workers -> Prefill (disaggregated only) -> Decode(prefilled=handle)
+Generate waits for a running slot in the admission queue (router/admission.py), then, per attempt:
+choose workers -> Prefill (disaggregated only) -> Decode(prefilled=handle)
 -> relay the decode stream. An attempt that fails before the decode stream's first response
 releases the prefill worker's pin and is retried on other workers (the failed one is skipped for
 this request), up to router.max_retries times. Once output has reached the client nothing is
@@ -17,6 +18,7 @@ from typing import NoReturn
 
 import grpc
 
+from router.admission import Admission, LeftQueue, Overloaded, QueueDeadline
 from router.config import RouterConfig
 from router.metrics import RouterMetrics
 from engine.tokenizer import Tokenizer
@@ -58,6 +60,7 @@ class _Run:
         self._call: grpc.Future | None = None
         self._on_cancel: Callable[[], None] = lambda: None
         self.cancelled = self.finished = False
+        self.queued_s = 0.0  # waited in the router's admission queue
 
     def track(self, call: grpc.Future, on_cancel: Callable[[], None] = lambda: None) -> None:
         """`call` is now the one in flight; cancel it at once if the run was cancelled meanwhile."""
@@ -99,8 +102,8 @@ class _Peers:
 
 class RouterServicer(router_pb2_grpc.RouterServicer):
     def __init__(self, registry: Registry, tokenizer: Tokenizer, config: RouterConfig, token: str | None,
-                 metrics: RouterMetrics, policy: PrefillPolicy | None = None) -> None:
-        self._registry, self._tokenizer, self._config = registry, tokenizer, config
+                 metrics: RouterMetrics, admission: Admission, policy: PrefillPolicy | None = None) -> None:
+        self._registry, self._tokenizer, self._config, self._admission = registry, tokenizer, config, admission
         self._policy = policy or make_policy(config)
         self._peers = _Peers(token)
         self._metrics = metrics
@@ -128,11 +131,30 @@ class RouterServicer(router_pb2_grpc.RouterServicer):
             run = self._runs[req.request_id] = _Run()
         context.add_callback(run.cancel)  # fires when the RPC ends: if the client left, stop the worker
         try:
-            yield from self._serve(req, run, context)
+            yield from self._admitted(req, run, context)
         finally:
             with self._runs_lock:
                 run.finished = True
                 del self._runs[req.request_id]
+
+    def _admitted(self, req: ValidRequest, run: _Run, context) -> Iterator[router_pb2.GenerateResponse]:
+        """Serve the request in a running slot, or refuse it: RESOURCE_EXHAUSTED (with the seconds to
+        wait before a retry as retry-after metadata), DEADLINE_EXCEEDED, or an abort while it waited."""
+        try:
+            slot = self._admission.enter(lambda: run.cancelled or not context.is_active(), context.time_remaining())
+        except Overloaded as e:
+            context.set_trailing_metadata(((rpc.RETRY_AFTER_METADATA_KEY, str(e.retry_after_s)),))
+            context.abort(grpc.StatusCode.RESOURCE_EXHAUSTED, str(e))
+        except QueueDeadline as e:
+            context.abort(grpc.StatusCode.DEADLINE_EXCEEDED, str(e))
+        except LeftQueue:
+            yield _aborted(req, completion_tokens=0)
+            return
+        run.queued_s = slot.waited_s
+        try:
+            yield from self._serve(req, run, context)
+        finally:
+            slot.release()
 
     def Abort(self, request, context) -> common_pb2.AbortResponse:
         with self._runs_lock:
@@ -242,14 +264,14 @@ class RouterServicer(router_pb2_grpc.RouterServicer):
 
     def _relay(self, req: ValidRequest, plan: _Plan, first: worker_pb2.DecodeResponse,
                rest: Iterator[worker_pb2.DecodeResponse], run: _Run, context) -> Iterator[router_pb2.GenerateResponse]:
-        response = _response(req.request_id, first)
+        response = _response(req.request_id, first, run.queued_s)
         response.prefill_worker = (plan.prefill or plan.decode).worker_id
         response.decode_worker = plan.decode.worker_id
         yield response
         emitted = len(first.token_ids)
         try:
             for out in rest:
-                yield _response(req.request_id, out)
+                yield _response(req.request_id, out, run.queued_s)
                 emitted += len(out.token_ids)
         except grpc.RpcError as e:
             if not run.cancelled:
@@ -290,11 +312,12 @@ class RegistryServicer(worker_pb2_grpc.RegistryServicer):
         return worker_pb2.HeartbeatResponse(registered=self._registry.heartbeat(request))
 
 
-def _response(request_id: str, out: worker_pb2.DecodeResponse) -> router_pb2.GenerateResponse:
+def _response(request_id: str, out: worker_pb2.DecodeResponse, queued_s: float) -> router_pb2.GenerateResponse:
     response = router_pb2.GenerateResponse(request_id=request_id, text=out.text, token_ids=out.token_ids,
                                            finish_reason=out.finish_reason)
     if out.HasField("usage"):
         response.usage.CopyFrom(out.usage)
+        response.usage.queue_seconds += queued_s  # the router's queue, then the workers'
     if out.HasField("acceptance"):
         response.acceptance.CopyFrom(out.acceptance)
     return response

@@ -68,6 +68,7 @@ class RegistryClient:
 
 
 def registration(worker_id: str, role: str, address: str, layout: kv_pb2.KVLayout, total_blocks: int,
-                 max_model_len: int) -> worker_pb2.RegisterRequest:
+                 max_model_len: int, max_num_seqs: int) -> worker_pb2.RegisterRequest:
     return worker_pb2.RegisterRequest(worker_id=worker_id, role=role, address=address, layout=layout,
-                                      total_blocks=total_blocks, max_model_len=max_model_len)
+                                      total_blocks=total_blocks, max_model_len=max_model_len,
+                                      max_num_seqs=max_num_seqs)

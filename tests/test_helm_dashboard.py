@@ -16,7 +16,7 @@ def exported_samples() -> dict[str, set[str]]:
     """Every sample pdspec's code exports, name -> label names: the router's request metrics after
     one served request (prometheus-client shows a labelled metric only once a label set is used),
     a decode worker's KV hand-off, and a worker's engine gauges over a stats snapshot."""
-    router = RouterMetrics("m")
+    router = RouterMetrics("m", lambda: (0, 0))
     request = router.start()
     request.on_response(router_pb2.GenerateResponse(token_ids=[1], prefill_worker="p", decode_worker="d"))
     request.on_response(router_pb2.GenerateResponse(token_ids=[2, 3]))

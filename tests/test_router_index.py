@@ -42,7 +42,8 @@ class CacheWorker:
 
     def registration(self) -> worker_pb2.RegisterRequest:
         return worker_pb2.RegisterRequest(worker_id=self.worker_id, role="prefill", address=f"{self.worker_id}:1",
-                                          layout=LAYOUT, total_blocks=self.blocks.num_blocks, max_model_len=64)
+                                          layout=LAYOUT, total_blocks=self.blocks.num_blocks, max_model_len=64,
+                                          max_num_seqs=4)
 
     def heartbeat(self) -> worker_pb2.HeartbeatRequest:
         events = [kv_event(e) for e in self.events]

@@ -68,7 +68,8 @@ def test_a_burst_spreads_before_heartbeats_report_it():
     layout = kv_pb2.KVLayout(model="m", dtype="float32", block_size=4)
     for wid in ("a", "b"):
         registry.register(worker_pb2.RegisterRequest(worker_id=wid, role="prefill", address=f"{wid}:1",
-                                                     layout=layout, total_blocks=100, max_model_len=64))
+                                                     layout=layout, total_blocks=100, max_model_len=64,
+                                                     max_num_seqs=4))
     policy = KVPolicy(overlap_weight=1.0, temperature=0.0)
     chosen = []
     for _ in range(4):

@@ -36,7 +36,8 @@ def router(model_dir):
 def registration(worker_id: str, address: str, role: str = "aggregated") -> worker_pb2.RegisterRequest:
     layout = kv_pb2.KVLayout(model="smollm2", dtype="float32", block_size=16)
     return worker_pb2.RegisterRequest(worker_id=worker_id, role=role, address=address, layout=layout,
-                                      total_blocks=64, max_model_len=256, metrics_address="127.0.0.1:9100")
+                                      total_blocks=64, max_model_len=256, max_num_seqs=4,
+                                      metrics_address="127.0.0.1:9100")
 
 
 def dead_address() -> str:

@@ -9,7 +9,7 @@ from typing import ClassVar as _ClassVar, Optional as _Optional, Union as _Union
 DESCRIPTOR: _descriptor.FileDescriptor
 
 class RegisterRequest(_message.Message):
-    __slots__ = ("worker_id", "role", "address", "layout", "total_blocks", "max_model_len", "cached_block_hashes", "metrics_address")
+    __slots__ = ("worker_id", "role", "address", "layout", "total_blocks", "max_model_len", "cached_block_hashes", "metrics_address", "max_num_seqs")
     WORKER_ID_FIELD_NUMBER: _ClassVar[int]
     ROLE_FIELD_NUMBER: _ClassVar[int]
     ADDRESS_FIELD_NUMBER: _ClassVar[int]
@@ -18,6 +18,7 @@ class RegisterRequest(_message.Message):
     MAX_MODEL_LEN_FIELD_NUMBER: _ClassVar[int]
     CACHED_BLOCK_HASHES_FIELD_NUMBER: _ClassVar[int]
     METRICS_ADDRESS_FIELD_NUMBER: _ClassVar[int]
+    MAX_NUM_SEQS_FIELD_NUMBER: _ClassVar[int]
     worker_id: str
     role: str
     address: str
@@ -26,7 +27,8 @@ class RegisterRequest(_message.Message):
     max_model_len: int
     cached_block_hashes: _containers.RepeatedScalarFieldContainer[int]
     metrics_address: str
-    def __init__(self, worker_id: _Optional[str] = ..., role: _Optional[str] = ..., address: _Optional[str] = ..., layout: _Optional[_Union[_kv_pb2.KVLayout, _Mapping]] = ..., total_blocks: _Optional[int] = ..., max_model_len: _Optional[int] = ..., cached_block_hashes: _Optional[_Iterable[int]] = ..., metrics_address: _Optional[str] = ...) -> None: ...
+    max_num_seqs: int
+    def __init__(self, worker_id: _Optional[str] = ..., role: _Optional[str] = ..., address: _Optional[str] = ..., layout: _Optional[_Union[_kv_pb2.KVLayout, _Mapping]] = ..., total_blocks: _Optional[int] = ..., max_model_len: _Optional[int] = ..., cached_block_hashes: _Optional[_Iterable[int]] = ..., metrics_address: _Optional[str] = ..., max_num_seqs: _Optional[int] = ...) -> None: ...
 
 class RegisterResponse(_message.Message):
     __slots__ = ("heartbeat_interval_ms",)

@@ -1,0 +1,163 @@
+"""The router's admission queue: its rules on their own (threads, an injected clock where a
+request's hold time matters), then a burst against a real local cluster over gRPC and HTTP."""
+
+import threading
+import time
+import urllib.request
+from concurrent.futures import ThreadPoolExecutor
+
+import grpc
+import httpx
+import pytest
+
+from deploy.config import parse_config
+from deploy.local import LocalCluster
+from proto import rpc
+from proto.pdspec.v1 import common_pb2, router_pb2, router_pb2_grpc
+from router.admission import Admission, LeftQueue, Overloaded, QueueDeadline
+
+
+def _wait_until(condition, timeout_s: float = 30.0) -> None:
+    deadline = time.monotonic() + timeout_s
+    while not condition():
+        assert time.monotonic() < deadline, "condition not reached"
+        time.sleep(0.01)
+
+
+def _enter_in_thread(admission: Admission, order: list, name: str, gone=lambda: False) -> threading.Thread:
+    """Start a request's wait in a thread; returns once it is queued. `order` gets (name, its
+    slot or what it raised) when the wait ends."""
+    def run() -> None:
+        try:
+            slot = admission.enter(gone)
+        except Exception as e:  # noqa: BLE001 - the test inspects what was raised
+            order.append((name, e))
+            return
+        order.append((name, slot))
+
+    queued = admission.snapshot()[1]
+    thread = threading.Thread(target=run)
+    thread.start()
+    _wait_until(lambda: admission.snapshot()[1] > queued or order)  # queued (or already answered)
+    return thread
+
+
+def test_requests_beyond_the_queue_are_refused_at_once_and_the_queue_is_fifo():
+    admission = Admission(lambda: 1, max_queued=2, max_wait_s=60.0)
+    first = admission.enter(lambda: False)
+    order: list = []
+    threads = [_enter_in_thread(admission, order, name) for name in ("b", "c")]
+    assert admission.snapshot() == (1, 2)
+    with pytest.raises(Overloaded, match=r"router.max_queued_requests=2") as refused:
+        admission.enter(lambda: False)
+    assert refused.value.retry_after_s >= 1
+    first.release()
+    _wait_until(lambda: len(order) == 1)
+    assert order[0][0] == "b" and order[0][1].waited_s > 0
+    order[0][1].release()
+    threads[1].join(10)
+    assert [name for name, _ in order] == ["b", "c"]
+    order[1][1].release()
+    assert admission.snapshot() == (0, 0)
+
+
+def test_a_wait_ends_at_max_queue_seconds_or_the_clients_deadline_or_when_it_leaves():
+    admission = Admission(lambda: 1, max_queued=8, max_wait_s=0.2)
+    held = admission.enter(lambda: False)
+    with pytest.raises(Overloaded, match=r"waited 0.2s .*router.max_queue_seconds=0.2.*nothing was computed"):
+        admission.enter(lambda: False)
+    with pytest.raises(QueueDeadline, match="deadline"):
+        admission.enter(lambda: False, deadline_s=0.05)
+    gone = threading.Event()
+    order: list = []
+    leaver = _enter_in_thread(admission, order, "left", gone=gone.is_set)
+    gone.set()
+    leaver.join(10)
+    assert [(name, type(e)) for name, e in order] == [("left", LeftQueue)] and admission.snapshot() == (1, 0)
+    held.release()
+
+
+def test_a_request_expected_to_wait_too_long_is_refused_at_once():
+    now = [0.0]
+    admission = Admission(lambda: 1, max_queued=8, max_wait_s=5.0, clock=lambda: now[0])
+    slot = admission.enter(lambda: False)
+    now[0] = 10.0  # it held its slot 10 s: the next request in line would wait ~10 s
+    slot.release()
+    running = admission.enter(lambda: False)
+    with pytest.raises(Overloaded, match=r"waiting ~10.0s \(router.max_queue_seconds=5\)") as refused:
+        admission.enter(lambda: False)
+    assert refused.value.retry_after_s == 10
+    running.release()
+
+
+def test_without_capacity_requests_pass_through_to_routing():
+    admission = Admission(lambda: 0, max_queued=0, max_wait_s=1.0)
+    slots = [admission.enter(lambda: False) for _ in range(3)]
+    assert admission.snapshot() == (3, 0)
+    for slot in slots:
+        slot.release()
+
+
+# --- a burst against a real cluster: 1 prefill + 1 decode worker, each running one request ---
+
+BURST = 20  # 10x what the workers' running batches hold together (max_num_seqs 1 each)
+
+
+@pytest.fixture(scope="module")
+def cluster():
+    config = parse_config({
+        "engine": {"num_kv_blocks": 64, "max_num_seqs": 1, "speculative": {"method": "none"}},
+        "cluster_token": "pdspec-tests",
+        "router": {"port": 0, "http_port": 0, "max_queued_requests": 2, "request_timeout_s": 900.0},
+        "prefill": {"replicas": 1, "kv_transfer": "grpc"}, "decode": {"replicas": 1, "kv_transfer": "grpc"},
+    })
+    cluster = LocalCluster(config, 0).start()
+    yield cluster
+    cluster.stop()
+
+
+def _grpc_request(cluster: LocalCluster, i: int):
+    request = router_pb2.GenerateRequest(
+        prompt=f"Count from {i} to {i + 40}.",
+        sampling=common_pb2.SamplingOptions(max_tokens=48, ignore_eos=True))
+    with grpc.insecure_channel(cluster.router_address) as channel:
+        try:
+            responses = list(router_pb2_grpc.RouterStub(channel).Generate(request, timeout=600))
+        except grpc.RpcError as e:
+            return e.code(), dict(e.trailing_metadata() or ()).get(rpc.RETRY_AFTER_METADATA_KEY), e.details()
+    return "served", responses[-1].finish_reason, sum(len(r.token_ids) for r in responses)
+
+
+def _http_request(cluster: LocalCluster, i: int):
+    body = {"prompt": f"Count from {i} to {i + 40}.", "max_tokens": 48, "ignore_eos": True}
+    response = httpx.post(f"{cluster.http_url}/completions", json=body, timeout=600)
+    if response.status_code != 200:
+        return response.status_code, response.headers.get("retry-after"), response.json()["error"]
+    return "served", response.json()["choices"][0]["finish_reason"], response.json()["usage"]["completion_tokens"]
+
+
+def _metric(url: str, name: str) -> float:
+    text = urllib.request.urlopen(url, timeout=10).read().decode()
+    return sum(float(line.split()[-1]) for line in text.splitlines() if line.startswith(name))
+
+
+def test_a_burst_is_served_or_refused_at_once_and_nothing_is_lost(cluster):
+    with ThreadPoolExecutor(BURST) as pool:
+        futures = [pool.submit(_http_request if i % 2 else _grpc_request, cluster, i) for i in range(BURST)]
+        results = [f.result() for f in futures]
+    served = [r for r in results if r[0] == "served"]
+    refused = [r for r in results if r[0] != "served"]
+    assert len(served) + len(refused) == BURST
+    assert len(served) >= 2 and refused  # 2 run and 2 wait at a time; the rest cannot all fit
+    assert all(r[1] == "length" and r[2] == 48 for r in served)
+    for code, retry_after, detail in refused:
+        assert code in (grpc.StatusCode.RESOURCE_EXHAUSTED, 429)
+        assert int(retry_after) >= 1
+        message = detail if isinstance(detail, str) else detail["message"]
+        assert "router.max_queued_requests=2" in message or "router.max_queue_seconds" in message
+        if code == 429:
+            assert detail["type"] == "rate_limit_error"
+    metrics = f"{cluster.http_url.removesuffix('/v1')}/metrics"
+    assert _metric(metrics, "pdspec_num_requests_running") == 0
+    assert _metric(metrics, "pdspec_num_requests_waiting") == 0
+    assert _grpc_request(cluster, 99)[0] == "served"  # healthy after
