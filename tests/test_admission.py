@@ -161,3 +161,43 @@ def test_a_burst_is_served_or_refused_at_once_and_nothing_is_lost(cluster):
     assert _metric(metrics, "pdspec_num_requests_running") == 0
     assert _metric(metrics, "pdspec_num_requests_waiting") == 0
     assert _grpc_request(cluster, 99)[0] == "served"  # healthy after
+
+
+def _blocks_used(cluster: LocalCluster) -> float:
+    with grpc.insecure_channel(cluster.router_address) as channel:
+        workers = router_pb2_grpc.RouterStub(channel).ListWorkers(router_pb2.ListWorkersRequest()).workers
+    return sum(_metric(f"http://{w.metrics_address}/metrics", "pdspec_kv_blocks_used") for w in workers)
+
+
+def _wait_blocks_free(cluster: LocalCluster) -> None:
+    _wait_until(lambda: _blocks_used(cluster) == 0, timeout_s=60)
+
+
+LONG = common_pb2.SamplingOptions(max_tokens=4000, ignore_eos=True)
+
+
+def test_a_deadline_ends_the_request_and_frees_its_blocks(cluster):
+    request = router_pb2.GenerateRequest(prompt="Tell me a long story.", sampling=LONG)
+    with grpc.insecure_channel(cluster.router_address) as channel:
+        with pytest.raises(grpc.RpcError) as ended:
+            for _ in router_pb2_grpc.RouterStub(channel).Generate(request, timeout=2.0):
+                pass
+    assert ended.value.code() == grpc.StatusCode.DEADLINE_EXCEEDED
+    _wait_blocks_free(cluster)
+
+
+def test_abort_takes_a_request_out_of_the_queue(cluster):
+    metrics = f"{cluster.http_url.removesuffix('/v1')}/metrics"
+    with grpc.insecure_channel(cluster.router_address) as channel:
+        stub = router_pb2_grpc.RouterStub(channel)
+        long_calls = [stub.Generate(router_pb2.GenerateRequest(prompt=f"Story {i}.", sampling=LONG)) for i in (1, 2)]
+        _wait_until(lambda: _metric(metrics, "pdspec_num_requests_running") == 2)
+        queued = stub.Generate(router_pb2.GenerateRequest(request_id="queued", prompt="Hi", sampling=LONG))
+        _wait_until(lambda: _metric(metrics, "pdspec_num_requests_waiting") == 1)
+        assert stub.Abort(common_pb2.AbortRequest(request_id="queued")).found
+        (answer,) = list(queued)
+        assert answer.finish_reason == "abort" and not answer.token_ids
+        for call in long_calls:
+            call.cancel()
+    _wait_until(lambda: _metric(metrics, "pdspec_num_requests_running") == 0)
+    _wait_blocks_free(cluster)
