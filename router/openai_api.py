@@ -94,7 +94,7 @@ def create_app(router_address: str, model_name: str, registry: CollectorRegistry
         check_model(body.model)
         request_id = uuid.uuid4().hex
         shape = Shape(chat, request_id, model_name)
-        call = request.app.state.router.Generate(body.generate_request(request_id))
+        call = request.app.state.router.Generate(body.generate_request(request_id), timeout=body.timeout)
         if body.stream:
             first = await _next(call)  # a request refused before its first token gets its own HTTP status
             include_usage = body.stream_options is not None and body.stream_options.include_usage

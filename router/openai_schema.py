@@ -80,6 +80,9 @@ class _Sampling(BaseModel):
     user: str | None = None
     stream: bool = False
     stream_options: StreamOptions | None = None
+    # Seconds the whole request may take (a pdspec extension; gRPC clients set a deadline): past
+    # it the request ends with 504 and its blocks are freed on every worker.
+    timeout: float | None = Field(None, gt=0, allow_inf_nan=False)
 
     def check_supported(self) -> None:
         if self.n != 1:

@@ -176,13 +176,17 @@ def _wait_blocks_free(cluster: LocalCluster) -> None:
 LONG = common_pb2.SamplingOptions(max_tokens=4000, ignore_eos=True)
 
 
-def test_a_deadline_ends_the_request_and_frees_its_blocks(cluster):
+def test_a_deadline_or_timeout_ends_the_request_and_frees_its_blocks(cluster):
     request = router_pb2.GenerateRequest(prompt="Tell me a long story.", sampling=LONG)
     with grpc.insecure_channel(cluster.router_address) as channel:
         with pytest.raises(grpc.RpcError) as ended:
             for _ in router_pb2_grpc.RouterStub(channel).Generate(request, timeout=2.0):
                 pass
     assert ended.value.code() == grpc.StatusCode.DEADLINE_EXCEEDED
+    _wait_blocks_free(cluster)
+    body = {"prompt": "Tell me a long story.", "max_tokens": 4000, "ignore_eos": True, "timeout": 2.0}
+    response = httpx.post(f"{cluster.http_url}/completions", json=body, timeout=600)
+    assert response.status_code == 504 and response.json()["error"]["type"] == "timeout"
     _wait_blocks_free(cluster)
 
 
