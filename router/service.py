@@ -264,21 +264,22 @@ class RouterServicer(router_pb2_grpc.RouterServicer):
 
     def _relay(self, req: ValidRequest, plan: _Plan, first: worker_pb2.DecodeResponse,
                rest: Iterator[worker_pb2.DecodeResponse], run: _Run, context) -> Iterator[router_pb2.GenerateResponse]:
-        response = _response(req.request_id, first, run.queued_s)
+        response = _response(first, run.queued_s)
+        response.request_id = req.request_id  # the first message names the request and its route
         response.prefill_worker = (plan.prefill or plan.decode).worker_id
         response.decode_worker = plan.decode.worker_id
         yield response
         emitted = len(first.token_ids)
         try:
             for out in rest:
-                yield _response(req.request_id, out, run.queued_s)
+                yield _response(out, run.queued_s)
                 emitted += len(out.token_ids)
         except grpc.RpcError as e:
             if not run.cancelled:
                 failure = _WorkerFailed(plan.decode, "Decode", e)
                 context.abort(_client_code(failure.code),
                               f"{failure} after {emitted} tokens were streamed; not retried, the output was already sent")
-            yield _aborted(req, emitted)
+            yield _aborted(req, emitted, first=False)
 
     def _give_up(self, req: ValidRequest, failure: _WorkerFailed | None, attempts: int, context) -> NoReturn:
         if failure is None:
@@ -312,9 +313,8 @@ class RegistryServicer(worker_pb2_grpc.RegistryServicer):
         return worker_pb2.HeartbeatResponse(registered=self._registry.heartbeat(request))
 
 
-def _response(request_id: str, out: worker_pb2.DecodeResponse, queued_s: float) -> router_pb2.GenerateResponse:
-    response = router_pb2.GenerateResponse(request_id=request_id, text=out.text, token_ids=out.token_ids,
-                                           finish_reason=out.finish_reason)
+def _response(out: worker_pb2.DecodeResponse, queued_s: float) -> router_pb2.GenerateResponse:
+    response = router_pb2.GenerateResponse(text=out.text, token_ids=out.token_ids, finish_reason=out.finish_reason)
     if out.HasField("usage"):
         response.usage.CopyFrom(out.usage)
         response.usage.queue_seconds += queued_s  # the router's queue, then the workers'
@@ -323,9 +323,10 @@ def _response(request_id: str, out: worker_pb2.DecodeResponse, queued_s: float) 
     return response
 
 
-def _aborted(req: ValidRequest, completion_tokens: int) -> router_pb2.GenerateResponse:
+def _aborted(req: ValidRequest, completion_tokens: int, first: bool = True) -> router_pb2.GenerateResponse:
+    """The last message of an aborted request (`first`: nothing was sent before it)."""
     usage = common_pb2.Usage(prompt_tokens=len(req.prompt_token_ids), completion_tokens=completion_tokens)
-    return router_pb2.GenerateResponse(request_id=req.request_id, finish_reason="abort", usage=usage)
+    return router_pb2.GenerateResponse(request_id=req.request_id if first else "", finish_reason="abort", usage=usage)
 
 
 def _status_name(context) -> str:

@@ -34,7 +34,7 @@ class ValidRequest:
     speculation: common_pb2.SpeculationOptions
 
 
-MAX_REQUEST_ID = 128  # characters: an id is echoed in the answer's messages
+MAX_REQUEST_ID = 128  # characters: the id comes back in the answer's first message
 
 
 def validate(request: router_pb2.GenerateRequest, tokenizer: Tokenizer, max_model_len: int | None) -> ValidRequest:

@@ -148,8 +148,8 @@ def test_a_burst_is_served_or_refused_at_once_and_nothing_is_lost(cluster):
     served = [r for r in results if r[0] == "served"]
     refused = [r for r in results if r[0] != "served"]
     assert len(served) + len(refused) == BURST
-    assert len(served) >= 2 and refused  # 2 run and 2 wait at a time; the rest cannot all fit
-    assert all(r[1] == "length" and r[2] == 48 for r in served)
+    assert len(served) >= 2 and refused, results  # 2 run and 2 wait at a time; the rest cannot all fit
+    assert all(r[1] == "length" and r[2] == 48 for r in served), results
     for code, retry_after, detail in refused:
         assert code in (grpc.StatusCode.RESOURCE_EXHAUSTED, 429)
         assert int(retry_after) >= 1
@@ -158,7 +158,8 @@ def test_a_burst_is_served_or_refused_at_once_and_nothing_is_lost(cluster):
         if code == 429:
             assert detail["type"] == "rate_limit_error"
     metrics = f"{cluster.http_url.removesuffix('/v1')}/metrics"
-    assert _metric(metrics, "pdspec_num_requests_running") == 0
+    # A slot is released just after the answer's last message has gone out.
+    _wait_until(lambda: _metric(metrics, "pdspec_num_requests_running") == 0)
     assert _metric(metrics, "pdspec_num_requests_waiting") == 0
     assert _grpc_request(cluster, 99)[0] == "served"  # healthy after
 
@@ -205,3 +206,12 @@ def test_abort_takes_a_request_out_of_the_queue(cluster):
             call.cancel()
     _wait_until(lambda: _metric(metrics, "pdspec_num_requests_running") == 0)
     _wait_blocks_free(cluster)
+
+
+def test_the_request_id_comes_back_once(cluster):
+    request = router_pb2.GenerateRequest(request_id="mine", prompt="Hello", sampling=common_pb2.SamplingOptions(
+        max_tokens=8, ignore_eos=True))
+    with grpc.insecure_channel(cluster.router_address) as channel:
+        responses = list(router_pb2_grpc.RouterStub(channel).Generate(request))
+    assert len(responses) > 1
+    assert [r.request_id for r in responses] == ["mine"] + [""] * (len(responses) - 1)
