@@ -16,12 +16,12 @@ import urllib.request
 from collections import defaultdict
 from pathlib import Path
 
-import grpc
 import matplotlib.pyplot as plt  # the bench extra; without a display it draws with Agg
 from prometheus_client.parser import text_string_to_metric_families
 
 from deploy.config import load_config, with_router
 from deploy.local import LocalCluster
+from proto import rpc
 from proto.pdspec.v1 import router_pb2, router_pb2_grpc
 from tools.loadgen import make_workload, print_table, run_load, summarize
 from tools.prompts import read_prompts
@@ -120,7 +120,7 @@ def run(rate: float, num_requests: int, max_tokens: int) -> tuple[dict, list]:
     config = with_router(load_config(ROOT / "deploy" / "configs" / "local.yaml"), "bench.dashboard", port=0, http_port=0)
     cluster = LocalCluster(config, 0).start()
     try:
-        with grpc.insecure_channel(cluster.router_address) as channel:
+        with rpc.channel(cluster.router_address, cluster.token) as channel:  # ListWorkers needs the cluster token
             workers = router_pb2_grpc.RouterStub(channel).ListWorkers(router_pb2.ListWorkersRequest()).workers
         urls = {"router": cluster.http_url.removesuffix("/v1") + "/metrics"}
         urls |= {w.worker_id: f"http://{w.metrics_address}/metrics" for w in workers}

@@ -3,6 +3,7 @@
 import argparse
 import json
 import logging
+import os
 import signal
 import sys
 import time
@@ -111,7 +112,8 @@ def _bench_serve(args: argparse.Namespace) -> int:
             raise ValueError(f"--{name.replace('_', '-')}: must be at least {least}, got {getattr(args, name)}")
     workload = make_workload(read_prompts(Path(args.prompts)), args.num_requests, args.num_prefixes, args.prefix_tokens)
     target = args.http or args.router
-    summary = summarize(*run_load(target, workload, args.rate, args.max_tokens, args.seed))
+    summary = summarize(*run_load(target, workload, args.rate, args.max_tokens, args.seed,
+                                  api_key=args.api_key or os.environ.get("PDSPEC_API_KEY")))
     if args.json:
         print(json.dumps(summary))
     else:
@@ -141,6 +143,7 @@ def _add_bench(sub: argparse._SubParsersAction) -> None:
     p.add_argument("--num-prefixes", type=int, default=0, help="long shared system prompts, each request gets one at random")
     p.add_argument("--prefix-tokens", type=int, default=600, help="approximate length of each shared prefix")
     p.add_argument("--seed", type=int, default=0, help="arrival times")
+    p.add_argument("--api-key", default=None, help="a key of the router's api_key_file (default: $PDSPEC_API_KEY)")
     p.add_argument("--json", action="store_true")
     p.set_defaults(func=_bench_serve)
 

@@ -35,6 +35,7 @@ class LocalCluster:
 
     def __post_init__(self) -> None:
         self.router_port = self.router_port or free_port(self.host)  # 0: any free port
+        self.token = self.config.token() or os.urandom(16).hex()  # internal RPCs' (ListWorkers too)
         if self.config.router.http_port == 0:
             self.config = with_router(self.config, "router.http_port", http_port=free_port(self.host))
 
@@ -61,8 +62,7 @@ class LocalCluster:
     def _start(self, timeout_s: float) -> None:
         config_file = self.log_dir / "config.yaml"
         config_file.write_text(yaml.safe_dump(self.config.model_dump(mode="json")))
-        env = {**os.environ, "PDSPEC_CLUSTER_TOKEN": self.config.token()
-               or os.urandom(16).hex()}
+        env = {**os.environ, "PDSPEC_CLUSTER_TOKEN": self.token}
         self._spawn("router", ["router", "--config", str(config_file), "--port", str(self.router_port)], env)
         wait_healthy(self.router_address, timeout_s)
         threads = default_threads(self.config)
@@ -73,7 +73,7 @@ class LocalCluster:
                 # NIXL logs INFO to stdout by default; UCX would also listen beyond loopback.
                 self._spawn(f"{role}-{i}", args, {**env, "OMP_NUM_THREADS": str(threads[role]), "NIXL_LOG_LEVEL": "WARN",
                                                   "UCX_NET_DEVICES": env.get("UCX_NET_DEVICES", "lo")})
-        wait_for_workers(self.router_address, [n for n in self.processes if n != "router"], timeout_s,
+        wait_for_workers(self.router_address, self.token, [n for n in self.processes if n != "router"], timeout_s,
                          self._check_alive, f"logs in {self.log_dir}")
 
     def _check_alive(self) -> None:

@@ -119,7 +119,7 @@ class RayCluster:
         self.actors: dict[str, ActorHandle] = {}
         self._ready: dict[str, ray.ObjectRef] = {}  # resolves once the actor's constructor returned
         self._connected = False
-        self._token = config.token() or os.urandom(16).hex()
+        self.token = config.token() or os.urandom(16).hex()  # internal RPCs' (ListWorkers too)
 
     @property
     def http_url(self) -> str | None:
@@ -158,8 +158,8 @@ class RayCluster:
     def wait_ready(self, timeout_s: float = 300.0) -> None:
         """Router healthy and every worker listed by it; raises if an actor failed to start."""
         wait_healthy(self.router_address, timeout_s)
-        wait_for_workers(self.router_address, [n for n in self.actors if n != ROUTER], timeout_s, self._check_all,
-                         "actor logs are in the Ray session's logs directory (worker-*.err)")
+        wait_for_workers(self.router_address, self.token, [n for n in self.actors if n != ROUTER], timeout_s,
+                         self._check_all, "actor logs are in the Ray session's logs directory (worker-*.err)")
 
     def kill(self, name: str) -> None:
         """Kill one actor as a crash would; Ray restarts it."""
@@ -185,7 +185,7 @@ class RayCluster:
         self._launch(name, WorkerActor.options(**options).remote(self.config, role, self.router_address, name))
 
     def _named(self, name: str, env: dict[str, str]) -> dict:
-        env = env | {"PDSPEC_CLUSTER_TOKEN": self._token}
+        env = env | {"PDSPEC_CLUSTER_TOKEN": self.token}
         if self.config.router.host in _LOOPBACK:  # one host: keep UCX (NIXL) off other interfaces too
             env["UCX_NET_DEVICES"] = "lo"
         return {"name": name, "namespace": NAMESPACE, "lifetime": "detached" if self.detached else None,

@@ -7,20 +7,19 @@ that a member died during start-up, so a crash fails fast instead of waiting out
 import time
 from collections.abc import Callable, Collection
 
-import grpc
-
+from proto import rpc
 from proto.pdspec.v1 import router_pb2, router_pb2_grpc
 
 
-def wait_for_workers(router_address: str, expected: Collection[str], timeout_s: float,
+def wait_for_workers(router_address: str, token: str | None, expected: Collection[str], timeout_s: float,
                      check_alive: Callable[[], None], hint: str = "") -> None:
-    """Poll the router's ListWorkers until every id in `expected` is listed.
+    """Poll the router's ListWorkers (with the cluster `token`) until every id in `expected` is listed.
 
     `check_alive` runs each round and raises when a member can no longer come up; `hint` (e.g.
     where the logs are) ends the timeout message."""
     expected, listed = set(expected), set()
     deadline = time.monotonic() + timeout_s
-    with grpc.insecure_channel(router_address) as ch:
+    with rpc.channel(router_address, token) as ch:
         stub = router_pb2_grpc.RouterStub(ch)
         while time.monotonic() < deadline:
             check_alive()

@@ -3,7 +3,8 @@ every server, a shared-token check on internal services, deadlines, message size
 
 Internal services (registry, prefill, decode, KV transfer) require the cluster token in the
 `x-pdspec-token` metadata when one is configured: NIXL agent metadata (a pickle) is only ever
-handed to, and accepted from, peers that know it. The public Router service is open.
+handed to, and accepted from, peers that know it. The public Router service is open unless
+the router sets API keys (a further `gates` entry, router/api_keys.py).
 """
 
 import collections
@@ -30,26 +31,39 @@ _OPTIONS = [
 ]
 
 
-class _TokenCheck(grpc.ServerInterceptor):
-    def __init__(self, token: str, protected: set[str]):
-        self._token = token.encode()
-        self._protected = protected
+class MetadataGate(grpc.ServerInterceptor):
+    """Refuses calls to `names` (services, "pdspec.v1.Registry", or methods,
+    "pdspec.v1.Router/ListWorkers") with UNAUTHENTICATED when `refusal(metadata)` returns a
+    message; health, reflection and everything else pass."""
 
-        def deny(request, context):
-            context.abort(grpc.StatusCode.UNAUTHENTICATED, "missing or wrong x-pdspec-token for an internal service")
-
-        self._deny = grpc.unary_unary_rpc_method_handler(deny)
-        self._deny_stream = grpc.unary_stream_rpc_method_handler(deny)
+    def __init__(self, names: set[str], refusal: Callable[[dict[str, str]], str | None]):
+        self._names, self._refusal = names, refusal
 
     def intercept_service(self, continuation, details):
-        service = details.method.rsplit("/", 2)[1]
-        if service not in self._protected:
+        method = details.method.lstrip("/")
+        if method not in self._names and method.split("/")[0] not in self._names:
             return continuation(details)
-        given = dict(details.invocation_metadata).get(TOKEN_METADATA_KEY, "").encode()
-        if hmac.compare_digest(given, self._token):
+        message = self._refusal(dict(details.invocation_metadata))
+        if message is None:
             return continuation(details)
+
+        def deny(request, context):
+            context.abort(grpc.StatusCode.UNAUTHENTICATED, message)
+
         handler = continuation(details)
-        return self._deny_stream if handler is not None and handler.response_streaming else self._deny
+        streaming = handler is not None and handler.response_streaming
+        return (grpc.unary_stream_rpc_method_handler if streaming else grpc.unary_unary_rpc_method_handler)(deny)
+
+
+def _token_gate(token: str, internal: set[str]) -> MetadataGate:
+    expected = token.encode()
+
+    def refusal(metadata: dict[str, str]) -> str | None:
+        if hmac.compare_digest(metadata.get(TOKEN_METADATA_KEY, "").encode(), expected):
+            return None
+        return "missing or wrong x-pdspec-token for an internal service"
+
+    return MetadataGate(internal, refusal)
 
 
 class _Unparsable:
@@ -88,13 +102,16 @@ Registration = tuple[Callable[[object, grpc.Server], None], object, str]  # (add
 
 def serve(services: Sequence[Registration], address: str, token: str | None = None,
           internal: Sequence[str] = (), max_workers: int = 64,
-          health_servicer: health.HealthServicer | None = None, not_ready: Sequence[str] = ()) -> tuple[grpc.Server, int]:
+          health_servicer: health.HealthServicer | None = None, not_ready: Sequence[str] = (),
+          gates: Sequence[MetadataGate] = ()) -> tuple[grpc.Server, int]:
     """Start a server on `address` ("127.0.0.1:0" picks a free port); returns it and its port.
 
-    `internal` names the services (full names, e.g. "pdspec.v1.DecodeWorker") that need the token.
+    `internal` names the services (full names, e.g. "pdspec.v1.DecodeWorker") and methods
+    ("pdspec.v1.Router/ListWorkers") that need the token.
     Health: the "" service (liveness) and every service SERVING, except those in `not_ready`,
-    which start NOT_SERVING in `health_servicer` (given by a caller that flips them later)."""
-    interceptors = [_MalformedRequest()] + ([_TokenCheck(token, set(internal))] if token else [])
+    which start NOT_SERVING in `health_servicer` (given by a caller that flips them later).
+    `gates`: further metadata checks (the router's API keys)."""
+    interceptors = [_MalformedRequest(), *([_token_gate(token, set(internal))] if token else []), *gates]
     server = grpc.server(futures.ThreadPoolExecutor(max_workers=max_workers), interceptors=interceptors,
                          options=_OPTIONS)
     health_servicer = health_servicer or health.HealthServicer()

@@ -1,5 +1,6 @@
 """The router's section of the deployment schema (deploy/config.py composes it with the others)."""
 
+from pathlib import Path
 from typing import Literal
 
 from pydantic import BaseModel, ConfigDict, Field
@@ -14,6 +15,8 @@ class RouterConfig(BaseModel):
                                   description="OpenAI-compatible HTTP API port (null: off; 0: pick a free one)")
     served_model_name: str | None = Field(None, min_length=1, description="the model name the HTTP API serves "
                                           "(default: the model directory's name; the embedded model's own name)")
+    api_key_file: Path | None = Field(None, description="public API keys, one per line, re-read on change; clients "
+                                      "send 'authorization: Bearer <key>' (null: the public API is open)")
     policy: Literal["kv", "round_robin", "random"] = "kv"
     overlap_weight: float = Field(1.0, ge=0.0, description="weight of prefill blocks to compute in the kv cost")
     temperature: float = Field(0.0, ge=0.0, description="softmax temperature over -cost; 0 = always the cheapest")

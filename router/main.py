@@ -13,6 +13,7 @@ from engine.tokenizer import Tokenizer
 from proto.pdspec.v1 import router_pb2_grpc, worker_pb2_grpc
 from proto.rpc import serve
 from router.admission import Admission
+from router.api_keys import ApiKeys
 from router.config import RouterConfig
 from router.http_server import HttpServer
 from router.metrics import RouterMetrics
@@ -52,26 +53,33 @@ def run_router(rc: RouterConfig, token: str | None, model_dir: Path, model_name:
     # service (liveness) stays SERVING while the process lives.
     health_servicer = health.HealthServicer()
     registry = Registry(on_change=lambda: health_servicer.set(ROUTER_SERVICE, _status(registry.can_serve())))
+    api_keys = ApiKeys(rc.api_key_file) if rc.api_key_file is not None else None
     admission = Admission(lambda: min(registry.capacity(), _MAX_RUNNING), rc.max_queued_requests,
                           rc.max_queue_seconds)
     metrics = RouterMetrics(model_name, admission.snapshot)
-    router = RouterServicer(registry, Tokenizer.from_dir(model_dir), rc, token, metrics, admission)
+    router = RouterServicer(registry, Tokenizer.from_dir(model_dir), rc, token, metrics, admission, api_keys)
     services = [
         (router_pb2_grpc.add_RouterServicer_to_server, router, ROUTER_SERVICE),
         (worker_pb2_grpc.add_RegistryServicer_to_server, RegistryServicer(registry, rc.heartbeat_interval_s),
          "pdspec.v1.Registry"),
     ]
     address = f"{rc.host}:{rc.port if port is None else port}"
-    server, bound = serve(services, address, token, internal=["pdspec.v1.Registry"], health_servicer=health_servicer,
+    # ListWorkers hands out internal addresses: only for callers with the cluster token.
+    internal = ["pdspec.v1.Registry", f"{ROUTER_SERVICE}/ListWorkers"]
+    public = {f"{ROUTER_SERVICE}/Generate", f"{ROUTER_SERVICE}/Abort"}
+    server, bound = serve(services, address, token, internal=internal, health_servicer=health_servicer,
                           not_ready=[ROUTER_SERVICE],
-                          max_workers=_MAX_RUNNING + rc.max_queued_requests + _CONTROL_THREADS)
+                          max_workers=_MAX_RUNNING + rc.max_queued_requests + _CONTROL_THREADS,
+                          gates=[api_keys.gate(public)] if api_keys else [])
     threading.Thread(target=_evict_until_stopped, args=(server, registry, rc), name="router-evict", daemon=True).start()
-    log.info("router serving on %s:%d (policy %s, cluster token %s)", rc.host, bound, rc.policy,
-             "set" if token else "NOT set: internal services are open")
+    log.info("router serving on %s:%d (policy %s, cluster token %s, API keys %s)", rc.host, bound, rc.policy,
+             "set" if token else "NOT set: internal services are open", rc.api_key_file or "off: the API is open")
     if rc.http_port is None:
         return RunningRouter(server, bound, None, None)
     grpc_address = f"{'127.0.0.1' if rc.host in _WILDCARD else rc.host}:{bound}"
-    http = HttpServer(create_app(grpc_address, model_name, metrics.registry, registry.can_serve), rc.host, rc.http_port)
+    authorized = (lambda header: api_keys.owner(header) is not None) if api_keys else (lambda header: True)
+    app = create_app(grpc_address, model_name, metrics.registry, registry.can_serve, authorized)
+    http = HttpServer(app, rc.host, rc.http_port)
     try:
         http_port = http.start()
     except RuntimeError:

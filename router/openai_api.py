@@ -21,6 +21,7 @@ from fastapi.responses import JSONResponse, Response, StreamingResponse
 from prometheus_client import CONTENT_TYPE_LATEST, CollectorRegistry, generate_latest
 
 from proto import rpc
+from router.api_keys import AUTHORIZATION_METADATA_KEY
 from proto.pdspec.v1 import router_pb2, router_pb2_grpc
 from router.openai_schema import (ChatCompletionRequest, CompletionRequest, OpenAIError, Shape, api_field, extension,
                                   invalid, usage)
@@ -36,9 +37,11 @@ _HTTP_STATUS = {
 }
 
 
-def create_app(router_address: str, model_name: str, registry: CollectorRegistry, ready: Callable[[], bool]) -> FastAPI:
+def create_app(router_address: str, model_name: str, registry: CollectorRegistry, ready: Callable[[], bool],
+               authorized: Callable[[str], bool]) -> FastAPI:
     """`router_address`: the router's gRPC port, dialled on loopback; `ready`: whether a request
-    sent now has a route (the readiness the gRPC health service reports)."""
+    sent now has a route (the readiness the gRPC health service reports); `authorized`: whether an
+    Authorization header holds an API key (completions forward it: the gRPC API checks it too)."""
 
     @contextlib.asynccontextmanager
     async def lifespan(app: FastAPI) -> AsyncIterator[None]:
@@ -73,8 +76,16 @@ def create_app(router_address: str, model_name: str, registry: CollectorRegistry
     async def metrics() -> Response:
         return Response(generate_latest(registry), media_type=CONTENT_TYPE_LATEST)
 
+    def check_key(request: Request) -> str:
+        header = request.headers.get("authorization", "")
+        if not authorized(header):
+            raise OpenAIError(401, "missing or unknown API key: send the header 'Authorization: Bearer <key>' with a "
+                              "key of router.api_key_file", "authentication_error")
+        return header
+
     @app.get("/v1/models")
-    async def models() -> dict[str, Any]:
+    async def models(request: Request) -> dict[str, Any]:
+        check_key(request)
         return {"object": "list", "data": [{"id": model_name, "object": "model", "created": 0, "owned_by": "pdspec"}]}
 
     @app.post("/v1/chat/completions")
@@ -91,10 +102,13 @@ def create_app(router_address: str, model_name: str, registry: CollectorRegistry
                               "(GET /v1/models)", "not_found_error", "model")
 
     async def _complete(body: ChatCompletionRequest | CompletionRequest, request: Request, chat: bool) -> Response:
+        header = check_key(request)
         check_model(body.model)
         request_id = uuid.uuid4().hex
         shape = Shape(chat, request_id, model_name)
-        call = request.app.state.router.Generate(body.generate_request(request_id), timeout=body.timeout)
+        metadata = ((AUTHORIZATION_METADATA_KEY, header),) if header else None
+        call = request.app.state.router.Generate(body.generate_request(request_id), timeout=body.timeout,
+                                                 metadata=metadata)
         if body.stream:
             first = await _next(call)  # a request refused before its first token gets its own HTTP status
             include_usage = body.stream_options is not None and body.stream_options.include_usage

@@ -19,6 +19,7 @@ from typing import NoReturn
 import grpc
 
 from router.admission import Admission, LeftQueue, Overloaded, QueueDeadline
+from router.api_keys import AUTHORIZATION_METADATA_KEY, ApiKeys
 from router.config import RouterConfig
 from router.metrics import RouterMetrics
 from engine.tokenizer import Tokenizer
@@ -55,7 +56,8 @@ class _Plan:
 class _Run:
     """One running Generate: the internal call to cancel if the client leaves or calls Abort."""
 
-    def __init__(self) -> None:
+    def __init__(self, owner: str) -> None:
+        self.owner = owner  # the API key's digest it was made with ("" without API keys)
         self._lock = threading.Lock()
         self._call: grpc.Future | None = None
         self._on_cancel: Callable[[], None] = lambda: None
@@ -102,8 +104,10 @@ class _Peers:
 
 class RouterServicer(router_pb2_grpc.RouterServicer):
     def __init__(self, registry: Registry, tokenizer: Tokenizer, config: RouterConfig, token: str | None,
-                 metrics: RouterMetrics, admission: Admission, policy: PrefillPolicy | None = None) -> None:
+                 metrics: RouterMetrics, admission: Admission, api_keys: ApiKeys | None = None,
+                 policy: PrefillPolicy | None = None) -> None:
         self._registry, self._tokenizer, self._config, self._admission = registry, tokenizer, config, admission
+        self._api_keys = api_keys
         self._policy = policy or make_policy(config)
         self._peers = _Peers(token)
         self._metrics = metrics
@@ -128,7 +132,7 @@ class RouterServicer(router_pb2_grpc.RouterServicer):
             if req.request_id in self._runs:
                 context.abort(grpc.StatusCode.INVALID_ARGUMENT,
                               f"request_id: {req.request_id!r} is already running; send a unique id or none")
-            run = self._runs[req.request_id] = _Run()
+            run = self._runs[req.request_id] = _Run(self._owner(context))
         context.add_callback(run.cancel)  # fires when the RPC ends: if the client left, stop the worker
         try:
             yield from self._admitted(req, run, context)
@@ -157,11 +161,19 @@ class RouterServicer(router_pb2_grpc.RouterServicer):
             slot.release()
 
     def Abort(self, request, context) -> common_pb2.AbortResponse:
+        """Ends a running request made with the caller's API key; another key's is not found."""
         with self._runs_lock:
             run = self._runs.get(request.request_id)
-        if run is not None:
+        if run is not None and run.owner == self._owner(context):
             run.cancel()
-        return common_pb2.AbortResponse(found=run is not None)
+            return common_pb2.AbortResponse(found=True)
+        return common_pb2.AbortResponse(found=False)
+
+    def _owner(self, context) -> str:
+        if self._api_keys is None:
+            return ""
+        metadata = dict(context.invocation_metadata())
+        return self._api_keys.owner(metadata.get(AUTHORIZATION_METADATA_KEY, "")) or ""
 
     def ListWorkers(self, request, context) -> router_pb2.ListWorkersResponse:
         return router_pb2.ListWorkersResponse(

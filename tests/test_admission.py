@@ -165,7 +165,7 @@ def test_a_burst_is_served_or_refused_at_once_and_nothing_is_lost(cluster):
 
 
 def _blocks_used(cluster: LocalCluster) -> float:
-    with grpc.insecure_channel(cluster.router_address) as channel:
+    with rpc.channel(cluster.router_address, cluster.token) as channel:  # ListWorkers needs the cluster token
         workers = router_pb2_grpc.RouterStub(channel).ListWorkers(router_pb2.ListWorkersRequest()).workers
     return sum(_metric(f"http://{w.metrics_address}/metrics", "pdspec_kv_blocks_used") for w in workers)
 

@@ -21,6 +21,7 @@ from engine.config import EngineConfig
 from engine.engine import Engine
 from engine.params import SamplingParams
 from proto.pdspec.v1 import common_pb2, kv_pb2, kv_pb2_grpc, router_pb2, router_pb2_grpc, worker_pb2, worker_pb2_grpc
+from proto import rpc
 from proto.rpc import FAILED_KV_SOURCE_METADATA_KEY, channel, free_port
 
 QUESTIONS = ["What is the capital of France?", "Name three primary colors.", "Write a haiku about rain.",
@@ -63,7 +64,7 @@ def grpc_cluster():
 
 
 def _stub(cluster: LocalCluster) -> router_pb2_grpc.RouterStub:
-    return router_pb2_grpc.RouterStub(grpc.insecure_channel(cluster.router_address))
+    return router_pb2_grpc.RouterStub(rpc.channel(cluster.router_address, cluster.token))  # ListWorkers needs it
 
 
 def _request(question: str, max_tokens: int = MAX_TOKENS, **sampling) -> router_pb2.GenerateRequest:

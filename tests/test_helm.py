@@ -337,6 +337,7 @@ def test_values_schema_rejects_a_bad_config_naming_the_field(helm, tmp_path, com
     ({"config": {"decode": {"port": 0}}}, "config.decode.port"),
     ({"config": {"prefill": {"metrics_port": 0}}}, "config.prefill.metrics_port"),
     ({"config": {"cluster_token": "oops"}}, "config.cluster_token"),
+    ({"config": {"router": {"api_key_file": "/keys"}}}, "config.router.api_key_file"),
     ({"config": {"router": {"http_port": 0}}}, "config.router.http_port"),
     ({"config": {"router": {"http_port": 50051}}}, "config.router.http_port"),  # the gRPC port
     ({"image": {"pullPolicy": "Sometimes"}}, "image.pullPolicy"),

@@ -17,6 +17,7 @@ from deploy.config import parse_config
 from deploy.local import LocalCluster
 from engine.tokenizer import Tokenizer
 from tools.loadgen import make_workload, run_load, summarize
+from proto import rpc
 from proto.pdspec.v1 import common_pb2, router_pb2, router_pb2_grpc
 
 MODEL = "SmolLM2-135M-Instruct"
@@ -164,7 +165,7 @@ def _metric(url: str, name: str, **labels: str) -> float:
 
 
 def _decode_metrics_url(cluster: LocalCluster) -> str:
-    with grpc.insecure_channel(cluster.router_address) as channel:
+    with rpc.channel(cluster.router_address, cluster.token) as channel:  # ListWorkers needs the cluster token
         workers = router_pb2_grpc.RouterStub(channel).ListWorkers(router_pb2.ListWorkersRequest()).workers
     (decode,) = [w for w in workers if w.role == "decode"]
     return f"http://{decode.metrics_address}/metrics"

@@ -29,7 +29,7 @@ def router(model_dir):
     router = run_router(config.router, config.token(), model_dir, "smollm2", port=0)
     address = f"127.0.0.1:{router.port}"
     with channel(address) as public, channel(address, TOKEN) as internal:
-        yield router_pb2_grpc.RouterStub(public), worker_pb2_grpc.RegistryStub(internal), public
+        yield router_pb2_grpc.RouterStub(public), worker_pb2_grpc.RegistryStub(internal), public, internal
     router.stop(0)
 
 
@@ -53,7 +53,7 @@ def rpc_error(call) -> grpc.RpcError:
 
 
 def test_health_and_reflection(router):
-    _, registry, public = router
+    _, registry, public, _ = router
     health = health_pb2_grpc.HealthStub(public)
 
     def status(service: str = "pdspec.v1.Router") -> int:
@@ -78,7 +78,7 @@ def test_health_and_reflection(router):
 
 
 def test_request_errors(router):
-    stub, _, _ = router
+    stub, _, _, _ = router
     e = rpc_error(lambda: list(stub.Generate(HELLO, timeout=10)))
     assert e.code() == grpc.StatusCode.UNAVAILABLE and "no prefill/decode workers registered" in e.details()
     bad = router_pb2.GenerateRequest(prompt="Hello", sampling=common_pb2.SamplingOptions(temperature=-1))
@@ -89,7 +89,7 @@ def test_request_errors(router):
 
 def test_a_request_that_does_not_parse_is_invalid_argument(router):
     """A prompt with invalid UTF-8 (what a client without protobuf's checks can send)."""
-    _, _, public = router
+    _, _, public, _ = router
     raw = router_pb2.GenerateRequest(prompt="Hello X").SerializeToString().replace(b"X", b"\xff")
     generate = public.unary_stream("/pdspec.v1.Router/Generate", request_serializer=None,
                                    response_deserializer=router_pb2.GenerateResponse.FromString)
@@ -98,16 +98,20 @@ def test_a_request_that_does_not_parse_is_invalid_argument(router):
 
 
 def test_registry_needs_the_cluster_token(router, model_dir):
-    _, _, public = router
+    _, _, public, _ = router
     e = rpc_error(lambda: worker_pb2_grpc.RegistryStub(public).Register(registration("w", "x:1"), timeout=10))
     assert e.code() == grpc.StatusCode.UNAUTHENTICATED
 
 
 def test_registered_workers_are_listed_until_their_heartbeats_stop(router):
-    stub, registry, _ = router
+    stub, registry, _, internal = router
     assert registry.Register(registration("agg-1", "127.0.0.1:1"), timeout=10).heartbeat_interval_ms == 100
     beat = worker_pb2.HeartbeatRequest(worker_id="agg-1", load=worker_pb2.Load(active_blocks=7, total_blocks=64))
     assert registry.Heartbeat(beat, timeout=10).registered
+    with pytest.raises(grpc.RpcError) as refused:  # it hands out internal addresses: the cluster token only
+        stub.ListWorkers(router_pb2.ListWorkersRequest(), timeout=10)
+    assert refused.value.code() == grpc.StatusCode.UNAUTHENTICATED
+    stub = router_pb2_grpc.RouterStub(internal)
     [status] = stub.ListWorkers(router_pb2.ListWorkersRequest(), timeout=10).workers
     assert (status.worker_id, status.role, status.active_blocks, status.metrics_address) == (
         "agg-1", "aggregated", 7, "127.0.0.1:9100")
@@ -119,7 +123,7 @@ def test_registered_workers_are_listed_until_their_heartbeats_stop(router):
 
 
 def test_failed_workers_are_retried_elsewhere_then_named(router):
-    stub, registry, _ = router
+    stub, registry, _, _ = router
     for worker_id in ("agg-1", "agg-2"):
         registry.Register(registration(worker_id, dead_address()), timeout=10)
     e = rpc_error(lambda: list(stub.Generate(HELLO, timeout=10)))

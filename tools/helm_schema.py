@@ -45,6 +45,10 @@ CHART_PROPERTIES = {
         "key": {"type": "string", "pattern": r"^[-._a-zA-Z0-9]+$"},
         "value": {"type": "string", "description": "empty: generated once, kept across upgrades"},
     }, required=("key",)),
+    "apiKeys": _strict({
+        "existingSecret": {"type": "string", "description": "a Secret of public API keys; empty: the API is open"},
+        "key": {"type": "string", "pattern": r"^[-._a-zA-Z0-9]+$"},
+    }, required=("key",)),
     "logLevel": {"enum": ["", "DEBUG", "INFO", "WARNING", "ERROR"]},
     "service": _strict({"type": {"enum": ["ClusterIP", "NodePort", "LoadBalancer"]}, "annotations": _STR_MAP}),
     "routerResources": {"type": "object"},

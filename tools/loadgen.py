@@ -86,10 +86,11 @@ Sender = Callable[[list[common_pb2.ChatMessage]], RequestRecord]
 
 
 def run_load(target: str, workload: list[list[common_pb2.ChatMessage]], rate: float, max_tokens: int,
-             seed: int = 0, timeout_s: float = 600.0) -> tuple[list[RequestRecord], float]:
+             seed: int = 0, timeout_s: float = 600.0, api_key: str | None = None) -> tuple[list[RequestRecord], float]:
     """Send the workload to `target`: a router's gRPC HOST:PORT, or the base URL of its OpenAI API
-    (http://HOST:PORT/v1). Returns a record per request and the wall time from first send to last token."""
-    with _sender(target, max_tokens, timeout_s, len(workload)) as send:
+    (http://HOST:PORT/v1), with `api_key` if the router asks for one. Returns a record per request
+    and the wall time from first send to last token."""
+    with _sender(target, max_tokens, timeout_s, len(workload), api_key) as send:
         start = time.perf_counter()
         if rate <= 0:
             records = [send(messages) for messages in workload]
@@ -105,24 +106,25 @@ def run_load(target: str, workload: list[list[common_pb2.ChatMessage]], rate: fl
 
 
 @contextlib.contextmanager
-def _sender(target: str, max_tokens: int, timeout_s: float, concurrency: int) -> Iterator[Sender]:
+def _sender(target: str, max_tokens: int, timeout_s: float, concurrency: int, api_key: str | None) -> Iterator[Sender]:
+    authorization = {"authorization": f"Bearer {api_key}"} if api_key else {}
     if target.startswith(("http://", "https://")):
         limits = httpx.Limits(max_connections=concurrency, max_keepalive_connections=concurrency)
-        with httpx.Client(base_url=target, limits=limits, timeout=timeout_s) as client:
+        with httpx.Client(base_url=target, limits=limits, timeout=timeout_s, headers=authorization) as client:
             yield functools.partial(_one_http, client, max_tokens=max_tokens)
     else:
         with grpc.insecure_channel(target) as channel:
             yield functools.partial(_one, router_pb2_grpc.RouterStub(channel), max_tokens=max_tokens,
-                                    timeout_s=timeout_s)
+                                    timeout_s=timeout_s, metadata=tuple(authorization.items()))
 
 
-def _one(stub, messages, max_tokens: int, timeout_s: float) -> RequestRecord:
+def _one(stub, messages, max_tokens: int, timeout_s: float, metadata: tuple) -> RequestRecord:
     request = router_pb2.GenerateRequest(messages=router_pb2.MessageList(messages=messages),
                                          sampling=common_pb2.SamplingOptions(max_tokens=max_tokens, ignore_eos=True))
     record = RequestRecord(sent=time.perf_counter())
     last_at, last = record.sent, None
     try:
-        for last in stub.Generate(request, timeout=timeout_s):
+        for last in stub.Generate(request, timeout=timeout_s, metadata=metadata):
             now, n = time.perf_counter(), len(last.token_ids)
             if n and record.first is None:
                 record.first = now

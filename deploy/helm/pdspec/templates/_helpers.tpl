@@ -48,6 +48,9 @@ until workers have registered). */}}
 {{- if $c.cluster_token -}}
 {{- fail "config.cluster_token: leave it unset, a ConfigMap is not secret; set clusterToken.value or clusterToken.existingSecret" -}}
 {{- end -}}
+{{- if $c.router.api_key_file -}}
+{{- fail "config.router.api_key_file: leave it unset; set apiKeys.existingSecret, the chart mounts that Secret and names it" -}}
+{{- end -}}
 {{- if not (has $c.router.host (list "0.0.0.0" "::")) -}}
 {{- fail (printf "config.router.host: %v is not reachable from other pods; allowed: 0.0.0.0 or ::" $c.router.host) -}}
 {{- end -}}
@@ -138,4 +141,9 @@ livenessProbe:
   periodSeconds: 10
   timeoutSeconds: 5
   failureThreshold: 6
+{{- end -}}
+
+{{/* Where the router's pod mounts the API keys' Secret (apiKeys.existingSecret). */}}
+{{- define "pdspec.apiKeyFile" -}}
+/etc/pdspec/api-keys/keys
 {{- end -}}

@@ -1,0 +1,109 @@
+"""Public API keys against a real local cluster (router + one aggregated worker on loopback): gRPC
+and the OpenAI API refuse callers without a current key, Abort ends only the caller's own
+requests, health and metrics stay open, and the key file is re-read when it changes."""
+
+import time
+import urllib.request
+from pathlib import Path
+
+import grpc
+import httpx
+import openai
+import pytest
+from grpc_health.v1 import health_pb2, health_pb2_grpc
+
+from deploy.config import parse_config
+from deploy.local import LocalCluster
+from proto.pdspec.v1 import common_pb2, router_pb2, router_pb2_grpc
+from router.api_keys import ApiKeys
+
+KEYS = ["key-alice", "key-bob"]
+QUESTION = router_pb2.GenerateRequest(prompt="Hello", sampling=common_pb2.SamplingOptions(max_tokens=4))
+
+
+@pytest.fixture(scope="module")
+def key_file(tmp_path_factory) -> Path:
+    path = tmp_path_factory.mktemp("keys") / "api_keys"
+    path.write_text("# one key per line\n\n" + "\n".join(KEYS) + "\n")
+    return path
+
+
+@pytest.fixture(scope="module")
+def cluster(key_file):
+    config = parse_config({
+        "engine": {"num_kv_blocks": 64, "max_num_seqs": 2, "speculative": {"method": "none"}},
+        "cluster_token": "pdspec-tests",
+        "router": {"port": 0, "http_port": 0, "api_key_file": str(key_file)},
+        "prefill": {"replicas": 0}, "decode": {"replicas": 0}, "aggregated": {"replicas": 1},
+    })
+    cluster = LocalCluster(config, 0).start()
+    yield cluster
+    cluster.stop()
+
+
+def _bearer(key: str) -> tuple[tuple[str, str], ...]:
+    return (("authorization", f"Bearer {key}"),)
+
+
+def test_grpc_needs_a_current_key_and_health_stays_open(cluster):
+    with grpc.insecure_channel(cluster.router_address) as channel:
+        stub = router_pb2_grpc.RouterStub(channel)
+        for metadata in ((), _bearer("not-a-key"), (("authorization", "key-alice"),)):
+            with pytest.raises(grpc.RpcError) as refused:
+                list(stub.Generate(QUESTION, metadata=metadata))
+            assert refused.value.code() == grpc.StatusCode.UNAUTHENTICATED
+            assert "router.api_key_file" in refused.value.details()
+        answer = list(stub.Generate(QUESTION, metadata=_bearer("key-alice")))
+        assert answer[-1].finish_reason in ("stop", "length")
+        health = health_pb2_grpc.HealthStub(channel).Check(health_pb2.HealthCheckRequest(service=""))
+        assert health.status == health_pb2.HealthCheckResponse.SERVING
+
+
+def test_http_needs_a_current_key_and_health_and_metrics_stay_open(cluster):
+    refused = openai.OpenAI(base_url=cluster.http_url, api_key="not-a-key", max_retries=0)
+    with pytest.raises(openai.AuthenticationError):
+        refused.models.list()
+    with pytest.raises(openai.AuthenticationError):
+        refused.completions.create(model=None, prompt="Hello", max_tokens=4)
+    client = openai.OpenAI(base_url=cluster.http_url, api_key="key-bob", max_retries=0)
+    assert client.completions.create(model=None, prompt="Hello", max_tokens=4).usage.completion_tokens > 0
+    root = cluster.http_url.removesuffix("/v1")
+    assert httpx.post(f"{cluster.http_url}/completions", json={"prompt": "Hi"}).status_code == 401
+    for path in ("/health", "/ready", "/metrics"):
+        assert urllib.request.urlopen(root + path, timeout=10).status == 200
+
+
+def test_abort_ends_only_requests_made_with_the_same_key(cluster):
+    long = router_pb2.GenerateRequest(request_id="alice-1", prompt="Tell me a long story.",
+                                      sampling=common_pb2.SamplingOptions(max_tokens=4000, ignore_eos=True))
+    with grpc.insecure_channel(cluster.router_address) as channel:
+        stub = router_pb2_grpc.RouterStub(channel)
+        call = stub.Generate(long, metadata=_bearer("key-alice"))
+        next(call)  # running
+        bob = stub.Abort(common_pb2.AbortRequest(request_id="alice-1"), metadata=_bearer("key-bob"))
+        assert not bob.found
+        alice = stub.Abort(common_pb2.AbortRequest(request_id="alice-1"), metadata=_bearer("key-alice"))
+        assert alice.found
+        assert list(call)[-1].finish_reason == "abort"
+
+
+def test_the_key_file_is_re_read_when_it_changes(tmp_path):
+    path = tmp_path / "keys"
+    path.write_text("old-key\n")
+    keys = ApiKeys(path)
+    assert keys.owner("Bearer old-key") is not None
+    path.write_text("new-key\n")
+    deadline = time.monotonic() + 10
+    while keys.owner("Bearer old-key") is not None:
+        assert time.monotonic() < deadline, "the revoked key still works"
+        time.sleep(0.1)
+    assert keys.owner("Bearer new-key") is not None
+
+
+@pytest.mark.parametrize("content, error", [(None, "cannot read"), ("# only a comment\n", "holds no key")])
+def test_a_bad_key_file_is_refused_naming_the_field(tmp_path, content, error):
+    path = tmp_path / "keys"
+    if content is not None:
+        path.write_text(content)
+    with pytest.raises(ValueError, match=f"router.api_key_file: .*{error}"):
+        ApiKeys(path)
