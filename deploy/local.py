@@ -1,17 +1,13 @@
 """`pdspec serve` without Ray: the router and every worker as separate processes on this machine.
 
 The router starts first; workers register with it. The cluster counts as up once the router
-answers health checks and lists every worker. Stopping terminates all of them (SIGTERM, then
-SIGKILL after a grace period), also when the launcher itself is interrupted.
+answers health checks and lists every worker; from then on a process that dies is restarted
+(deploy/supervisor.py). Stopping terminates all of them (SIGTERM, then SIGKILL after a grace
+period), also when the launcher itself is interrupted.
 """
 
-import ctypes
 import os
-import signal
-import subprocess
-import sys
 import tempfile
-import time
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -19,10 +15,9 @@ import yaml
 
 from deploy.config import DeploymentConfig, check_launchable, with_router
 from deploy.readiness import wait_for_workers
+from deploy.supervisor import Supervisor
 from proto.rpc import free_port, wait_healthy
 from serving.roles import WORKER_ROLES
-
-_PR_SET_PDEATHSIG = 1  # linux/prctl.h
 
 
 @dataclass
@@ -30,7 +25,7 @@ class LocalCluster:
     config: DeploymentConfig
     router_port: int
     host: str = "127.0.0.1"
-    processes: dict[str, subprocess.Popen] = field(default_factory=dict)
+    supervisor: Supervisor = field(default_factory=Supervisor)
     log_dir: Path = field(default_factory=lambda: Path(tempfile.mkdtemp(prefix="pdspec-logs-")))
 
     def __post_init__(self) -> None:
@@ -73,11 +68,12 @@ class LocalCluster:
                 # NIXL logs INFO to stdout by default; UCX would also listen beyond loopback.
                 self._spawn(f"{role}-{i}", args, {**env, "OMP_NUM_THREADS": str(threads[role]), "NIXL_LOG_LEVEL": "WARN",
                                                   "UCX_NET_DEVICES": env.get("UCX_NET_DEVICES", "lo")})
-        wait_for_workers(self.router_address, self.token, [n for n in self.processes if n != "router"], timeout_s,
-                         self._check_alive, f"logs in {self.log_dir}")
+        wait_for_workers(self.router_address, self.token, [n for n in self.supervisor.names() if n != "router"],
+                         timeout_s, self._check_alive, f"logs in {self.log_dir}")
+        self.supervisor.supervise()
 
     def _check_alive(self) -> None:
-        dead = [n for n, p in self.processes.items() if p.poll() is not None]
+        dead = self.supervisor.dead()
         if dead:
             # The last lines of the first casualty's log usually say why (CI keeps no log dirs).
             tail = (self.log_dir / f"{dead[0]}.log").read_text(errors="replace").splitlines()[-8:]
@@ -85,37 +81,15 @@ class LocalCluster:
                                f"{dead[0]}.log ends:\n" + "\n".join(tail))
 
     def kill(self, name: str) -> None:
-        """Kill one process abruptly (SIGKILL), as a crash would."""
-        self.processes[name].kill()
-        self.processes[name].wait()
+        """Kill one process abruptly (SIGKILL), as a crash would; it is restarted."""
+        self.supervisor.kill(name)
 
     def stop(self, grace_s: float = 10.0) -> None:
         """Workers first (they deregister quietly while the router is still up), then the router."""
-        workers = [p for name, p in self.processes.items() if name != "router"]
-        for group in (workers, [self.processes["router"]] if "router" in self.processes else []):
-            for p in group:
-                if p.poll() is None:
-                    p.terminate()
-            deadline = time.monotonic() + grace_s
-            for p in group:
-                try:
-                    p.wait(timeout=max(0.1, deadline - time.monotonic()))
-                except subprocess.TimeoutExpired:
-                    p.kill()
-                    p.wait()
+        self.supervisor.stop(first=[n for n in self.supervisor.names() if n != "router"], grace_s=grace_s)
 
     def _spawn(self, name: str, args: list[str], env: dict[str, str]) -> None:
-        log = open(self.log_dir / f"{name}.log", "w")
-        self.processes[name] = subprocess.Popen([sys.executable, "-m", "deploy.cli", *args], env=env,
-                                                stdout=log, stderr=subprocess.STDOUT, start_new_session=True,
-                                                preexec_fn=_die_with_parent)
-
-
-def _die_with_parent() -> None:
-    """Runs in the child before exec: the kernel sends it SIGTERM when the launcher dies, however
-    it dies (SIGKILL, a crash), so no worker outlives it (Linux; elsewhere stop() is the only way)."""
-    if sys.platform == "linux":
-        ctypes.CDLL(None).prctl(_PR_SET_PDEATHSIG, signal.SIGTERM)
+        self.supervisor.spawn(name, args, env, self.log_dir / f"{name}.log")
 
 
 def default_threads(config: DeploymentConfig) -> dict[str, int]:

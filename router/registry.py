@@ -101,13 +101,28 @@ class Registry:
         """Forget workers silent for more than `timeout_s`, index entries included; returns their ids."""
         with self._lock:
             cutoff = self._clock() - timeout_s
-            stale = [wid for wid, w in self._workers.items() if w.last_seen < cutoff]
-            for wid in stale:
-                del self._workers[wid]
-                self._index.clear(wid)
+            stale = self._drop([wid for wid, w in self._workers.items() if w.last_seen < cutoff])
         if stale:
             self._on_change()
         return stale
+
+    def evict(self, worker_id: str, address: str) -> bool:
+        """Forget the worker `worker_id` if it is still the one at `address` (a call to it failed;
+        a restarted one that registered since is kept). A live worker registers again at its next
+        heartbeat."""
+        with self._lock:
+            worker = self._workers.get(worker_id)
+            dropped = self._drop([worker_id] if worker and worker.registration.address == address else [])
+        if dropped:
+            self._on_change()
+        return bool(dropped)
+
+    def _drop(self, worker_ids: list[str]) -> list[str]:
+        """(Lock held.) Remove the workers and their index entries."""
+        for wid in worker_ids:
+            del self._workers[wid]
+            self._index.clear(wid)
+        return worker_ids
 
     def workers(self) -> list[WorkerView]:
         with self._lock:

@@ -17,6 +17,7 @@ from dataclasses import asdict, dataclass
 from typing import NoReturn
 
 import grpc
+from grpc_health.v1 import health_pb2, health_pb2_grpc
 
 from router.admission import Admission, LeftQueue, Overloaded, QueueDeadline
 from router.api_keys import AUTHORIZATION_METADATA_KEY, ApiKeys
@@ -32,6 +33,7 @@ from serving.roles import WORKER_ROLES
 
 log = logging.getLogger(__name__)
 _BEST_EFFORT_TIMEOUT_S = 5.0
+_PROBE_TIMEOUT_S = 1.0
 
 
 class _Cancelled(Exception):
@@ -195,6 +197,7 @@ class RouterServicer(router_pb2_grpc.RouterServicer):
                 if e.code == grpc.StatusCode.INVALID_ARGUMENT:  # the request itself: no worker will take it
                     context.abort(e.code, str(e))
                 log.warning("request %s: %s; retrying on another worker", req.request_id, e)
+                self._probe(e.worker)
                 suspects.add(e.worker.worker_id)
                 failure = e
                 continue
@@ -289,6 +292,7 @@ class RouterServicer(router_pb2_grpc.RouterServicer):
         except grpc.RpcError as e:
             if not run.cancelled:
                 failure = _WorkerFailed(plan.decode, "Decode", e)
+                self._probe(plan.decode)
                 context.abort(_client_code(failure.code),
                               f"{failure} after {emitted} tokens were streamed; not retried, the output was already sent")
             yield _aborted(req, emitted, first=False)
@@ -302,6 +306,19 @@ class RouterServicer(router_pb2_grpc.RouterServicer):
         context.abort(_client_code(failure.code),
                       f"request {req.request_id}: {failure}; gave up after {attempts} failed attempt(s) "
                       f"(router.max_retries={self._config.max_retries})")
+
+    def _probe(self, worker: WorkerView) -> None:
+        """A call to `worker` failed: check its health now, and if that fails too, stop routing to it
+        at once (rather than when its heartbeats are missed); it registers again if it lives."""
+        stub = health_pb2_grpc.HealthStub(self._peers.channel(worker.address))
+        check = stub.Check.future(health_pb2.HealthCheckRequest(), timeout=_PROBE_TIMEOUT_S)
+
+        def done(call: grpc.Future) -> None:
+            if call.code() != grpc.StatusCode.OK and self._registry.evict(worker.worker_id, worker.address):
+                log.warning("dropped %s worker %s (%s) from routing: a call failed and so did its health check "
+                            "(%s)", worker.role, worker.worker_id, worker.address, call.code().name)
+
+        check.add_done_callback(done)
 
     def _timeout(self, context) -> float:
         """The internal call's deadline: request_timeout_s, or sooner if the client's deadline is."""

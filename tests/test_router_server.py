@@ -131,6 +131,24 @@ def test_failed_workers_are_retried_elsewhere_then_named(router):
     assert "Decode on aggregated worker agg-2" in e.details() and "gave up after 2 failed attempt(s)" in e.details()
 
 
+def test_a_worker_whose_call_and_health_check_fail_is_dropped_at_once(model_dir):
+    """Heartbeats would take a minute to notice here; the failed call's health probe does not wait."""
+    config = RouterConfig(heartbeat_interval_s=30.0, heartbeat_timeout_s=60.0, max_retries=0)
+    router = run_router(config, TOKEN, model_dir, "smollm2", port=0)
+    address = f"127.0.0.1:{router.port}"
+    try:
+        with channel(address, TOKEN) as internal:
+            worker_pb2_grpc.RegistryStub(internal).Register(registration("agg", dead_address()), timeout=10)
+            stub = router_pb2_grpc.RouterStub(internal)
+            assert rpc_error(lambda: list(stub.Generate(HELLO, timeout=10))).code() == grpc.StatusCode.UNAVAILABLE
+            deadline = time.monotonic() + 10
+            while stub.ListWorkers(router_pb2.ListWorkersRequest(), timeout=10).workers:
+                assert time.monotonic() < deadline, "the dead worker is still routed to"
+                time.sleep(0.05)
+    finally:
+        router.stop(0)
+
+
 def test_the_router_does_not_import_torch():
     code = "import sys, router.main; sys.exit('torch' in sys.modules)"
     assert subprocess.run([sys.executable, "-c", code], cwd=Path(__file__).parent.parent).returncode == 0

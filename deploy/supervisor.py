@@ -1,0 +1,136 @@
+"""The local launcher's process supervisor: starts `pdspec` processes, restarts one that dies
+(with a loud log line naming it and how it ended), and stops them all.
+
+Restarts back off exponentially (1 s, 2 s, 4 s ... at most 30 s) while a process keeps dying
+within a minute of its start, so a worker that cannot start does not spin. Each process is
+started with PR_SET_PDEATHSIG, so the kernel sends it SIGTERM when the launcher dies however it
+dies: no process outlives the launcher.
+"""
+
+import ctypes
+import logging
+import signal
+import subprocess
+import sys
+import threading
+import time
+from dataclasses import dataclass
+from pathlib import Path
+
+log = logging.getLogger(__name__)
+_PR_SET_PDEATHSIG = 1  # linux/prctl.h
+BACKOFF_S, MAX_BACKOFF_S, STABLE_S = 1.0, 30.0, 60.0
+_POLL_S = 0.2
+
+
+@dataclass
+class _Member:
+    args: list[str]
+    env: dict[str, str]
+    log_path: Path
+    process: subprocess.Popen
+    started: float
+    restarts: int = 0
+    failures: int = 0  # deaths in a row, each within STABLE_S of its start
+    restart_at: float | None = None  # when a dead member is due to start again
+
+
+class Supervisor:
+    def __init__(self) -> None:
+        self._lock = threading.Lock()
+        self._members: dict[str, _Member] = {}
+        self._stopping = threading.Event()
+        self._thread: threading.Thread | None = None
+
+    def spawn(self, name: str, args: list[str], env: dict[str, str], log_path: Path) -> None:
+        """Start `python -m deploy.cli *args` as `name`, its output appended to `log_path`."""
+        with self._lock:
+            self._members[name] = _Member(args, env, log_path, _popen(args, env, log_path), time.monotonic())
+
+    def dead(self) -> list[str]:
+        """Members not running now (dead, or waiting to be restarted)."""
+        with self._lock:
+            return [n for n, m in self._members.items() if m.process.poll() is not None]
+
+    def names(self) -> list[str]:
+        with self._lock:
+            return list(self._members)
+
+    def supervise(self) -> None:
+        """From now on, restart members that die."""
+        self._thread = threading.Thread(target=self._watch, name="supervisor", daemon=True)
+        self._thread.start()
+
+    def restarts(self, name: str) -> int:
+        with self._lock:
+            return self._members[name].restarts
+
+    def kill(self, name: str) -> None:
+        """SIGKILL one member, as a crash would (a supervised one is restarted)."""
+        with self._lock:
+            process = self._members[name].process
+        process.kill()
+        process.wait()
+
+    def stop(self, first: list[str], grace_s: float) -> None:
+        """Stop restarting, then terminate `first`, then the rest (SIGTERM, SIGKILL after grace_s)."""
+        self._stopping.set()
+        with self._lock:  # waits out a restart in progress; none follows
+            members = dict(self._members)
+        rest = [n for n in members if n not in first]
+        for group in ([n for n in first if n in members], rest):
+            processes = [members[n].process for n in group]
+            for p in processes:
+                if p.poll() is None:
+                    p.terminate()
+            deadline = time.monotonic() + grace_s
+            for p in processes:
+                try:
+                    p.wait(timeout=max(0.1, deadline - time.monotonic()))
+                except subprocess.TimeoutExpired:
+                    p.kill()
+                    p.wait()
+        if self._thread is not None:
+            self._thread.join()
+
+    def _watch(self) -> None:
+        while not self._stopping.wait(_POLL_S):
+            now = time.monotonic()
+            with self._lock:
+                for name, member in self._members.items():
+                    self._tend(name, member, now)
+
+    def _tend(self, name: str, member: _Member, now: float) -> None:
+        status = member.process.poll()
+        if status is None:
+            return
+        if member.restart_at is None:  # just died
+            member.failures = member.failures + 1 if now - member.started < STABLE_S else 1
+            delay = min(MAX_BACKOFF_S, BACKOFF_S * 2 ** (member.failures - 1))
+            member.restart_at = now + delay
+            log.error("%s exited (%s); restarting it in %.0f s (restart %d); log: %s", name, _how(status), delay,
+                      member.restarts + 1, member.log_path)
+        elif now >= member.restart_at:
+            member.process = _popen(member.args, member.env, member.log_path)
+            member.started, member.restart_at = now, None
+            member.restarts += 1
+            log.warning("%s restarted (pid %d)", name, member.process.pid)
+
+
+def _how(status: int) -> str:
+    if status < 0:
+        return f"killed by {signal.Signals(-status).name}"
+    return f"exit status {status}"
+
+
+def _popen(args: list[str], env: dict[str, str], log_path: Path) -> subprocess.Popen:
+    with open(log_path, "a") as out:  # appended: a restart keeps its predecessor's last words
+        return subprocess.Popen([sys.executable, "-m", "deploy.cli", *args], env=env, stdout=out,
+                                stderr=subprocess.STDOUT, start_new_session=True, preexec_fn=_die_with_parent)
+
+
+def _die_with_parent() -> None:
+    """Runs in the child before exec: the kernel sends it SIGTERM when the launcher dies, however
+    it dies (SIGKILL, a crash), so no worker outlives it (Linux; elsewhere stop() is the only way)."""
+    if sys.platform == "linux":
+        ctypes.CDLL(None).prctl(_PR_SET_PDEATHSIG, signal.SIGTERM)
