@@ -188,15 +188,23 @@ def _interrupt(signum, frame) -> None:
     raise KeyboardInterrupt
 
 
-def _wait_for_signal() -> None:
-    """Block until Ctrl-C (SIGINT), SIGTERM or SIGHUP (the terminal closed)."""
+def _catch_signals() -> None:
+    """From now on Ctrl-C (SIGINT), SIGTERM and SIGHUP (the terminal closed) raise
+    KeyboardInterrupt in the main thread: installed before a server starts, so a signal during
+    start-up stops what has started instead of killing the process with its children running."""
     # SIGINT explicitly too: a shell starts a background job with SIGINT ignored, and Python then
     # leaves it ignored, so `kill -INT` would not stop it.
     for sig in (signal.SIGINT, signal.SIGTERM, signal.SIGHUP):
         signal.signal(sig, _interrupt)
+
+
+def _wait_for_signal() -> None:
+    """Block until one of the signals `_catch_signals` catches."""
     try:
         while True:
-            time.sleep(3600)
+            # Short naps: the kernel may deliver the signal to any thread (gRPC's, OpenMP's), and
+            # Python runs the handler only when this, the main thread, next wakes up.
+            time.sleep(0.2)
     except KeyboardInterrupt:
         pass
 
@@ -281,10 +289,10 @@ def _worker(args: argparse.Namespace) -> int:
     from deploy.config import load_config
     from deploy.worker import start_worker
 
-    worker = start_worker(load_config(Path(args.config)), args.role, args.router, args.host, args.advertise_host,
-                          args.worker_id)
+    config = load_config(Path(args.config))
+    worker = start_worker(config, args.role, args.router, args.host, args.advertise_host, args.worker_id)
     _wait_for_signal()
-    worker.stop()
+    worker.stop(drain_timeout_s=getattr(config, args.role).drain_timeout_s)
     return 0
 
 
@@ -324,7 +332,8 @@ def _add_cluster(sub: argparse._SubParsersAction) -> None:
     p.set_defaults(func=_worker)
 
 
-_OWN_LOGGERS = ("engine", "router", "prefill_worker", "decode_worker", "kvtransfer", "deploy", "proto")
+_OWN_LOGGERS = ("engine", "router", "prefill_worker", "decode_worker", "kvtransfer", "serving", "deploy",
+                "proto")
 
 
 def _configure_logging(level: str | None, server: bool) -> None:
@@ -347,9 +356,14 @@ def main(argv: list[str] | None = None) -> int:
     _add_train_eagle3(sub)
     _add_cluster(sub)
     args = parser.parse_args(argv)
-    _configure_logging(args.log_level, server=args.command in ("serve", "router", "worker"))
+    server = args.command in ("serve", "router", "worker")
+    _configure_logging(args.log_level, server=server)
+    if server:
+        _catch_signals()
     try:
         return args.func(args)
+    except KeyboardInterrupt:  # a signal during start-up: what had started was stopped on the way out
+        return 0
     except (ValueError, RuntimeError, FileNotFoundError) as e:
         print(f"pdspec: error: {e}", file=sys.stderr)
         return 2

@@ -38,6 +38,8 @@ class RoleConfig(_Strict):
     kv_transfer: Literal["nixl", "grpc"] = Field("nixl", description="how decode workers pull KV from prefill workers")
     port: int = Field(0, ge=0, le=65535, description="internal gRPC port (0: any free port)")
     metrics_port: int = Field(0, ge=0, le=65535, description="Prometheus /metrics port (0: any free port)")
+    drain_timeout_s: float = Field(30.0, ge=0, description="on SIGTERM: after deregistering, time to finish what "
+                                   "runs before exiting")
 
 
 class DeploymentConfig(_Strict):

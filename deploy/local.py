@@ -7,6 +7,7 @@ period), also when the launcher itself is interrupted.
 """
 
 import os
+import signal
 import tempfile
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -82,10 +83,18 @@ class LocalCluster:
 
     def kill(self, name: str) -> None:
         """Kill one process abruptly (SIGKILL), as a crash would; it is restarted."""
-        self.supervisor.kill(name)
+        self.supervisor.signal(name, signal.SIGKILL, wait=True)
 
-    def stop(self, grace_s: float = 10.0) -> None:
-        """Workers first (they deregister quietly while the router is still up), then the router."""
+    def roll(self, name: str) -> None:
+        """SIGTERM one worker, as a rolling restart does: it deregisters, finishes what it runs
+        (its role's drain_timeout_s), exits and is restarted."""
+        self.supervisor.signal(name, signal.SIGTERM)
+
+    def stop(self, grace_s: float | None = None) -> None:
+        """Workers first (they deregister and drain while the router is still up), then the router.
+        `grace_s`: before SIGKILL (default: the longest drain_timeout_s, plus 5 s)."""
+        if grace_s is None:
+            grace_s = max(getattr(self.config, role).drain_timeout_s for role in WORKER_ROLES) + 5.0
         self.supervisor.stop(first=[n for n in self.supervisor.names() if n != "router"], grace_s=grace_s)
 
     def _spawn(self, name: str, args: list[str], env: dict[str, str]) -> None:

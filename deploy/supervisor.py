@@ -65,12 +65,14 @@ class Supervisor:
         with self._lock:
             return self._members[name].restarts
 
-    def kill(self, name: str) -> None:
-        """SIGKILL one member, as a crash would (a supervised one is restarted)."""
+    def signal(self, name: str, signum: int, wait: bool = False) -> None:
+        """Send `signum` to one member (`wait`: until it has exited); a supervised one that exits
+        is restarted."""
         with self._lock:
             process = self._members[name].process
-        process.kill()
-        process.wait()
+        process.send_signal(signum)
+        if wait:
+            process.wait()
 
     def stop(self, first: list[str], grace_s: float) -> None:
         """Stop restarting, then terminate `first`, then the rest (SIGTERM, SIGKILL after grace_s)."""

@@ -107,9 +107,9 @@ class Registry:
         return stale
 
     def evict(self, worker_id: str, address: str) -> bool:
-        """Forget the worker `worker_id` if it is still the one at `address` (a call to it failed;
-        a restarted one that registered since is kept). A live worker registers again at its next
-        heartbeat."""
+        """Forget the worker `worker_id` if it is still the one at `address` (it deregistered, or a
+        call to it failed; a restarted one that registered since is kept). A live worker that did
+        not deregister registers again at its next heartbeat."""
         with self._lock:
             worker = self._workers.get(worker_id)
             dropped = self._drop([worker_id] if worker and worker.registration.address == address else [])

@@ -341,6 +341,12 @@ class RegistryServicer(worker_pb2_grpc.RegistryServicer):
     def Heartbeat(self, request, context) -> worker_pb2.HeartbeatResponse:
         return worker_pb2.HeartbeatResponse(registered=self._registry.heartbeat(request))
 
+    def Deregister(self, request, context) -> worker_pb2.DeregisterResponse:
+        found = self._registry.evict(request.worker_id, request.address)
+        if found:
+            log.info("worker %s at %s deregistered: it is stopping", request.worker_id, request.address)
+        return worker_pb2.DeregisterResponse(found=found)
+
 
 def _response(out: worker_pb2.DecodeResponse, queued_s: float) -> router_pb2.GenerateResponse:
     response = router_pb2.GenerateResponse(text=out.text, token_ids=out.token_ids, finish_reason=out.finish_reason)

@@ -26,9 +26,18 @@ class RegistryClient:
     def start(self) -> None:
         self._thread.start()
 
-    def stop(self) -> None:
+    def stop(self, deregister: bool = True) -> None:
+        """Stop heartbeating and (`deregister`) tell the router to route nothing new here."""
         self._stop.set()
         self._thread.join(timeout=5)
+        if not deregister:
+            return
+        request = worker_pb2.DeregisterRequest(worker_id=self.registration.worker_id,
+                                               address=self.registration.address)
+        try:
+            self.stub.Deregister(request, timeout=5)
+        except grpc.RpcError as e:  # the router is gone or restarting: it forgets us by our silence
+            log.warning("deregistering from router %s failed (%s)", self.router_address, e.code())
 
     def _run(self) -> None:
         registered = False

@@ -7,6 +7,7 @@ picks one by role. Launchers (local processes, Ray actors, Kubernetes pods) all 
 
 import logging
 import socket
+import time
 import uuid
 from collections.abc import Iterable
 from dataclasses import dataclass, field
@@ -64,14 +65,30 @@ class RunningWorker:
     metrics_server: Any
     closers: list[Closeable] = field(default_factory=list)  # KV sources and connectors
 
-    def stop(self) -> None:
-        self.registry.stop()
-        self.server.stop(grace=2).wait()
+    def stop(self, drain_timeout_s: float = 0.0) -> None:
+        """Deregister (the router routes nothing new here), let what runs finish for up to
+        `drain_timeout_s` (requests in the engine, prefilled blocks awaiting their decode worker,
+        then the streams' last messages), then shut down."""
+        self.registry.stop(deregister=True)
+        log.info("worker %s stopping: deregistered, draining for up to %.0fs", self.worker_id, drain_timeout_s)
+        deadline = time.monotonic() + drain_timeout_s
+        while (busy := _busy(self.loop)) and time.monotonic() < deadline:
+            time.sleep(0.05)
+        if busy:
+            log.warning("worker %s stopping with %s after its drain of %.0fs", self.worker_id, busy, drain_timeout_s)
+        self.server.stop(grace=max(2.0, deadline - time.monotonic())).wait()
         self.metrics_server.shutdown()
         for part in self.closers:
             part.close()
         self.loop.stop()
         self.loop.engine.close()
+
+
+def _busy(loop: EngineLoop) -> str:
+    """What the worker still runs ("" if nothing)."""
+    stats = loop.stats()
+    counts = {"running": stats.running, "waiting": stats.waiting, "pinned for hand-off": stats.pinned}
+    return ", ".join(f"{n} {what}" for what, n in counts.items() if n)
 
 
 def start_engine(spec: WorkerSpec) -> EngineLoop:

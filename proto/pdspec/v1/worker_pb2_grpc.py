@@ -47,6 +47,11 @@ class RegistryStub:
                 request_serializer=proto_dot_pdspec_dot_v1_dot_worker__pb2.HeartbeatRequest.SerializeToString,
                 response_deserializer=proto_dot_pdspec_dot_v1_dot_worker__pb2.HeartbeatResponse.FromString,
                 _registered_method=True)
+        self.Deregister = channel.unary_unary(
+                '/pdspec.v1.Registry/Deregister',
+                request_serializer=proto_dot_pdspec_dot_v1_dot_worker__pb2.DeregisterRequest.SerializeToString,
+                response_deserializer=proto_dot_pdspec_dot_v1_dot_worker__pb2.DeregisterResponse.FromString,
+                _registered_method=True)
 
 
 class RegistryServicer:
@@ -65,6 +70,13 @@ class RegistryServicer:
         context.set_details('Method not implemented!')
         raise NotImplementedError('Method not implemented!')
 
+    def Deregister(self, request, context):
+        """A worker that is stopping: route nothing new to it (what it runs, it finishes).
+        """
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
 
 def add_RegistryServicer_to_server(servicer, server):
     rpc_method_handlers = {
@@ -77,6 +89,11 @@ def add_RegistryServicer_to_server(servicer, server):
                     servicer.Heartbeat,
                     request_deserializer=proto_dot_pdspec_dot_v1_dot_worker__pb2.HeartbeatRequest.FromString,
                     response_serializer=proto_dot_pdspec_dot_v1_dot_worker__pb2.HeartbeatResponse.SerializeToString,
+            ),
+            'Deregister': grpc.unary_unary_rpc_method_handler(
+                    servicer.Deregister,
+                    request_deserializer=proto_dot_pdspec_dot_v1_dot_worker__pb2.DeregisterRequest.FromString,
+                    response_serializer=proto_dot_pdspec_dot_v1_dot_worker__pb2.DeregisterResponse.SerializeToString,
             ),
     }
     generic_handler = grpc.method_handlers_generic_handler(
@@ -134,6 +151,33 @@ class Registry:
             '/pdspec.v1.Registry/Heartbeat',
             proto_dot_pdspec_dot_v1_dot_worker__pb2.HeartbeatRequest.SerializeToString,
             proto_dot_pdspec_dot_v1_dot_worker__pb2.HeartbeatResponse.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def Deregister(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_unary(
+            request,
+            target,
+            '/pdspec.v1.Registry/Deregister',
+            proto_dot_pdspec_dot_v1_dot_worker__pb2.DeregisterRequest.SerializeToString,
+            proto_dot_pdspec_dot_v1_dot_worker__pb2.DeregisterResponse.FromString,
             options,
             channel_credentials,
             insecure,

@@ -1,5 +1,6 @@
-"""The chart's public API keys: a Secret the router's pod mounts as a directory (so the kubelet
-updates it and the router re-reads it), named by the config's router.api_key_file."""
+"""The chart's operations settings: public API keys from a Secret the router's pod mounts as a
+directory (so the kubelet updates it and the router re-reads it), named by the config's
+router.api_key_file; and each worker pod's grace period, its drain time before SIGKILL."""
 
 import yaml
 
@@ -29,3 +30,14 @@ def test_without_a_secret_the_api_is_open(helm, tmp_path):
     docs = render(helm, tmp_path=tmp_path)
     config = yaml.safe_load(by_kind(docs, "ConfigMap")["rel-pdspec-config"]["data"]["config.yaml"])
     assert config["router"].get("api_key_file") is None
+
+
+def test_worker_pods_get_their_drain_time_before_sigkill(helm, tmp_path):
+    """The template's fallback is the schema's default; a set drain_timeout_s is honoured."""
+    from deploy.config import RoleConfig
+
+    docs = render(helm, values={"config": {"decode": {"drain_timeout_s": 90}}}, tmp_path=tmp_path)
+    graces = {name.rsplit("-", 1)[1]: d["spec"]["template"]["spec"]["terminationGracePeriodSeconds"]
+              for name, d in by_kind(docs, "Deployment").items() if not name.endswith("-router")}
+    assert graces["decode"] == 90 + 15
+    assert graces["prefill"] == RoleConfig().drain_timeout_s + 15

@@ -1,0 +1,67 @@
+"""Rolling a worker under load: SIGTERM makes it deregister, finish what it runs and exit; the
+supervisor starts it again; no request fails, whether it was streaming from it or not yet sent."""
+
+import concurrent.futures
+import threading
+import time
+
+import grpc
+import pytest
+
+from deploy.config import parse_config
+from deploy.local import LocalCluster
+from proto import rpc
+from proto.pdspec.v1 import common_pb2, router_pb2, router_pb2_grpc
+
+TOKENS = 48
+
+
+@pytest.fixture(scope="module")
+def cluster():
+    config = parse_config({
+        "engine": {"num_kv_blocks": 128, "max_num_seqs": 4, "speculative": {"method": "none"}},
+        "cluster_token": "pdspec-tests",
+        "router": {"port": 0, "request_timeout_s": 900.0},
+        "prefill": {"replicas": 1, "kv_transfer": "grpc"},
+        "decode": {"replicas": 2, "kv_transfer": "grpc", "drain_timeout_s": 120.0},
+    })
+    cluster = LocalCluster(config, 0).start()
+    yield cluster
+    cluster.stop()
+
+
+def _workers(cluster: LocalCluster) -> dict[str, router_pb2.WorkerStatus]:
+    with rpc.channel(cluster.router_address, cluster.token) as channel:  # ListWorkers needs the cluster token
+        workers = router_pb2_grpc.RouterStub(channel).ListWorkers(router_pb2.ListWorkersRequest(), timeout=10).workers
+    return {w.worker_id: w for w in workers}
+
+
+def test_rolling_a_decode_worker_under_load_fails_no_request(cluster):
+    address = _workers(cluster)["decode-0"].address
+    victim_streaming = threading.Event()
+    stub = router_pb2_grpc.RouterStub(grpc.insecure_channel(cluster.router_address))
+
+    def ask(i: int) -> tuple[str, int]:
+        request = router_pb2.GenerateRequest(prompt=f"Count from {i} to {i + 60}.",
+                                             sampling=common_pb2.SamplingOptions(max_tokens=TOKENS, ignore_eos=True))
+        worker, tokens = "", 0
+        for response in stub.Generate(request, timeout=600):
+            worker = response.decode_worker or worker
+            tokens += len(response.token_ids)
+            if worker == "decode-0" and tokens > 4:
+                victim_streaming.set()
+        return worker, tokens
+
+    with concurrent.futures.ThreadPoolExecutor(16) as pool:
+        first = [pool.submit(ask, i) for i in range(8)]
+        assert victim_streaming.wait(300), "no stream reached decode-0"
+        cluster.roll("decode-0")
+        later = [pool.submit(ask, i) for i in range(8, 16)]  # sent while decode-0 drains and restarts
+        results = [f.result() for f in first + later]
+    assert all(tokens == TOKENS for _, tokens in results), results
+    assert any(worker == "decode-0" for worker, _ in results[:8])  # it finished the streams it had
+    deadline = time.monotonic() + 120
+    while (w := _workers(cluster).get("decode-0")) is None or w.address == address:
+        assert time.monotonic() < deadline, "decode-0 did not come back"
+        time.sleep(0.2)
+    assert cluster.supervisor.restarts("decode-0") == 1
