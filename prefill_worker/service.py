@@ -3,6 +3,7 @@ first token, pin the blocks for the decode side, and return a KVHandle saying wh
 
 import logging
 import queue
+import threading
 
 import grpc
 
@@ -30,8 +31,17 @@ class PrefillServicer(worker_pb2_grpc.PrefillWorkerServicer):
             context.abort(grpc.StatusCode.INVALID_ARGUMENT, str(e))
         except CapacityExceeded as e:
             context.abort(grpc.StatusCode.RESOURCE_EXHAUSTED, str(e))
+        computed = threading.Event()
+
+        def stop_if_abandoned() -> None:  # the RPC ended: cancelled mid-prefill, stop at the next chunk
+            if not computed.is_set():
+                self.loop.abort(rid)
+
+        if not context.add_callback(stop_if_abandoned):  # it had ended already
+            stop_if_abandoned()
         try:
             out = outputs.get(timeout=context.time_remaining())
+            computed.set()
         except queue.Empty:
             self.loop.abort(rid)
             context.abort(grpc.StatusCode.DEADLINE_EXCEEDED, f"prefill of {rid} did not finish before the deadline")

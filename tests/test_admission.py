@@ -106,7 +106,8 @@ BURST = 20  # 10x what the workers' running batches hold together (max_num_seqs 
 @pytest.fixture(scope="module")
 def cluster():
     config = parse_config({
-        "engine": {"num_kv_blocks": 64, "max_num_seqs": 1, "speculative": {"method": "none"}},
+        "engine": {"num_kv_blocks": 320, "max_num_seqs": 1, "max_num_batched_tokens": 512,
+                   "speculative": {"method": "none"}},
         "cluster_token": "pdspec-tests",
         "router": {"port": 0, "http_port": 0, "max_queued_requests": 2, "request_timeout_s": 900.0},
         "prefill": {"replicas": 1, "kv_transfer": "grpc"}, "decode": {"replicas": 1, "kv_transfer": "grpc"},
@@ -215,3 +216,20 @@ def test_the_request_id_comes_back_once(cluster):
         responses = list(router_pb2_grpc.RouterStub(channel).Generate(request))
     assert len(responses) > 1
     assert [r.request_id for r in responses] == ["mine"] + [""] * (len(responses) - 1)
+
+
+def test_cancelling_a_long_prefill_stops_it_at_the_next_chunk(cluster):
+    """A 3000-token prompt prefills in chunks of 512; the client leaves during the first ones: the
+    prefill worker aborts it (it would otherwise compute the rest, then release) and frees its blocks."""
+    with rpc.channel(cluster.router_address, cluster.token) as channel:
+        workers = router_pb2_grpc.RouterStub(channel).ListWorkers(router_pb2.ListWorkersRequest()).workers
+    (prefill,) = [f"http://{w.metrics_address}/metrics" for w in workers if w.role == "prefill"]
+    aborted = _metric(prefill, "pdspec_finished_abort_total")
+    request = router_pb2.GenerateRequest(token_ids=router_pb2.TokenIds(ids=[(7 * i) % 5000 + 100 for i in range(3000)]),
+                                         sampling=common_pb2.SamplingOptions(max_tokens=1))
+    with grpc.insecure_channel(cluster.router_address) as channel:
+        call = router_pb2_grpc.RouterStub(channel).Generate(request)
+        _wait_until(lambda: _metric(prefill, "pdspec_kv_blocks_used") > 0)  # under way
+        call.cancel()
+    _wait_until(lambda: _metric(prefill, "pdspec_finished_abort_total") == aborted + 1)
+    _wait_blocks_free(cluster)
