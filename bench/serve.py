@@ -13,6 +13,8 @@ driven by the same load (`tools/loadgen.py`, what `pdspec bench serve` runs):
 - http:     the OpenAI HTTP front's cost: one disaggregated cluster without speculation (so an
             SSE chunk is one token, as a gRPC message is), the same prompts through gRPC and HTTP
             taking turns one at a time, then each API under the same Poisson load.
+- fairness: a short chat request sent while a ~6000-token prompt prefills (disaggregated, no
+            speculation), against short requests alone: what chunked prefill leaves a newcomer.
 
     python -m bench.serve [--scenarios routing ttft load] [--rate R] [--num-requests N]
 
@@ -21,8 +23,10 @@ replicas of a scenario share this machine's cores instead of spinning against ea
 """
 
 import argparse
+import concurrent.futures
 import contextlib
 import json
+import time
 from collections.abc import Iterator
 from pathlib import Path
 
@@ -34,6 +38,7 @@ from proto.pdspec.v1.common_pb2 import ChatMessage
 
 ROUTING_PREFIXES, ROUTING_PREFIX_TOKENS, ROUTING_KV_BLOCKS = 8, 600, 240
 TTFT_DOCUMENT_TOKENS = 360
+FAIRNESS_LONG_TOKENS, FAIRNESS_DELAY_S, FAIRNESS_ROUNDS = 4000, 0.5, 3  # ~6000 tokens (about 30 per sentence)
 CHAT_PROMPTS = Path(__file__).parent / "prompts" / "chat_eval.jsonl"
 ENGINE = {"num_kv_blocks": 1024, "max_num_seqs": 16,
           "speculative": {"method": "eagle3", "num_speculative_tokens": 2}}
@@ -129,7 +134,25 @@ def http(args, questions: list[str]) -> dict[str, dict]:
     return rows
 
 
-SCENARIOS = {"routing": routing, "ttft": ttft, "load": load, "http": http}
+def fairness(args, questions: list[str]) -> dict[str, dict]:
+    engine = {**ENGINE, "speculative": {"method": "none"}}
+    short = make_workload(questions, 2 + 2 * FAIRNESS_ROUNDS)
+    alone, beside, long = [], [], []
+    with _cluster(DISAGGREGATED, {}, short[:2], engine) as cluster, concurrent.futures.ThreadPoolExecutor(1) as pool:
+        for k in range(FAIRNESS_ROUNDS):
+            alone += run_load(cluster.router_address, [short[2 + 2 * k]], 0, 8)[0]
+            # A document no cache holds (its first sentence names k), then the short request once
+            # the long prompt's prefill is under way.
+            document = [ChatMessage(role="user", content=f"{shared_prefix(100 + k, FAIRNESS_LONG_TOKENS)}\nSummarize.")]
+            pending = pool.submit(run_load, cluster.router_address, [document], 0, 8)
+            time.sleep(FAIRNESS_DELAY_S)
+            beside += run_load(cluster.router_address, [short[3 + 2 * k]], 0, 8)[0]
+            long += pending.result()[0]
+    return {"short alone": summarize(alone, 1.0), "short beside a long prompt": summarize(beside, 1.0),
+            "the long prompt": summarize(long, 1.0)}
+
+
+SCENARIOS = {"routing": routing, "ttft": ttft, "load": load, "http": http, "fairness": fairness}
 
 
 def main() -> None:

@@ -140,6 +140,9 @@ class SpeculativeConfig(BaseModel):
         return self
 
 
+CPU_PREFILL_CHUNK = 128  # tokens: measured in BENCHMARKS (issue 19's fairness run)
+
+
 class EngineConfig(BaseModel):
     """The knobs of one engine instance (one worker process)."""
 
@@ -160,6 +163,10 @@ class EngineConfig(BaseModel):
     num_kv_blocks: int = Field(2048, ge=2, description="KV blocks in the pool (target and draft share block ids)")
     max_num_seqs: int = Field(16, ge=1, description="sequences in one running batch")
     max_num_batched_tokens: int = Field(2048, ge=16, description="token budget of one forward (prefill chunks)")
+    long_prefill_token_threshold: int | None = Field(
+        None, ge=1, description="most prompt tokens one sequence computes per forward (vLLM's name), so a long "
+        "prompt leaves the budget and the next forward to requests that arrive while it prefills; default: 128 on "
+        "cpu (BENCHMARKS: a short request beside a 6000-token prompt waits 0.5 s instead of 18), none on cuda")
     enable_prefix_caching: bool = True
     max_model_len: int | None = Field(None, ge=1, description="context limit; default: the model's own")
     speculative: SpeculativeConfig = Field(default_factory=SpeculativeConfig)
@@ -168,6 +175,12 @@ class EngineConfig(BaseModel):
         None, ge=1, description="CPU threads for this engine; default: all cores. Processes sharing cores "
         "should split them: spinning OpenMP threads of two processes on one core stall each other"
     )
+
+    def prefill_chunk(self) -> int:
+        """long_prefill_token_threshold, or its device default."""
+        if self.long_prefill_token_threshold is not None:
+            return self.long_prefill_token_threshold
+        return CPU_PREFILL_CHUNK if self.device == "cpu" else self.max_num_batched_tokens
 
     @property
     def cache_dtype(self) -> str:

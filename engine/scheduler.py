@@ -1,7 +1,9 @@
 """Continuous batching: which sequences run in the next forward and how many tokens each.
 
 Every step the running sequences go first (oldest first): each runs its pending tokens (one
-in steady decode, more while its prompt is still being prefilled in chunks) and, when a
+in steady decode, more while its prompt is still being prefilled, in chunks of at most
+long_prefill_token_threshold, so that a long prompt leaves room in the budget, and a short wait,
+for requests that arrive while it prefills) and, when a
 speculative proposer is active, reserves `lookahead` extra KV slots for draft tokens. Then
 waiting sequences are admitted while the token budget, the batch size and the KV pool allow.
 When the pool cannot supply a running sequence's next slot, the youngest running sequence is
@@ -68,14 +70,14 @@ class Scheduler:
 
     def schedule(self, lookahead: Callable[[Sequence], int]) -> list[ScheduledSeq]:
         """lookahead(seq): draft slots wanted by a decoding sequence this step."""
-        budget = self.config.max_num_batched_tokens
+        budget, chunk = self.config.max_num_batched_tokens, self.config.prefill_chunk()
         scheduled: list[ScheduledSeq] = []
         for seq in list(self.running):
             if budget == 0:
                 break
             if seq.status is not SeqStatus.RUNNING:  # preempted by an older sequence in this loop
                 continue
-            item = self._reserve(seq, min(seq.num_pending, budget), lookahead(seq) if seq.num_pending == 1 else 0)
+            item = self._reserve(seq, min(seq.num_pending, budget, chunk), lookahead(seq) if seq.num_pending == 1 else 0)
             if item is not None:
                 scheduled.append(item)
                 budget -= item.num_tokens
@@ -91,7 +93,7 @@ class Scheduler:
             seq.num_computed = cached
             seq.status = SeqStatus.RUNNING
             self.running.append(seq)
-            n = min(seq.num_pending, budget)
+            n = min(seq.num_pending, budget, chunk)
             scheduled.append(ScheduledSeq(seq, n, 0))
             budget -= n
         return scheduled

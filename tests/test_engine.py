@@ -51,6 +51,25 @@ def test_chunked_prefill_matches(engine, prompts):
     assert _run_all(chunked, prompts[:3], params) == [_solo(engine, p, params) for p in prompts[:3]]
 
 
+def test_a_short_prompt_is_not_held_behind_a_long_ones_prefill(engine, prompts):
+    """A 1000-token prompt prefills 128 tokens per step on CPU; a short request that arrives after
+    its first step gets its first token in the next one, long before the long prompt's."""
+    assert engine.config.prefill_chunk() == 128
+    long_prompt = (prompts[0] * 40)[:1000]
+    long_id = engine.add_request(long_prompt, SamplingParams(max_tokens=1))
+    firsts: dict[str, int] = {}
+    for step in range(40):
+        if step == 1:
+            short_id = engine.add_request(prompts[1], SamplingParams(max_tokens=1))
+        for out in engine.step():
+            firsts.setdefault(out.request_id, step)
+        if not engine.has_unfinished():
+            break
+    assert firsts[short_id] == 1  # added after step 0, computed in step 1
+    assert firsts[long_id] == 1000 // 128  # its 8th step: chunks of 128 as before
+    assert engine.config.model_copy(update={"device": "cuda"}).prefill_chunk() == engine.config.max_num_batched_tokens
+
+
 @pytest.fixture(scope="module")
 def colors(engine) -> list[int]:
     """A prompt whose short greedy answer ("The primary colors are: Red, Blue, Yellow") holds
