@@ -14,7 +14,8 @@ driven by the same load (`tools/loadgen.py`, what `pdspec bench serve` runs):
             SSE chunk is one token, as a gRPC message is), the same prompts through gRPC and HTTP
             taking turns one at a time, then each API under the same Poisson load.
 - fairness: a short chat request sent while a ~6000-token prompt prefills (disaggregated, no
-            speculation), against short requests alone: what chunked prefill leaves a newcomer.
+            speculation; 1 then 2 prefill workers), against short requests alone: what chunked
+            prefill, and then routing, leave a newcomer.
 
     python -m bench.serve [--scenarios routing ttft load] [--rate R] [--num-requests N]
 
@@ -137,19 +138,24 @@ def http(args, questions: list[str]) -> dict[str, dict]:
 def fairness(args, questions: list[str]) -> dict[str, dict]:
     engine = {**ENGINE, "speculative": {"method": "none"}}
     short = make_workload(questions, 2 + 2 * FAIRNESS_ROUNDS)
-    alone, beside, long = [], [], []
-    with _cluster(DISAGGREGATED, {}, short[:2], engine) as cluster, concurrent.futures.ThreadPoolExecutor(1) as pool:
-        for k in range(FAIRNESS_ROUNDS):
-            alone += run_load(cluster.router_address, [short[2 + 2 * k]], 0, 8)[0]
-            # A document no cache holds (its first sentence names k), then the short request once
-            # the long prompt's prefill is under way.
-            document = [ChatMessage(role="user", content=f"{shared_prefix(100 + k, FAIRNESS_LONG_TOKENS)}\nSummarize.")]
-            pending = pool.submit(run_load, cluster.router_address, [document], 0, 8)
-            time.sleep(FAIRNESS_DELAY_S)
-            beside += run_load(cluster.router_address, [short[3 + 2 * k]], 0, 8)[0]
-            long += pending.result()[0]
-    return {"short alone": summarize(alone, 1.0), "short beside a long prompt": summarize(beside, 1.0),
-            "the long prompt": summarize(long, 1.0)}
+    rows = {}
+    for prefill_workers in (1, 2):
+        roles = {**DISAGGREGATED, "prefill": {**DISAGGREGATED["prefill"], "replicas": prefill_workers}}
+        alone, beside, long = [], [], []
+        with _cluster(roles, {}, short[:2], engine) as cluster, concurrent.futures.ThreadPoolExecutor(1) as pool:
+            for k in range(FAIRNESS_ROUNDS):
+                alone += run_load(cluster.router_address, [short[2 + 2 * k]], 0, 8)[0]
+                # A document no cache holds (its first sentence names k), then the short request
+                # once the long prompt's prefill is under way.
+                document = [ChatMessage(role="user", content=f"{shared_prefix(100 + k, FAIRNESS_LONG_TOKENS)}\nSummarize.")]
+                pending = pool.submit(run_load, cluster.router_address, [document], 0, 8)
+                time.sleep(FAIRNESS_DELAY_S)
+                beside += run_load(cluster.router_address, [short[3 + 2 * k]], 0, 8)[0]
+                long += pending.result()[0]
+        rows |= {f"{prefill_workers}P: short alone": summarize(alone, 1.0),
+                 f"{prefill_workers}P: short beside a long prompt": summarize(beside, 1.0),
+                 f"{prefill_workers}P: the long prompt": summarize(long, 1.0)}
+    return rows
 
 
 SCENARIOS = {"routing": routing, "ttft": ttft, "load": load, "http": http, "fairness": fairness}
