@@ -17,29 +17,16 @@ import json
 import random
 import threading
 import time
-import urllib.request
 from pathlib import Path
 
 from deploy.config import load_config, with_router
 from deploy.local import LocalCluster
-from proto import rpc
-from proto.pdspec.v1 import router_pb2, router_pb2_grpc
 from tools.loadgen import RequestRecord, make_workload, print_table, run_load
 from tools.prompts import read_prompts
+from tools.scrape import metric
 
 ROOT = Path(__file__).resolve().parents[1]
 VICTIMS = ("prefill-0", "prefill-1", "decode-0", "decode-1")
-
-
-def _workers(cluster: LocalCluster) -> dict[str, router_pb2.WorkerStatus]:
-    with rpc.channel(cluster.router_address, cluster.token) as channel:  # ListWorkers needs the cluster token
-        workers = router_pb2_grpc.RouterStub(channel).ListWorkers(router_pb2.ListWorkersRequest(), timeout=10).workers
-    return {w.worker_id: w for w in workers}
-
-
-def _blocks_used(address: str) -> float:
-    text = urllib.request.urlopen(f"http://{address}/metrics", timeout=10).read().decode()
-    return sum(float(line.split()[-1]) for line in text.splitlines() if line.startswith("pdspec_kv_blocks_used"))
 
 
 class Killer(threading.Thread):
@@ -55,13 +42,13 @@ class Killer(threading.Thread):
     def run(self) -> None:
         while not self.done.wait(self.every_s):
             name = self.rng.choice(VICTIMS)
-            address = _workers(self.cluster).get(name)
+            before = self.cluster.workers().get(name)
             killed = time.perf_counter()
             self.cluster.kill(name)
             back = None
             while back is None and time.perf_counter() - killed < 120:
-                worker = _workers(self.cluster).get(name)
-                if worker is not None and (address is None or worker.address != address.address):
+                worker = self.cluster.workers().get(name)
+                if worker is not None and (before is None or worker.address != before.address):
                     back = time.perf_counter()
                 time.sleep(0.1)
             self.faults.append((name, killed, back))
@@ -112,16 +99,17 @@ def run(args: argparse.Namespace) -> dict:
         killer.join()
         time.sleep(2 * config.router.heartbeat_interval_s)
         leaked = {}
-        for name, worker in _workers(cluster).items():
+        for name, worker in cluster.workers().items():
             deadline = time.monotonic() + 30
-            while (used := _blocks_used(worker.metrics_address)) and time.monotonic() < deadline:
+            while (used := metric(f"http://{worker.metrics_address}/metrics", "pdspec_kv_blocks_used")) \
+                    and time.monotonic() < deadline:
                 time.sleep(0.2)
             leaked[name] = used
         result = classify(records, args.max_tokens, killer.faults)
         result |= {"wall_s": round(wall, 1), "kills": [name for name, _, _ in killer.faults],
                    "seconds_to_come_back": [None if back is None else round(back - killed, 1)
                                             for _, killed, back in killer.faults],
-                   "blocks_left": leaked, "workers_listed_after": sorted(_workers(cluster))}
+                   "blocks_left": leaked, "workers_listed_after": sorted(cluster.workers())}
         return result
     finally:
         cluster.stop()

@@ -12,34 +12,19 @@ import argparse
 import json
 import threading
 import time
-import urllib.request
 from collections import defaultdict
 from pathlib import Path
 
 import matplotlib.pyplot as plt  # the bench extra; without a display it draws with Agg
-from prometheus_client.parser import text_string_to_metric_families
 
 from deploy.config import load_config, with_router
 from deploy.local import LocalCluster
-from proto import rpc
-from proto.pdspec.v1 import router_pb2, router_pb2_grpc
 from tools.loadgen import make_workload, print_table, run_load, summarize
 from tools.prompts import read_prompts
+from tools.scrape import Sample, scrape, total
 
 ROOT = Path(__file__).resolve().parents[1]
 WINDOW_S = 10.0  # the plots' rate window, as the dashboard's $__rate_interval
-
-Sample = tuple[str, tuple[tuple[str, str], ...], float]  # name, labels, value
-
-
-def scrape(url: str) -> list[Sample]:
-    text = urllib.request.urlopen(url, timeout=10).read().decode()
-    return [(s.name, tuple(sorted(s.labels.items())), s.value)
-            for family in text_string_to_metric_families(text) for s in family.samples]
-
-
-def total(samples: list[Sample], name: str, **labels: str) -> float:
-    return sum(v for n, ls, v in samples if n == name and all(dict(ls).get(k) == x for k, x in labels.items()))
 
 
 def buckets(samples: list[Sample], name: str) -> dict[float, float]:
@@ -120,10 +105,8 @@ def run(rate: float, num_requests: int, max_tokens: int) -> tuple[dict, list]:
     config = with_router(load_config(ROOT / "deploy" / "configs" / "local.yaml"), "bench.dashboard", port=0, http_port=0)
     cluster = LocalCluster(config, 0).start()
     try:
-        with rpc.channel(cluster.router_address, cluster.token) as channel:  # ListWorkers needs the cluster token
-            workers = router_pb2_grpc.RouterStub(channel).ListWorkers(router_pb2.ListWorkersRequest()).workers
         urls = {"router": cluster.http_url.removesuffix("/v1") + "/metrics"}
-        urls |= {w.worker_id: f"http://{w.metrics_address}/metrics" for w in workers}
+        urls |= {name: f"http://{w.metrics_address}/metrics" for name, w in cluster.workers().items()}
         questions = read_prompts(ROOT / "bench" / "prompts" / "chat_eval.jsonl")
         run_load(cluster.http_url, make_workload(questions, 2), 0, 4)  # warm-up
         result: dict = {}

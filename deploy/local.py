@@ -15,8 +15,9 @@ from pathlib import Path
 import yaml
 
 from deploy.config import DeploymentConfig, check_launchable, with_router
-from deploy.readiness import wait_for_workers
+from deploy.readiness import list_workers, wait_for_workers
 from deploy.supervisor import Supervisor
+from proto.pdspec.v1 import router_pb2
 from proto.rpc import free_port, wait_healthy
 from serving.roles import WORKER_ROLES
 
@@ -72,6 +73,10 @@ class LocalCluster:
         wait_for_workers(self.router_address, self.token, [n for n in self.supervisor.names() if n != "router"],
                          timeout_s, self._check_alive, f"logs in {self.log_dir}")
         self.supervisor.supervise()
+
+    def workers(self) -> dict[str, router_pb2.WorkerStatus]:
+        """What the router lists now, by worker id."""
+        return list_workers(self.router_address, self.token)
 
     def _check_alive(self) -> None:
         dead = self.supervisor.dead()

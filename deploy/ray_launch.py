@@ -25,7 +25,8 @@ from ray.actor import ActorHandle
 from ray.util.scheduling_strategies import NodeAffinitySchedulingStrategy
 
 from deploy.config import ConfigError, DeploymentConfig, RoleConfig, check_launchable, with_router
-from deploy.readiness import wait_for_workers
+from deploy.readiness import list_workers, wait_for_workers
+from proto.pdspec.v1 import router_pb2
 from proto.rpc import free_port, wait_healthy
 from serving.roles import WORKER_ROLES
 
@@ -160,6 +161,10 @@ class RayCluster:
         wait_healthy(self.router_address, timeout_s)
         wait_for_workers(self.router_address, self.token, [n for n in self.actors if n != ROUTER], timeout_s,
                          self._check_all, "actor logs are in the Ray session's logs directory (worker-*.err)")
+
+    def workers(self) -> dict[str, router_pb2.WorkerStatus]:
+        """What the router lists now, by worker id."""
+        return list_workers(self.router_address, self.token)
 
     def kill(self, name: str) -> None:
         """Kill one actor as a crash would; Ray restarts it."""

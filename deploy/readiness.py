@@ -11,6 +11,14 @@ from proto import rpc
 from proto.pdspec.v1 import router_pb2, router_pb2_grpc
 
 
+def list_workers(router_address: str, token: str | None) -> dict[str, router_pb2.WorkerStatus]:
+    """The workers the router lists, by id. ListWorkers hands out internal addresses, so it needs
+    the cluster `token`."""
+    with rpc.channel(router_address, token) as ch:
+        workers = router_pb2_grpc.RouterStub(ch).ListWorkers(router_pb2.ListWorkersRequest(), timeout=5).workers
+    return {w.worker_id: w for w in workers}
+
+
 def wait_for_workers(router_address: str, token: str | None, expected: Collection[str], timeout_s: float,
                      check_alive: Callable[[], None], hint: str = "") -> None:
     """Poll the router's ListWorkers (with the cluster `token`) until every id in `expected` is listed.
@@ -19,13 +27,11 @@ def wait_for_workers(router_address: str, token: str | None, expected: Collectio
     where the logs are) ends the timeout message."""
     expected, listed = set(expected), set()
     deadline = time.monotonic() + timeout_s
-    with rpc.channel(router_address, token) as ch:
-        stub = router_pb2_grpc.RouterStub(ch)
-        while time.monotonic() < deadline:
-            check_alive()
-            listed = {w.worker_id for w in stub.ListWorkers(router_pb2.ListWorkersRequest(), timeout=5).workers}
-            if expected <= listed:
-                return
-            time.sleep(0.5)
+    while time.monotonic() < deadline:
+        check_alive()
+        listed = set(list_workers(router_address, token))
+        if expected <= listed:
+            return
+        time.sleep(0.5)
     raise TimeoutError(f"workers {sorted(expected - listed)} did not register in {timeout_s}s"
                        + (f"; {hint}" if hint else ""))

@@ -26,12 +26,10 @@ class RegistryClient:
     def start(self) -> None:
         self._thread.start()
 
-    def stop(self, deregister: bool = True) -> None:
-        """Stop heartbeating and (`deregister`) tell the router to route nothing new here."""
+    def stop(self) -> None:
+        """Stop heartbeating and tell the router to route nothing new here."""
         self._stop.set()
         self._thread.join(timeout=5)
-        if not deregister:
-            return
         request = worker_pb2.DeregisterRequest(worker_id=self.registration.worker_id,
                                                address=self.registration.address)
         try:

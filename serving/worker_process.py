@@ -69,7 +69,7 @@ class RunningWorker:
         """Deregister (the router routes nothing new here), let what runs finish for up to
         `drain_timeout_s` (requests in the engine, prefilled blocks awaiting their decode worker,
         then the streams' last messages), then shut down."""
-        self.registry.stop(deregister=True)
+        self.registry.stop()
         log.info("worker %s stopping: deregistered, draining for up to %.0fs", self.worker_id, drain_timeout_s)
         deadline = time.monotonic() + drain_timeout_s
         while (busy := _busy(self.loop)) and time.monotonic() < deadline:

@@ -3,7 +3,6 @@ request's hold time matters), then a burst against a real local cluster over gRP
 
 import threading
 import time
-import urllib.request
 from concurrent.futures import ThreadPoolExecutor
 
 import grpc
@@ -15,6 +14,7 @@ from deploy.local import LocalCluster
 from proto import rpc
 from proto.pdspec.v1 import common_pb2, router_pb2, router_pb2_grpc
 from router.admission import Admission, LeftQueue, Overloaded, QueueDeadline
+from tools.scrape import metric
 
 
 def _wait_until(condition, timeout_s: float = 30.0) -> None:
@@ -137,11 +137,6 @@ def _http_request(cluster: LocalCluster, i: int):
     return "served", response.json()["choices"][0]["finish_reason"], response.json()["usage"]["completion_tokens"]
 
 
-def _metric(url: str, name: str) -> float:
-    text = urllib.request.urlopen(url, timeout=10).read().decode()
-    return sum(float(line.split()[-1]) for line in text.splitlines() if line.startswith(name))
-
-
 def test_a_burst_is_served_or_refused_at_once_and_nothing_is_lost(cluster):
     with ThreadPoolExecutor(BURST) as pool:
         futures = [pool.submit(_http_request if i % 2 else _grpc_request, cluster, i) for i in range(BURST)]
@@ -160,15 +155,14 @@ def test_a_burst_is_served_or_refused_at_once_and_nothing_is_lost(cluster):
             assert detail["type"] == "rate_limit_error"
     metrics = f"{cluster.http_url.removesuffix('/v1')}/metrics"
     # A slot is released just after the answer's last message has gone out.
-    _wait_until(lambda: _metric(metrics, "pdspec_num_requests_running") == 0)
-    assert _metric(metrics, "pdspec_num_requests_waiting") == 0
+    _wait_until(lambda: metric(metrics, "pdspec_num_requests_running") == 0)
+    assert metric(metrics, "pdspec_num_requests_waiting") == 0
     assert _grpc_request(cluster, 99)[0] == "served"  # healthy after
 
 
 def _blocks_used(cluster: LocalCluster) -> float:
-    with rpc.channel(cluster.router_address, cluster.token) as channel:  # ListWorkers needs the cluster token
-        workers = router_pb2_grpc.RouterStub(channel).ListWorkers(router_pb2.ListWorkersRequest()).workers
-    return sum(_metric(f"http://{w.metrics_address}/metrics", "pdspec_kv_blocks_used") for w in workers)
+    workers = cluster.workers().values()
+    return sum(metric(f"http://{w.metrics_address}/metrics", "pdspec_kv_blocks_used") for w in workers)
 
 
 def _wait_blocks_free(cluster: LocalCluster) -> None:
@@ -197,15 +191,15 @@ def test_abort_takes_a_request_out_of_the_queue(cluster):
     with grpc.insecure_channel(cluster.router_address) as channel:
         stub = router_pb2_grpc.RouterStub(channel)
         long_calls = [stub.Generate(router_pb2.GenerateRequest(prompt=f"Story {i}.", sampling=LONG)) for i in (1, 2)]
-        _wait_until(lambda: _metric(metrics, "pdspec_num_requests_running") == 2)
+        _wait_until(lambda: metric(metrics, "pdspec_num_requests_running") == 2)
         queued = stub.Generate(router_pb2.GenerateRequest(request_id="queued", prompt="Hi", sampling=LONG))
-        _wait_until(lambda: _metric(metrics, "pdspec_num_requests_waiting") == 1)
+        _wait_until(lambda: metric(metrics, "pdspec_num_requests_waiting") == 1)
         assert stub.Abort(common_pb2.AbortRequest(request_id="queued")).found
         (answer,) = list(queued)
         assert answer.finish_reason == "abort" and not answer.token_ids
         for call in long_calls:
             call.cancel()
-    _wait_until(lambda: _metric(metrics, "pdspec_num_requests_running") == 0)
+    _wait_until(lambda: metric(metrics, "pdspec_num_requests_running") == 0)
     _wait_blocks_free(cluster)
 
 
@@ -221,15 +215,13 @@ def test_the_request_id_comes_back_once(cluster):
 def test_cancelling_a_long_prefill_stops_it_at_the_next_chunk(cluster):
     """A 3000-token prompt prefills in chunks of 512; the client leaves during the first ones: the
     prefill worker aborts it (it would otherwise compute the rest, then release) and frees its blocks."""
-    with rpc.channel(cluster.router_address, cluster.token) as channel:
-        workers = router_pb2_grpc.RouterStub(channel).ListWorkers(router_pb2.ListWorkersRequest()).workers
-    (prefill,) = [f"http://{w.metrics_address}/metrics" for w in workers if w.role == "prefill"]
-    aborted = _metric(prefill, "pdspec_finished_abort_total")
+    (prefill,) = [f"http://{w.metrics_address}/metrics" for w in cluster.workers().values() if w.role == "prefill"]
+    aborted = metric(prefill, "pdspec_finished_abort_total")
     request = router_pb2.GenerateRequest(token_ids=router_pb2.TokenIds(ids=[(7 * i) % 5000 + 100 for i in range(3000)]),
                                          sampling=common_pb2.SamplingOptions(max_tokens=1))
     with grpc.insecure_channel(cluster.router_address) as channel:
         call = router_pb2_grpc.RouterStub(channel).Generate(request)
-        _wait_until(lambda: _metric(prefill, "pdspec_kv_blocks_used") > 0)  # under way
+        _wait_until(lambda: metric(prefill, "pdspec_kv_blocks_used") > 0)  # under way
         call.cancel()
-    _wait_until(lambda: _metric(prefill, "pdspec_finished_abort_total") == aborted + 1)
+    _wait_until(lambda: metric(prefill, "pdspec_finished_abort_total") == aborted + 1)
     _wait_blocks_free(cluster)

@@ -6,10 +6,8 @@ EAGLE3 head: greedy output must be token-identical whichever way the KV travelle
 """
 
 import concurrent.futures
-import re
 import threading
 import time
-import urllib.request
 
 import grpc
 import pytest
@@ -21,8 +19,8 @@ from engine.config import EngineConfig
 from engine.engine import Engine
 from engine.params import SamplingParams
 from proto.pdspec.v1 import common_pb2, kv_pb2, kv_pb2_grpc, router_pb2, router_pb2_grpc, worker_pb2, worker_pb2_grpc
-from proto import rpc
 from proto.rpc import FAILED_KV_SOURCE_METADATA_KEY, channel, free_port
+from tools.scrape import metric
 
 QUESTIONS = ["What is the capital of France?", "Name three primary colors.", "Write a haiku about rain.",
              "What is 12 times 12?", "List the days of the week.", "Explain photosynthesis in one sentence.",
@@ -64,7 +62,7 @@ def grpc_cluster():
 
 
 def _stub(cluster: LocalCluster) -> router_pb2_grpc.RouterStub:
-    return router_pb2_grpc.RouterStub(rpc.channel(cluster.router_address, cluster.token))  # ListWorkers needs it
+    return router_pb2_grpc.RouterStub(grpc.insecure_channel(cluster.router_address))
 
 
 def _request(question: str, max_tokens: int = MAX_TOKENS, **sampling) -> router_pb2.GenerateRequest:
@@ -90,20 +88,11 @@ def _check_answers(cluster: LocalCluster, reference: dict[str, list[int]]) -> li
     return results
 
 
-def _workers(cluster: LocalCluster) -> dict[str, router_pb2.WorkerStatus]:
-    return {w.worker_id: w for w in _stub(cluster).ListWorkers(router_pb2.ListWorkersRequest(), timeout=10).workers}
-
-
-def _metric(address: str, name: str) -> float:
-    text = urllib.request.urlopen(f"http://{address}/metrics", timeout=10).read().decode()
-    return float(re.search(rf"^{name}{{[^}}]*}} (\S+)$", text, re.M).group(1))
-
-
 def _wait_idle(cluster: LocalCluster, role: str, timeout_s: float = 10.0) -> dict[str, router_pb2.WorkerStatus]:
     """Heartbeats lag: wait until every `role` worker reports no blocks in use."""
     deadline = time.monotonic() + timeout_s
     while True:
-        workers = {k: w for k, w in _workers(cluster).items() if w.role == role}
+        workers = {k: w for k, w in cluster.workers().items() if w.role == role}
         if all(w.active_blocks == 0 for w in workers.values()) or time.monotonic() > deadline:
             return workers
         time.sleep(0.2)
@@ -113,7 +102,7 @@ def _wait_restarted(cluster: LocalCluster, name: str, address: str, timeout_s: f
     """Wait until the supervisor has restarted `name` and it registered at a new address; returns it."""
     deadline = time.monotonic() + timeout_s
     while time.monotonic() < deadline:
-        worker = _workers(cluster).get(name)
+        worker = cluster.workers().get(name)
         if worker is not None and worker.address != address:
             return worker.address
         time.sleep(0.2)
@@ -171,9 +160,9 @@ def test_decode_side_gets_the_draft_kv_instead_of_recomputing_it(nixl_cluster):
     worker ran it over the rest of the prompt."""
     workers = _wait_idle(nixl_cluster, "decode")
     counter = "pdspec_draft_positions_with_target_features_total"
-    before = {k: _metric(w.metrics_address, counter) for k, w in _workers(nixl_cluster).items()}
+    before = {k: metric(f"http://{w.metrics_address}/metrics", counter) for k, w in nixl_cluster.workers().items()}
     tokens, responses = _generate(_stub(nixl_cluster), _request(f"{DOCUMENT}\nSummarize section 3.", 8))
-    after = {k: _metric(w.metrics_address, counter) for k, w in _workers(nixl_cluster).items()}
+    after = {k: metric(f"http://{w.metrics_address}/metrics", counter) for k, w in nixl_cluster.workers().items()}
     prompt = responses[-1].usage.prompt_tokens
     decode, prefill = responses[0].decode_worker, responses[0].prefill_worker
     assert after[decode] - before[decode] <= len(tokens) + 1 < prompt // 4
@@ -201,7 +190,7 @@ def test_a_decode_whose_kv_source_is_gone_names_the_source(grpc_cluster):
     """A prefill worker that dies after prefilling fails the decode worker's pull: the decode worker
     names the source in its status so the router retries on another prefill worker instead of
     writing off the (healthy) decode worker."""
-    workers, token = _workers(grpc_cluster), grpc_cluster.config.token()
+    workers, token = grpc_cluster.workers(), grpc_cluster.config.token()
     prefill_channel = channel(workers["prefill-1"].address, token)
     prefill = worker_pb2_grpc.PrefillWorkerStub(prefill_channel)
     prompt = [1, 2, 3, 4, 5] * 8
@@ -222,7 +211,7 @@ def test_a_decode_whose_kv_source_is_gone_names_the_source(grpc_cluster):
 
 def test_killing_a_prefill_worker_retries_its_requests_elsewhere_and_restarts_it(grpc_cluster, reference, caplog):
     stub = _stub(grpc_cluster)
-    address = _workers(grpc_cluster)["prefill-0"].address
+    address = grpc_cluster.workers()["prefill-0"].address
     with concurrent.futures.ThreadPoolExecutor(len(QUESTIONS)) as pool:
         futures = [pool.submit(_generate, stub, _request(q)) for q in QUESTIONS]
         time.sleep(0.3)

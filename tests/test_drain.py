@@ -3,15 +3,14 @@ supervisor starts it again; no request fails, whether it was streaming from it o
 
 import concurrent.futures
 import threading
-import time
 
 import grpc
 import pytest
 
 from deploy.config import parse_config
 from deploy.local import LocalCluster
-from proto import rpc
 from proto.pdspec.v1 import common_pb2, router_pb2, router_pb2_grpc
+from tests.test_cluster import _wait_restarted
 
 TOKENS = 48
 
@@ -30,14 +29,8 @@ def cluster():
     cluster.stop()
 
 
-def _workers(cluster: LocalCluster) -> dict[str, router_pb2.WorkerStatus]:
-    with rpc.channel(cluster.router_address, cluster.token) as channel:  # ListWorkers needs the cluster token
-        workers = router_pb2_grpc.RouterStub(channel).ListWorkers(router_pb2.ListWorkersRequest(), timeout=10).workers
-    return {w.worker_id: w for w in workers}
-
-
 def test_rolling_a_decode_worker_under_load_fails_no_request(cluster):
-    address = _workers(cluster)["decode-0"].address
+    address = cluster.workers()["decode-0"].address
     victim_streaming = threading.Event()
     stub = router_pb2_grpc.RouterStub(grpc.insecure_channel(cluster.router_address))
 
@@ -60,8 +53,5 @@ def test_rolling_a_decode_worker_under_load_fails_no_request(cluster):
         results = [f.result() for f in first + later]
     assert all(tokens == TOKENS for _, tokens in results), results
     assert any(worker == "decode-0" for worker, _ in results[:8])  # it finished the streams it had
-    deadline = time.monotonic() + 120
-    while (w := _workers(cluster).get("decode-0")) is None or w.address == address:
-        assert time.monotonic() < deadline, "decode-0 did not come back"
-        time.sleep(0.2)
+    _wait_restarted(cluster, "decode-0", address)
     assert cluster.supervisor.restarts("decode-0") == 1

@@ -6,7 +6,6 @@ Examples are derandomized, so a CI run is reproducible."""
 
 import math
 import time
-import urllib.request
 
 import grpc
 import httpx
@@ -16,8 +15,8 @@ from hypothesis import strategies as st
 
 from deploy.config import parse_config
 from deploy.local import LocalCluster
-from proto import rpc
 from proto.pdspec.v1 import common_pb2, router_pb2, router_pb2_grpc
+from tools.scrape import metric
 
 FUZZ = settings(max_examples=60, deadline=None, derandomize=True, database=None,
                 suppress_health_check=[HealthCheck.too_slow, HealthCheck.function_scoped_fixture])
@@ -108,12 +107,10 @@ def test_after_the_fuzz_the_server_is_up_and_holds_no_blocks(cluster, stub):
     answer = list(stub.Generate(router_pb2.GenerateRequest(prompt="Hello", sampling=common_pb2.SamplingOptions(
         max_tokens=4)), timeout=60))
     assert answer[-1].finish_reason in ("stop", "length")
-    with rpc.channel(cluster.router_address, cluster.token) as channel:
-        (worker,) = router_pb2_grpc.RouterStub(channel).ListWorkers(router_pb2.ListWorkersRequest()).workers
+    (worker,) = cluster.workers().values()
     deadline = time.monotonic() + 30
     while True:
-        text = urllib.request.urlopen(f"http://{worker.metrics_address}/metrics", timeout=10).read().decode()
-        used = sum(float(line.split()[-1]) for line in text.splitlines() if line.startswith("pdspec_kv_blocks_used"))
+        used = metric(f"http://{worker.metrics_address}/metrics", "pdspec_kv_blocks_used")
         if used == 0 or time.monotonic() > deadline:
             break
         time.sleep(0.2)

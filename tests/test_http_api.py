@@ -3,10 +3,8 @@ local disaggregated cluster (router, prefill and decode workers as processes on 
 the router's request metrics it moves."""
 
 import json
-import re
 import socket
 import time
-import urllib.request
 
 import grpc
 import httpx
@@ -17,7 +15,7 @@ from deploy.config import parse_config
 from deploy.local import LocalCluster
 from engine.tokenizer import Tokenizer
 from tools.loadgen import make_workload, run_load, summarize
-from proto import rpc
+from tools.scrape import metric
 from proto.pdspec.v1 import common_pb2, router_pb2, router_pb2_grpc
 
 MODEL = "SmolLM2-135M-Instruct"
@@ -153,21 +151,8 @@ def test_health_ready_and_metrics_endpoints(cluster):
     assert "pdspec_requests_total" in httpx.get(f"{root}/metrics").text
 
 
-def _metric(url: str, name: str, **labels: str) -> float:
-    """Sum of a sample over the label sets that include `labels` (0 if absent)."""
-    text = urllib.request.urlopen(url, timeout=10).read().decode()
-    total = 0.0
-    for match in re.finditer(rf"^{name}{{([^}}]*)}} (\S+)$", text, re.M):
-        have = dict(re.findall(r'(\w+)="([^"]*)"', match.group(1)))
-        if all(have.get(k) == v for k, v in labels.items()):
-            total += float(match.group(2))
-    return total
-
-
 def _decode_metrics_url(cluster: LocalCluster) -> str:
-    with rpc.channel(cluster.router_address, cluster.token) as channel:  # ListWorkers needs the cluster token
-        workers = router_pb2_grpc.RouterStub(channel).ListWorkers(router_pb2.ListWorkersRequest()).workers
-    (decode,) = [w for w in workers if w.role == "decode"]
+    (decode,) = [w for w in cluster.workers().values() if w.role == "decode"]
     return f"http://{decode.metrics_address}/metrics"
 
 
@@ -178,16 +163,16 @@ def test_a_request_moves_the_metrics_by_its_own_counts(cluster, client):
              "pdspec_request_queue_seconds_count", "pdspec_inter_token_latency_seconds_count",
              "pdspec_spec_draft_tokens_total", "pdspec_spec_accepted_tokens_total",
              "pdspec_spec_accepted_tokens_per_position_total"]
-    before = {n: _metric(router, n) for n in names}
-    ok_before = _metric(router, "pdspec_requests_total", status="OK")
-    handoffs_before = _metric(decode, "pdspec_kv_transfer_seconds_count")
-    bytes_before = _metric(decode, "pdspec_kv_transfer_bytes_total")
+    before = {n: metric(router, n) for n in names}
+    ok_before = metric(router, "pdspec_requests_total", status="OK")
+    handoffs_before = metric(decode, "pdspec_kv_transfer_seconds_count")
+    bytes_before = metric(decode, "pdspec_kv_transfer_bytes_total")
     answer = client.chat.completions.create(model=MODEL, messages=QUESTION, max_tokens=MAX_TOKENS)
-    after = {n: _metric(router, n) for n in names}
+    after = {n: metric(router, n) for n in names}
     moved = {n: after[n] - before[n] for n in names}
     a, usage = answer.model_extra["pdspec"]["acceptance"], answer.usage
     assert moved["pdspec_requests_total"] == 1
-    assert _metric(router, "pdspec_requests_total", status="OK") - ok_before == 1
+    assert metric(router, "pdspec_requests_total", status="OK") - ok_before == 1
     assert moved["pdspec_generation_tokens_total"] == usage.completion_tokens
     assert moved["pdspec_prompt_tokens_total"] == usage.prompt_tokens
     for one in ("pdspec_time_to_first_token_seconds_count", "pdspec_e2e_request_latency_seconds_count",
@@ -197,14 +182,14 @@ def test_a_request_moves_the_metrics_by_its_own_counts(cluster, client):
     assert moved["pdspec_spec_draft_tokens_total"] == a["drafted"]
     assert moved["pdspec_spec_accepted_tokens_total"] == moved["pdspec_spec_accepted_tokens_per_position_total"] \
         == a["accepted"]
-    assert _metric(decode, "pdspec_kv_transfer_seconds_count") - handoffs_before == 1
-    assert _metric(decode, "pdspec_kv_transfer_bytes_total") > bytes_before
+    assert metric(decode, "pdspec_kv_transfer_seconds_count") - handoffs_before == 1
+    assert metric(decode, "pdspec_kv_transfer_bytes_total") > bytes_before
 
 
 def _wait_blocks_free(cluster: LocalCluster, timeout_s: float = 60.0) -> float:
     url = _decode_metrics_url(cluster)
     deadline = time.monotonic() + timeout_s
-    while (used := _metric(url, "pdspec_kv_blocks_used")) and time.monotonic() < deadline:
+    while (used := metric(url, "pdspec_kv_blocks_used")) and time.monotonic() < deadline:
         time.sleep(0.1)
     return used
 
@@ -213,14 +198,14 @@ LONG = {"model": MODEL, "messages": QUESTION, "max_tokens": 4000, "ignore_eos": 
 
 
 def test_a_streaming_client_that_leaves_frees_every_block(cluster):
-    cancelled = _metric(f"{_root(cluster)}/metrics", "pdspec_requests_total", status="CANCELLED")
+    cancelled = metric(f"{_root(cluster)}/metrics", "pdspec_requests_total", status="CANCELLED")
     with httpx.stream("POST", f"{cluster.http_url}/chat/completions", json=LONG | {"stream": True}, timeout=60) as r:
         lines = r.iter_lines()
         for _ in range(3):
             next(lines)
-        assert _metric(_decode_metrics_url(cluster), "pdspec_kv_blocks_used") > 0
+        assert metric(_decode_metrics_url(cluster), "pdspec_kv_blocks_used") > 0
     assert _wait_blocks_free(cluster) == 0
-    assert _metric(f"{_root(cluster)}/metrics", "pdspec_requests_total", status="CANCELLED") == cancelled + 1
+    assert metric(f"{_root(cluster)}/metrics", "pdspec_requests_total", status="CANCELLED") == cancelled + 1
 
 
 def test_a_client_that_leaves_before_a_whole_answer_frees_every_block(cluster):
@@ -231,9 +216,9 @@ def test_a_client_that_leaves_before_a_whole_answer_frees_every_block(cluster):
         conn.sendall(b"POST /v1/chat/completions HTTP/1.1\r\nHost: x\r\nContent-Type: application/json\r\n"
                      b"Content-Length: %d\r\n\r\n%s" % (len(body), body))
         deadline = time.monotonic() + 60
-        while not _metric(url, "pdspec_kv_blocks_used") and time.monotonic() < deadline:
+        while not metric(url, "pdspec_kv_blocks_used") and time.monotonic() < deadline:
             time.sleep(0.05)
-        assert _metric(url, "pdspec_kv_blocks_used") > 0
+        assert metric(url, "pdspec_kv_blocks_used") > 0
     assert _wait_blocks_free(cluster) == 0
 
 

@@ -20,8 +20,7 @@ from deploy.ray_launch import RayCluster, check_feasible, replica_options, stop_
 from engine.config import EngineConfig
 from engine.engine import Engine
 from engine.params import SamplingParams
-from proto import rpc
-from proto.pdspec.v1 import router_pb2, router_pb2_grpc
+from proto.pdspec.v1 import router_pb2_grpc
 from tests.test_cluster import QUESTIONS, _generate, _request
 
 import ray  # after deploy.ray_launch, which sets how Ray resolves 127.0.0.1
@@ -71,11 +70,6 @@ def _check_answers(address: str, reference: dict[str, list[int]]) -> None:
         assert responses[-1].finish_reason in ("stop", "length")
 
 
-def _workers(cluster: RayCluster) -> dict[str, router_pb2.WorkerStatus]:
-    stub = router_pb2_grpc.RouterStub(rpc.channel(cluster.router_address, cluster.token))  # ListWorkers needs it
-    return {w.worker_id: w for w in stub.ListWorkers(router_pb2.ListWorkersRequest(), timeout=10).workers}
-
-
 def _info(cluster: RayCluster) -> dict[str, dict]:
     return {name: ray.get(actor.info.remote(), timeout=60) for name, actor in cluster.actors.items()}
 
@@ -111,8 +105,8 @@ def test_local_ray_matches_the_engine_and_stops_without_leftovers(reference):
     try:
         cluster.start()
         assert {n["NodeManagerAddress"] for n in ray.nodes()} == {"127.0.0.1"}  # loopback only
-        assert set(_workers(cluster)) == {"prefill-0", "decode-0"}
-        assert all(w.address.startswith("127.0.0.1:") for w in _workers(cluster).values())
+        assert set(cluster.workers()) == {"prefill-0", "decode-0"}
+        assert all(w.address.startswith("127.0.0.1:") for w in cluster.workers().values())
         _check_answers(cluster.router_address, reference)
         models = httpx.get(f"{cluster.http_url}/models", timeout=10).json()  # the router actor's OpenAI API
         assert [m["id"] for m in models["data"]] == ["SmolLM2-135M-Instruct"]
@@ -164,7 +158,7 @@ def test_a_killed_decode_actor_is_restarted_and_registers_again(deployment, refe
     after = _eventually(lambda: (info := ray.get(actor.info.remote(), timeout=10))["pid"] != before["pid"] and info)
     assert after["node_id"] == before["node_id"]  # the only node with decode_node
     # Listed again at the restarted process's address, heartbeating.
-    _eventually(lambda: (w := _workers(deployment).get("decode-0")) is not None
+    _eventually(lambda: (w := deployment.workers().get("decode-0")) is not None
                 and w.address == after["address"] and w.seconds_since_heartbeat < 1.0)
     _check_answers(deployment.router_address, reference)
 
