@@ -168,6 +168,10 @@ def test_a_request_moves_the_metrics_by_its_own_counts(cluster, client):
     handoffs_before = metric(decode, "pdspec_kv_transfer_seconds_count")
     bytes_before = metric(decode, "pdspec_kv_transfer_bytes_total")
     answer = client.chat.completions.create(model=MODEL, messages=QUESTION, max_tokens=MAX_TOKENS)
+    # The router counts a request when its Generate stream ends, just after the last message left.
+    deadline = time.monotonic() + 10
+    while metric(router, "pdspec_requests_total") == before["pdspec_requests_total"] and time.monotonic() < deadline:
+        time.sleep(0.01)
     after = {n: metric(router, n) for n in names}
     moved = {n: after[n] - before[n] for n in names}
     a, usage = answer.model_extra["pdspec"]["acceptance"], answer.usage

@@ -4,7 +4,6 @@ its processes die with it when it is killed outright."""
 import signal
 import subprocess
 import sys
-import time
 from pathlib import Path
 
 import psutil
@@ -23,11 +22,13 @@ def _serve(tmp_path: Path, ignore_sigint: bool = False) -> tuple[subprocess.Pope
     setup = (lambda: signal.signal(signal.SIGINT, signal.SIG_IGN)) if ignore_sigint else None
     serve = subprocess.Popen([sys.executable, "-m", "deploy.cli", "serve", "--config", str(config), "--launcher",
                               "local"], stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, preexec_fn=setup)
+    output = []
     for line in serve.stdout:
         if "router ready" in line:
             break
+        output.append(line)
     else:
-        pytest.fail(f"serve exited ({serve.wait()}) before it was ready")
+        pytest.fail(f"serve exited ({serve.wait()}) before it was ready; its output ended:\n" + "".join(output[-20:]))
     children = psutil.Process(serve.pid).children()
     assert len(children) == 2  # the router and the aggregated worker
     return serve, children
