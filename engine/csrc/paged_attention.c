@@ -113,14 +113,21 @@ static inline __attribute__((always_inline)) void attend_tile(
         int p = k0 + o < k1 ? k0 + o : k0;  /* past k1: valid memory, masked out below */
         if (span_map && p >= span0) p = span0 + span_map[p - span0];
         keys[o] = cache + (table[p / block_size] * s_block + (long)(p % block_size) * s_offset + (long)kv_head * dim) * esize;
-        if (kv_bf16) {
-            float *k = widened + (size_t)o * dim, *v = k + PART_KEYS * dim;
-            for (int c = 0; c < dim / LANES; c++) {
-                store_f32(k + LANES * c, load_bf16((const uint16_t *)keys[o] + LANES * c));
-                store_f32(v + LANES * c, load_bf16((const uint16_t *)(keys[o] + s_kv * esize) + LANES * c));
-            }
-            keys[o] = (const char *)k;
+        /* Every line of the partition's keys and values requested at once: the keys sit in
+         * blocks scattered over the pool, in strided pieces (one head of each token), a pattern
+         * the hardware prefetcher does not follow; read on demand, each line waited its turn. */
+        for (long l = 0; l < dim * esize; l += 64) {
+            __builtin_prefetch(keys[o] + l);
+            __builtin_prefetch(keys[o] + s_kv * esize + l);
         }
+    }
+    for (int o = 0; kv_bf16 && o < steps * KEYS; o++) {
+        float *k = widened + (size_t)o * dim, *v = k + PART_KEYS * dim;
+        for (int c = 0; c < dim / LANES; c++) {
+            store_f32(k + LANES * c, load_bf16((const uint16_t *)keys[o] + LANES * c));
+            store_f32(v + LANES * c, load_bf16((const uint16_t *)(keys[o] + s_kv * esize) + LANES * c));
+        }
+        keys[o] = (const char *)k;
     }
     if (kv_bf16) value_offset = (long)PART_KEYS * dim * sizeof(float);
 #define VISIBLE(r, st) (pos[r] + 1 - (k0 + (st) * KEYS) < KEYS ? pos[r] + 1 - (k0 + (st) * KEYS) : KEYS)
@@ -286,12 +293,30 @@ static void write_rows(const tile_rows *r, const float *state, int dim) {
     }
 }
 
-/* A tile start to end in one task: its partitions in turn. */
+/* Partition p's keys and values towards L2 (a chain tile's; a tree token's run is rare and short). */
+static void prefetch_part(const attn_call *a, const tile *t, int p) {
+    if (t->mask || p >= tile_parts(t)) return;
+    const long *table = a->block_tables + (long)t->seq * a->max_blocks;
+    long esize = a->kv_bf16 ? 2 : 4;
+    int k1 = (p + 1) * PART_KEYS < t->keys ? (p + 1) * PART_KEYS : t->keys;
+    for (int k = p * PART_KEYS; k < k1; k++) {
+        const char *key = (const char *)a->cache + (table[k / a->block_size] * a->s_block
+                          + (long)(k % a->block_size) * a->s_offset + (long)t->kv_head * a->dim) * esize;
+        for (long l = 0; l < a->dim * esize; l += 64) {
+            __builtin_prefetch(key + l, 0, 1);
+            __builtin_prefetch(key + a->s_kv * esize + l, 0, 1);
+        }
+    }
+}
+
+/* A tile start to end in one task: its partitions in turn, the next one's memory requested
+ * while one is computed. */
 static void attend_whole_tile(const attn_call *a, const tile *t, float *state, float *part) {
     tile_rows r;
     rows_of(a, t, &r);
     for (int i = 0; i < r.n; i++) state[(size_t)i * (a->dim + 2) + a->dim + 1] = 0.0f;
     for (int p = 0; p < tile_parts(t); p++) {
+        prefetch_part(a, t, p + 1);
         attend_part(a, t, &r, p, part);
         fold_part(state, part, r.n, a->dim);
     }
