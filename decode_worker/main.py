@@ -16,7 +16,7 @@ def start_decode_worker(spec: WorkerSpec, kv_transfer: Literal["nixl", "grpc"] |
     loop = start_engine(spec)
     connector = None
     if kv_transfer is not None:
-        connector = make_connector(kv_transfer, loop.engine.runner.layout, kv_caches(loop), spec.token)
+        connector = make_connector(kv_transfer, loop.engine.runner.layout, kv_caches(loop), spec.token, spec.tls)
     handoffs = HandoffMetrics(spec.worker_id)
     servicer = DecodeServicer(loop, connector, handoffs, admission_timeout_s=admission_timeout_s)
     server, address = bind(spec, [(worker_pb2_grpc.add_DecodeWorkerServicer_to_server, servicer,

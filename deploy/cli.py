@@ -9,6 +9,8 @@ import sys
 import time
 from pathlib import Path
 
+from proto.rpc import Tls
+
 from engine.config import EngineConfig, SpeculativeConfig
 from deploy.flags import add_field_flags, field_values, flags_for
 from engine.params import SamplingParams
@@ -231,7 +233,7 @@ def _serve(args: argparse.Namespace) -> int:
         http = f", OpenAI API at {cluster.http_url}" if cluster.http_url else ""
         print(f"pdspec: router ready at {cluster.router_address}{http}{logs}", flush=True)
         if args.once is not None:
-            _answer(cluster.router_address, args.once)
+            _answer(cluster.router_address, args.once, cluster.tls)
         elif args.launcher == "ray" and cluster.detached:
             cluster.disconnect()  # stop() below then has nothing left to end
             print("pdspec: deployed on the Ray cluster; `pdspec stop --address ADDR` ends it", flush=True)
@@ -258,17 +260,17 @@ def _stop(args: argparse.Namespace) -> int:
     return 0
 
 
-def _answer(router_address: str, prompt: str) -> None:
+def _answer(router_address: str, prompt: str, tls: Tls | None) -> None:
     from deploy.client import print_chat
 
-    last = print_chat(router_address, prompt)
+    last = print_chat(router_address, prompt, tls=tls)
     print(f"pdspec: finish_reason={last.finish_reason} prompt_tokens={last.usage.prompt_tokens} "
           f"completion_tokens={last.usage.completion_tokens} "
           f"mean_acceptance_length={last.acceptance.mean_acceptance_length:.2f}", flush=True)
 
 
 def _chat(args: argparse.Namespace) -> int:
-    _answer(args.router, args.prompt)
+    _answer(args.router, args.prompt, Tls.load(None, None, args.ca_file) if args.ca_file else None)
     return 0
 
 
@@ -279,7 +281,7 @@ def _router(args: argparse.Namespace) -> int:
 
     config = _with_http_port(load_config(Path(args.config)), args.http_port)
     router = run_router(config.router, config.token(), resolve_model_dir(config.engine.model),
-                        config.served_model_name(), args.port)
+                        config.served_model_name(), args.port, tls=config.tls_identity())
     _wait_for_signal()
     router.stop()
     return 0
@@ -316,6 +318,7 @@ def _add_cluster(sub: argparse._SubParsersAction) -> None:
     p = sub.add_parser("chat", help="send one chat prompt to a running router and stream the answer")
     p.add_argument("--router", default="127.0.0.1:50051")
     p.add_argument("--prompt", required=True)
+    p.add_argument("--ca-file", default=None, help="the router's CA (PEM): talk TLS, as a router with tls set needs")
     p.set_defaults(func=_chat)
     p = sub.add_parser("router", help="run the router (one process)")
     p.add_argument("--config", required=True)
@@ -325,7 +328,7 @@ def _add_cluster(sub: argparse._SubParsersAction) -> None:
     p = sub.add_parser("worker", help="run one worker (one process)")
     p.add_argument("--role", required=True, choices=WORKER_ROLES)
     p.add_argument("--config", required=True)
-    p.add_argument("--router", required=True, help="router address host:port")
+    p.add_argument("--router", required=True, help="the router's registry: host:router.internal_port")
     p.add_argument("--host", default="127.0.0.1", help="interface to bind")
     p.add_argument("--advertise-host", default=None, help="host other workers reach this one at (default: --host)")
     p.add_argument("--worker-id", default=None)

@@ -3,18 +3,18 @@
 import sys
 from collections.abc import Iterator
 
-import grpc
-
+from proto import rpc
 from proto.pdspec.v1 import common_pb2, router_pb2, router_pb2_grpc
 
 
 def chat(router_address: str, prompt: str, max_tokens: int = 256, temperature: float = 0.0,
-         system: str | None = None, timeout_s: float = 300.0) -> Iterator[router_pb2.GenerateResponse]:
+         system: str | None = None, timeout_s: float = 300.0,
+         tls: rpc.Tls | None = None) -> Iterator[router_pb2.GenerateResponse]:
     messages = ([common_pb2.ChatMessage(role="system", content=system)] if system else [])
     messages.append(common_pb2.ChatMessage(role="user", content=prompt))
     request = router_pb2.GenerateRequest(messages=router_pb2.MessageList(messages=messages),
                                          sampling=common_pb2.SamplingOptions(max_tokens=max_tokens, temperature=temperature))
-    with grpc.insecure_channel(router_address) as channel:
+    with rpc.channel(router_address, tls=tls) as channel:
         yield from router_pb2_grpc.RouterStub(channel).Generate(request, timeout=timeout_s)
 
 

@@ -12,6 +12,7 @@ from pydantic import BaseModel, ConfigDict, Field, ValidationError, model_valida
 
 from engine.config import EngineConfig
 from engine.model_dir import model_name
+from proto.rpc import Tls, free_port
 from router.config import RouterConfig
 from serving.roles import WORKER_ROLES
 
@@ -42,6 +43,20 @@ class RoleConfig(_Strict):
                                    "runs before exiting")
 
 
+class TlsConfig(_Strict):
+    """PEM files every process of the deployment reads (Helm mounts them from a Secret)."""
+
+    cert_file: Path = Field(description="this process's certificate chain, signed by ca_file's CA")
+    key_file: Path = Field(description="the certificate's private key")
+    ca_file: Path = Field(description="the cluster's CA: internal peers must present a certificate it signed")
+    server_name: str | None = Field(None, min_length=1, description="the name in the certificates' subjectAltName "
+                                    "that peers check instead of the address they dial (pod IPs change; null: "
+                                    "the address's host must be in the certificate)")
+
+    def load(self) -> Tls:
+        return Tls.load(self.cert_file, self.key_file, self.ca_file, self.server_name)
+
+
 class DeploymentConfig(_Strict):
     engine: EngineConfig = Field(default_factory=EngineConfig)
     router: RouterConfig = Field(default_factory=RouterConfig)
@@ -50,10 +65,16 @@ class DeploymentConfig(_Strict):
     aggregated: RoleConfig = Field(default_factory=RoleConfig)
     pin_timeout_s: float = Field(30.0, gt=0, description="prefill blocks stay pinned this long awaiting the decode side")
     cluster_token: str | None = Field(None, description="shared secret of internal RPCs (default: $PDSPEC_CLUSTER_TOKEN)")
+    tls: TlsConfig | None = Field(None, description="TLS on the public port, mutual TLS on every internal one "
+                                  "(null: plaintext, for loopback and trusted networks)")
 
     def served_model_name(self) -> str:
         """The model's name in the HTTP API: router.served_model_name, else the model's own."""
         return self.router.served_model_name or model_name(self.engine.model)
+
+    def tls_identity(self) -> Tls | None:
+        """The TLS files' contents (None: plaintext); a file that cannot be read is a ValueError naming its field."""
+        return self.tls.load() if self.tls else None
 
     def token(self) -> str | None:
         """The cluster token: the config's, else $PDSPEC_CLUSTER_TOKEN."""
@@ -115,6 +136,19 @@ def with_router(config: DeploymentConfig, source: str, **fields) -> DeploymentCo
     raw = config.model_dump(mode="json")
     raw["router"].update(fields)
     return parse_config(raw, source=source)
+
+
+def with_fixed_ports(config: DeploymentConfig, any_internal_port: bool) -> DeploymentConfig:
+    """`config` with router.http_port and router.internal_port 0 ("any") replaced by ports free
+    now: a launcher reports where the API is and tells workers, restarted ones too, where to
+    register. `any_internal_port`: a free internal port even if one is set (a launcher asked for
+    any public port, as tests do, must not collide on the default internal one)."""
+    rc, fields = config.router, {}
+    if rc.http_port == 0:
+        fields["http_port"] = free_port(rc.host)
+    if rc.internal_port == 0 or any_internal_port:
+        fields["internal_port"] = free_port(rc.host)
+    return with_router(config, "router ports", **fields) if fields else config
 
 
 def _describe(err: dict) -> str:

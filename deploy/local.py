@@ -14,7 +14,7 @@ from pathlib import Path
 
 import yaml
 
-from deploy.config import DeploymentConfig, check_launchable, with_router
+from deploy.config import DeploymentConfig, check_launchable, with_fixed_ports
 from deploy.readiness import list_workers, wait_for_workers
 from deploy.supervisor import Supervisor
 from proto.pdspec.v1 import router_pb2
@@ -31,14 +31,19 @@ class LocalCluster:
     log_dir: Path = field(default_factory=lambda: Path(tempfile.mkdtemp(prefix="pdspec-logs-")))
 
     def __post_init__(self) -> None:
+        self.config = with_fixed_ports(self.config, any_internal_port=not self.router_port)
         self.router_port = self.router_port or free_port(self.host)  # 0: any free port
         self.token = self.config.token() or os.urandom(16).hex()  # internal RPCs' (ListWorkers too)
-        if self.config.router.http_port == 0:
-            self.config = with_router(self.config, "router.http_port", http_port=free_port(self.host))
+        self.tls = self.config.tls_identity()
 
     @property
     def router_address(self) -> str:
         return f"{self.host}:{self.router_port}"
+
+    @property
+    def registry_address(self) -> str:
+        """Where workers register (the router's internal port)."""
+        return f"{self.host}:{self.config.router.internal_port}"
 
     @property
     def http_url(self) -> str | None:
@@ -61,22 +66,22 @@ class LocalCluster:
         config_file.write_text(yaml.safe_dump(self.config.model_dump(mode="json")))
         env = {**os.environ, "PDSPEC_CLUSTER_TOKEN": self.token}
         self._spawn("router", ["router", "--config", str(config_file), "--port", str(self.router_port)], env)
-        wait_healthy(self.router_address, timeout_s)
+        wait_healthy(self.router_address, timeout_s, self.tls)
         threads = default_threads(self.config)
         for role in WORKER_ROLES:
             for i in range(getattr(self.config, role).replicas):
-                args = ["worker", "--role", role, "--config", str(config_file), "--router", self.router_address,
+                args = ["worker", "--role", role, "--config", str(config_file), "--router", self.registry_address,
                         "--host", self.host, "--worker-id", f"{role}-{i}"]
                 # NIXL logs INFO to stdout by default; UCX would also listen beyond loopback.
                 self._spawn(f"{role}-{i}", args, {**env, "OMP_NUM_THREADS": str(threads[role]), "NIXL_LOG_LEVEL": "WARN",
                                                   "UCX_NET_DEVICES": env.get("UCX_NET_DEVICES", "lo")})
         wait_for_workers(self.router_address, self.token, [n for n in self.supervisor.names() if n != "router"],
-                         timeout_s, self._check_alive, f"logs in {self.log_dir}")
+                         timeout_s, self._check_alive, f"logs in {self.log_dir}", self.tls)
         self.supervisor.supervise()
 
     def workers(self) -> dict[str, router_pb2.WorkerStatus]:
         """What the router lists now, by worker id."""
-        return list_workers(self.router_address, self.token)
+        return list_workers(self.router_address, self.token, self.tls)
 
     def _check_alive(self) -> None:
         dead = self.supervisor.dead()

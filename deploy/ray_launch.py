@@ -24,7 +24,7 @@ import ray
 from ray.actor import ActorHandle
 from ray.util.scheduling_strategies import NodeAffinitySchedulingStrategy
 
-from deploy.config import ConfigError, DeploymentConfig, RoleConfig, check_launchable, with_router
+from deploy.config import ConfigError, DeploymentConfig, RoleConfig, check_launchable, with_fixed_ports
 from deploy.readiness import list_workers, wait_for_workers
 from proto.pdspec.v1 import router_pb2
 from proto.rpc import free_port, wait_healthy
@@ -51,7 +51,7 @@ class RouterActor:
         from router.main import run_router
 
         self.router = run_router(config.router, config.token(), resolve_model_dir(config.engine.model),
-                                 config.served_model_name(), port)
+                                 config.served_model_name(), port, tls=config.tls_identity())
 
     def info(self) -> dict:
         return _where()
@@ -114,8 +114,8 @@ class RayCluster:
         self.config, self.address, self.detached = config, address, detached
         # Fixed even when the config says 0: restarted workers must find the router again.
         self.router_port = router_port or free_port(config.router.host)
-        if config.router.http_port == 0:  # the same: the launcher reports where the API is
-            self.config = with_router(config, "router.http_port", http_port=free_port(config.router.host))
+        self.config = with_fixed_ports(config, any_internal_port=not router_port)  # the same for the others
+        self.tls = self.config.tls_identity()
         self.router_address = ""  # set by start(): a wildcard host resolves to the router's node
         self.actors: dict[str, ActorHandle] = {}
         self._ready: dict[str, ray.ObjectRef] = {}  # resolves once the actor's constructor returned
@@ -142,7 +142,9 @@ class RayCluster:
                 raise RuntimeError(f"a pdspec deployment is already running on this Ray cluster "
                                    f"({', '.join(running)}); end it with `pdspec stop`")
             host = self.config.router.host
-            self.router_address = f"{ray.util.get_node_ip_address() if host in _WILDCARD else host}:{self.router_port}"
+            router_host = ray.util.get_node_ip_address() if host in _WILDCARD else host
+            self.router_address = f"{router_host}:{self.router_port}"
+            self.registry_address = f"{router_host}:{self.config.router.internal_port}"
             here = NodeAffinitySchedulingStrategy(ray.get_runtime_context().get_node_id(), soft=False)
             self._launch(ROUTER, RouterActor.options(num_cpus=0, scheduling_strategy=here, **self._named(ROUTER, {}))
                          .remote(self.config, self.router_port))
@@ -158,13 +160,13 @@ class RayCluster:
 
     def wait_ready(self, timeout_s: float = 300.0) -> None:
         """Router healthy and every worker listed by it; raises if an actor failed to start."""
-        wait_healthy(self.router_address, timeout_s)
+        wait_healthy(self.router_address, timeout_s, self.tls)
         wait_for_workers(self.router_address, self.token, [n for n in self.actors if n != ROUTER], timeout_s,
-                         self._check_all, "actor logs are in the Ray session's logs directory (worker-*.err)")
+                         self._check_all, "actor logs are in the Ray session's logs directory (worker-*.err)", self.tls)
 
     def workers(self) -> dict[str, router_pb2.WorkerStatus]:
         """What the router lists now, by worker id."""
-        return list_workers(self.router_address, self.token)
+        return list_workers(self.router_address, self.token, self.tls)
 
     def kill(self, name: str) -> None:
         """Kill one actor as a crash would; Ray restarts it."""
@@ -187,7 +189,7 @@ class RayCluster:
     def _start_worker(self, role: str, name: str) -> None:
         options = replica_options(getattr(self.config, role))
         options |= self._named(name, options.pop("env_vars"))
-        self._launch(name, WorkerActor.options(**options).remote(self.config, role, self.router_address, name))
+        self._launch(name, WorkerActor.options(**options).remote(self.config, role, self.registry_address, name))
 
     def _named(self, name: str, env: dict[str, str]) -> dict:
         env = env | {"PDSPEC_CLUSTER_TOKEN": self.token}

@@ -11,16 +11,16 @@ from proto import rpc
 from proto.pdspec.v1 import router_pb2, router_pb2_grpc
 
 
-def list_workers(router_address: str, token: str | None) -> dict[str, router_pb2.WorkerStatus]:
+def list_workers(router_address: str, token: str | None, tls: rpc.Tls | None = None) -> dict[str, router_pb2.WorkerStatus]:
     """The workers the router lists, by id. ListWorkers hands out internal addresses, so it needs
     the cluster `token`."""
-    with rpc.channel(router_address, token) as ch:
+    with rpc.channel(router_address, token, tls) as ch:
         workers = router_pb2_grpc.RouterStub(ch).ListWorkers(router_pb2.ListWorkersRequest(), timeout=5).workers
     return {w.worker_id: w for w in workers}
 
 
 def wait_for_workers(router_address: str, token: str | None, expected: Collection[str], timeout_s: float,
-                     check_alive: Callable[[], None], hint: str = "") -> None:
+                     check_alive: Callable[[], None], hint: str = "", tls: rpc.Tls | None = None) -> None:
     """Poll the router's ListWorkers (with the cluster `token`) until every id in `expected` is listed.
 
     `check_alive` runs each round and raises when a member can no longer come up; `hint` (e.g.
@@ -29,7 +29,7 @@ def wait_for_workers(router_address: str, token: str | None, expected: Collectio
     deadline = time.monotonic() + timeout_s
     while time.monotonic() < deadline:
         check_alive()
-        listed = set(list_workers(router_address, token))
+        listed = set(list_workers(router_address, token, tls))
         if expected <= listed:
             return
         time.sleep(0.5)

@@ -2,7 +2,8 @@
 WorkerSpec, and the role's package starts the process.
 
 The same entry point serves every launcher (local processes, Ray actors, Kubernetes pods):
-`pdspec worker --role prefill|decode|aggregated --config FILE --router ADDR`.
+`pdspec worker --role prefill|decode|aggregated --config FILE --router ADDR` (ADDR: the
+router's registry, host:router.internal_port).
 """
 
 from decode_worker.main import start_decode_worker
@@ -22,7 +23,8 @@ def start_worker(config: DeploymentConfig, role: str, router_address: str, host:
         # The schema keeps these two per role (DeploymentConfig refuses them under engine).
         engine=config.engine.model_copy(update={"num_threads": role_config.num_threads,
                                                 "tensor_parallel_size": role_config.tensor_parallel_size}),
-        router_address=router_address, token=config.token(), heartbeat_interval_s=config.router.heartbeat_interval_s,
+        router_address=router_address, token=config.token(), tls=config.tls_identity(),
+        heartbeat_interval_s=config.router.heartbeat_interval_s,
         port=role_config.port, metrics_port=role_config.metrics_port, host=host, advertise_host=advertise_host,
         worker_id=worker_id,
     )

@@ -24,7 +24,7 @@ import torch
 from engine.kv_layout import KVLayout, KVLayoutMismatch
 from kvtransfer.layout import check_caches, layout_from_proto
 from proto.pdspec.v1 import kv_pb2, kv_pb2_grpc
-from proto.rpc import channel
+from proto.rpc import Tls, channel
 
 log = logging.getLogger(__name__)
 
@@ -81,9 +81,9 @@ def remaining(deadline: float) -> float:
 class BaseConnector(abc.ABC):
     """Checks, Release and channels shared by the backends; each moves the bytes in `_move`."""
 
-    def __init__(self, layout: KVLayout, caches: dict[str, torch.Tensor], token: str | None):
+    def __init__(self, layout: KVLayout, caches: dict[str, torch.Tensor], token: str | None, tls: Tls | None = None):
         check_caches(layout, caches)
-        self.layout, self.caches, self.token = layout, caches, token
+        self.layout, self.caches, self.token, self.tls = layout, caches, token, tls
         self.block_bytes = {name: layout.block_bytes(shape) for name, shape in layout.caches().items()}
         self._channels: dict[str, grpc.Channel] = {}
         self._channels_lock = threading.Lock()
@@ -118,7 +118,7 @@ class BaseConnector(abc.ABC):
     def _stub(self, address: str) -> kv_pb2_grpc.KVTransferStub:
         with self._channels_lock:
             if address not in self._channels:
-                self._channels[address] = channel(address, self.token)
+                self._channels[address] = channel(address, self.token, self.tls)
             return kv_pb2_grpc.KVTransferStub(self._channels[address])
 
     def _check(self, handle: kv_pb2.KVHandle, remote: list[int], local: list[int]) -> None:

@@ -23,6 +23,7 @@ from engine.kv_layout import KVLayout
 from kvtransfer.connector import BaseConnector, KVTransferError, check_layout, remaining, rpc_failure
 from kvtransfer.layout import layout_to_proto
 from proto.pdspec.v1 import kv_pb2, kv_pb2_grpc
+from proto.rpc import Tls
 
 log = logging.getLogger(__name__)
 
@@ -93,8 +94,8 @@ class _Source:
 
 
 class NixlConnector(BaseConnector):
-    def __init__(self, layout: KVLayout, caches: dict[str, torch.Tensor], token: str | None):
-        super().__init__(layout, caches, token)
+    def __init__(self, layout: KVLayout, caches: dict[str, torch.Tensor], token: str | None, tls: Tls | None = None):
+        super().__init__(layout, caches, token, tls)
         self._memory = NixlMemory("kvdest", layout, caches)
         self._sources: dict[str, _Source] = {}  # by address: metadata is fetched once per source agent
         self._sources_lock = threading.Lock()

@@ -5,6 +5,10 @@ Internal services (registry, prefill, decode, KV transfer) require the cluster t
 `x-pdspec-token` metadata when one is configured: NIXL agent metadata (a pickle) is only ever
 handed to, and accepted from, peers that know it. The public Router service is open unless
 the router sets API keys (a further `gates` entry, router/api_keys.py).
+
+With TLS (`Tls`, from the config's `tls` section) every server listens with the process's
+certificate, and internal servers also require the caller's, signed by the cluster's CA (mutual
+TLS): the token stays as a second factor.
 """
 
 import collections
@@ -12,6 +16,8 @@ import hmac
 import socket
 from collections.abc import Callable, Sequence
 from concurrent import futures
+from dataclasses import dataclass
+from pathlib import Path
 
 import grpc
 from grpc_health.v1 import health, health_pb2, health_pb2_grpc
@@ -29,6 +35,47 @@ _OPTIONS = [
     ("grpc.max_send_message_length", MAX_MESSAGE_BYTES),
     ("grpc.max_receive_message_length", MAX_MESSAGE_BYTES),
 ]
+
+
+@dataclass(frozen=True)
+class Tls:
+    """A process's TLS identity (PEM certificate chain and key) and the cluster's CA (PEM), which
+    every peer's certificate must chain to; a public client has the CA alone (cert and key None).
+    `server_name`: the name servers' certificates are checked against instead of the dialled host
+    (workers are dialled at addresses, e.g. pod IPs, that a certificate issued in advance cannot name)."""
+
+    cert: bytes | None
+    key: bytes | None
+    ca: bytes
+    server_name: str | None = None
+
+    @classmethod
+    def load(cls, cert_file: Path | None, key_file: Path | None, ca_file: Path, server_name: str | None = None) -> "Tls":
+        pems = {"cert_file": None, "key_file": None}
+        for field, path in (("cert_file", cert_file), ("key_file", key_file), ("ca_file", ca_file)):
+            if path is None:
+                continue
+            try:
+                pems[field] = Path(path).read_bytes()
+            except OSError as e:
+                raise ValueError(f"tls.{field}: cannot read {path}: {e.strerror}") from None
+            if b"-----BEGIN " not in pems[field]:
+                raise ValueError(f"tls.{field}: {path} holds no PEM block")
+        return cls(pems["cert_file"], pems["key_file"], pems["ca_file"], server_name)
+
+    def server_credentials(self, client_auth: bool) -> grpc.ServerCredentials:
+        if self.cert is None or self.key is None:
+            raise ValueError("tls: a server needs cert_file and key_file")
+        return grpc.ssl_server_credentials([(self.key, self.cert)], root_certificates=self.ca,
+                                           require_client_auth=client_auth)
+
+    def channel_credentials(self) -> grpc.ChannelCredentials:
+        """Presents this process's certificate (internal servers require it; public ones ignore it)."""
+        return grpc.ssl_channel_credentials(root_certificates=self.ca, private_key=self.key,
+                                            certificate_chain=self.cert)
+
+    def channel_options(self) -> list[tuple[str, str]]:
+        return [("grpc.ssl_target_name_override", self.server_name)] if self.server_name else []
 
 
 class MetadataGate(grpc.ServerInterceptor):
@@ -103,14 +150,17 @@ Registration = tuple[Callable[[object, grpc.Server], None], object, str]  # (add
 def serve(services: Sequence[Registration], address: str, token: str | None = None,
           internal: Sequence[str] = (), max_workers: int = 64,
           health_servicer: health.HealthServicer | None = None, not_ready: Sequence[str] = (),
-          gates: Sequence[MetadataGate] = ()) -> tuple[grpc.Server, int]:
+          gates: Sequence[MetadataGate] = (), tls: Tls | None = None,
+          client_auth: bool = True) -> tuple[grpc.Server, int]:
     """Start a server on `address` ("127.0.0.1:0" picks a free port); returns it and its port.
 
     `internal` names the services (full names, e.g. "pdspec.v1.DecodeWorker") and methods
     ("pdspec.v1.Router/ListWorkers") that need the token.
     Health: the "" service (liveness) and every service SERVING, except those in `not_ready`,
     which start NOT_SERVING in `health_servicer` (given by a caller that flips them later).
-    `gates`: further metadata checks (the router's API keys)."""
+    `gates`: further metadata checks (the router's API keys).
+    `tls`: listen with TLS only; `client_auth`: and require a client certificate from the CA
+    (internal servers; the public Router's clients have none)."""
     interceptors = [_MalformedRequest(), *([_token_gate(token, set(internal))] if token else []), *gates]
     server = grpc.server(futures.ThreadPoolExecutor(max_workers=max_workers), interceptors=interceptors,
                          options=_OPTIONS)
@@ -124,7 +174,10 @@ def serve(services: Sequence[Registration], address: str, token: str | None = No
         names.append(name)
     health_servicer.set("", health_pb2.HealthCheckResponse.SERVING)
     reflection.enable_server_reflection([*names, health.SERVICE_NAME, reflection.SERVICE_NAME], server)
-    port = server.add_insecure_port(address)
+    if tls is None:
+        port = server.add_insecure_port(address)
+    else:
+        port = server.add_secure_port(address, tls.server_credentials(client_auth))
     if port == 0:
         raise RuntimeError(f"could not bind gRPC server to {address}")
     server.start()
@@ -153,15 +206,19 @@ class _TokenHeader(grpc.UnaryUnaryClientInterceptor, grpc.UnaryStreamClientInter
         return continuation(self._with_token(details), request)
 
 
-def channel(address: str, token: str | None = None) -> grpc.Channel:
-    """A client channel to `address`, sending the cluster token on every call when given."""
-    ch = grpc.insecure_channel(address, options=_OPTIONS)
+def channel(address: str, token: str | None = None, tls: Tls | None = None) -> grpc.Channel:
+    """A client channel to `address`, sending the cluster token on every call when given, over
+    TLS (presenting this process's certificate) when `tls` is given."""
+    if tls is None:
+        ch = grpc.insecure_channel(address, options=_OPTIONS)
+    else:
+        ch = grpc.secure_channel(address, tls.channel_credentials(), options=_OPTIONS + tls.channel_options())
     return grpc.intercept_channel(ch, _TokenHeader(token)) if token else ch
 
 
-def wait_healthy(address: str, timeout: float) -> None:
+def wait_healthy(address: str, timeout: float, tls: Tls | None = None) -> None:
     """Block until the server at `address` reports SERVING; raises TimeoutError."""
-    with grpc.insecure_channel(address) as ch:
+    with channel(address, tls=tls) as ch:
         stub = health_pb2_grpc.HealthStub(ch)
         try:
             grpc.channel_ready_future(ch).result(timeout=timeout)

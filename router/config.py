@@ -11,6 +11,8 @@ class RouterConfig(BaseModel):
 
     host: str = "127.0.0.1"
     port: int = Field(50051, ge=0, le=65535, description="public gRPC port (0: pick a free one)")
+    internal_port: int = Field(50052, ge=0, le=65535, description="the internal Registry's gRPC port, where "
+                               "workers register (mutual TLS when tls is set; 0: pick a free one)")
     http_port: int | None = Field(None, ge=0, le=65535,
                                   description="OpenAI-compatible HTTP API port (null: off; 0: pick a free one)")
     served_model_name: str | None = Field(None, min_length=1, description="the model name the HTTP API serves "

@@ -1,5 +1,6 @@
-"""Start the router: the public Router service, the internal Registry (cluster token required),
-a thread that evicts workers whose heartbeats stopped, and (router.http_port) the OpenAI API."""
+"""Start the router: the public Router service, the internal Registry on a port of its own
+(cluster token required; mutual TLS with `tls`), a thread that evicts workers whose heartbeats
+stopped, and (router.http_port) the OpenAI API."""
 
 import logging
 import threading
@@ -11,7 +12,7 @@ from grpc_health.v1 import health, health_pb2
 
 from engine.tokenizer import Tokenizer
 from proto.pdspec.v1 import router_pb2_grpc, worker_pb2_grpc
-from proto.rpc import serve
+from proto.rpc import Tls, serve
 from router.admission import Admission
 from router.api_keys import ApiKeys
 from router.config import RouterConfig
@@ -33,19 +34,24 @@ _MAX_RUNNING, _CONTROL_THREADS = 512, 32
 class RunningRouter:
     server: grpc.Server
     port: int
+    internal_server: grpc.Server  # the Registry, where workers register
+    internal_port: int
     http: HttpServer | None
     http_port: int | None  # None: the HTTP API is off
 
     def stop(self, grace_s: float = 2.0) -> None:
         if self.http is not None:
             self.http.stop()
+        self.internal_server.stop(grace=grace_s)
         self.server.stop(grace=grace_s).wait()
 
 
 def run_router(rc: RouterConfig, token: str | None, model_dir: Path, model_name: str,
-               port: int | None = None) -> RunningRouter:
-    """Serve gRPC on rc.host:`port` (None: rc.port; 0: a free one) and, if rc.http_port is set,
-    the OpenAI API on rc.host:rc.http_port (0: a free one).
+               port: int | None = None, internal_port: int | None = None, tls: Tls | None = None) -> RunningRouter:
+    """Serve the public gRPC API on rc.host:`port` (None: rc.port; 0: a free one), the Registry on
+    rc.host:`internal_port` (None: rc.internal_port) and, if rc.http_port is set, the OpenAI API on
+    rc.host:rc.http_port (0: a free one). With `tls`, both gRPC ports use TLS and the Registry's
+    callers must present a certificate of the cluster's CA.
 
     `token`: the cluster token internal services require; `model_dir` supplies the tokenizer and
     chat template, it must be the workers' model; `model_name`: what the HTTP API calls it."""
@@ -57,36 +63,43 @@ def run_router(rc: RouterConfig, token: str | None, model_dir: Path, model_name:
     admission = Admission(lambda: min(registry.capacity(), _MAX_RUNNING), rc.max_queued_requests,
                           rc.max_queue_seconds)
     metrics = RouterMetrics(model_name, admission.snapshot)
-    router = RouterServicer(registry, Tokenizer.from_dir(model_dir), rc, token, metrics, admission, api_keys)
-    services = [
-        (router_pb2_grpc.add_RouterServicer_to_server, router, ROUTER_SERVICE),
-        (worker_pb2_grpc.add_RegistryServicer_to_server, RegistryServicer(registry, rc.heartbeat_interval_s),
-         "pdspec.v1.Registry"),
-    ]
+    router = RouterServicer(registry, Tokenizer.from_dir(model_dir), rc, token, metrics, admission, api_keys,
+                            tls=tls)
+    registry_service = (worker_pb2_grpc.add_RegistryServicer_to_server,
+                        RegistryServicer(registry, rc.heartbeat_interval_s), "pdspec.v1.Registry")
+    internal_server, internal_bound = serve(
+        [registry_service], f"{rc.host}:{rc.internal_port if internal_port is None else internal_port}", token,
+        internal=["pdspec.v1.Registry"], tls=tls)
     address = f"{rc.host}:{rc.port if port is None else port}"
-    # ListWorkers hands out internal addresses: only for callers with the cluster token.
-    internal = ["pdspec.v1.Registry", f"{ROUTER_SERVICE}/ListWorkers"]
     public = {f"{ROUTER_SERVICE}/Generate", f"{ROUTER_SERVICE}/Abort"}
-    server, bound = serve(services, address, token, internal=internal, health_servicer=health_servicer,
-                          not_ready=[ROUTER_SERVICE],
-                          max_workers=_MAX_RUNNING + rc.max_queued_requests + _CONTROL_THREADS,
-                          gates=[api_keys.gate(public)] if api_keys else [])
+    try:
+        # ListWorkers hands out internal addresses: only for callers with the cluster token.
+        server, bound = serve([(router_pb2_grpc.add_RouterServicer_to_server, router, ROUTER_SERVICE)], address, token,
+                              internal=[f"{ROUTER_SERVICE}/ListWorkers"], health_servicer=health_servicer,
+                              not_ready=[ROUTER_SERVICE],
+                              max_workers=_MAX_RUNNING + rc.max_queued_requests + _CONTROL_THREADS,
+                              gates=[api_keys.gate(public)] if api_keys else [], tls=tls, client_auth=False)
+    except RuntimeError:
+        internal_server.stop(0)
+        raise
     threading.Thread(target=_evict_until_stopped, args=(server, registry, rc), name="router-evict", daemon=True).start()
-    log.info("router serving on %s:%d (policy %s, cluster token %s, API keys %s)", rc.host, bound, rc.policy,
-             "set" if token else "NOT set: internal services are open", rc.api_key_file or "off: the API is open")
+    log.info("router serving on %s:%d, registry on port %d (policy %s, cluster token %s, API keys %s, TLS %s)",
+             rc.host, bound, internal_bound, rc.policy, "set" if token else "NOT set: internal services are open",
+             rc.api_key_file or "off: the API is open", "on" if tls else "off")
     if rc.http_port is None:
-        return RunningRouter(server, bound, None, None)
+        return RunningRouter(server, bound, internal_server, internal_bound, None, None)
     grpc_address = f"{'127.0.0.1' if rc.host in _WILDCARD else rc.host}:{bound}"
     authorized = (lambda header: api_keys.owner(header) is not None) if api_keys else (lambda header: True)
-    app = create_app(grpc_address, model_name, metrics.registry, registry.can_serve, authorized)
+    app = create_app(grpc_address, model_name, metrics.registry, registry.can_serve, authorized, tls)
     http = HttpServer(app, rc.host, rc.http_port)
     try:
         http_port = http.start()
     except RuntimeError:
         server.stop(0)
+        internal_server.stop(0)
         raise
     log.info("OpenAI API serving %s on http://%s:%d/v1", model_name, rc.host, http_port)
-    return RunningRouter(server, bound, http, http_port)
+    return RunningRouter(server, bound, internal_server, internal_bound, http, http_port)
 
 
 def _status(ready: bool) -> int:

@@ -21,6 +21,7 @@ from fastapi.responses import JSONResponse, Response, StreamingResponse
 from prometheus_client import CONTENT_TYPE_LATEST, CollectorRegistry, generate_latest
 
 from proto import rpc
+from proto.rpc import Tls
 from router.api_keys import AUTHORIZATION_METADATA_KEY
 from proto.pdspec.v1 import router_pb2, router_pb2_grpc
 from router.openai_schema import (ChatCompletionRequest, CompletionRequest, OpenAIError, Shape, api_field, extension,
@@ -38,14 +39,17 @@ _HTTP_STATUS = {
 
 
 def create_app(router_address: str, model_name: str, registry: CollectorRegistry, ready: Callable[[], bool],
-               authorized: Callable[[str], bool]) -> FastAPI:
-    """`router_address`: the router's gRPC port, dialled on loopback; `ready`: whether a request
+               authorized: Callable[[str], bool], tls: Tls | None = None) -> FastAPI:
+    """`router_address`: the router's gRPC port, dialled on loopback (over TLS with `tls`, as the
+    port then speaks nothing else; the certificate must name 127.0.0.1 or tls.server_name); `ready`: whether a request
     sent now has a route (the readiness the gRPC health service reports); `authorized`: whether an
     Authorization header holds an API key (completions forward it: the gRPC API checks it too)."""
 
     @contextlib.asynccontextmanager
     async def lifespan(app: FastAPI) -> AsyncIterator[None]:
-        async with grpc.aio.insecure_channel(router_address) as channel:
+        channel = (grpc.aio.insecure_channel(router_address) if tls is None
+                   else grpc.aio.secure_channel(router_address, tls.channel_credentials(), tls.channel_options()))
+        async with channel:
             app.state.router = router_pb2_grpc.RouterStub(channel)
             yield
 

@@ -92,26 +92,26 @@ class _Peers:
     Never closed: closing cancels in-flight calls, and a worker evicted for a late heartbeat may
     still be serving some; an idle channel costs little."""
 
-    def __init__(self, token: str | None) -> None:
-        self._token = token
+    def __init__(self, token: str | None, tls: rpc.Tls | None) -> None:
+        self._token, self._tls = token, tls
         self._lock = threading.Lock()
         self._channels: dict[str, grpc.Channel] = {}
 
     def channel(self, address: str) -> grpc.Channel:
         with self._lock:
             if address not in self._channels:
-                self._channels[address] = rpc.channel(address, self._token)
+                self._channels[address] = rpc.channel(address, self._token, self._tls)
             return self._channels[address]
 
 
 class RouterServicer(router_pb2_grpc.RouterServicer):
     def __init__(self, registry: Registry, tokenizer: Tokenizer, config: RouterConfig, token: str | None,
                  metrics: RouterMetrics, admission: Admission, api_keys: ApiKeys | None = None,
-                 policy: PrefillPolicy | None = None) -> None:
+                 policy: PrefillPolicy | None = None, tls: rpc.Tls | None = None) -> None:
         self._registry, self._tokenizer, self._config, self._admission = registry, tokenizer, config, admission
         self._api_keys = api_keys
         self._policy = policy or make_policy(config)
-        self._peers = _Peers(token)
+        self._peers = _Peers(token, tls)
         self._metrics = metrics
         self._runs_lock = threading.Lock()
         self._runs: dict[str, _Run] = {}

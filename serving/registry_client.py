@@ -9,15 +9,15 @@ import grpc
 from engine.loop import EngineLoop
 from serving.convert import kv_event
 from proto.pdspec.v1 import kv_pb2, worker_pb2, worker_pb2_grpc
-from proto.rpc import channel
+from proto.rpc import Tls, channel
 
 log = logging.getLogger(__name__)
 
 
 class RegistryClient:
     def __init__(self, router_address: str, token: str | None, registration: worker_pb2.RegisterRequest,
-                 loop: EngineLoop, interval_s: float = 0.5):
-        self.stub = worker_pb2_grpc.RegistryStub(channel(router_address, token))
+                 loop: EngineLoop, interval_s: float = 0.5, tls: Tls | None = None):
+        self.stub = worker_pb2_grpc.RegistryStub(channel(router_address, token, tls))
         self.registration, self.loop, self.interval_s = registration, loop, interval_s
         self.router_address = router_address
         self._stop = threading.Event()

@@ -21,7 +21,7 @@ from engine.engine import Engine
 from engine.loop import EngineLoop
 from kvtransfer.layout import layout_to_proto
 from proto.pdspec.v1 import kv_pb2
-from proto.rpc import serve
+from proto.rpc import Tls, serve
 from serving.metrics import serve_metrics
 from serving.registry_client import RegistryClient, registration
 
@@ -44,6 +44,7 @@ class WorkerSpec:
     router_address: str
     token: str | None
     heartbeat_interval_s: float
+    tls: Tls | None = None  # mutual TLS on the worker's port and every channel it opens
     port: int = 0  # 0: any free port
     metrics_port: int = 0
     host: str = "127.0.0.1"
@@ -109,7 +110,8 @@ def layout_message(loop: EngineLoop) -> kv_pb2.KVLayout:
 def bind(spec: WorkerSpec, services: list[Service]) -> tuple[grpc.Server, str]:
     """Serve `services` (all internal: the cluster token is required). Returns the server and the
     address other workers and the router dial."""
-    server, bound = serve(services, f"{spec.host}:{spec.port}", spec.token, internal=[name for _, _, name in services])
+    server, bound = serve(services, f"{spec.host}:{spec.port}", spec.token, internal=[name for _, _, name in services],
+                          tls=spec.tls)
     return server, f"{spec.advertise_host or spec.host}:{bound}"
 
 
@@ -123,7 +125,8 @@ def announce(spec: WorkerSpec, loop: EngineLoop, server: grpc.Server, address: s
     request = registration(spec.worker_id, spec.role, address, layout_message(loop), engine.blocks.num_blocks,
                            engine.max_model_len, spec.engine.max_num_seqs)
     request.metrics_address = f"{spec.advertise_host or spec.host}:{metrics_port}"
-    registry = RegistryClient(spec.router_address, spec.token, request, loop, interval_s=spec.heartbeat_interval_s)
+    registry = RegistryClient(spec.router_address, spec.token, request, loop, interval_s=spec.heartbeat_interval_s,
+                              tls=spec.tls)
     registry.start()
     log.info("%s worker %s serving on %s (model %s, draft %s, K=%d, %d KV blocks, transfer %s)",
              spec.role, spec.worker_id, address, engine.runner.model_dir, spec.engine.speculative.model or

@@ -62,7 +62,7 @@ def grpc_cluster():
 
 
 def _stub(cluster: LocalCluster) -> router_pb2_grpc.RouterStub:
-    return router_pb2_grpc.RouterStub(grpc.insecure_channel(cluster.router_address))
+    return router_pb2_grpc.RouterStub(channel(cluster.router_address, tls=cluster.tls))
 
 
 def _request(question: str, max_tokens: int = MAX_TOKENS, **sampling) -> router_pb2.GenerateRequest:

@@ -26,10 +26,11 @@ HELLO = router_pb2.GenerateRequest(prompt="Hello")
 def router(model_dir):
     config = DeploymentConfig(cluster_token=TOKEN, router=RouterConfig(
         heartbeat_interval_s=0.1, heartbeat_timeout_s=0.5, max_retries=1))
-    router = run_router(config.router, config.token(), model_dir, "smollm2", port=0)
+    router = run_router(config.router, config.token(), model_dir, "smollm2", port=0, internal_port=0)
     address = f"127.0.0.1:{router.port}"
-    with channel(address) as public, channel(address, TOKEN) as internal:
-        yield router_pb2_grpc.RouterStub(public), worker_pb2_grpc.RegistryStub(internal), public, internal
+    with (channel(address) as public, channel(address, TOKEN) as internal,
+          channel(f"127.0.0.1:{router.internal_port}", TOKEN) as registry):
+        yield router_pb2_grpc.RouterStub(public), worker_pb2_grpc.RegistryStub(registry), public, internal
     router.stop(0)
 
 
@@ -74,7 +75,8 @@ def test_health_and_reflection(router):
     assert status() == serving
     reflection = reflection_pb2_grpc.ServerReflectionStub(public)
     answer = next(reflection.ServerReflectionInfo(iter([reflection_pb2.ServerReflectionRequest(list_services="")])))
-    assert {"pdspec.v1.Router", "pdspec.v1.Registry"} <= {s.name for s in answer.list_services_response.service}
+    services = {s.name for s in answer.list_services_response.service}
+    assert "pdspec.v1.Router" in services and "pdspec.v1.Registry" not in services  # workers register elsewhere
 
 
 def test_request_errors(router):
@@ -97,10 +99,16 @@ def test_a_request_that_does_not_parse_is_invalid_argument(router):
     assert e.code() == grpc.StatusCode.INVALID_ARGUMENT and "string fields must be UTF-8" in e.details()
 
 
-def test_registry_needs_the_cluster_token(router, model_dir):
-    _, _, public, _ = router
-    e = rpc_error(lambda: worker_pb2_grpc.RegistryStub(public).Register(registration("w", "x:1"), timeout=10))
-    assert e.code() == grpc.StatusCode.UNAUTHENTICATED
+def test_registry_needs_the_cluster_token_and_is_not_on_the_public_port(model_dir):
+    router = run_router(RouterConfig(), TOKEN, model_dir, "smollm2", port=0, internal_port=0)
+    try:
+        for port, code in ((router.internal_port, grpc.StatusCode.UNAUTHENTICATED),
+                           (router.port, grpc.StatusCode.UNIMPLEMENTED)):
+            with channel(f"127.0.0.1:{port}") as ch:
+                e = rpc_error(lambda: worker_pb2_grpc.RegistryStub(ch).Register(registration("w", "x:1"), timeout=10))
+            assert e.code() == code
+    finally:
+        router.stop(0)
 
 
 def test_registered_workers_are_listed_until_their_heartbeats_stop(router):
@@ -134,11 +142,11 @@ def test_failed_workers_are_retried_elsewhere_then_named(router):
 def test_a_worker_whose_call_and_health_check_fail_is_dropped_at_once(model_dir):
     """Heartbeats would take a minute to notice here; the failed call's health probe does not wait."""
     config = RouterConfig(heartbeat_interval_s=30.0, heartbeat_timeout_s=60.0, max_retries=0)
-    router = run_router(config, TOKEN, model_dir, "smollm2", port=0)
+    router = run_router(config, TOKEN, model_dir, "smollm2", port=0, internal_port=0)
     address = f"127.0.0.1:{router.port}"
     try:
-        with channel(address, TOKEN) as internal:
-            worker_pb2_grpc.RegistryStub(internal).Register(registration("agg", dead_address()), timeout=10)
+        with channel(address, TOKEN) as internal, channel(f"127.0.0.1:{router.internal_port}", TOKEN) as registry:
+            worker_pb2_grpc.RegistryStub(registry).Register(registration("agg", dead_address()), timeout=10)
             stub = router_pb2_grpc.RouterStub(internal)
             assert rpc_error(lambda: list(stub.Generate(HELLO, timeout=10))).code() == grpc.StatusCode.UNAVAILABLE
             deadline = time.monotonic() + 10
@@ -156,7 +164,7 @@ def test_the_router_does_not_import_torch():
 
 def test_the_http_api_follows_readiness_and_answers_errors_in_openai_shape(model_dir):
     rc = RouterConfig(http_port=0, heartbeat_interval_s=0.1, heartbeat_timeout_s=0.5)
-    router = run_router(rc, TOKEN, model_dir, "smollm2", port=0)
+    router = run_router(rc, TOKEN, model_dir, "smollm2", port=0, internal_port=0)
     root = f"http://127.0.0.1:{router.http_port}"
     try:
         assert httpx.get(f"{root}/health").status_code == 200
@@ -164,8 +172,8 @@ def test_the_http_api_follows_readiness_and_answers_errors_in_openai_shape(model
         answer = httpx.post(f"{root}/v1/chat/completions", json={"messages": [{"role": "user", "content": "Hi"}]})
         assert answer.status_code == 503 and answer.json()["error"]["type"] == "service_unavailable"
         assert "no prefill/decode workers registered" in answer.json()["error"]["message"]
-        with channel(f"127.0.0.1:{router.port}", TOKEN) as internal:
-            worker_pb2_grpc.RegistryStub(internal).Register(registration("agg", "127.0.0.1:3"), timeout=10)
+        with channel(f"127.0.0.1:{router.internal_port}", TOKEN) as registry:
+            worker_pb2_grpc.RegistryStub(registry).Register(registration("agg", "127.0.0.1:3"), timeout=10)
         assert httpx.get(f"{root}/ready").status_code == 200
         deadline = time.monotonic() + 10
         while httpx.get(f"{root}/ready").status_code == 200 and time.monotonic() < deadline:  # evicted: no heartbeats
@@ -181,4 +189,4 @@ def test_a_taken_http_port_fails_the_start_loudly(model_dir):
         taken.listen()
         rc = RouterConfig(http_port=taken.getsockname()[1])
         with pytest.raises(RuntimeError, match="router.http_port: cannot listen on 127.0.0.1"):
-            run_router(rc, TOKEN, model_dir, "smollm2", port=0)
+            run_router(rc, TOKEN, model_dir, "smollm2", port=0, internal_port=0)
