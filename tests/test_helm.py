@@ -133,7 +133,7 @@ def test_workers_register_with_the_router_and_advertise_their_pod_ip(rendered):
             continue
         (container,) = deployment["spec"]["template"]["spec"]["containers"]
         args, env = container["args"], {e["name"]: e for e in container["env"]}
-        assert args[args.index("--router") + 1] == f"{router_service['metadata']['name']}:{config['router']['port']}"
+        assert args[args.index("--router") + 1] == f"{router_service['metadata']['name']}:{config['router']['internal_port']}"
         assert args[args.index("--advertise-host") + 1] == "$(POD_IP)"
         assert env["POD_IP"]["valueFrom"]["fieldRef"]["fieldPath"] == "status.podIP"
         assert env["NIXL_LOG_LEVEL"]["value"] == "WARN"
@@ -284,17 +284,19 @@ def test_disruption_budgets_and_metrics_discovery_cover_each_role(helm):
     assert not by_kind(render(helm), "ServiceMonitor")  # off unless asked for: it needs the CRD
 
 
-def test_router_serves_http_on_its_service_but_not_the_registry(rendered):
+def test_router_serves_http_on_its_service_and_the_registry_on_its_own(rendered):
     name, docs = rendered
     config = merged_values(name)["config"]["router"]
     assert config["http_port"] == 8000  # both value sets turn the OpenAI API on
     services = by_kind(docs, "Service")
     assert ports(services["rel-pdspec-router"]["spec"]) == {"grpc": config["port"], "http": config["http_port"]}
     assert ports(services["rel-pdspec-router"]["spec"], "targetPort") == {"grpc": "grpc", "http": "http"}
-    assert ports(services["rel-pdspec-router-registry"]["spec"]) == {"grpc": config["port"]}  # for workers only
+    # for workers only, and the public Service does not expose it
+    assert ports(services["rel-pdspec-router-registry"]["spec"]) == {"registry": config["internal_port"]}
     router = by_kind(docs, "Deployment")["rel-pdspec-router"]
     (container,) = router["spec"]["template"]["spec"]["containers"]
-    assert ports(container, "containerPort") == {"grpc": config["port"], "http": config["http_port"]}
+    assert ports(container, "containerPort") == {"grpc": config["port"], "registry": config["internal_port"],
+                                                 "http": config["http_port"]}
     config_map = by_kind(docs, "ConfigMap")["rel-pdspec-config"]
     assert yaml.safe_load(config_map["data"]["config.yaml"])["router"]["http_port"] == config["http_port"]
 

@@ -41,3 +41,22 @@ def test_worker_pods_get_their_drain_time_before_sigkill(helm, tmp_path):
               for name, d in by_kind(docs, "Deployment").items() if not name.endswith("-router")}
     assert graces["decode"] == 90 + 15
     assert graces["prefill"] == RoleConfig().drain_timeout_s + 15
+
+
+def test_tls_comes_from_a_secret_every_pod_mounts_where_the_config_says(helm, tmp_path):
+    docs = render(helm, values={"tls": {"existingSecret": "certs", "serverName": "pdspec.example"}}, tmp_path=tmp_path)
+    tls = yaml.safe_load(by_kind(docs, "ConfigMap")["rel-pdspec-config"]["data"]["config.yaml"])["tls"]
+    assert tls["server_name"] == "pdspec.example"
+    for deployment in by_kind(docs, "Deployment").values():
+        pod = deployment["spec"]["template"]["spec"]
+        (container,) = pod["containers"]
+        mount = next(m for m in container["volumeMounts"] if m["name"] == "tls")
+        assert next(v for v in pod["volumes"] if v["name"] == "tls")["secret"]["secretName"] == "certs"
+        for field, key in (("cert_file", "tls.crt"), ("key_file", "tls.key"), ("ca_file", "ca.crt")):
+            assert tls[field] == f"{mount['mountPath']}/{key}"
+        # The kubelet's gRPC probes cannot speak TLS: they would fail every pod.
+        assert all("tcpSocket" in container[probe] for probe in ("startupProbe", "readinessProbe", "livenessProbe"))
+    plain = render(helm, tmp_path=tmp_path)
+    assert "tls" not in yaml.safe_load(by_kind(plain, "ConfigMap")["rel-pdspec-config"]["data"]["config.yaml"])
+    assert all("grpc" in d["spec"]["template"]["spec"]["containers"][0]["readinessProbe"]
+               for d in by_kind(plain, "Deployment").values())

@@ -49,6 +49,11 @@ CHART_PROPERTIES = {
         "existingSecret": {"type": "string", "description": "a Secret of public API keys; empty: the API is open"},
         "key": {"type": "string", "pattern": r"^[-._a-zA-Z0-9]+$"},
     }, required=("key",)),
+    "tls": _strict({
+        "existingSecret": {"type": "string", "description": "a Secret with tls.crt, tls.key and ca.crt for every pod; "
+                           "empty: plaintext"},
+        "serverName": {"type": "string", "minLength": 1, "description": "the certificates' DNS name peers check"},
+    }, required=("serverName",)),
     "logLevel": {"enum": ["", "DEBUG", "INFO", "WARNING", "ERROR"]},
     "service": _strict({"type": {"enum": ["ClusterIP", "NodePort", "LoadBalancer"]}, "annotations": _STR_MAP}),
     "routerResources": {"type": "object"},

@@ -39,7 +39,7 @@ is null (Helm drops a key set to null, so an override of null turns it off). */}
 {{/* Where workers register: a Service that also lists a router not yet ready (it is not ready
 until workers have registered). */}}
 {{- define "pdspec.routerAddress" -}}
-{{- printf "%s-router-registry:%v" (include "pdspec.fullname" .) .Values.config.router.port -}}
+{{- printf "%s-router-registry:%v" (include "pdspec.fullname" .) .Values.config.router.internal_port -}}
 {{- end -}}
 
 {{/* Checks that the schema cannot express because they are about running in pods. */}}
@@ -53,6 +53,9 @@ until workers have registered). */}}
 {{- end -}}
 {{- if not (has $c.router.host (list "0.0.0.0" "::")) -}}
 {{- fail (printf "config.router.host: %v is not reachable from other pods; allowed: 0.0.0.0 or ::" $c.router.host) -}}
+{{- end -}}
+{{- if not $c.router.internal_port -}}
+{{- fail "config.router.internal_port: 0 (any free port) cannot be named by a Service; set a fixed port" -}}
 {{- end -}}
 {{- if not $c.router.port -}}
 {{- fail "config.router.port: 0 (any free port) cannot be named by a Service; set a fixed port" -}}
@@ -109,6 +112,11 @@ imagePullSecrets:
     name: {{ include "pdspec.fullname" . }}-config
 - name: cache
   emptyDir: {}
+{{- with .Values.tls.existingSecret }}
+- name: tls
+  secret:
+    secretName: {{ . }}
+{{- end }}
 {{- with .Values.volumes }}
 {{ toYaml . }}
 {{- end }}
@@ -120,27 +128,43 @@ imagePullSecrets:
   readOnly: true
 - name: cache
   mountPath: /var/cache/pdspec
+{{- if .Values.tls.existingSecret }}
+- name: tls
+  mountPath: {{ include "pdspec.tlsDir" . }}
+  readOnly: true
+{{- end }}
 {{- with .Values.volumeMounts }}
 {{ toYaml . }}
 {{- end }}
 {{- end -}}
 
-{{/* Native gRPC probes: kubelet calls grpc.health.v1.Health (service "") on the port. */}}
+{{/* Native gRPC probes: kubelet calls grpc.health.v1.Health (service "") on the port. The
+kubelet's gRPC probes speak plaintext only: with TLS on, the probes check that the port accepts
+connections (tcpSocket), and readiness no longer follows the router's route (see values.yaml). */}}
 {{- define "pdspec.probes" -}}
 {{- $port := .port -}}
+{{- $check := printf "grpc: {port: %v}" $port -}}
+{{- $ready := $check -}}
+{{- if .readyService }}{{ $ready = printf "grpc: {port: %v, service: %s}" $port .readyService }}{{ end -}}
+{{- if .root.Values.tls.existingSecret }}{{ $check = printf "tcpSocket: {port: %v}" $port }}{{ $ready = $check }}{{ end -}}
 startupProbe:
-  grpc: {port: {{ $port }}}
+  {{ $check }}
   periodSeconds: {{ .root.Values.startupProbe.periodSeconds }}
   failureThreshold: {{ .root.Values.startupProbe.failureThreshold }}
 readinessProbe:
-  grpc: {port: {{ $port }}{{ with .readyService }}, service: {{ . }}{{ end }}}
+  {{ $ready }}
   periodSeconds: 5
   failureThreshold: 2
 livenessProbe:
-  grpc: {port: {{ $port }}}
+  {{ $check }}
   periodSeconds: 10
   timeoutSeconds: 5
   failureThreshold: 6
+{{- end -}}
+
+{{/* Where every pod mounts the TLS Secret (tls.existingSecret). */}}
+{{- define "pdspec.tlsDir" -}}
+/etc/pdspec/tls
 {{- end -}}
 
 {{/* Where the router's pod mounts the API keys' Secret (apiKeys.existingSecret). */}}
