@@ -152,7 +152,7 @@ class EngineConfig(BaseModel):
     dtype: DType = Field("float32", description="weights and activations dtype")
     device: Literal["cpu", "cuda"] = "cpu"
     quantization: Literal["auto", "int8", "exact", "none"] = Field(
-        "auto", description="on CPU, how a GGUF's Q8_0/Q4_0/Q4_1 weights run. auto: as stored, multiplied with "
+        "auto", description="on CPU, how a GGUF's Q8_0/Q4_0/Q4_1/Q4_K/Q6_K weights run. auto: as stored, multiplied with "
         "activations quantized to int8 per 32-block (llama.cpp's arithmetic; fastest); int8: as auto, and every "
         "float matrix (an HF model's) quantized to Q8_0 at load; exact: as stored, widened to their exact fp32 "
         "values (bit-identical to none); none: dequantized to dtype at load")

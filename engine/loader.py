@@ -11,7 +11,7 @@ import torch
 from safetensors import safe_open
 
 from engine.model_dir import weight_files
-from engine.quant import BLOCK_BYTES, BLOCKS_FILE, QBLOCK, QuantizedTensor
+from engine.quant import BLOCK_BYTES, BLOCK_WEIGHTS, BLOCKS_FILE, QuantizedTensor
 
 log = logging.getLogger(__name__)
 
@@ -42,7 +42,7 @@ def _load_blocks(model_dir: Path, prefix: str, device: torch.device, int8_dot: b
         for name in fh.keys():
             if name.startswith(prefix):
                 data = fh.get_tensor(name).to(device)
-                cols = data.shape[1] // BLOCK_BYTES[qtypes[name]] * QBLOCK
+                cols = data.shape[1] // BLOCK_BYTES[qtypes[name]] * BLOCK_WEIGHTS[qtypes[name]]
                 blocks[name] = QuantizedTensor(qtypes[name], data, cols, int8_dot)
     dequantized = Counter(kind for name, kind in qtypes.items() if name.startswith(prefix) and name not in blocks)
     if dequantized:

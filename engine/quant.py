@@ -5,25 +5,30 @@ A GGUF stores a matrix [rows, cols] as rows of 32-weight blocks. The formats kep
 - Q8_0: fp16 scale d, 32 int8 q                      -> w = q * d          (34 bytes per block)
 - Q4_0: fp16 d, 16 bytes of nibbles                   -> w = (q - 8) * d    (18 bytes)
 - Q4_1: fp16 d, fp16 min m, 16 bytes of nibbles       -> w = q * d + m      (20 bytes)
-(nibble byte j holds element j in its low half and j + 16 in its high half). `dequantize` here
-gives the fp32 values gguf's own dequantization gives. The exact kernels widen each weight to
-that value, so their GEMM is bit-identical to the fp32 GEMM over `dequantize(w)`; with `int8_dot`
-the activations are quantized to int8 per block instead and the dots are integer (llama.cpp's
-arithmetic).
+(nibble byte j holds element j in its low half and j + 16 in its high half), and the K-quants
+Q4_K and Q6_K in super-blocks of 256 (engine/kquants.py). `dequantize` here gives the fp32 values
+gguf's own dequantization gives. The exact kernels widen each weight to that value, so their GEMM
+is bit-identical to the fp32 GEMM over `dequantize(w)`; with `int8_dot` the activations are
+quantized to int8 per block instead and the dots are integer (llama.cpp's arithmetic).
 """
 
 from dataclasses import dataclass
 
 import torch
 
+from engine.kquants import decode_q4_k, decode_q6_k
+
 QBLOCK = 32
 BLOCKS_FILE = "gguf/blocks.safetensors"  # in a converted GGUF's directory (engine/gguf_convert.py)
-BLOCK_BYTES = {"Q8_0": 34, "Q4_0": 18, "Q4_1": 20}
+BLOCK_BYTES = {"Q8_0": 34, "Q4_0": 18, "Q4_1": 20, "Q4_K": 144, "Q6_K": 210}
+BLOCK_WEIGHTS = {"Q8_0": 32, "Q4_0": 32, "Q4_1": 32, "Q4_K": 256, "Q6_K": 256}
 QUANT_TYPES = tuple(BLOCK_BYTES)
-# The kernels' two panel formats: Q8 (scale only) and Q4 (scale and min; Q4_0 becomes m = -8d).
-KERNEL_FORMAT = {"Q8_0": 8, "Q4_0": 4, "Q4_1": 4}
-# A panel's bytes per column and block, per kernel format (Q8_BYTES, Q4_BYTES in csrc/kernels.h).
-PANEL_BLOCK_BYTES = {8: 34, 4: 20}
+# The kernels' panel formats, per 32-block: Q8 (fp16 scale, int8), Q4 (fp16 scale and min,
+# nibbles; Q4_0 becomes m = -8d), Q4F (Q4 with fp32 scale and min: Q4_K's sub-blocks) and Q8H
+# (int8 with an fp32 scale per 16: Q6_K's sub-blocks).
+KERNEL_FORMAT = {"Q8_0": 8, "Q4_0": 4, "Q4_1": 4, "Q4_K": 6, "Q6_K": 10}
+# A panel's bytes per column and block, per kernel format (Q8_BYTES ... in csrc/kernels.h).
+PANEL_BLOCK_BYTES = {8: 34, 4: 20, 6: 24, 10: 40}
 # Bytes of a column kept together in a panel: one for the exact kernel (a vector of columns per k),
 # four for the int8 dot products (one 32-bit lane per column, its next 4 k values).
 GROUP = {False: 1, True: 4}
@@ -43,7 +48,8 @@ class QuantizedTensor:
     def __post_init__(self) -> None:
         if self.qtype not in BLOCK_BYTES:
             raise ValueError(f"quantized type {self.qtype!r} is not one of {', '.join(QUANT_TYPES)}")
-        if self.cols % QBLOCK or self.data.shape[1] != self.cols // QBLOCK * BLOCK_BYTES[self.qtype]:
+        size = BLOCK_WEIGHTS[self.qtype]
+        if self.cols % size or self.data.shape[1] != self.cols // size * BLOCK_BYTES[self.qtype]:
             raise ValueError(f"{self.qtype} data of shape {tuple(self.data.shape)} does not hold {self.cols} columns")
 
     @property
@@ -61,16 +67,24 @@ class QuantizedTensor:
         start, stop, step = cols.indices(self.cols)
         if (start, stop) == (0, self.cols):
             return QuantizedTensor(self.qtype, data, self.cols, self.int8_dot)
-        if step != 1 or start % QBLOCK or stop % QBLOCK:
-            raise ValueError(f"{self.qtype} columns can only be sliced at multiples of {QBLOCK} (got {start}:{stop})")
+        block = BLOCK_WEIGHTS[self.qtype]
+        if step != 1 or start % block or stop % block:
+            raise ValueError(f"{self.qtype} columns can only be sliced at multiples of {block} (got {start}:{stop})")
         size = BLOCK_BYTES[self.qtype]
-        return QuantizedTensor(self.qtype, data[:, start // QBLOCK * size : stop // QBLOCK * size], stop - start,
+        return QuantizedTensor(self.qtype, data[:, start // block * size : stop // block * size], stop - start,
                                self.int8_dot)
 
     def contiguous(self) -> "QuantizedTensor":
         return QuantizedTensor(self.qtype, self.data.contiguous(), self.cols, self.int8_dot)
 
     def dequantize(self, dtype: torch.dtype = torch.float32) -> torch.Tensor:
+        rows = self.data.shape[0]
+        if self.qtype == "Q4_K":
+            scale, low, q = decode_q4_k(self.data, rows, self.cols)
+            return (q.float() * scale[..., None] + low[..., None]).reshape(rows, self.cols).to(dtype)
+        if self.qtype == "Q6_K":
+            scales, q = decode_q6_k(self.data, rows, self.cols)
+            return (q.float().view(rows, -1, 2, 16) * scales[..., None]).reshape(rows, self.cols).to(dtype)
         return dequantize_blocks(self.qtype, self.data).to(dtype)
 
 
@@ -128,26 +142,43 @@ def _nibbles(b: torch.Tensor) -> torch.Tensor:
     return torch.cat([b & 15, b >> 4], dim=-1)
 
 
-def pack_panels(w: QuantizedTensor, width: int) -> torch.Tensor:
-    """uint8 [ceil(rows / width), blocks * panel block bytes]: `width` rows side by side per block,
-    their quant bytes in groups of GROUP[w.int8_dot] (the layouts of csrc/packed_gemm.c and
-    csrc/quant_dot.c; rows padded with zero blocks)."""
+def kernel_blocks(w: QuantizedTensor) -> tuple[list[torch.Tensor], torch.Tensor]:
+    """w's 32-blocks as its kernel format holds them: the scale fields (each [rows, blocks] or
+    [rows, blocks, 2], fp16 or fp32) and the quant bytes [rows, blocks, 16 or 32] (nibble bytes
+    as Q4_1 packs them; int8 as uint8)."""
     rows, cols = w.shape
+    if w.qtype == "Q4_K":
+        scale, low, q = decode_q4_k(w.data, rows, cols)
+        return [scale, low], q[..., :16] | (q[..., 16:] << 4)
+    if w.qtype == "Q6_K":
+        scales, q = decode_q6_k(w.data, rows, cols)
+        return [scales], q.view(torch.uint8)
     blocks = w.data.reshape(rows, cols // QBLOCK, BLOCK_BYTES[w.qtype])
-    pad = -rows % width
-    if pad:
-        blocks = torch.cat([blocks, blocks.new_zeros(pad, *blocks.shape[1:])])
-    # [panels, blocks, width, block bytes]: one block of every row of a panel together.
-    blocks = blocks.reshape(-1, width, *blocks.shape[1:]).transpose(1, 2)
-    d = blocks[..., 0:2]
+    d = blocks[..., 0:2].contiguous().view(torch.float16)[..., 0]
     if w.qtype == "Q8_0":
-        scales, quants = [d], blocks[..., 2:]
-    elif w.qtype == "Q4_1":
-        scales, quants = [d, blocks[..., 2:4]], blocks[..., 4:]
-    else:  # Q4_0 as Q4_1 with m = -8d (exact in fp16: a power-of-two scaling)
-        scales, quants = [d, (_halves(d) * -8).half().view(torch.uint8)], blocks[..., 2:]
-    # Scales: `width` fp16 values in a row. Quants [.., width, n] -> [.., n / g, width, g]: group j of every row together.
+        return [d], blocks[..., 2:]
+    if w.qtype == "Q4_1":
+        return [d, blocks[..., 2:4].contiguous().view(torch.float16)[..., 0]], blocks[..., 4:]
+    return [d, d * -8], blocks[..., 2:]  # Q4_0 as Q4_1 with m = -8d (exact in fp16: a power-of-two scaling)
+
+
+def pack_panels(w: QuantizedTensor, width: int) -> torch.Tensor:
+    """uint8 [ceil(rows / width), blocks * panel block bytes]: `width` rows side by side per block
+    (each scale field as `width` values in a row, then the quant bytes in groups of
+    GROUP[w.int8_dot]: group j of every row together), the layouts of csrc/packed_gemm.c and
+    csrc/quant_dot.c; rows padded with zero blocks."""
+    scales, quants = kernel_blocks(w)
+    pad = -w.shape[0] % width
+
+    def panels(t: torch.Tensor) -> torch.Tensor:  # [rows, blocks, ...] -> [panels, blocks, width, ...]
+        t = torch.cat([t, t.new_zeros(pad, *t.shape[1:])]) if pad else t
+        return t.reshape(-1, width, *t.shape[1:]).transpose(1, 2)
+
+    # A field with two values per block (Q8H's scales per 16) is two fields, one after the other.
+    fields = [f for s in scales for f in (s.unbind(-1) if s.dim() == 3 else [s])]
+    parts = [panels(f).contiguous().view(torch.uint8) for f in fields]
     g = GROUP[w.int8_dot]
-    quants = quants.reshape(*quants.shape[:3], -1, g).transpose(2, 3)
-    parts = [s.reshape(*s.shape[:2], -1) for s in scales] + [quants.reshape(*quants.shape[:2], -1)]
-    return torch.cat(parts, dim=-1).reshape(blocks.shape[0], -1).contiguous()
+    q = panels(quants)
+    parts.append(q.reshape(*q.shape[:3], -1, g).transpose(2, 3))
+    n_panels, n_blocks = parts[0].shape[:2]
+    return torch.cat([p.reshape(n_panels, n_blocks, -1) for p in parts], dim=-1).reshape(n_panels, -1).contiguous()

@@ -14,14 +14,25 @@ from engine.config import EngineConfig
 from engine.engine import Engine
 from engine.layers import Linear
 from engine.params import SamplingParams
-from engine.quant import QUANT_TYPES, QuantizedTensor, cat_rows, quantize_q8_0
+from engine.quant import BLOCK_BYTES, BLOCK_WEIGHTS, QUANT_TYPES, QuantizedTensor, cat_rows, quantize_q8_0
 
 ISAS = cpu_kernels.supported_isas()
 
 
 def _quantized(qtype: str, rows: int, cols: int, seed: int = 0, int8_dot: bool = False) -> QuantizedTensor:
-    w = np.random.default_rng(seed).standard_normal((rows, cols), dtype=np.float32)
-    return QuantizedTensor(qtype, torch.from_numpy(quantize(w, GGMLQuantizationType[qtype])), cols, int8_dot)
+    """Random weights in `qtype` with `cols` columns, or the next multiple of 256 for the K-quants
+    (random blocks: gguf cannot quantize to them; any bytes are valid but the fp16 scales, which
+    are set to small finite values)."""
+    rng = np.random.default_rng(seed)
+    if BLOCK_WEIGHTS[qtype] == 32:
+        w = rng.standard_normal((rows, cols), dtype=np.float32)
+        return QuantizedTensor(qtype, torch.from_numpy(quantize(w, GGMLQuantizationType[qtype])), cols, int8_dot)
+    cols = -(-cols // 256) * 256
+    raw = rng.integers(0, 256, (rows, cols // 256, BLOCK_BYTES[qtype]), dtype=np.uint8)
+    for offset in (0, 2) if qtype == "Q4_K" else (208,):  # d, dmin / d
+        scale = (rng.random((rows, cols // 256)) * 2e-3 + 1e-4).astype(np.float16)
+        raw[..., offset:offset + 2] = scale.view(np.uint8).reshape(rows, cols // 256, 2)
+    return QuantizedTensor(qtype, torch.from_numpy(raw.reshape(rows, -1)), cols, int8_dot)
 
 
 def _int8_reference(x: torch.Tensor, w: QuantizedTensor, bias: torch.Tensor) -> torch.Tensor:
@@ -50,7 +61,7 @@ def test_quant_gemm_is_bit_identical_to_fp32_gemm_on_dequantized_weights(isa, qt
     block buffer) and batches taller than a tile (a whole-panel buffer); 75 rows pads a panel."""
     kernels = cpu_kernels.kernels(isa)
     w = _quantized(qtype, n, 96, seed=m)
-    x, bias = torch.randn(m, 96), torch.randn(n)
+    x, bias = torch.randn(m, w.cols), torch.randn(n)
     panels = kernels.pack_quantized(w)
     reference = kernels.pack_weight(w.dequantize())
     for b in (bias, None):
@@ -66,7 +77,7 @@ def test_int8_gemm_matches_its_reference_and_each_row_is_batch_invariant(isa, qt
     result is the same bits alone or in any batch (verification stays lossless)."""
     kernels = cpu_kernels.kernels(isa)
     w = _quantized(qtype, 75, 128, seed=m, int8_dot=True)
-    x, bias = torch.randn(m, 128) * torch.rand(m, 1) * 10, torch.randn(75)
+    x, bias = torch.randn(m, w.cols) * torch.rand(m, 1) * 10, torch.randn(75)
     x[0, 32:64] = 0  # an all-zero block: scale 0
     panels = kernels.pack_quantized(w)
     y = kernels.quant_gemm(x, panels, qtype, 75, bias, int8_dot=True)
@@ -84,9 +95,9 @@ def test_rows_read_back_from_panels(isa, qtype, int8_dot):
     w = _quantized(qtype, 70, 64, int8_dot=int8_dot)
     panels = kernels.pack_quantized(w)
     ids = torch.tensor([0, 69, 5, 16, 5])
-    assert torch.equal(kernels.panel_rows(panels, qtype, 64, ids, int8_dot), w.dequantize()[ids])
+    assert torch.equal(kernels.panel_rows(panels, qtype, w.cols, ids, int8_dot), w.dequantize()[ids])
     with pytest.raises(IndexError, match="outside"):
-        kernels.panel_rows(panels, qtype, 64, torch.tensor([3, panels.shape[0] * kernels.pack_width]), int8_dot)
+        kernels.panel_rows(panels, qtype, w.cols, torch.tensor([3, panels.shape[0] * kernels.pack_width]), int8_dot)
 
 
 def test_slicing_and_stacking_keep_blocks():
@@ -98,6 +109,10 @@ def test_slicing_and_stacking_keep_blocks():
     assert torch.equal(a[:, 32:96].dequantize(), full[:, 32:96])
     with pytest.raises(ValueError, match="multiples of 32"):
         a[:, 16:64]
+    k = _quantized("Q6_K", 3, 512)  # K-quants: super-blocks of 256
+    assert torch.equal(k[:, 256:].dequantize(), k.dequantize()[:, 256:])
+    with pytest.raises(ValueError, match="Q6_K columns can only be sliced at multiples of 256"):
+        k[:, 32:256]
     stacked = cat_rows([a, a[:2]])
     assert isinstance(stacked, QuantizedTensor) and torch.equal(stacked.dequantize(), torch.cat([full, full[:2]]))
     mixed = cat_rows([a, b])
@@ -105,8 +120,10 @@ def test_slicing_and_stacking_keep_blocks():
 
 
 def test_bad_shapes_are_refused():
-    with pytest.raises(ValueError, match="not one of Q8_0, Q4_0, Q4_1"):
-        QuantizedTensor("Q4_K", torch.zeros(2, 144, dtype=torch.uint8), 256)
+    with pytest.raises(ValueError, match="not one of Q8_0, Q4_0, Q4_1, Q4_K, Q6_K"):
+        QuantizedTensor("Q5_K", torch.zeros(2, 176, dtype=torch.uint8), 256)
+    with pytest.raises(ValueError, match="does not hold 288 columns"):
+        QuantizedTensor("Q4_K", torch.zeros(2, 162, dtype=torch.uint8), 288)
     with pytest.raises(ValueError, match="does not hold 64 columns"):
         QuantizedTensor("Q8_0", torch.zeros(2, 34, dtype=torch.uint8), 64)
     kernels = cpu_kernels.kernels()

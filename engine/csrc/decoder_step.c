@@ -64,10 +64,10 @@ static int gemm(const pd_matrix *w, const float *x, float *y, int M, int K, int 
     switch (w->format) {
     case PD_F32: pd_packed_gemm(x, w->weight, w->bias, y, M, K, N, threads); return 0;
     case PD_BF16: pd_packed_gemm_bf16(x, w->weight, w->bias, y, M, K, N, threads); return 0;
-    case PD_Q8: return pd_quant_gemm(8, x, w->weight, w->bias, y, M, K, N, threads);
-    case PD_Q4: return pd_quant_gemm(4, x, w->weight, w->bias, y, M, K, N, threads);
-    case PD_Q8_I8: return pd_quant_gemm_i8(8, x, w->weight, w->bias, y, M, K, N, threads);
-    case PD_Q4_I8: return pd_quant_gemm_i8(4, x, w->weight, w->bias, y, M, K, N, threads);
+    case PD_Q4: case PD_Q4F: case PD_Q8: case PD_Q8H:  /* the format is the panel's qtype */
+        return pd_quant_gemm(w->format, x, w->weight, w->bias, y, M, K, N, threads);
+    case PD_Q4_I8: case PD_Q4F_I8: case PD_Q8_I8: case PD_Q8H_I8:
+        return pd_quant_gemm_i8(w->format - 1, x, w->weight, w->bias, y, M, K, N, threads);
     default: return -1;
     }
 }

@@ -6,12 +6,22 @@
 
 /* Quantized panels (engine/quant.py): 32-weight blocks, PACK columns side by side. */
 #define QBLOCK 32
-#define Q8_BYTES (34 * PACK)  /* d[PACK] fp16, 32 x PACK int8 */
-#define Q4_BYTES (20 * PACK)  /* d[PACK], m[PACK] fp16, 16 x PACK bytes of nibbles */
+#define Q8_BYTES (34 * PACK)   /* d[PACK] fp16, 32 x PACK int8 */
+#define Q4_BYTES (20 * PACK)   /* d[PACK], m[PACK] fp16, 16 x PACK bytes of nibbles */
+#define Q4F_BYTES (24 * PACK)  /* d[PACK], m[PACK] fp32, 16 x PACK bytes of nibbles (Q4_K's sub-blocks) */
+#define Q8H_BYTES (40 * PACK)  /* d[2][PACK] fp32 (k 0-15, then 16-31), 32 x PACK int8 (Q6_K's sub-blocks) */
 
 /* Weight formats (engine/native_decoder.py): fp32, bf16, and the quantized panels widened to
- * fp32 (Q4, Q8) or multiplied with int8 activations (Q4_I8, Q8_I8). */
-enum { PD_F32 = 0, PD_BF16 = 1, PD_Q4 = 4, PD_Q4_I8 = 5, PD_Q8 = 8, PD_Q8_I8 = 9 };
+ * fp32 (Q4, Q4F, Q8, Q8H: the panel's qtype) or multiplied with int8 activations (qtype + 1). */
+enum { PD_F32 = 0, PD_BF16 = 1, PD_Q4 = 4, PD_Q4_I8 = 5, PD_Q4F = 6, PD_Q4F_I8 = 7, PD_Q8 = 8, PD_Q8_I8 = 9,
+       PD_Q8H = 10, PD_Q8H_I8 = 11 };
+
+/* Bytes per block of a panel of qtype 4, 6, 8 or 10 (0: not a panel qtype); the scale fields
+ * before the quants: one for Q8, two for the others, fp16 in Q4 and Q8, fp32 in Q4F and Q8H. */
+static inline long pd_qblock_bytes(int qtype) {
+    return qtype == 8 ? Q8_BYTES : qtype == 4 ? Q4_BYTES : qtype == 6 ? Q4F_BYTES : qtype == 10 ? Q8H_BYTES : 0;
+}
+static inline int pd_qscale_bytes(int qtype) { return qtype == 8 ? 2 : qtype == 4 ? 4 : 8; }
 
 void pd_packed_gemm(const float *x, const float *packed, const float *bias, float *y, int M, int K, int N,
                     int num_threads);

@@ -138,23 +138,31 @@ static inline float f16_to_f32(const uint8_t *p) {
  * `group`: 1 as above, 4 as quant_dot.c's), as the exact fp32 values above: the embedding lookup
  * through a tied lm_head. out: [n][cols]. Returns 0, or -1 (nothing read) if an id is not in
  * [0, rows). */
+/* Scale field `field` (0, 1) of column `lane` of a block: fp32 in Q4F and Q8H, fp16 otherwise. */
+static inline float scale_field(int qtype, const uint8_t *blk, int field, int lane) {
+    if (qtype == 4 || qtype == 8) return f16_to_f32(blk + 2 * (field * PACK + lane));
+    float f;
+    memcpy(&f, blk + 4 * (field * PACK + lane), sizeof f);
+    return f;
+}
+
 int pd_panel_rows(int qtype, int group, const uint8_t *panels, int cols, long rows, const long *ids, int n,
                   float *out) {
-    int nb = cols / QBLOCK, quants = qtype == 8 ? QBLOCK : QBLOCK / 2;
-    size_t block_bytes = qtype == 8 ? Q8_BYTES : Q4_BYTES;
+    int int8 = qtype == 8 || qtype == 10, nb = cols / QBLOCK, quants = int8 ? QBLOCK : QBLOCK / 2;
+    size_t block_bytes = pd_qblock_bytes(qtype);
     for (int r = 0; r < n; r++)
         if (ids[r] < 0 || ids[r] >= rows) return -1;
     for (int r = 0; r < n; r++) {
         int lane = (int)(ids[r] % PACK);
         const uint8_t *panel = panels + (size_t)(ids[r] / PACK) * nb * block_bytes;
         for (int b = 0; b < nb; b++) {
-            const uint8_t *blk = panel + b * block_bytes, *q = blk + (qtype == 8 ? 2 : 4) * PACK;
-            float d = f16_to_f32(blk + 2 * lane), m = qtype == 8 ? 0.0f : f16_to_f32(blk + 2 * (PACK + lane));
+            const uint8_t *blk = panel + b * block_bytes, *q = blk + pd_qscale_bytes(qtype) * PACK;
+            float d = scale_field(qtype, blk, 0, lane), m = qtype == 8 ? 0.0f : scale_field(qtype, blk, 1, lane);
             float *o = out + (size_t)r * cols + b * QBLOCK;
             for (int j = 0; j < quants; j++) {
                 uint8_t byte = q[((size_t)(j / group) * PACK + lane) * group + j % group];
-                if (qtype == 8) {
-                    o[j] = (float)(int8_t)byte * d;
+                if (int8) {
+                    o[j] = (float)(int8_t)byte * (qtype == 10 && j >= QBLOCK / 2 ? m : d);  /* Q8H: m is k 16-31's scale */
                 } else {
                     o[j] = (float)(byte & 15) * d + m;
                     o[j + QBLOCK / 2] = (float)(byte >> 4) * d + m;
@@ -207,40 +215,37 @@ static inline vfloat widen_nibbles(const uint8_t *p, int high) {
 }
 #endif
 
-/* Column vector v of k = j (+ 16 for the high half) of a Q8 or Q4 block, as fp32 weights. */
+/* Column vector v of k = j (+ 16 for the high half) of a Q8, Q4 (Q4F) or Q8H block, as fp32
+ * weights; d (and mn: Q4's min, Q8H's second scale) as the block's header loaded them. */
 #define Q8_WEIGHT(q, j, half, v) (widen_i8((q) + (size_t)(j) * PACK + (v) * LANES) * d[v])
 #define Q4_WEIGHT(q, j, half, v) (widen_nibbles((q) + (size_t)(j) * PACK + (v) * LANES, half) * d[v] + mn[v])
-#define Q8_HEADER                                                                              \
-    vfloat d[GEMM_VECS];                                                                       \
-    for (int v = 0; v < GEMM_VECS; v++) d[v] = load_f16((const uint16_t *)blk + v * LANES);    \
-    const uint8_t *q = blk + 2 * PACK;
-#define Q4_HEADER                                                                              \
+#define Q8H_WEIGHT(q, j, half, v) (widen_i8((q) + (size_t)((half) * 16 + (j)) * PACK + (v) * LANES) * ((half) ? mn[v] : d[v]))
+#define SCALES(LOAD, T, FIELDS)                                                                \
     vfloat d[GEMM_VECS], mn[GEMM_VECS];                                                        \
     for (int v = 0; v < GEMM_VECS; v++) {                                                      \
-        d[v] = load_f16((const uint16_t *)blk + v * LANES);                                    \
-        mn[v] = load_f16((const uint16_t *)blk + PACK + v * LANES);                            \
+        d[v] = LOAD((const T *)blk + v * LANES);                                               \
+        mn[v] = FIELDS == 2 ? LOAD((const T *)blk + PACK + v * LANES) : d[v];                   \
     }                                                                                          \
-    const uint8_t *q = blk + 4 * PACK;
+    const uint8_t *q = blk + FIELDS * sizeof(T) * PACK;
+#define Q8_HEADER SCALES(load_f16, uint16_t, 1)
+#define Q4_HEADER SCALES(load_f16, uint16_t, 2)
+#define F32_HEADER SCALES(load_f32, float, 2)  /* Q4F, Q8H */
 
 /* One block as fp32 [32][PACK], k in order (the fp32 tiles' panel layout). */
-static void q8_block(const uint8_t *blk, float *out) {
-    Q8_HEADER
-    for (int j = 0; j < 32; j++)
-        for (int v = 0; v < GEMM_VECS; v++) {
-            vfloat w = Q8_WEIGHT(q, j, 0, v);
-            memcpy(out + (size_t)j * PACK + v * LANES, &w, sizeof w);
-        }
-}
-
-static void q4_block(const uint8_t *blk, float *out) {
-    Q4_HEADER
-    for (int half = 0; half < 2; half++)
-        for (int j = 0; j < 16; j++)
-            for (int v = 0; v < GEMM_VECS; v++) {
-                vfloat w = Q4_WEIGHT(q, j, half, v);
-                memcpy(out + (size_t)(half * 16 + j) * PACK + v * LANES, &w, sizeof w);
-            }
-}
+#define DEFINE_BLOCK(NAME, HEADER, HALVES, HALF_K, WEIGHT)                                      \
+    static void NAME(const uint8_t *blk, float *out) {                                          \
+        HEADER                                                                                  \
+        for (int half = 0; half < HALVES; half++)                                               \
+            for (int j = 0; j < HALF_K; j++)                                                    \
+                for (int v = 0; v < GEMM_VECS; v++) {                                           \
+                    vfloat w = WEIGHT(q, j, half, v);                                           \
+                    memcpy(out + (size_t)(half * HALF_K + j) * PACK + v * LANES, &w, sizeof w); \
+                }                                                                               \
+    }
+DEFINE_BLOCK(q8_block, Q8_HEADER, 1, 32, Q8_WEIGHT)
+DEFINE_BLOCK(q4_block, Q4_HEADER, 2, 16, Q4_WEIGHT)
+DEFINE_BLOCK(q4f_block, F32_HEADER, 2, 16, Q4_WEIGHT)
+DEFINE_BLOCK(q8h_block, F32_HEADER, 2, 16, Q8H_WEIGHT)
 
 /* One row: weights widened in registers straight into the accumulators (a 2-row tile would
  * need the scales, the widened weights and 4 accumulators live at once; the tiles below go
@@ -269,6 +274,8 @@ static void q4_block(const uint8_t *blk, float *out) {
     }
 DEFINE_QROW(q8_row, Q8_HEADER, 1, 32, Q8_BYTES, Q8_WEIGHT)
 DEFINE_QROW(q4_row, Q4_HEADER, 2, 16, Q4_BYTES, Q4_WEIGHT)
+DEFINE_QROW(q4f_row, F32_HEADER, 2, 16, Q4F_BYTES, Q4_WEIGHT)
+DEFINE_QROW(q8h_row, F32_HEADER, 2, 16, Q8H_BYTES, Q8H_WEIGHT)
 
 /* MM rows: each block widened once into an L1 buffer, then the fp32 tile's loop over it. */
 #define DEFINE_QTILE(NAME, BLOCK, BLOCK_BYTES, MM)                                              \
@@ -286,6 +293,8 @@ DEFINE_QROW(q4_row, Q4_HEADER, 2, 16, Q4_BYTES, Q4_WEIGHT)
 
 #define Q8_TILE(MM) DEFINE_QTILE(q8_tile, q8_block, Q8_BYTES, MM)
 #define Q4_TILE(MM) DEFINE_QTILE(q4_tile, q4_block, Q4_BYTES, MM)
+#define Q4F_TILE(MM) DEFINE_QTILE(q4f_tile, q4f_block, Q4F_BYTES, MM)
+#define Q8H_TILE(MM) DEFINE_QTILE(q8h_tile, q8h_block, Q8H_BYTES, MM)
 #define QTILE_TABLE(NAME) static void (*const NAME##_tiles[])(TILE_ARGS(uint8_t))
 #if GEMM_ROWS == 8
 #define DEFINE_QTILES(TILE, NAME, ROW)                                                          \
@@ -298,24 +307,26 @@ DEFINE_QROW(q4_row, Q4_HEADER, 2, 16, Q4_BYTES, Q4_WEIGHT)
 #endif
 DEFINE_QTILES(Q8_TILE, q8_tile, q8_row)
 DEFINE_QTILES(Q4_TILE, q4_tile, q4_row)
+DEFINE_QTILES(Q4F_TILE, q4f_tile, q4f_row)
+DEFINE_QTILES(Q8H_TILE, q8h_tile, q8h_row)
+
+typedef void (*block_fn)(const uint8_t *, float *);
 
 /* The whole panel as fp32 [K][PACK] (the layout the fp32 tiles read). */
-static void dequantize_panel(int qtype, const uint8_t *panel, int K, float *out) {
-    for (int b = 0; b < K / QBLOCK; b++) {
-        if (qtype == 8)
-            q8_block(panel + (size_t)b * Q8_BYTES, out + (size_t)b * QBLOCK * PACK);
-        else
-            q4_block(panel + (size_t)b * Q4_BYTES, out + (size_t)b * QBLOCK * PACK);
-    }
+static void dequantize_panel(block_fn widen, long block_bytes, const uint8_t *panel, int K, float *out) {
+    for (int b = 0; b < K / QBLOCK; b++) widen(panel + (size_t)b * block_bytes, out + (size_t)b * QBLOCK * PACK);
 }
 
-/* y[M][N] = x[M][K] @ W^T (+ bias[N]) for W packed as above; qtype 8 (Q8) or 4 (Q4). K is a
- * multiple of QBLOCK. Returns 0, or -1 for an unknown qtype or K, or no memory. */
+/* y[M][N] = x[M][K] @ W^T (+ bias[N]) for W packed as above; qtype 8 (Q8), 4 (Q4), 6 (Q4F) or 10
+ * (Q8H). K is a multiple of QBLOCK. Returns 0, or -1 for an unknown qtype or K, or no memory. */
 int pd_quant_gemm(int qtype, const float *x, const uint8_t *packed, const float *bias, float *y, int M,
                   int K, int N, int num_threads) {
-    if ((qtype != 8 && qtype != 4) || K % QBLOCK) return -1;
-    size_t panel_bytes = (size_t)(K / QBLOCK) * (qtype == 8 ? Q8_BYTES : Q4_BYTES);
-    void (*const *tiles)(TILE_ARGS(uint8_t)) = qtype == 8 ? q8_tile_tiles : q4_tile_tiles;
+    long block_bytes = pd_qblock_bytes(qtype);
+    if (!block_bytes || K % QBLOCK) return -1;
+    size_t panel_bytes = (size_t)(K / QBLOCK) * block_bytes;
+    void (*const *tiles)(TILE_ARGS(uint8_t)) = qtype == 8 ? q8_tile_tiles : qtype == 4 ? q4_tile_tiles
+                                               : qtype == 6 ? q4f_tile_tiles : q8h_tile_tiles;
+    block_fn widen = qtype == 8 ? q8_block : qtype == 4 ? q4_block : qtype == 6 ? q4f_block : q8h_block;
     int panels = (N + PACK - 1) / PACK, failed = 0;
     #pragma omp parallel num_threads(num_threads) reduction(|: failed)
     {
@@ -328,7 +339,7 @@ int pd_quant_gemm(int qtype, const float *x, const uint8_t *packed, const float 
             int col = p * PACK;
             int ncols = N - col < PACK ? N - col : PACK;
             const float *b = bias ? bias + col : 0;
-            if (scratch) dequantize_panel(qtype, panel, K, scratch);
+            if (scratch) dequantize_panel(widen, block_bytes, panel, K, scratch);
             for (int m0 = 0; m0 < M; m0 += GEMM_ROWS) {
                 int rows = M - m0 < GEMM_ROWS ? M - m0 : GEMM_ROWS;
                 if (scratch)

@@ -49,12 +49,13 @@ typedef struct {
     const float *d;     /* [M][K/32]: d_x */
     const float *ds;    /* [M][K/32]: d_x * sum(q_x) */
     const int32_t *s;   /* [M][K/32]: sum(q_x) */
+    const int32_t *s16; /* [M][K/16]: sum(q_x) per 16 (Q8H's halves) */
     int K;
 } qrows;
 
 /* One row, per 32-block: d_x = max|x| / 127, q_x = round-half-even(x / d_x) (the magic-number
  * rounding is nearbyintf's in the default rounding mode, |x / d_x| <= 127). */
-static void quantize_row(const float *x, int K, uint8_t *xb, float *d, float *ds, int32_t *s) {
+static void quantize_row(const float *x, int K, uint8_t *xb, float *d, float *ds, int32_t *s, int32_t *s16) {
     typedef int8_t vbyte __attribute__((vector_size(LANES)));
     for (int b = 0; b < K / QBLOCK; b++) {
         const float *xs = x + b * QBLOCK;
@@ -77,6 +78,8 @@ static void quantize_row(const float *x, int K, uint8_t *xb, float *d, float *ds
         }
         int total = 0;
         for (int l = 0; l < LANES; l++) total += sum[l];
+        s16[2 * b] = s16[2 * b + 1] = 0;
+        for (int i = 0; i < QBLOCK; i++) s16[2 * b + i / 16] += q[i];
         for (int j = 0; j < QBLOCK / 4; j++) {
             int32_t group;
             memcpy(&group, q + 4 * j, 4);
@@ -209,6 +212,26 @@ typedef __m256i vi;
         }                                                                                      \
     }                                                                                          \
     for (int m = 0; m < MM; m++) EMIT(m, TO_FLOAT(acc[m]));
+/* Q8H: as Q8, one accumulator per half (groups 0-3: k 0-15, 4-7: k 16-31), each with its scale. */
+#if defined(__AVX512VNNI__)
+#define Q8H_START(m, h) _mm512_set1_epi32(-128 * xr->s16[(size_t)(m) * 2 * nb + 2 * b + (h)])
+#else
+#define Q8H_START(m, h) ZERO()
+#endif
+#define Q8H_DOTS(MM, EMIT)                                                                      \
+    vi acc[MM][2];                                                                              \
+    for (int m = 0; m < MM; m++) {                                                             \
+        acc[m][0] = Q8H_START(m, 0);                                                           \
+        acc[m][1] = Q8H_START(m, 1);                                                           \
+    }                                                                                          \
+    for (int g = 0; g < 8; g++) {                                                              \
+        vi w = LOAD(q + ((size_t)g * PACK + v * LANES) * 4);                                    \
+        for (int m = 0; m < MM; m++) {                                                         \
+            acc[m][g / 4] = Q8_DOT(acc[m][g / 4], w, m, g);                                    \
+            KEEP(acc[m][g / 4]);                                                               \
+        }                                                                                      \
+    }                                                                                          \
+    for (int m = 0; m < MM; m++) EMIT(m, TO_FLOAT(acc[m][0]), TO_FLOAT(acc[m][1]));
 #else
 #define FMA(a, b, c) ((a) * (b) + (c))
 #define SPLAT(s) ((s) - (vfloat){0})
@@ -232,11 +255,23 @@ typedef __m256i vi;
             uint8_t b8 = q[((size_t)g * PACK + v * LANES + c) * 4 + i];                        \
             s += (b8 & 15) * XS(m, g, i) + (b8 >> 4) * XS(m, 4 + g, i);                        \
         }
-#define Q8_COLUMN(m, c)                                                                         \
-    for (int g = 0; g < 8; g++)                                                                \
+#define Q8_GROUPS(m, c, g0, g1)                                                                 \
+    for (int g = g0; g < g1; g++)                                                              \
         for (int i = 0; i < 4; i++) s += (int8_t)q[((size_t)g * PACK + v * LANES + c) * 4 + i] * XS(m, g, i);
+#define Q8_COLUMN(m, c) Q8_GROUPS(m, c, 0, 8)
 #define Q4_DOTS(MM, EMIT) SCALAR_DOTS(MM, EMIT, Q4_COLUMN)
 #define Q8_DOTS(MM, EMIT) SCALAR_DOTS(MM, EMIT, Q8_COLUMN)
+#define Q8H_DOTS(MM, EMIT)                                                                      \
+    for (int m = 0; m < MM; m++) {                                                             \
+        float f[2][LANES];                                                                     \
+        for (int c = 0; c < LANES; c++)                                                        \
+            for (int h = 0; h < 2; h++) {                                                      \
+                int32_t s = 0;                                                                 \
+                Q8_GROUPS(m, c, 4 * h, 4 * h + 4)                                              \
+                f[h][c] = (float)s;                                                            \
+            }                                                                                  \
+        EMIT(m, load_f32(f[0]), load_f32(f[1]));                                               \
+    }
 #endif
 
 /* MM rows of y = bias + the sum over blocks of d_w d_x dot (+ m_w d_x sum(q_x)), one vector of
@@ -248,10 +283,10 @@ typedef __m256i vi;
  * (prefetched); the second finds it in L2. Fused multiply-adds only where written (FMA;
  * contraction is off in this file): a row must compute the same bits in any batch, whatever the
  * compiler would fuse in each tile height's copy. */
-#define DEFINE_QI_TILE(NAME, QTYPE, DOTS, BLOCK_BYTES, MM)                                      \
+#define DEFINE_QI_TILE(NAME, QTYPE, DOTS, EMIT, BLOCK_BYTES, MM)                                \
     static void NAME##_##MM(const qrows *xr, const uint8_t *panel, const float *bias, float *y, \
                             int ldy, int ncols) {                                              \
-        const int K = xr->K, nb = K / QBLOCK, has_min = QTYPE == 4;                            \
+        const int K = xr->K, nb = K / QBLOCK, has_min = QTYPE == 4 || QTYPE == 6;              \
         float out[MM][PACK];                                                                   \
         for (int v = 0; v < GEMM_VECS; v++) {                                                  \
             float init[LANES];                                                                 \
@@ -262,23 +297,30 @@ typedef __m256i vi;
                 const uint8_t *blk = panel + (size_t)b * BLOCK_BYTES;                          \
                 if (v == 0)                                                                    \
                     for (int l = 0; l < BLOCK_BYTES; l += 64) __builtin_prefetch(blk + QPREFETCH * BLOCK_BYTES + l); \
-                const uint8_t *q = blk + (QTYPE == 8 ? 2 : 4) * PACK;                          \
-                vfloat dw = load_f16((const uint16_t *)blk + v * LANES);                       \
-                vfloat mw = QTYPE == 8 ? (vfloat){0} : load_f16((const uint16_t *)blk + PACK + v * LANES); \
-                DOTS(MM, EMIT_BLOCK)                                                           \
+                const uint8_t *q = blk + pd_qscale_bytes(QTYPE) * PACK;                        \
+                vfloat dw = SCALE(QTYPE, 0), mw = QTYPE == 8 ? (vfloat){0} : SCALE(QTYPE, 1);   \
+                DOTS(MM, EMIT)                                                                 \
             }                                                                                  \
             for (int m = 0; m < MM; m++) store_f32(out[m] + v * LANES, ysum[m]);                \
         }                                                                                      \
         for (int m = 0; m < MM; m++) memcpy(y + (size_t)m * ldy, out[m], sizeof(float) * ncols); \
     }
+/* Scale field f (0, 1) of the block's vector v of columns: fp16 in Q4 and Q8, fp32 in Q4F and Q8H. */
+#define SCALE(QTYPE, f) ((QTYPE) == 4 || (QTYPE) == 8 ? load_f16((const uint16_t *)blk + (f) * PACK + v * LANES) \
+                                                      : load_f32((const float *)blk + (f) * PACK + v * LANES))
 #define EMIT_BLOCK(m, dots)                                                                     \
     do {                                                                                       \
         ysum[m] = FMA(dots, dw * xr->d[(size_t)(m) * nb + b], ysum[m]);                          \
         if (has_min) ysum[m] = FMA(mw, SPLAT(xr->ds[(size_t)(m) * nb + b]), ysum[m]);            \
     } while (0)
+/* Q8H: mw is k 16-31's scale. */
+#define EMIT_HALVES(m, dots0, dots1) \
+    ysum[m] = FMA(FMA(dots1, mw, dots0 * dw), SPLAT(xr->d[(size_t)(m) * nb + b]), ysum[m])
 
-#define Q8I_TILE(MM) DEFINE_QI_TILE(q8i_tile, 8, Q8_DOTS, Q8_BYTES, MM)
-#define Q4I_TILE(MM) DEFINE_QI_TILE(q4i_tile, 4, Q4_DOTS, Q4_BYTES, MM)
+#define Q8I_TILE(MM) DEFINE_QI_TILE(q8i_tile, 8, Q8_DOTS, EMIT_BLOCK, Q8_BYTES, MM)
+#define Q4I_TILE(MM) DEFINE_QI_TILE(q4i_tile, 4, Q4_DOTS, EMIT_BLOCK, Q4_BYTES, MM)
+#define Q4FI_TILE(MM) DEFINE_QI_TILE(q4fi_tile, 6, Q4_DOTS, EMIT_BLOCK, Q4F_BYTES, MM)
+#define Q8HI_TILE(MM) DEFINE_QI_TILE(q8hi_tile, 10, Q8H_DOTS, EMIT_HALVES, Q8H_BYTES, MM)
 typedef void (*qi_tile_fn)(const qrows *, const uint8_t *, const float *, float *, int, int);
 #if GEMM_ROWS == 8
 #define DEFINE_QI_TILES(TILE, NAME)                                                            \
@@ -292,6 +334,8 @@ typedef void (*qi_tile_fn)(const qrows *, const uint8_t *, const float *, float 
 #endif
 DEFINE_QI_TILES(Q8I_TILE, q8i_tile)
 DEFINE_QI_TILES(Q4I_TILE, q4i_tile)
+DEFINE_QI_TILES(Q4FI_TILE, q4fi_tile)
+DEFINE_QI_TILES(Q8HI_TILE, q8hi_tile)
 
 /* Rows per pass over the panels: the repeated activations of a pass (rows x K x LANES bytes)
  * stay in a core's L2 while every panel streams past them; longer batches (prefill) take
@@ -301,26 +345,29 @@ static int rows_per_pass(int K) {
     return rows > GEMM_ROWS ? rows : GEMM_ROWS;
 }
 
-/* y[M][N] = x[M][K] @ W^T (+ bias) for W of qtype 8 (Q8) or 4 (Q4) packed as above, x quantized
- * to int8 per row and 32-block first. Returns 0, or -1 for a bad qtype or K, or no memory. */
+/* y[M][N] = x[M][K] @ W^T (+ bias) for W of qtype 8 (Q8), 4 (Q4), 6 (Q4F) or 10 (Q8H) packed as
+ * above, x quantized to int8 per row and 32-block first. Returns 0, or -1 for a bad qtype or K,
+ * or no memory. */
 int pd_quant_gemm_i8(int qtype, const float *x, const uint8_t *packed, const float *bias, float *y, int M, int K,
                      int N, int num_threads) {
-    if ((qtype != 8 && qtype != 4) || K % QBLOCK) return -1;
+    long block_bytes = pd_qblock_bytes(qtype);
+    if (!block_bytes || K % QBLOCK) return -1;
     int nb = K / QBLOCK;
-    char *mem = malloc((size_t)M * K * XREP + 3 * sizeof(float) * (size_t)M * nb);
+    char *mem = malloc((size_t)M * K * XREP + 5 * sizeof(float) * (size_t)M * nb);
     if (!mem) return -1;
     float *dx = (float *)mem, *dsx = dx + (size_t)M * nb;
-    int32_t *sx = (int32_t *)(dsx + (size_t)M * nb);
-    uint8_t *xb = (uint8_t *)(sx + (size_t)M * nb);
-    size_t panel_bytes = (size_t)nb * (qtype == 8 ? Q8_BYTES : Q4_BYTES);
+    int32_t *sx = (int32_t *)(dsx + (size_t)M * nb), *s16 = sx + (size_t)M * nb;
+    uint8_t *xb = (uint8_t *)(s16 + (size_t)M * 2 * nb);
+    size_t panel_bytes = (size_t)nb * block_bytes;
     int panels = (N + PACK - 1) / PACK, pass_rows = rows_per_pass(K), passes = (M + pass_rows - 1) / pass_rows;
-    const qi_tile_fn *tiles = qtype == 8 ? q8i_tile_tiles : q4i_tile_tiles;
+    const qi_tile_fn *tiles = qtype == 8 ? q8i_tile_tiles : qtype == 4 ? q4i_tile_tiles
+                              : qtype == 6 ? q4fi_tile_tiles : q8hi_tile_tiles;
     #pragma omp parallel num_threads(num_threads)
     {
         #pragma omp for schedule(static)
         for (int m = 0; m < M; m++)
             quantize_row(x + (size_t)m * K, K, xb + (size_t)m * K * XREP, dx + (size_t)m * nb, dsx + (size_t)m * nb,
-                         sx + (size_t)m * nb);
+                         sx + (size_t)m * nb, s16 + (size_t)m * 2 * nb);
         #pragma omp for schedule(static) collapse(2)
         for (int pass = 0; pass < passes; pass++)
             for (int p = 0; p < panels; p++) {
@@ -328,7 +375,7 @@ int pd_quant_gemm_i8(int qtype, const float *x, const uint8_t *packed, const flo
                 int end = (pass + 1) * pass_rows < M ? (pass + 1) * pass_rows : M;
                 for (int m0 = pass * pass_rows; m0 < end; m0 += GEMM_ROWS) {
                     qrows rows = {xb + (size_t)m0 * K * XREP, dx + (size_t)m0 * nb, dsx + (size_t)m0 * nb,
-                                   sx + (size_t)m0 * nb, K};
+                                   sx + (size_t)m0 * nb, s16 + (size_t)m0 * 2 * nb, K};
                     tiles[end - m0 < GEMM_ROWS ? end - m0 : GEMM_ROWS](
                         &rows, packed + p * panel_bytes, bias ? bias + col : 0, y + (size_t)m0 * N + col, N, ncols);
                 }

@@ -1,0 +1,53 @@
+"""A GGUF with K-quant tensors (Q4_K and Q6_K ffn_down, tests/kquant_gguf.py) runs its blocks as
+they are stored: exactly (token-identical to the same weights dequantized to fp32) and with int8
+activations (agreeing with the exact engine as the 32-block formats do), through the native
+decoder step."""
+
+import pytest
+
+from engine.config import EngineConfig
+from engine.engine import Engine
+from engine.gguf_convert import convert_gguf, embedded_gguf_path
+from engine.params import SamplingParams
+from tests.kquant_gguf import write_k_quant_gguf
+from tests.test_quant import INT8_TOP1_AGREEMENT
+
+
+@pytest.fixture(scope="module")
+def k_model(tmp_path_factory) -> str:
+    directory = tmp_path_factory.mktemp("kquants")
+    gguf = write_k_quant_gguf(embedded_gguf_path(), directory / "smollm2-k.gguf")
+    return str(convert_gguf(gguf, directory / "model"))
+
+
+def _engine(model: str, quantization: str) -> Engine:
+    return Engine(EngineConfig(model=model, quantization=quantization, num_kv_blocks=128))
+
+
+def test_k_quant_blocks_run_exactly_as_their_dequantized_weights(k_model, chat_prompts):
+    exact, plain = _engine(k_model, "exact"), _engine(k_model, "none")
+    layers = exact.runner.model.layers
+    assert [layers[i].down.qtype for i in (0, 1)] == ["Q4_K", "Q6_K"] and layers[0].qkv.qtype == "Q4_1"
+    assert exact.runner.model.native is not None  # the native decoder step runs the K formats
+    params = SamplingParams(max_tokens=32)
+    for prompt in chat_prompts:
+        answers = [[t for out in e.generate(prompt, params) for t in out.token_ids] for e in (exact, plain)]
+        assert answers[0] == answers[1]
+    for e in (exact, plain):
+        e.close()
+
+
+def test_k_quant_blocks_run_with_int8_activations(k_model, chat_prompts):
+    from tests.test_engine import _solo, _teacher_forced_top1
+
+    default, exact = _engine(k_model, "auto"), _engine(k_model, "exact")
+    assert default.runner.model.layers[1].down.qtype == "Q6_K" and default.runner.model.layers[1].down.int8_dot
+    agree = total = 0
+    for prompt in chat_prompts[:2]:
+        answer = _solo(exact, prompt, SamplingParams(max_tokens=32))
+        ours, ref = (_teacher_forced_top1(e, prompt, answer) for e in (default, exact))
+        agree += sum(a == b for a, b in zip(ours, ref))
+        total += len(ref)
+    assert agree / total >= INT8_TOP1_AGREEMENT, f"int8 top-1 agrees with exact on {agree}/{total} positions"
+    for e in (default, exact):
+        e.close()
