@@ -148,7 +148,8 @@ class EngineConfig(BaseModel):
 
     model_config = ConfigDict(extra="forbid")
 
-    model: str | None = Field(None, description="HF model directory; None = the embedded SmolLM2-135M-Instruct")
+    model: str | None = Field(None, description="a .gguf file (llama architecture; converted once, cached) or an HF "
+                               "model directory; None = the embedded SmolLM2-135M-Instruct")
     dtype: DType = Field("float32", description="weights and activations dtype")
     device: Literal["cpu", "cuda"] = "cpu"
     quantization: Literal["auto", "int8", "exact", "none"] = Field(

@@ -96,15 +96,18 @@ def embedded_gguf_path() -> Path:
 
 
 def default_model_dir() -> Path:
-    """The embedded model converted into `pdspec_home()/models`, converting on first use only.
+    """The embedded model converted into `pdspec_home()/models`, converting on first use only."""
+    return converted_model_dir(embedded_gguf_path(), EMBEDDED_NAME)
 
-    The directory name carries a hash of the GGUF's size and mtime and of the converter's format
-    version, so a new package release or converter change gets a fresh conversion.
-    """
-    gguf_path = embedded_gguf_path()
+
+def converted_model_dir(gguf_path: Path, name: str | None = None) -> Path:
+    """`gguf_path` converted into `pdspec_home()/models/<name>-<key>` (name: the file's stem),
+    converting on first use only. The key hashes the file's path, size and mtime and the
+    converter's format version, so a changed file or converter gets a fresh conversion."""
+    gguf_path = Path(gguf_path).resolve()
     stat = gguf_path.stat()
-    key = hashlib.sha256(f"{stat.st_size}:{stat.st_mtime_ns}:{_FORMAT_VERSION}".encode()).hexdigest()[:12]
-    out_dir = pdspec_home() / "models" / f"{EMBEDDED_NAME}-{key}"
+    key = hashlib.sha256(f"{gguf_path}:{stat.st_size}:{stat.st_mtime_ns}:{_FORMAT_VERSION}".encode()).hexdigest()[:12]
+    out_dir = pdspec_home() / "models" / f"{name or gguf_path.stem}-{key}"
     if out_dir.is_dir():
         return out_dir
     try:

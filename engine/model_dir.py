@@ -9,12 +9,17 @@ from engine.config import EMBEDDED_NAME, ModelConfigError
 
 
 def model_name(model: str | None) -> str:
-    """What to call a model (`engine.model`) in an API: the embedded model's name, else its directory's."""
-    return EMBEDDED_NAME if model is None else Path(model).expanduser().resolve().name
+    """What to call a model (`engine.model`) in an API: the embedded model's name, else its
+    directory's (a GGUF file's: its name without .gguf)."""
+    if model is None:
+        return EMBEDDED_NAME
+    path = Path(model).expanduser().resolve()
+    return path.stem if path.suffix == ".gguf" else path.name
 
 
 def resolve_model_dir(model: str | None) -> Path:
-    """`None` = the embedded default (converted from its GGUF on first use); else an HF directory."""
+    """`None` = the embedded default; a `.gguf` file (llama architecture) is converted on first
+    use (cached under pdspec_home()/models); else an HF directory."""
     if model is None:
         from engine.gguf_convert import default_model_dir
 
@@ -22,8 +27,16 @@ def resolve_model_dir(model: str | None) -> Path:
     path = Path(model).expanduser()
     if not path.exists():
         raise ModelConfigError(f"model path {path} does not exist")
+    if path.is_file() and path.suffix == ".gguf":
+        from engine.gguf_convert import converted_model_dir
+
+        try:
+            return converted_model_dir(path)
+        except ValueError as e:  # an architecture or tokenizer the converter does not take
+            raise ModelConfigError(f"model {path}: {e}") from None
     if not path.is_dir():
-        raise ModelConfigError(f"model path {path} is a file; expected an HF model directory (config.json + *.safetensors)")
+        raise ModelConfigError(f"model path {path} is a file; expected a .gguf file or an HF model directory "
+                               "(config.json + *.safetensors)")
     if not (path / "config.json").is_file():
         raise ModelConfigError(f"model directory {path} has no config.json; expected an HF model directory")
     return path

@@ -1,13 +1,17 @@
-"""A GGUF with K-quant tensors (Q4_K and Q6_K ffn_down, tests/kquant_gguf.py) runs its blocks as
-they are stored: exactly (token-identical to the same weights dequantized to fp32) and with int8
+"""A GGUF file given as engine.model (converted once, cached), with K-quant tensors (Q4_K and
+Q6_K ffn_down, tests/kquant_gguf.py), runs its blocks as they are stored: exactly (token-identical to the same weights dequantized to fp32) and with int8
 activations (agreeing with the exact engine as the 32-block formats do), through the native
 decoder step."""
+
+import shutil
 
 import pytest
 
 from engine.config import EngineConfig
 from engine.engine import Engine
-from engine.gguf_convert import convert_gguf, embedded_gguf_path
+from engine.gguf_convert import embedded_gguf_path
+from engine.home import pdspec_home
+from engine.model_dir import model_name, resolve_model_dir
 from engine.params import SamplingParams
 from tests.kquant_gguf import write_k_quant_gguf
 from tests.test_quant import INT8_TOP1_AGREEMENT
@@ -15,9 +19,13 @@ from tests.test_quant import INT8_TOP1_AGREEMENT
 
 @pytest.fixture(scope="module")
 def k_model(tmp_path_factory) -> str:
-    directory = tmp_path_factory.mktemp("kquants")
-    gguf = write_k_quant_gguf(embedded_gguf_path(), directory / "smollm2-k.gguf")
-    return str(convert_gguf(gguf, directory / "model"))
+    """The GGUF file itself as engine.model: converted on first use, then found in the cache."""
+    gguf = write_k_quant_gguf(embedded_gguf_path(), tmp_path_factory.mktemp("kquants") / "smollm2-k.gguf")
+    converted = resolve_model_dir(str(gguf))
+    assert converted.parent == pdspec_home() / "models" and converted.name.startswith("smollm2-k-")
+    assert resolve_model_dir(str(gguf)) == converted and model_name(str(gguf)) == "smollm2-k"
+    yield str(gguf)
+    shutil.rmtree(converted)  # a test file's conversion: no use to anyone after
 
 
 def _engine(model: str, quantization: str) -> Engine:
@@ -51,3 +59,12 @@ def test_k_quant_blocks_run_with_int8_activations(k_model, chat_prompts):
     assert agree / total >= INT8_TOP1_AGREEMENT, f"int8 top-1 agrees with exact on {agree}/{total} positions"
     for e in (default, exact):
         e.close()
+
+
+def test_a_model_file_that_is_not_a_gguf_is_refused_naming_what_is_expected(tmp_path):
+    from engine.config import ModelConfigError
+
+    weights = tmp_path / "model.safetensors"
+    weights.write_bytes(b"")
+    with pytest.raises(ModelConfigError, match="is a file; expected a .gguf file or an HF model directory"):
+        resolve_model_dir(str(weights))
