@@ -7,7 +7,10 @@ ignored, so every run decodes the same count). A run's ms/token is (last token's
 token's time) / (tokens - 1): decode only, prefill excluded. Then pdspec at batch 4 and 16
 (aggregate). Prints one JSON object, then a table; `speedup` is llama.cpp's ms/token over ours.
 
-    python -m bench.peer [--threads 2] [--prompts 8] [--new-tokens 128]
+    python -m bench.peer [--threads 2] [--prompts 8] [--new-tokens 128] [--gguf FILE [--draft DIR]]
+
+--gguf: another llama-architecture GGUF (default: the embedded model's); EAGLE3 runs with the
+shipped head on the embedded model, with --draft's head on another, and is skipped otherwise.
 
 Needs llama-cpp-python (the `bench` extra) built for this CPU:
     CMAKE_ARGS=-DGGML_NATIVE=ON pip install llama-cpp-python==0.3.36   (8-15 min to build)
@@ -104,23 +107,27 @@ def main() -> None:
     ap.add_argument("--prompts", type=int, default=8)
     ap.add_argument("--new-tokens", type=int, default=128)
     ap.add_argument("--batches", type=int, nargs="*", default=[4, 16])
+    ap.add_argument("--gguf", type=Path, default=None, help="the GGUF both run (default: the embedded model's)")
+    ap.add_argument("--draft", default=None, help="EAGLE3 head directory for --gguf's model")
     args = ap.parse_args()
     try:
         import llama_cpp  # noqa: F401
     except ImportError:
         sys.exit("bench.peer needs llama-cpp-python: CMAKE_ARGS=-DGGML_NATIVE=ON pip install llama-cpp-python==0.3.36")
     os.environ.setdefault("OMP_NUM_THREADS", str(args.threads))
-    gguf = embedded_gguf_path()
-    spec = SpeculativeConfig(**yaml.safe_load(CONFIG.read_text())["engine"]["speculative"])
-    plain = Engine(EngineConfig(num_threads=args.threads, max_num_seqs=max(args.batches + [1])))
-    eagle = Engine(EngineConfig(num_threads=args.threads, speculative=spec))
+    gguf = args.gguf or embedded_gguf_path()
+    model = str(args.gguf) if args.gguf else None
+    spec = SpeculativeConfig(**yaml.safe_load(CONFIG.read_text())["engine"]["speculative"] | {"model": args.draft})
+    plain = Engine(EngineConfig(model=model, num_threads=args.threads, max_num_seqs=max(args.batches + [1])))
+    with_eagle = model is None or args.draft is not None
+    eagle = Engine(EngineConfig(model=model, num_threads=args.threads, speculative=spec)) if with_eagle else None
     questions = [json.loads(line)["prompt"] for line in PROMPTS.read_text().splitlines()[: args.prompts]]
     prompts = [plain.tokenizer.encode_chat([{"role": "user", "content": q}]) for q in questions]
     peer = LlamaCpp(gguf, args.threads)
     runs = {
         "llama.cpp": lambda t: peer.stamps(t, args.new_tokens),
         "pdspec": lambda t: _engine_stamps(plain, t, args.new_tokens),
-        "pdspec_eagle3": lambda t: _engine_stamps(eagle, t, args.new_tokens),
+        **({"pdspec_eagle3": lambda t: _engine_stamps(eagle, t, args.new_tokens)} if eagle else {}),
     }
     for run in runs.values():  # warm-up: kernels built, caches and thread pools up
         run(prompts[0][:32])
