@@ -3,7 +3,8 @@
 Runs on the embedded default model (or --model), fp32 activations, same process; our weights as
 --quantization says (default auto: the GGUF's blocks with int8 activations), transformers' the
 dequantized fp32 ones:
-- decode tokens/s at batch 1, 4, 16: 128 new tokens after a 256-token prompt (EOS ignored);
+- decode tokens/s at batch 1, 4, 16: 128 new tokens after a 256-token prompt (EOS ignored), and
+  where a decode step spends its time (layer GEMMs, attention);
 - the cost of one forward over n new tokens (default 1, 2, 4, 6, 8; logits at every row) after a
   256-token context, relative to the first n (1 by default: what a speculative verification step
   costs against a decode step);
@@ -45,18 +46,29 @@ def _prompts(n: int, vocab: int) -> list[list[int]]:
     return [[rng.randrange(100, vocab) for _ in range(PROMPT_LEN)] for _ in range(n)]
 
 
-def ours_decode(engine: Engine, batch: int) -> float:
-    """Decode tokens/s: time from every request's first token to the last token."""
+def ours_decode(engine: Engine, batch: int) -> tuple[float, dict[str, float]]:
+    """Decode tokens/s (time from every request's first token to the last token), and a decode
+    step's mean ms: whole, in the layers' GEMMs and in attention (with the native decoder step)."""
     params = SamplingParams(max_tokens=NEW_TOKENS, ignore_eos=True)
     for p in _prompts(batch, 40000):
         engine.add_request(p, params)
     generated = 0
     while generated < batch:  # prefill steps: until every request has its first token
         generated += len(engine.step())
-    start, decoded = time.perf_counter(), 0
+    native = engine.runner.model.native
+    if native is not None:
+        native.timings = torch.zeros(3, dtype=torch.float64)
+    start, decoded, steps = time.perf_counter(), 0, 0
     while engine.has_unfinished():
         decoded += sum(len(o.token_ids) for o in engine.step())
-    return decoded / (time.perf_counter() - start)
+        steps += 1
+    seconds = time.perf_counter() - start
+    step = {"step": seconds * 1e3 / steps}
+    if native is not None:
+        gemm, attention, _ = (native.timings * 1e3 / steps).tolist()
+        step |= {"layer_gemm": gemm, "attention": attention}
+        native.timings = None
+    return decoded / seconds, step
 
 
 @contextmanager
@@ -193,7 +205,9 @@ def main() -> None:
 
         hf = AutoModelForCausalLM.from_pretrained(engine.runner.model_dir, dtype=torch.float32).eval()
     for b in tqdm(args.batches, desc="decode"):
-        result["ours"][f"decode_tok_s_b{b}"] = round(ours_decode(engine, b), 2)
+        tok_s, step = ours_decode(engine, b)
+        result["ours"][f"decode_tok_s_b{b}"] = round(tok_s, 2)
+        result["ours"].setdefault("decode_step_ms", {})[b] = {k: round(v, 2) for k, v in step.items()}
         if hf is not None:
             result["transformers"][f"decode_tok_s_b{b}"] = round(hf_decode(hf, b), 2)
     spans = {"ours": ours_span_costs(engine, args.spans, args.reps)}
@@ -216,6 +230,8 @@ def _table(result: dict, batches: list[int], spans: list[int]) -> None:
     for b in batches:
         key = f"decode_tok_s_b{b}"
         print(f"{'decode tok/s batch ' + str(b):<28}" + "".join(f"{result[w].get(key, float('nan')):>14.2f}" for w in who))
+    for b, step in result["ours"]["decode_step_ms"].items():
+        print(f"{f'decode step batch {b} (ms)':<28}" + ", ".join(f"{k} {v:.2f}" for k, v in step.items()))
     for n in spans:
         print(f"{f'forward {n} tok ms (x1)':<28}" + "".join(
             f"{result[w]['span_ms'][n]:>8.2f} ({result[w]['span_rel'][n]:.2f})" for w in who))
