@@ -56,6 +56,9 @@ class RouterActor:
     def info(self) -> dict:
         return _where()
 
+    def stop(self) -> None:
+        self.router.stop()
+
 
 @ray.remote(max_restarts=-1)
 class WorkerActor:
@@ -65,9 +68,16 @@ class WorkerActor:
         # Bind the address Ray knows this node by: decode workers reach prefill workers there.
         self.worker = start_worker(config, role, router_address, host=ray.util.get_node_ip_address(),
                                    worker_id=worker_id)
+        self.drain_timeout_s = getattr(config, role).drain_timeout_s
 
     def info(self) -> dict:
         return _where() | {"address": self.worker.address}
+
+    def drain(self) -> None:
+        """Deregister, finish what runs (up to the role's drain_timeout_s), shut down; the actor
+        is killed after. Ray's actors run one call at a time unless told otherwise, and this is
+        the last."""
+        self.worker.stop(drain_timeout_s=self.drain_timeout_s)
 
 
 def replica_options(role: RoleConfig) -> dict:
@@ -173,9 +183,12 @@ class RayCluster:
         ray.kill(self.actors[name], no_restart=False)
 
     def stop(self) -> None:
-        """Kill our actors, then disconnect (which ends a Ray that start() started)."""
-        for actor in self.actors.values():
-            ray.kill(actor, no_restart=True)
+        """Drain and end our actors (workers first, as on SIGTERM), then disconnect (which ends a
+        Ray that start() started). An actor still starting is killed at once."""
+        if self._ready:
+            done, _ = ray.wait(list(self._ready.values()), num_returns=len(self._ready), timeout=0)
+            started = {name for name, ref in self._ready.items() if ref in done}
+            _drain_and_kill(self.actors, self.config, started)
         self.disconnect()
 
     def disconnect(self) -> None:
@@ -221,12 +234,27 @@ def stop_deployment(address: str | None = None) -> list[str]:
     connected = _connect(address or "auto")
     try:
         names = _deployed()
-        for name in names:
-            ray.kill(ray.get_actor(name, namespace=NAMESPACE), no_restart=True)
+        actors = {name: ray.get_actor(name, namespace=NAMESPACE) for name in names}
+        _drain_and_kill(actors, None, set(actors))
         return names
     finally:
         if connected:
             ray.shutdown()
+
+
+def _drain_and_kill(actors: dict[str, ActorHandle], config: DeploymentConfig | None, started: set[str]) -> None:
+    """The `started` workers drain first (they deregister and finish their streams while the
+    router still relays them), then the router stops; every actor is killed after, also one that
+    did not drain in time (`config`'s longest drain_timeout_s plus 15 s; without it, the schema's)."""
+    drain_s = max((getattr(config, role).drain_timeout_s for role in WORKER_ROLES) if config else
+                  [RoleConfig.model_fields["drain_timeout_s"].default])
+    ours = {name: actor for name, actor in actors.items() if name in started}
+    for method, group in (("drain", [a for n, a in ours.items() if n != ROUTER]), ("stop", [ours.get(ROUTER)])):
+        refs = [getattr(actor, method).remote() for actor in group if actor is not None]
+        if refs:
+            ray.wait(refs, num_returns=len(refs), timeout=drain_s + 15)
+    for actor in actors.values():
+        ray.kill(actor, no_restart=True)
 
 
 def _connect(address: str | None) -> bool:

@@ -6,6 +6,7 @@ no trained EAGLE3 head is involved): greedy output must be token-identical.
 """
 
 import os
+import threading
 import time
 from pathlib import Path
 
@@ -112,6 +113,15 @@ def test_local_ray_matches_the_engine_and_stops_without_leftovers(reference):
         assert [m["id"] for m in models["data"]] == ["SmolLM2-135M-Instruct"]
         processes = _children_since(before)  # Ray's own processes and our actors
         assert {info["pid"] for info in _info(cluster).values()} <= {p.pid for p in processes}
+        # Stopping drains: a stream under way when stop() begins still ends with its last token.
+        stream = _stub(cluster.router_address).Generate(_request(ASKED[0], 48, ignore_eos=True), timeout=240)
+        first = next(stream)
+        stopper = threading.Thread(target=cluster.stop)
+        stopper.start()
+        responses = [first, *stream]
+        stopper.join()
+        assert responses[-1].finish_reason == "length"
+        assert sum(len(r.token_ids) for r in responses) == responses[-1].usage.completion_tokens == 48
     finally:
         cluster.stop()
     assert not ray.is_initialized()
