@@ -151,26 +151,31 @@ async def _whole(call, shape: Shape) -> dict[str, Any]:
 
 
 async def _events(call, message: router_pb2.GenerateResponse, shape: Shape, include_usage: bool) -> AsyncIterator[str]:
-    """SSE chunks as OpenAI streams them; a failure after the status line is an error event."""
+    """SSE chunks as OpenAI streams them; a failure after the status line is an error event.
+    The events ready together go out in one write (each write is a send and a trip through the
+    server's middleware): the role with the first text, the last text with the usage and [DONE]."""
     fields = {"usage": None} if include_usage else {}
+    # a chat stream opens with the assistant's role
+    ready = [_event(shape.chunk([shape.choice("", None, delta=True, first=True)], **fields))] if shape.chat else []
     try:
-        if shape.chat:  # a chat stream opens with the assistant's role
-            yield _event(shape.chunk([shape.choice("", None, delta=True, first=True)], **fields))
         while True:
             last = bool(message.finish_reason)
             if message.text or last:
                 choice = shape.choice(message.text, message.finish_reason, delta=True)
-                yield _event(shape.chunk([choice], **fields, **(extension(message) if last else {})))
+                ready.append(_event(shape.chunk([choice], **fields, **(extension(message) if last else {}))))
             if last:
                 break
+            if ready:
+                yield "".join(ready)
+                ready = []
             message = await _next(call)
         if include_usage:
-            yield _event(shape.chunk([], usage=usage(message)))
+            ready.append(_event(shape.chunk([], usage=usage(message))))
     except OpenAIError as e:
-        yield _event(e.body())
+        ready.append(_event(e.body()))
     finally:
         call.cancel()  # finished: a no-op; cancelled (the client left): the router stops the request
-    yield "data: [DONE]\n\n"
+    yield "".join(ready) + "data: [DONE]\n\n"
 
 
 def _event(data: dict[str, Any]) -> str:
