@@ -14,7 +14,7 @@ from engine.home import pdspec_home
 from engine.model_dir import model_name, resolve_model_dir
 from engine.params import SamplingParams
 from tests.kquant_gguf import write_k_quant_gguf
-from tests.test_quant import INT8_TOP1_AGREEMENT
+from tests.test_quant import INT8_TOP1_AGREEMENT, top1_agreement
 
 
 @pytest.fixture(scope="module")
@@ -46,16 +46,9 @@ def test_k_quant_blocks_run_exactly_as_their_dequantized_weights(k_model, chat_p
 
 
 def test_k_quant_blocks_run_with_int8_activations(k_model, chat_prompts):
-    from tests.test_engine import _solo, _teacher_forced_top1
-
     default, exact = _engine(k_model, "auto"), _engine(k_model, "exact")
     assert default.runner.model.layers[1].down.qtype == "Q6_K" and default.runner.model.layers[1].down.int8_dot
-    agree = total = 0
-    for prompt in chat_prompts[:2]:
-        answer = _solo(exact, prompt, SamplingParams(max_tokens=32))
-        ours, ref = (_teacher_forced_top1(e, prompt, answer) for e in (default, exact))
-        agree += sum(a == b for a, b in zip(ours, ref))
-        total += len(ref)
+    agree, total = top1_agreement(default, exact, chat_prompts[:2], 32)
     assert agree / total >= INT8_TOP1_AGREEMENT, f"int8 top-1 agrees with exact on {agree}/{total} positions"
     for e in (default, exact):
         e.close()

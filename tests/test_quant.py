@@ -161,18 +161,25 @@ def test_exact_engine_is_token_identical_to_the_dequantized_one(exact_engine, ch
 INT8_TOP1_AGREEMENT = 0.9
 
 
-def test_default_engine_quantizes_activations_and_agrees_with_the_exact_one(engine, exact_engine, chat_prompts):
+def top1_agreement(engine, reference, prompts, max_tokens: int) -> tuple[int, int]:
+    """On `reference`'s own greedy answers, teacher-forced: at how many positions `engine`'s
+    next-token choice is `reference`'s, of how many."""
     from tests.test_engine import _solo, _teacher_forced_top1
 
+    agree = total = 0
+    for prompt in prompts:
+        answer = _solo(reference, prompt, SamplingParams(max_tokens=max_tokens))
+        ours, ref = (_teacher_forced_top1(e, prompt, answer) for e in (engine, reference))
+        agree += sum(a == b for a, b in zip(ours, ref))
+        total += len(ref)
+    return agree, total
+
+
+def test_default_engine_quantizes_activations_and_agrees_with_the_exact_one(engine, exact_engine, chat_prompts):
     model = engine.runner.model
     assert model.layers[0].qkv.int8_dot and model.lm_head.qtype == "Q8_0" and model.lm_head.int8_dot
     assert engine.runner.layout.model.endswith("+int8") and exact_engine.runner.layout.model.endswith("+exact")
-    agree = total = 0
-    for prompt in chat_prompts:
-        answer = _solo(exact_engine, prompt, SamplingParams(max_tokens=48))
-        ours, ref = (_teacher_forced_top1(e, prompt, answer) for e in (engine, exact_engine))
-        agree += sum(a == b for a, b in zip(ours, ref))
-        total += len(ref)
+    agree, total = top1_agreement(engine, exact_engine, chat_prompts, 48)
     assert agree / total >= INT8_TOP1_AGREEMENT, f"int8 top-1 agrees with exact on {agree}/{total} positions"
 
 
@@ -180,20 +187,13 @@ def test_an_hf_model_runs_int8_and_agrees_with_its_float_weights(model_dir, exac
     """quantization int8: an HF safetensors model's float matrices become Q8_0 blocks at load
     (int8 activations, the GGUF path's kernels); next-token choices stay those of the same
     weights in fp32 (here: the embedded model's dequantized weights without their GGUF blocks)."""
-    from tests.test_engine import _solo, _teacher_forced_top1
-
     for f in model_dir.iterdir():  # the directory as an HF model: no gguf/ blocks beside the fp32 weights
         if f.name != "gguf":
             (tmp_path / f.name).symlink_to(f)
     int8 = Engine(EngineConfig(model=str(tmp_path), quantization="int8", num_kv_blocks=128))
     model = int8.runner.model
     assert all(lin.qtype == "Q8_0" and lin.int8_dot for lin in (model.layers[0].qkv, model.layers[29].down, model.lm_head))
-    agree = total = 0
-    for prompt in chat_prompts[:2]:
-        answer = _solo(exact_engine, prompt, SamplingParams(max_tokens=32))
-        ours, ref = (_teacher_forced_top1(e, prompt, answer) for e in (int8, exact_engine))
-        agree += sum(a == b for a, b in zip(ours, ref))
-        total += len(ref)
+    agree, total = top1_agreement(int8, exact_engine, chat_prompts[:2], 32)
     assert agree / total >= INT8_TOP1_AGREEMENT, f"Q8_0 at load agrees with fp32 on {agree}/{total} positions"
     with pytest.raises(ValueError, match="engine.quantization: int8 runs on CPU with dtype float32"):
         Engine(EngineConfig(model=str(tmp_path), quantization="int8", dtype="bfloat16", num_kv_blocks=16))
