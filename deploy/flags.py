@@ -10,20 +10,25 @@ from pydantic import BaseModel
 
 def add_field_flags(parser: argparse.ArgumentParser, model: type[BaseModel], flags: dict[str, str]) -> None:
     """One flag per field: `flags` maps a field name to its flag ('method' -> '--speculative');
-    the value lands in the namespace under the flag's own name (see `field_values`)."""
+    the value lands in the namespace under the flag's own name (see `field_values`), and only when
+    given: a field left out takes the schema's default, which may depend on other fields."""
     for name, flag in flags.items():
         field = model.model_fields[name]
         kind, choices = _kind(field.annotation)
         help_text = f"{field.description or name} (default: {field.default})"
         if kind is bool:
-            parser.add_argument(flag, action=argparse.BooleanOptionalAction, default=field.default, help=help_text)
+            parser.add_argument(flag, action=argparse.BooleanOptionalAction, default=argparse.SUPPRESS, help=help_text)
         else:
-            parser.add_argument(flag, type=kind, choices=choices, default=field.default, help=help_text)
+            parser.add_argument(flag, type=kind, choices=choices, default=argparse.SUPPRESS, help=help_text)
 
 
 def field_values(args: argparse.Namespace, flags: dict[str, str]) -> dict:
-    """{field name: the flag's value} for the flags `add_field_flags` added."""
-    return {name: getattr(args, flag.removeprefix("--").replace("-", "_")) for name, flag in flags.items()}
+    """{field name: the flag's value} for the flags `add_field_flags` added that were given."""
+    values = {name: getattr(args, flag.removeprefix("--").replace("-", "_"), _ABSENT) for name, flag in flags.items()}
+    return {name: value for name, value in values.items() if value is not _ABSENT}
+
+
+_ABSENT = object()
 
 
 def flags_for(model: type[BaseModel], renamed: dict[str, str] | None = None) -> dict[str, str]:

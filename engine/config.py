@@ -94,14 +94,26 @@ def check_divisible(config: ModelConfig, size: int) -> None:
 DType = Literal["float32", "bfloat16", "float16"]
 
 
+# EAGLE3's settings where a config leaves them out, per device. CPU: the best measured here
+# (BENCHMARKS.md: "Tree verification", "Larger batches", "v4 head and the chain-probability
+# threshold"); CUDA: the chain vLLM and SGLang default to for EAGLE3 at batch 1.
+EAGLE3_DEFAULTS = {
+    "cpu": {"num_speculative_tokens": 5, "draft_confidence_threshold": 0.08, "draft_top_k": 4,
+            "disable_by_batch_size": 4},
+    "cuda": {"num_speculative_tokens": 3, "draft_confidence_threshold": 0.0, "draft_top_k": 1,
+             "disable_by_batch_size": None},
+}
+
+
 class SpeculativeConfig(BaseModel):
-    """Speculative decoding; field names follow vLLM's `speculative_config`."""
+    """Speculative decoding; field names follow vLLM's `speculative_config`. With method eagle3,
+    the fields of EAGLE3_DEFAULTS a config leaves out take the engine device's values there."""
 
     model_config = ConfigDict(extra="forbid")
 
     method: Literal["none", "eagle3", "ngram"] = Field(
         "none", description="speculative decoding: none, eagle3 (an EAGLE3 draft head) or ngram (prompt lookup)")
-    num_speculative_tokens: int = Field(5, ge=0, le=16, description="draft tokens per step (K)")
+    num_speculative_tokens: int = Field(5, ge=0, le=16, description="draft tokens per step (K); eagle3: 5 on cpu, 3 on cuda")
     model: str | None = Field(None, description="EAGLE3 draft directory; None = the head shipped for the embedded model")
     prompt_lookup_min: int = Field(1, ge=1, description="ngram, prompt_lookup_branch: shortest suffix to look up")
     prompt_lookup_max: int = Field(4, ge=1, description="ngram, prompt_lookup_branch: longest suffix to look up")
@@ -111,14 +123,16 @@ class SpeculativeConfig(BaseModel):
     draft_confidence_threshold: float = Field(
         0.0, ge=0.0, lt=1.0, description="eagle3: end a sequence's draft chain before the first token at which "
         "the product of the draft's probabilities along it falls below this times the number of sequences "
-        "drafting (0 = always draft K tokens; once it times the batch reaches 1, nothing is drafted)")
+        "drafting (0 = always draft K tokens; once it times the batch reaches 1, nothing is drafted); eagle3: "
+        "0.08 on cpu, 0 on cuda")
     draft_top_k: int = Field(
         1, ge=1, le=8, description="eagle3: verify the head's k most likely tokens at each "
         "draft position, the chain continuing from the first and the others as leaves of a tree (each held "
-        "to the confidence threshold by its path's probability); 1 = a chain")
+        "to the confidence threshold by its path's probability); 1 = a chain; eagle3: 4 on cpu, 1 on cuda")
     disable_by_batch_size: int | None = Field(
         None, ge=1, description="no drafting while more than this many sequences run (a draft's cost per "
-        "step stays while its gain per sequence shrinks as the batch grows); None = no limit")
+        "step stays while its gain per sequence shrinks as the batch grows); None = no limit; eagle3: 4 on cpu, "
+        "none on cuda")
     adaptive: bool = Field(
         True, description="draft only while it pays: per batch size, the measured time per emitted token with "
         "and without drafting decides each step, the other way re-measured every 16 steps (output is the same "
@@ -138,6 +152,12 @@ class SpeculativeConfig(BaseModel):
                 f"prompt_lookup_min ({self.prompt_lookup_min}) must not exceed prompt_lookup_max ({self.prompt_lookup_max})"
             )
         return self
+
+    def for_device(self, device: str) -> "SpeculativeConfig":
+        """With eagle3, EAGLE3_DEFAULTS[device] for the fields not set explicitly."""
+        if self.method != "eagle3":
+            return self
+        return self.model_copy(update={k: v for k, v in EAGLE3_DEFAULTS[device].items() if k not in self.model_fields_set})
 
 
 CPU_PREFILL_CHUNK = 128  # tokens: measured in BENCHMARKS (issue 19's fairness run)
@@ -176,6 +196,11 @@ class EngineConfig(BaseModel):
         None, ge=1, description="CPU threads for this engine; default: all cores. Processes sharing cores "
         "should split them: spinning OpenMP threads of two processes on one core stall each other"
     )
+
+    @model_validator(mode="after")
+    def _device_defaults(self) -> "EngineConfig":
+        self.speculative = self.speculative.for_device(self.device)
+        return self
 
     def prefill_chunk(self) -> int:
         """long_prefill_token_threshold, or its device default."""

@@ -17,3 +17,28 @@ def test_a_dumped_config_parses_again():
     """Launchers hand workers the config as YAML with every field listed, defaults included."""
     config = parse_config({"engine": {"num_kv_blocks": 64}, "decode": {"replicas": 2, "num_threads": 1}})
     assert parse_config(config.model_dump()) == config
+
+
+def test_eagle3_left_unset_takes_the_devices_measured_best_and_explicit_fields_stay():
+    import argparse
+    from pathlib import Path
+
+    import yaml
+
+    from deploy.cli import _add_engine_args, _engine_config
+    from engine.config import EAGLE3_DEFAULTS, EngineConfig
+
+    def chosen(spec) -> dict:
+        return {k: getattr(spec, k) for k in EAGLE3_DEFAULTS["cpu"]}
+
+    for device in ("cpu", "cuda"):
+        assert chosen(EngineConfig(device=device, speculative={"method": "eagle3"}).speculative) == EAGLE3_DEFAULTS[device]
+    explicit = EngineConfig(speculative={"method": "eagle3", "draft_top_k": 1, "disable_by_batch_size": None}).speculative
+    assert (explicit.draft_top_k, explicit.disable_by_batch_size, explicit.draft_confidence_threshold) == (1, None, 0.08)
+    assert EngineConfig(speculative={"method": "ngram"}).speculative.draft_top_k == 1  # eagle3's alone
+    parser = argparse.ArgumentParser()  # the CLI: `--speculative eagle3` and nothing else
+    _add_engine_args(parser)
+    assert chosen(_engine_config(parser.parse_args(["--speculative", "eagle3"])).speculative) == EAGLE3_DEFAULTS["cpu"]
+    for name in ("local.yaml", "aggregated.yaml"):  # the configs get them from the one place
+        spec = yaml.safe_load((Path(__file__).parent.parent / "deploy" / "configs" / name).read_text())["engine"]["speculative"]
+        assert not set(spec) & set(EAGLE3_DEFAULTS["cpu"]), name
