@@ -1,5 +1,6 @@
-"""The target's decoder layers as one native call (engine/csrc/decoder_step.c), for every CPU
-fp32 forward: prefill chunks, decode steps and speculative verification alike.
+"""Decoder layers as one native call (engine/csrc/decoder_step.c), for every CPU fp32 forward:
+the target's prefill chunks, decode steps and speculative verification alike, and the EAGLE3
+draft's midlayer (its attention input given: [norm(embedding), norm(hidden)], 2H wide).
 
 The torch layer loop in model.py stays the readable reference (and runs CUDA, bf16, tensor
 parallelism and Qwen3's q/k norms); this path runs the same GEMM and attention kernels with the
@@ -35,7 +36,8 @@ class _Model(ctypes.Structure):
     _fields_ = [(name, ctypes.c_int) for name in ("hidden", "heads", "kv_heads", "head_dim", "intermediate",
                                                   "block_size")] + [
         ("eps", ctypes.c_float), ("scale", ctypes.c_float), ("cache", ctypes.c_void_p), ("cache_bf16", ctypes.c_int),
-        ("s_block", ctypes.c_long), ("s_layer", ctypes.c_long), ("s_kv", ctypes.c_long), ("s_offset", ctypes.c_long)]
+        ("s_block", ctypes.c_long), ("s_layer", ctypes.c_long), ("s_kv", ctypes.c_long), ("s_offset", ctypes.c_long),
+        ("attn_input", ctypes.c_void_p), ("attn_width", ctypes.c_int)]
 
 
 class _Batch(ctypes.Structure):
@@ -55,28 +57,30 @@ def _matrix(linear) -> _Matrix:
 
 
 class NativeDecoder:
-    """Bound to one CausalLM's layers (their packed weights stay owned by the layers)."""
+    """Bound to decoder layers (their packed weights stay owned by the layers), with each one's
+    input norm (None: the attention input is given, as the EAGLE3 midlayer's is), the rotary
+    tables and the final norm."""
 
     @staticmethod
-    def supports(model) -> bool:
+    def supports(layers: list, norm: torch.Tensor, tp_size: int) -> bool:
         """CPU fp32 activations, one rank, no q/k norms, every projection on the packed kernels
         of one build, and the C attention kernel."""
-        layers = model.layers
         linears = [lin for layer in layers for lin in (layer.qkv, layer.o, layer.gate_up, layer.down)]
-        return (model.dtype == torch.float32 and model.tp.size == 1 and model.norm.device.type == "cpu"
+        return (norm.dtype == torch.float32 and tp_size == 1 and norm.device.type == "cpu"
                 and all(layer.q_norm is None and layer.attend is native_paged_attention for layer in layers)
                 and all(lin.packed for lin in linears) and len({id(lin.kernels) for lin in linears}) == 1)
 
-    def __init__(self, model):
-        self.model = model
-        first = model.layers[0]
+    def __init__(self, layers: list, input_norms: list, rotary, norm: torch.Tensor):
+        self.rotary, self.norm = rotary, norm
+        self.num_layers = len(layers)
+        first = layers[0]
         self.kernels: CpuKernels = first.qkv.kernels
         c = first.config  # the rank-local shapes (one rank here)
         self.config = c
-        self._layers = (_Layer * len(model.layers))(*[
+        self._layers = (_Layer * len(layers))(*[
             _Layer(_matrix(layer.qkv), _matrix(layer.o), _matrix(layer.gate_up), _matrix(layer.down),
-                   norm.data_ptr(), layer.post_norm.data_ptr())
-            for layer, norm in zip(model.layers, model.input_norms)])
+                   norm.data_ptr() if norm is not None else None, layer.post_norm.data_ptr())
+            for layer, norm in zip(layers, input_norms)])
         q_size, width = c.num_heads * c.head_dim, (c.num_heads + 2 * c.num_kv_heads) * c.head_dim
         self._scratch_per_row = (max(q_size, c.hidden_size) + max(width, 2 * c.intermediate_size) + q_size
                                  + c.hidden_size)
@@ -84,17 +88,21 @@ class NativeDecoder:
         # and the whole layer loop (benchmarks read it; None costs nothing).
         self.timings: torch.Tensor | None = None
 
-    def layers(self, x: torch.Tensor, batch: ForwardBatch, kv_cache: torch.Tensor, aux_ids: list[int]) -> torch.Tensor:
+    def layers(self, x: torch.Tensor, batch: ForwardBatch, kv_cache: torch.Tensor, aux_ids: list[int],
+               attn_input: torch.Tensor | None = None) -> torch.Tensor:
         """Runs every layer over x [T, hidden] in place; returns the residual stream entering
-        the layers `aux_ids` (sorted, < number of layers) as [T, len(aux_ids) * hidden]."""
+        the layers `aux_ids` (sorted, < number of layers) as [T, len(aux_ids) * hidden].
+        attn_input: the first layer's attention input [T, n] fp32, contiguous (its input norm None)."""
         c, meta = self.config, batch.attention
         t = x.shape[0]
         s_block, s_layer, s_kv, s_offset = kv_cache.stride()[:4]
         model = _Model(c.hidden_size, c.num_heads, c.num_kv_heads, c.head_dim, c.intermediate_size,
                        kv_cache.shape[3], c.rms_norm_eps, c.head_dim**-0.5, kv_cache.data_ptr(),
                        kv_cache.dtype == torch.bfloat16,
-                       s_block, s_layer, s_kv, s_offset)
-        rotary = self.model.rotary
+                       s_block, s_layer, s_kv, s_offset,
+                       attn_input.data_ptr() if attn_input is not None else None,
+                       attn_input.shape[1] if attn_input is not None else 0)
+        rotary = self.rotary
         positions = batch.positions.contiguous()
         tables = meta.block_tables.contiguous()
         run = _Batch(t, meta.context_lens.shape[0], tables.shape[1],
@@ -106,10 +114,10 @@ class NativeDecoder:
         aux = torch.empty(t, len(aux_ids) * c.hidden_size)
         ids = (ctypes.c_int * len(aux_ids))(*aux_ids)
         scratch = torch.empty(t * self._scratch_per_row)
-        self.kernels.decoder_layers(ctypes.byref(model), self._layers, len(self.model.layers), ctypes.byref(run),
+        self.kernels.decoder_layers(ctypes.byref(model), self._layers, self.num_layers, ctypes.byref(run),
                                     x, aux, ids, len(aux_ids), scratch)
         return aux
 
     def final_norm(self, x: torch.Tensor, rows: torch.Tensor) -> torch.Tensor:
-        """The model's final RMSNorm of x's `rows` (the positions whose logits are wanted)."""
-        return self.kernels.norm_rows(x, rows, self.model.norm, self.config.rms_norm_eps)
+        """The final RMSNorm of x's `rows` (the positions whose logits are wanted)."""
+        return self.kernels.norm_rows(x, rows, self.norm, self.config.rms_norm_eps)

@@ -89,3 +89,38 @@ def test_a_row_computes_the_same_bits_however_it_is_batched(engine):
         blocks.clear_prefix_cache()
     for a, b in zip(*runs):
         assert torch.equal(a, b)
+
+
+def test_the_native_draft_midlayer_matches_its_torch_layer():
+    """The EAGLE3 head's midlayer (its attention input given, 2H wide) through the native step:
+    the same hidden states, logits and draft-cache entries as the torch layer, for a multi-row
+    first forward and the one-row chain steps after it."""
+    from engine.config import EngineConfig
+    from engine.engine import Engine
+
+    engine = Engine(EngineConfig(speculative={"method": "eagle3"}, num_kv_blocks=64))
+    runner, draft, blocks = engine.runner, engine.runner.draft, engine.blocks
+    assert draft.native is not None
+    rng = random.Random(0)
+    prompt = _tokens(rng, 21)
+    blocks.allocate("s", prompt)
+    assert blocks.reserve("s", 3)
+    table = blocks.block_table("s")
+    steps = [(SeqChunk(prompt[1:] + [7], 0, table, 3), torch.randn(21, draft.config.layer.hidden_size)),
+             (SeqChunk([9], 21, table, 1), torch.randn(1, draft.config.layer.hidden_size))]
+    results = {}
+    for path in ("native", "torch"):
+        saved = draft.native
+        draft.native = saved if path == "native" else None
+        try:
+            outs = [runner.forward_draft([chunk], hidden) for chunk, hidden in steps]
+        finally:
+            draft.native = saved
+        results[path] = (outs, runner.draft_cache.clone())
+    (native, native_cache), (reference, reference_cache) = results["native"], results["torch"]
+    for a, b in zip(native, reference):
+        assert torch.allclose(a.hidden, b.hidden, rtol=1e-4, atol=1e-4)
+        assert torch.allclose(a.logits, b.logits, rtol=1e-4, atol=1e-4)
+        assert torch.equal(a.logits.argmax(-1), b.logits.argmax(-1))
+    assert torch.allclose(native_cache, reference_cache, rtol=1e-4, atol=1e-4)
+    engine.close()

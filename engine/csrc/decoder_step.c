@@ -41,6 +41,10 @@ typedef struct {
     void *cache;                       /* layer 0 of [blocks, layers, 2, block_size, kv_heads, D] */
     int cache_bf16;                    /* the cache's elements: bf16, else fp32 */
     long s_block, s_layer, s_kv, s_offset;
+    const float *attn_input;           /* NULL, or layer 0's attention input [T][attn_width] as given
+                                          (EAGLE3's midlayer: [norm(embedding), norm(hidden)]), in
+                                          place of rmsnorm(x) * w_in */
+    int attn_width;
 } pd_model;
 
 typedef struct {  /* one forward's batch: T rows, the sequences' query tokens one after another */
@@ -112,12 +116,12 @@ static void cache_write(const pd_model *m, char *cache, long at, const float *x,
     for (int i = 0; i < n; i++) dst[i] = to_bf16(x[i]);
 }
 
-static int attention_block(const pd_model *m, const pd_layer *L, char *cache, const pd_batch *b,
+static int attention_block(const pd_model *m, const pd_layer *L, char *cache, const pd_batch *b, const float *given,
                             float *x, float *h, float *qkv, float *att, float *tmp, int threads) {
     int T = b->tokens, H = m->hidden, D = m->head_dim;
     int q_size = m->heads * D, kv_size = m->kv_heads * D, width = q_size + 2 * kv_size;
-    rms_norm(x, L->input_norm, h, T, H, m->eps);
-    if (matmul(b, &L->qkv, h, qkv, T, H, width, threads)) return -1;
+    if (given == NULL) rms_norm(x, L->input_norm, h, T, H, m->eps);
+    if (matmul(b, &L->qkv, given ? given : h, qkv, T, given ? m->attn_width : H, width, threads)) return -1;
     for (int t = 0; t < T; t++) {
         float *r = qkv + (size_t)t * width;
         const float *c = b->cos + (size_t)b->positions[t] * D, *s = b->sin + (size_t)b->positions[t] * D;
@@ -196,7 +200,7 @@ int pd_decoder_layers(const pd_model *m, const pd_layer *layers, int num_layers,
                 for (int t = 0; t < T; t++)
                     memcpy(aux + ((size_t)t * num_aux + j) * H, x + (size_t)t * H, sizeof(float) * H);
         char *cache = (char *)m->cache + (size_t)l * m->s_layer * (m->cache_bf16 ? 2 : 4);
-        if (attention_block(m, &layers[l], cache, b, x, h, qkv, att, tmp, threads) ||
+        if (attention_block(m, &layers[l], cache, b, l == 0 ? m->attn_input : NULL, x, h, qkv, att, tmp, threads) ||
             mlp_block(m, &layers[l], b, x, h, qkv, tmp, threads))
             return -1;
     }

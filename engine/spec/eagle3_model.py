@@ -25,6 +25,7 @@ from engine.config import ModelConfig, ModelConfigError
 from engine.layers import Linear, Rotary, rms_norm
 from engine.batch import ForwardBatch
 from engine.model import DecoderLayer, attention_for
+from engine.native_decoder import NativeDecoder
 from engine.quant import quantize_matrices
 
 EAGLE3_ARCHITECTURES = ("LlamaForCausalLMEagle3", "Eagle3LlamaForCausalLM")
@@ -91,6 +92,8 @@ class Eagle3Draft:
         own_embed = w.get("embed_tokens.weight")
         self.embed = (lambda ids: own_embed[ids]) if own_embed is not None else target_embed
         self.rotary = Rotary(c, max_positions, device, dtype)
+        native = NativeDecoder.supports([self.midlayer], self.norm, 1)
+        self.native = NativeDecoder([self.midlayer], [None], self.rotary, self.norm) if native else None
 
     def project(self, aux_hidden: torch.Tensor) -> torch.Tensor:
         """Target auxiliary features [T, 3*H_target] -> draft hidden inputs [T, H]."""
@@ -104,9 +107,14 @@ class Eagle3Draft:
 
         kv_cache: the draft cache [num_blocks, 1, 2, block_size, kv_heads, head_dim]."""
         attn_input = self._attention_input(batch, hidden)
-        cos, sin = self.rotary.tables(batch.positions)
-        h = self.midlayer(hidden, attn_input, cos, sin, kv_cache[:, 0], batch.attention)
-        out = rms_norm(h.index_select(0, batch.logits_indices), self.norm, self.config.layer.rms_norm_eps)
+        if self.native is not None:  # the midlayer as one native call, as the target's layers run
+            h = hidden.contiguous().clone()
+            self.native.layers(h, batch, kv_cache, [], attn_input.contiguous())
+            out = self.native.final_norm(h, batch.logits_indices)
+        else:
+            cos, sin = self.rotary.tables(batch.positions)
+            h = self.midlayer(hidden, attn_input, cos, sin, kv_cache[:, 0], batch.attention)
+            out = rms_norm(h.index_select(0, batch.logits_indices), self.norm, self.config.layer.rms_norm_eps)
         return DraftOutput(hidden=h, logits=self.lm_head(out).float())
 
     def write_kv(self, batch: ForwardBatch, hidden: torch.Tensor, kv_cache: torch.Tensor) -> None:
