@@ -44,7 +44,7 @@ def test_bench_spec_reports_a_lossless_comparison(tmp_path):
     assert out["disable_by_batch_size"] == 1  # batch 1 is within the limit: drafting goes on
     assert out["drafted"] > 0 and 1.0 <= out["tau"] <= 4.0
     low, high = out["speedup_ci95"]  # two batches: the pooled speedup lies between theirs
-    assert low < high and low <= out["speedup"] <= high
+    assert low <= out["speedup"] <= high  # (equal when both batches ran at the same speed ratio)
     assert out["tokens_per_s_spec"] > 0 and out["tokens_per_s_base"] > 0
     split = out["drafting_step_ms"]  # where a drafting step's time went
     assert out["drafting_steps"] > 0 and set(split) == {"draft", "verify", "bookkeeping"} and min(split.values()) > 0
