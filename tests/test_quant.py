@@ -215,3 +215,14 @@ def test_the_draft_of_an_int8_engine_runs_q8_0():
     draft = Engine(EngineConfig(num_kv_blocks=64, speculative={"method": "eagle3"})).runner.draft
     for linear in (draft.fc, draft.midlayer.qkv, draft.midlayer.down, draft.lm_head):
         assert linear.qtype == "Q8_0" and linear.int8_dot
+
+
+def test_q5_0_is_kept_as_the_q8_0_blocks_of_the_same_values():
+    """llama.cpp's Q4_K_M falls back to Q5_0 for rows not in 256-blocks; the converter keeps them
+    as Q8_0 blocks (int8 q - 16, the same fp16 scale), whose dequantization is gguf's own of Q5_0."""
+    from engine.quant import q5_0_as_q8_0
+
+    w = np.random.default_rng(3).standard_normal((5, 128), dtype=np.float32)
+    q5 = quantize(w, GGMLQuantizationType.Q5_0)
+    q8 = QuantizedTensor("Q8_0", torch.from_numpy(q5_0_as_q8_0(q5)), 128)
+    assert torch.equal(q8.dequantize(), torch.from_numpy(dequantize(q5, GGMLQuantizationType.Q5_0)))
