@@ -24,7 +24,6 @@ from router.service import RegistryServicer, RouterServicer
 
 log = logging.getLogger(__name__)
 ROUTER_SERVICE = "pdspec.v1.Router"
-_WILDCARD = ("0.0.0.0", "::", "")
 # A running or queued Generate holds one of the server's threads (created as needed): the
 # admission queue runs at most this many at once, and the pool keeps room for the control RPCs.
 _MAX_RUNNING, _CONTROL_THREADS = 512, 32
@@ -88,9 +87,8 @@ def run_router(rc: RouterConfig, token: str | None, model_dir: Path, model_name:
              rc.api_key_file or "off: the API is open", "on" if tls else "off")
     if rc.http_port is None:
         return RunningRouter(server, bound, internal_server, internal_bound, None, None)
-    grpc_address = f"{'127.0.0.1' if rc.host in _WILDCARD else rc.host}:{bound}"
     authorized = (lambda header: api_keys.owner(header) is not None) if api_keys else (lambda header: True)
-    app = create_app(grpc_address, model_name, metrics.registry, registry.can_serve, authorized, tls)
+    app = create_app(router.Generate, model_name, metrics.registry, registry.can_serve, authorized)
     http = HttpServer(app, rc.host, rc.http_port)
     try:
         http_port = http.start()

@@ -1,10 +1,10 @@
 """The router's OpenAI-compatible HTTP API (FastAPI): chat and text completions, streamed as
 server-sent events or whole, the served model, liveness, readiness and Prometheus metrics.
 
-Each completion is one call to the router's own gRPC Generate on loopback, so one path
-validates, routes, retries and counts requests whichever front a client uses. A client that
-disconnects cancels that call, and the router frees the request on every worker, as it does for
-a gRPC client that leaves.
+Each completion is one call to the router's own Generate, in this process (router/local_call.py),
+so one path validates, routes, retries and counts requests whichever front a client uses. A
+client that disconnects cancels that call, and the router frees the request on every worker, as
+it does for a gRPC client that leaves.
 """
 
 import asyncio
@@ -21,9 +21,9 @@ from fastapi.responses import JSONResponse, Response, StreamingResponse
 from prometheus_client import CONTENT_TYPE_LATEST, CollectorRegistry, generate_latest
 
 from proto import rpc
-from proto.rpc import Tls
+from proto.pdspec.v1 import router_pb2
 from router.api_keys import AUTHORIZATION_METADATA_KEY
-from proto.pdspec.v1 import router_pb2, router_pb2_grpc
+from router.local_call import LocalCall
 from router.openai_schema import (ChatCompletionRequest, CompletionRequest, OpenAIError, Shape, api_field, extension,
                                   invalid, usage)
 
@@ -38,22 +38,13 @@ _HTTP_STATUS = {
 }
 
 
-def create_app(router_address: str, model_name: str, registry: CollectorRegistry, ready: Callable[[], bool],
-               authorized: Callable[[str], bool], tls: Tls | None = None) -> FastAPI:
-    """`router_address`: the router's gRPC port, dialled on loopback (over TLS with `tls`, as the
-    port then speaks nothing else; the certificate must name 127.0.0.1 or tls.server_name); `ready`: whether a request
-    sent now has a route (the readiness the gRPC health service reports); `authorized`: whether an
-    Authorization header holds an API key (completions forward it: the gRPC API checks it too)."""
-
-    @contextlib.asynccontextmanager
-    async def lifespan(app: FastAPI) -> AsyncIterator[None]:
-        channel = (grpc.aio.insecure_channel(router_address) if tls is None
-                   else grpc.aio.secure_channel(router_address, tls.channel_credentials(), tls.channel_options()))
-        async with channel:
-            app.state.router = router_pb2_grpc.RouterStub(channel)
-            yield
-
-    app = FastAPI(title="pdspec", summary="OpenAI-compatible API of a pdspec cluster", lifespan=lifespan)
+def create_app(generate: Callable, model_name: str, registry: CollectorRegistry, ready: Callable[[], bool],
+               authorized: Callable[[str], bool]) -> FastAPI:
+    """`generate`: the router's RouterServicer.Generate; `ready`: whether a request sent now has a
+    route (the readiness the gRPC health service reports); `authorized`: whether an Authorization
+    header holds an API key (checked here: the in-process call passes no interceptor; the header
+    goes along as the call's metadata, for Abort's owner)."""
+    app = FastAPI(title="pdspec", summary="OpenAI-compatible API of a pdspec cluster")
 
     @app.exception_handler(OpenAIError)
     async def openai_error(request: Request, e: OpenAIError) -> JSONResponse:
@@ -110,9 +101,8 @@ def create_app(router_address: str, model_name: str, registry: CollectorRegistry
         check_model(body.model)
         request_id = uuid.uuid4().hex
         shape = Shape(chat, request_id, model_name)
-        metadata = ((AUTHORIZATION_METADATA_KEY, header),) if header else None
-        call = request.app.state.router.Generate(body.generate_request(request_id), timeout=body.timeout,
-                                                 metadata=metadata)
+        metadata = ((AUTHORIZATION_METADATA_KEY, header),) if header else ()
+        call = LocalCall(generate, body.generate_request(request_id), metadata, body.timeout)
         if body.stream:
             first = await _next(call)  # a request refused before its first token gets its own HTTP status
             include_usage = body.stream_options is not None and body.stream_options.include_usage
@@ -131,7 +121,7 @@ def create_app(router_address: str, model_name: str, registry: CollectorRegistry
 async def _next(call) -> router_pb2.GenerateResponse:
     try:
         message = await call.read()
-    except grpc.aio.AioRpcError as e:
+    except grpc.RpcError as e:
         status, kind = _HTTP_STATUS.get(e.code(), (500, "internal_error"))
         text, param = api_field(e.details() or e.code().name) if status == 400 else (e.details(), None)
         retry_after = dict(e.trailing_metadata() or ()).get(rpc.RETRY_AFTER_METADATA_KEY)

@@ -1,0 +1,72 @@
+"""router/local_call.py: an in-process Generate ends as a gRPC call ends. Its messages arrive in
+order then EOF; abort is the status; the deadline and the caller's cancel end it with their
+status, run the context's callbacks once and close the generator (its cleanup runs at once).
+The HTTP tests (tests/test_http_api.py, test_admission.py) drive it through the real router."""
+
+import asyncio
+import threading
+
+import grpc
+import pytest
+
+from proto.pdspec.v1 import router_pb2
+from router.local_call import LocalAbort, LocalCall
+
+
+def _run(coroutine):
+    return asyncio.run(coroutine)
+
+
+def test_messages_then_eof_and_an_abort_as_its_status():
+    def generate(request, context):
+        yield router_pb2.GenerateResponse(text="a")
+        yield router_pb2.GenerateResponse(text="b", finish_reason="stop")
+
+    async def read_all():
+        call = LocalCall(generate, router_pb2.GenerateRequest())
+        return [await call.read() for _ in range(3)]
+
+    a, b, end = _run(read_all())
+    assert (a.text, b.finish_reason, end) == ("a", "stop", grpc.aio.EOF)
+
+    def refuse(request, context):
+        context.set_trailing_metadata((("retry-after", "3"),))
+        context.abort(grpc.StatusCode.RESOURCE_EXHAUSTED, "full")
+        yield  # a generator, as the servicer's Generate is
+
+    async def read_refused():
+        return await LocalCall(refuse, router_pb2.GenerateRequest()).read()
+
+    with pytest.raises(LocalAbort) as e:
+        _run(read_refused())
+    assert (e.value.code(), e.value.details(), e.value.trailing_metadata()) == (
+        grpc.StatusCode.RESOURCE_EXHAUSTED, "full", (("retry-after", "3"),))
+
+
+@pytest.mark.parametrize("ending", ["deadline", "cancel"])
+def test_the_deadline_or_a_cancel_ends_the_call_runs_its_callbacks_and_closes_the_generator(ending):
+    ended, closed, released = [], threading.Event(), threading.Event()
+
+    def generate(request, context):
+        context.add_callback(lambda: ended.append(context.code()))
+        try:
+            yield router_pb2.GenerateResponse(text="first")
+            released.wait(10)  # a worker that keeps the stream open until the call is over
+            yield router_pb2.GenerateResponse(text="late")
+        finally:
+            closed.set()
+
+    async def drive():
+        call = LocalCall(generate, router_pb2.GenerateRequest(), timeout=0.2 if ending == "deadline" else None)
+        first = await call.read()
+        if ending == "cancel":
+            call.cancel()
+        with pytest.raises(LocalAbort) as e:
+            await call.read()
+        released.set()
+        return first, e.value.code()
+
+    first, code = _run(drive())
+    expected = grpc.StatusCode.DEADLINE_EXCEEDED if ending == "deadline" else grpc.StatusCode.CANCELLED
+    assert first.text == "first" and code == expected
+    assert closed.wait(10) and ended == [expected]
