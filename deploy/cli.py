@@ -13,6 +13,7 @@ from proto.rpc import Tls
 
 from engine.config import EngineConfig, SpeculativeConfig
 from deploy.flags import add_field_flags, field_values, flags_for
+from deploy.supervisor import die_with_parent
 from engine.params import SamplingParams
 from serving.roles import WORKER_ROLES
 
@@ -358,6 +359,7 @@ def main(argv: list[str] | None = None) -> int:
     _add_bench(sub)
     _add_train_eagle3(sub)
     _add_cluster(sub)
+    die_with_parent()  # a process the local launcher started: before anything else
     args = parser.parse_args(argv)
     server = args.command in ("serve", "router", "worker")
     _configure_logging(args.log_level, server=server)

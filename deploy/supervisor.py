@@ -2,13 +2,14 @@
 (with a loud log line naming it and how it ended), and stops them all.
 
 Restarts back off exponentially (1 s, 2 s, 4 s ... at most 30 s) while a process keeps dying
-within a minute of its start, so a worker that cannot start does not spin. Each process is
-started with PR_SET_PDEATHSIG, so the kernel sends it SIGTERM when the launcher dies however it
-dies: no process outlives the launcher.
+within a minute of its start, so a worker that cannot start does not spin. Each process asks
+for PR_SET_PDEATHSIG as it starts (`die_with_parent`), so the kernel sends it SIGTERM when the
+launcher dies however it dies: no process outlives the launcher.
 """
 
 import ctypes
 import logging
+import os
 import signal
 import subprocess
 import sys
@@ -19,6 +20,7 @@ from pathlib import Path
 
 log = logging.getLogger(__name__)
 _PR_SET_PDEATHSIG = 1  # linux/prctl.h
+_PARENT_ENV = "PDSPEC_DIE_WITH_PID"  # set for a process the supervisor starts: the launcher's pid
 BACKOFF_S, MAX_BACKOFF_S, STABLE_S = 1.0, 30.0, 60.0
 _POLL_S = 0.2
 
@@ -127,12 +129,19 @@ def _how(status: int) -> str:
 
 def _popen(args: list[str], env: dict[str, str], log_path: Path) -> subprocess.Popen:
     with open(log_path, "a") as out:  # appended: a restart keeps its predecessor's last words
-        return subprocess.Popen([sys.executable, "-m", "deploy.cli", *args], env=env, stdout=out,
-                                stderr=subprocess.STDOUT, start_new_session=True, preexec_fn=_die_with_parent)
+        # No preexec_fn: with one, Python forks instead of vforking, and a fork while the launcher's
+        # gRPC threads run can abort it (seen twice: "skipping fork() handlers", an epoll error).
+        return subprocess.Popen([sys.executable, "-m", "deploy.cli", *args], env={**env, _PARENT_ENV: str(os.getpid())},
+                                stdout=out, stderr=subprocess.STDOUT, start_new_session=True)
 
 
-def _die_with_parent() -> None:
-    """Runs in the child before exec: the kernel sends it SIGTERM when the launcher dies, however
-    it dies (SIGKILL, a crash), so no worker outlives it (Linux; elsewhere stop() is the only way)."""
-    if sys.platform == "linux":
-        ctypes.CDLL(None).prctl(_PR_SET_PDEATHSIG, signal.SIGTERM)
+def die_with_parent() -> None:
+    """First thing in a process the supervisor started (deploy/cli.py): the kernel is to send it
+    SIGTERM when the launcher dies, however it dies (SIGKILL, a crash), so no worker outlives it;
+    if the launcher died before the request, exit now (Linux; elsewhere stop() is the only way)."""
+    parent = os.environ.pop(_PARENT_ENV, None)
+    if parent is None or sys.platform != "linux":
+        return
+    ctypes.CDLL(None).prctl(_PR_SET_PDEATHSIG, signal.SIGTERM)
+    if os.getppid() != int(parent):
+        sys.exit("pdspec: the launcher that started this process is gone")
