@@ -66,10 +66,12 @@ class Eagle3Proposer:
         self.block_table = block_table
         self.pending: dict[str, tuple[int, torch.Tensor]] = {}  # seq -> (first position, hidden [n, H])
         self.unprojected: list[tuple[str, int, torch.Tensor]] = []  # (seq, first position, aux [n, 3H])
+        self.unprojected_rows = 0  # their rows together (checked every step: not summed every step)
         self.positions_drafted = 0  # positions run through the draft with target features (a metric)
 
-    def observe(self, seq: Sequence, start: int, aux: torch.Tensor | None) -> None:
+    def observe(self, seq: Sequence, start: int, aux: torch.Tensor | None) -> None:  # needs_aux: never None
         self.unprojected.append((seq.seq_id, start, aux))
+        self.unprojected_rows += aux.shape[0]
 
     @torch.inference_mode()
     def release(self, seq: Sequence) -> None:
@@ -92,7 +94,7 @@ class Eagle3Proposer:
             if first + old.shape[0] != start:  # not contiguous (e.g. recomputed after preemption): restart
                 first, old = start, h[:0]
             self.pending[seq_id] = (first, torch.cat([old, h]))
-        self.unprojected = []
+        self.unprojected, self.unprojected_rows = [], 0
 
     @torch.inference_mode()
     def prefill_draft(self, seq: Sequence) -> torch.Tensor | None:
@@ -107,7 +109,7 @@ class Eagle3Proposer:
 
     @torch.inference_mode()
     def propose(self, seqs: list[Sequence], chain_slots: list[int]) -> list[Proposal]:
-        if not any(chain_slots) and sum(aux.shape[0] for *_, aux in self.unprojected) <= CATCH_UP * len(seqs):
+        if not any(chain_slots) and self.unprojected_rows <= CATCH_UP * len(seqs):
             # Nobody drafts this step (a plain step of the governor's): the target's features wait,
             # to be projected and written in one batch when drafting resumes or they pile up.
             return [Proposal([]) for _ in seqs]
