@@ -117,6 +117,12 @@ def test_slicing_and_stacking_keep_blocks():
     assert isinstance(stacked, QuantizedTensor) and torch.equal(stacked.dequantize(), torch.cat([full, full[:2]]))
     mixed = cat_rows([a, b])
     assert not isinstance(mixed, QuantizedTensor) and torch.equal(mixed, torch.cat([full, b.dequantize()]))
+    # With int8 activations, mixed types (Q4_K beside Q6_K) stay quantized: one Q8_0 of their values.
+    q4k, q6k = _quantized("Q4_K", 4, 256, int8_dot=True), _quantized("Q6_K", 2, 256, int8_dot=True)
+    fused = cat_rows([q4k, q6k])
+    values = torch.cat([q4k.dequantize(), q6k.dequantize()])
+    assert isinstance(fused, QuantizedTensor) and fused.qtype == "Q8_0" and fused.int8_dot
+    assert torch.allclose(fused.dequantize(), values, atol=values.abs().max().item() / 127)
 
 
 def test_bad_shapes_are_refused():
