@@ -24,11 +24,9 @@ def add_field_flags(parser: argparse.ArgumentParser, model: type[BaseModel], fla
 
 def field_values(args: argparse.Namespace, flags: dict[str, str]) -> dict:
     """{field name: the flag's value} for the flags `add_field_flags` added that were given."""
-    values = {name: getattr(args, flag.removeprefix("--").replace("-", "_"), _ABSENT) for name, flag in flags.items()}
-    return {name: value for name, value in values.items() if value is not _ABSENT}
-
-
-_ABSENT = object()
+    given = vars(args)
+    dests = {name: flag.removeprefix("--").replace("-", "_") for name, flag in flags.items()}
+    return {name: given[dest] for name, dest in dests.items() if dest in given}
 
 
 def flags_for(model: type[BaseModel], renamed: dict[str, str] | None = None) -> dict[str, str]:

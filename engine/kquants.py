@@ -17,7 +17,8 @@ import torch
 QK_K = 256
 
 
-def _halves(b: torch.Tensor) -> torch.Tensor:
+def halves(b: torch.Tensor) -> torch.Tensor:
+    """[..., 2] bytes -> [..., 1] fp32 of the little-endian fp16 they hold (every GGUF block's scales)."""
     return b.contiguous().view(torch.float16).float()
 
 
@@ -35,7 +36,7 @@ def decode_q4_k(data: torch.Tensor, rows: int, cols: int) -> tuple[torch.Tensor,
     """uint8 [rows, cols / 256 * 144] -> scale, min fp32 [rows, cols / 32] and the quants 0..15
     uint8 [rows, cols / 32, 32] in k order."""
     blocks = data.reshape(rows, cols // QK_K, 144)
-    d, dmin = _halves(blocks[..., 0:2]), _halves(blocks[..., 2:4])
+    d, dmin = halves(blocks[..., 0:2]), halves(blocks[..., 2:4])
     sc, mins = _q4_k_scales(blocks[..., 4:16])
     qs = blocks[..., 16:].reshape(rows, cols // QK_K, 4, 1, 32)  # four runs of 64 weights: low nibbles, then high
     q = torch.cat([qs & 15, qs >> 4], dim=3).reshape(rows, cols // 32, 32)
@@ -55,5 +56,5 @@ def decode_q6_k(data: torch.Tensor, rows: int, cols: int) -> tuple[torch.Tensor,
     high = torch.cat([(qh >> shift) & 3 for shift in (0, 2, 4, 6)], dim=3).reshape(rows, n, 2, 128)
     q = ((low | (high << 4)).to(torch.int16) - 32).to(torch.int8).reshape(rows, cols // 32, 32)
     scales = blocks[..., 192:208].contiguous().view(torch.int8).float()
-    d = _halves(blocks[..., 208:210])
+    d = halves(blocks[..., 208:210])
     return (d * scales).reshape(rows, cols // 32, 2), q

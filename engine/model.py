@@ -123,8 +123,7 @@ class CausalLM:
         self.embed = None if tied and tp.size == 1 else embed
         self.rotary = Rotary(config, max_positions, self.norm.device, self.dtype)
         self.aux_layer_ids = config.aux_layer_ids
-        native = NativeDecoder.supports(self.layers, self.norm, tp.size)
-        self.native = NativeDecoder(self.layers, self.input_norms, self.rotary, self.norm) if native else None
+        self.native = NativeDecoder.bind(self.layers, self.input_norms, self.rotary, self.norm, tp.size)
 
     def embed_tokens(self, ids: torch.Tensor) -> torch.Tensor:
         if self.embed is None:

@@ -61,14 +61,15 @@ class NativeDecoder:
     input norm (None: the attention input is given, as the EAGLE3 midlayer's is), the rotary
     tables and the final norm."""
 
-    @staticmethod
-    def supports(layers: list, norm: torch.Tensor, tp_size: int) -> bool:
-        """CPU fp32 activations, one rank, no q/k norms, every projection on the packed kernels
-        of one build, and the C attention kernel."""
+    @classmethod
+    def bind(cls, layers: list, input_norms: list, rotary, norm: torch.Tensor, tp_size: int) -> "NativeDecoder | None":
+        """A NativeDecoder for `layers`, or None unless they have CPU fp32 activations, one rank,
+        no q/k norms, every projection on the packed kernels of one build, and the C attention kernel."""
         linears = [lin for layer in layers for lin in (layer.qkv, layer.o, layer.gate_up, layer.down)]
-        return (norm.dtype == torch.float32 and tp_size == 1 and norm.device.type == "cpu"
-                and all(layer.q_norm is None and layer.attend is native_paged_attention for layer in layers)
-                and all(lin.packed for lin in linears) and len({id(lin.kernels) for lin in linears}) == 1)
+        supported = (norm.dtype == torch.float32 and tp_size == 1 and norm.device.type == "cpu"
+                     and all(layer.q_norm is None and layer.attend is native_paged_attention for layer in layers)
+                     and all(lin.packed for lin in linears) and len({id(lin.kernels) for lin in linears}) == 1)
+        return cls(layers, input_norms, rotary, norm) if supported else None
 
     def __init__(self, layers: list, input_norms: list, rotary, norm: torch.Tensor):
         self.rotary, self.norm = rotary, norm

@@ -17,7 +17,7 @@ from dataclasses import dataclass
 import numpy as np
 import torch
 
-from engine.kquants import decode_q4_k, decode_q6_k
+from engine.kquants import decode_q4_k, decode_q6_k, halves
 
 QBLOCK = 32
 BLOCKS_FILE = "gguf/blocks.safetensors"  # in a converted GGUF's directory (engine/gguf_convert.py)
@@ -140,19 +140,14 @@ def cat_rows(parts: list) -> "QuantizedTensor | torch.Tensor":
 def dequantize_blocks(qtype: str, data: torch.Tensor) -> torch.Tensor:
     """fp32 [rows, blocks * 32] from uint8 [rows, blocks * block bytes] (also for any leading shape)."""
     blocks = data.reshape(*data.shape[:-1], -1, BLOCK_BYTES[qtype])
-    d = _halves(blocks[..., 0:2])
+    d = halves(blocks[..., 0:2])
     if qtype == "Q8_0":
         q = blocks[..., 2:].contiguous().view(torch.int8).float()
         return (q * d).flatten(-2)
     q = _nibbles(blocks[..., -16:]).float()
     if qtype == "Q4_0":
         return ((q - 8) * d).flatten(-2)
-    return (q * d + _halves(blocks[..., 2:4])).flatten(-2)
-
-
-def _halves(b: torch.Tensor) -> torch.Tensor:
-    """[..., 2] bytes -> [..., 1] fp32 of the little-endian fp16 they hold."""
-    return b.contiguous().view(torch.float16).float()
+    return (q * d + halves(blocks[..., 2:4])).flatten(-2)
 
 
 def _nibbles(b: torch.Tensor) -> torch.Tensor:
