@@ -8,14 +8,16 @@ import signal
 import sys
 import time
 from pathlib import Path
-
-from proto.rpc import Tls
+from typing import TYPE_CHECKING
 
 from engine.config import EngineConfig, SpeculativeConfig
 from deploy.flags import add_field_flags, field_values, flags_for
 from deploy.supervisor import die_with_parent
 from engine.params import SamplingParams
 from serving.roles import WORKER_ROLES
+
+if TYPE_CHECKING:  # gRPC is imported by the commands that talk to servers, not by every command
+    from proto.rpc import Tls
 
 
 # The engine fields `generate` and `bench spec` expose, and every speculative field (two renamed).
@@ -261,7 +263,7 @@ def _stop(args: argparse.Namespace) -> int:
     return 0
 
 
-def _answer(router_address: str, prompt: str, tls: Tls | None) -> None:
+def _answer(router_address: str, prompt: str, tls: "Tls | None") -> None:
     from deploy.client import print_chat
 
     last = print_chat(router_address, prompt, tls=tls)
@@ -271,6 +273,8 @@ def _answer(router_address: str, prompt: str, tls: Tls | None) -> None:
 
 
 def _chat(args: argparse.Namespace) -> int:
+    from proto.rpc import Tls
+
     _answer(args.router, args.prompt, Tls.load(None, None, args.ca_file) if args.ca_file else None)
     return 0
 

@@ -49,7 +49,7 @@ typedef struct {
     const float *d;     /* [M][K/32]: d_x */
     const float *ds;    /* [M][K/32]: d_x * sum(q_x) */
     const int32_t *s;   /* [M][K/32]: sum(q_x) */
-    const int32_t *s16; /* [M][K/16]: sum(q_x) per 16 (Q8H's halves) */
+    const int32_t *s16; /* [M][K/16]: sum(q_x) per 16 (Q8H's halves), or NULL for other panels */
     int K;
 } qrows;
 
@@ -78,8 +78,10 @@ static void quantize_row(const float *x, int K, uint8_t *xb, float *d, float *ds
         }
         int total = 0;
         for (int l = 0; l < LANES; l++) total += sum[l];
-        s16[2 * b] = s16[2 * b + 1] = 0;
-        for (int i = 0; i < QBLOCK; i++) s16[2 * b + i / 16] += q[i];
+        if (s16) {
+            s16[2 * b] = s16[2 * b + 1] = 0;
+            for (int i = 0; i < QBLOCK; i++) s16[2 * b + i / 16] += q[i];
+        }
         for (int j = 0; j < QBLOCK / 4; j++) {
             int32_t group;
             memcpy(&group, q + 4 * j, 4);
@@ -356,8 +358,8 @@ int pd_quant_gemm_i8(int qtype, const float *x, const uint8_t *packed, const flo
     char *mem = malloc((size_t)M * K * XREP + 5 * sizeof(float) * (size_t)M * nb);
     if (!mem) return -1;
     float *dx = (float *)mem, *dsx = dx + (size_t)M * nb;
-    int32_t *sx = (int32_t *)(dsx + (size_t)M * nb), *s16 = sx + (size_t)M * nb;
-    uint8_t *xb = (uint8_t *)(s16 + (size_t)M * 2 * nb);
+    int32_t *sx = (int32_t *)(dsx + (size_t)M * nb), *s16 = qtype == 10 ? sx + (size_t)M * nb : NULL;
+    uint8_t *xb = (uint8_t *)(sx + (size_t)M * 3 * nb);
     size_t panel_bytes = (size_t)nb * block_bytes;
     int panels = (N + PACK - 1) / PACK, pass_rows = rows_per_pass(K), passes = (M + pass_rows - 1) / pass_rows;
     const qi_tile_fn *tiles = qtype == 8 ? q8i_tile_tiles : qtype == 4 ? q4i_tile_tiles
@@ -367,7 +369,7 @@ int pd_quant_gemm_i8(int qtype, const float *x, const uint8_t *packed, const flo
         #pragma omp for schedule(static)
         for (int m = 0; m < M; m++)
             quantize_row(x + (size_t)m * K, K, xb + (size_t)m * K * XREP, dx + (size_t)m * nb, dsx + (size_t)m * nb,
-                         sx + (size_t)m * nb, s16 + (size_t)m * 2 * nb);
+                         sx + (size_t)m * nb, s16 ? s16 + (size_t)m * 2 * nb : NULL);
         #pragma omp for schedule(static) collapse(2)
         for (int pass = 0; pass < passes; pass++)
             for (int p = 0; p < panels; p++) {
@@ -375,7 +377,7 @@ int pd_quant_gemm_i8(int qtype, const float *x, const uint8_t *packed, const flo
                 int end = (pass + 1) * pass_rows < M ? (pass + 1) * pass_rows : M;
                 for (int m0 = pass * pass_rows; m0 < end; m0 += GEMM_ROWS) {
                     qrows rows = {xb + (size_t)m0 * K * XREP, dx + (size_t)m0 * nb, dsx + (size_t)m0 * nb,
-                                   sx + (size_t)m0 * nb, s16 + (size_t)m0 * 2 * nb, K};
+                                   sx + (size_t)m0 * nb, s16 ? s16 + (size_t)m0 * 2 * nb : NULL, K};
                     tiles[end - m0 < GEMM_ROWS ? end - m0 : GEMM_ROWS](
                         &rows, packed + p * panel_bytes, bias ? bias + col : 0, y + (size_t)m0 * N + col, N, ncols);
                 }

@@ -92,8 +92,7 @@ class Eagle3Draft:
         own_embed = w.get("embed_tokens.weight")
         self.embed = (lambda ids: own_embed[ids]) if own_embed is not None else target_embed
         self.rotary = Rotary(c, max_positions, device, dtype)
-        native = NativeDecoder.supports([self.midlayer], self.norm, 1)
-        self.native = NativeDecoder([self.midlayer], [None], self.rotary, self.norm) if native else None
+        self.native = NativeDecoder.bind([self.midlayer], [None], self.rotary, self.norm, tp_size=1)
 
     def project(self, aux_hidden: torch.Tensor) -> torch.Tensor:
         """Target auxiliary features [T, 3*H_target] -> draft hidden inputs [T, H]."""
@@ -108,7 +107,7 @@ class Eagle3Draft:
         kv_cache: the draft cache [num_blocks, 1, 2, block_size, kv_heads, head_dim]."""
         attn_input = self._attention_input(batch, hidden)
         if self.native is not None:  # the midlayer as one native call, as the target's layers run
-            h = hidden.contiguous().clone()
+            h = hidden.clone(memory_format=torch.contiguous_format)  # updated in place
             self.native.layers(h, batch, kv_cache, [], attn_input.contiguous())
             out = self.native.final_norm(h, batch.logits_indices)
         else:
