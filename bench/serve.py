@@ -147,6 +147,8 @@ def http(args, questions: list[str]) -> dict[str, dict]:
 
 def fairness(args, questions: list[str]) -> dict[str, dict]:
     engine = {**ENGINE, "speculative": {"method": "none"}}
+    if args.long_prefill_token_threshold is not None:
+        engine["long_prefill_token_threshold"] = args.long_prefill_token_threshold
     short = make_workload(questions, 2 + 2 * FAIRNESS_ROUNDS)
     rows = {}
     for prefill_workers in (1, 2):
@@ -176,6 +178,8 @@ def main() -> None:
     parser.add_argument("--scenarios", nargs="+", choices=list(SCENARIOS), default=list(SCENARIOS))
     parser.add_argument("--rate", type=float, default=0.5, help="requests per second (routing, load)")
     parser.add_argument("--num-requests", type=int, default=24)
+    parser.add_argument("--long-prefill-token-threshold", type=int, default=None,
+                        help="fairness: the workers' engine.long_prefill_token_threshold (default: the schema's)")
     args = parser.parse_args()
     questions = read_prompts(CHAT_PROMPTS)
     results = {name: SCENARIOS[name](args, questions) for name in args.scenarios}

@@ -160,7 +160,7 @@ class SpeculativeConfig(BaseModel):
         return self.model_copy(update={k: v for k, v in EAGLE3_DEFAULTS[device].items() if k not in self.model_fields_set})
 
 
-CPU_PREFILL_CHUNK = 128  # tokens: measured in BENCHMARKS (issue 19's fairness run)
+CPU_PREFILL_CHUNK = 64  # token costs: measured in BENCHMARKS (issue 19's fairness run)
 
 
 class EngineConfig(BaseModel):
@@ -185,9 +185,11 @@ class EngineConfig(BaseModel):
     max_num_seqs: int = Field(16, ge=1, description="sequences in one running batch")
     max_num_batched_tokens: int = Field(2048, ge=16, description="token budget of one forward (prefill chunks)")
     long_prefill_token_threshold: int | None = Field(
-        None, ge=1, description="most prompt tokens one sequence computes per forward (vLLM's name), so a long "
-        "prompt leaves the budget and the next forward to requests that arrive while it prefills; default: 128 on "
-        "cpu (BENCHMARKS: a short request beside a 6000-token prompt waits 0.5 s instead of 18), none on cuda")
+        None, ge=1, description="most prompt tokens computed per forward (vLLM's name), so a request that arrives "
+        "while a long prompt prefills waits one short step; on cpu a token counts at its attention's cost (a token "
+        "at position p counts 1 + p / (1.25 x hidden size)), so chunks shrink as the context grows. Default: 64 on "
+        "cpu (BENCHMARKS: a short request beside a 6000-token prompt gets its first token in ~2.4x its time alone, "
+        "not 17x), none on cuda")
     enable_prefix_caching: bool = True
     max_model_len: int | None = Field(None, ge=1, description="context limit; default: the model's own")
     speculative: SpeculativeConfig = Field(default_factory=SpeculativeConfig)

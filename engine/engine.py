@@ -29,7 +29,7 @@ from engine.errors import CapacityExceeded, InvalidRequest
 from engine.output import KVHandle, OutputStream, RequestOutput, Usage
 from engine.runner import ModelRunner
 from engine.params import SamplingParams
-from engine.scheduler import ScheduledSeq, Scheduler
+from engine.scheduler import ScheduledSeq, Scheduler, context_cost
 from engine.sequence import Sequence
 from engine.spec.factory import make_proposer
 from engine.spec.governor import SpeculationGovernor
@@ -48,7 +48,8 @@ class Engine:
         self.proposer = make_proposer(config.speculative, self.runner, self.blocks.block_table)
         # A preempted sequence is recomputed later (mostly from the prefix cache): the proposer
         # leaves its state as after a finish.
-        self.scheduler = Scheduler(config, self.blocks, on_preempt=lambda seq: self.proposer.release(seq))
+        self.scheduler = Scheduler(config, self.blocks, on_preempt=lambda seq: self.proposer.release(seq),
+                                   context_cost=context_cost(config, self.runner.model_config.hidden_size))
         self.verify = verify if config.device == "cpu" else _triton_verify()
         self.max_model_len = self.runner.max_model_len
         self.seqs: dict[str, Sequence] = {}

@@ -1,12 +1,16 @@
 """Continuous batching: which sequences run in the next forward and how many tokens each.
 
-Every step the running sequences go first (oldest first): each runs its pending tokens (one
-in steady decode, more while its prompt is still being prefilled, in chunks of at most
-long_prefill_token_threshold, so that a long prompt leaves room in the budget, and a short wait,
-for requests that arrive while it prefills) and, when a
-speculative proposer is active, reserves `lookahead` extra KV slots for draft tokens. Then
-waiting sequences are admitted while the token budget, the batch size and the KV pool allow.
-When the pool cannot supply a running sequence's next slot, the youngest running sequence is
+Every step the decoding sequences go first (oldest first): one token each and, when a speculative
+proposer is active, `lookahead` extra KV slots for draft tokens. Then waiting sequences are
+admitted while the batch size and the KV pool allow, and prompts are computed shortest-remaining
+first, within the token budget, each at most long_prefill_token_threshold tokens a step. On CPU
+that cap counts a prompt token at its cost: attention over p cached positions makes a token at
+position p cost 1 + p / context_cost tokens, so a long prompt's chunks shrink as its context grows
+and its steps stay about as short as a short prompt's prefill. A prompt that cannot finish in this
+step (a chunk of a long one) runs only in a step no shorter prompt needs, or if it was passed over
+in the step before: a request that arrives while a long prompt prefills waits for at most the step
+under way, then runs without it, and the long prompt still progresses at least every other step.
+When the pool cannot supply a decoding sequence's next slot, the youngest running sequence is
 preempted (its blocks freed, to be recomputed later, mostly from the prefix cache). A
 speculative reservation that does not fit degrades to no speculation for that step.
 """
@@ -33,15 +37,32 @@ class ScheduledSeq:
         return self.seq.num_computed + self.num_tokens == len(self.seq.token_ids)
 
 
+# Cached positions whose attention costs a prompt token as much as its weight GEMMs, per unit of
+# hidden size. Per token and layer the GEMMs do ~12 h^2 multiply-adds (q/k/v/o and the MLP) and
+# attention 2 h per cached position (q.k and p.v over all heads): equal at ~6 h positions. Our CPU
+# attention runs ~5x fewer multiply-adds a second than the int8 GEMMs (BENCHMARKS, issue 19's
+# fairness run: SmolLM2-135M, one thread: 0.52 ms a token, +0.70 us per cached position).
+CPU_CONTEXT_COST_PER_HIDDEN = 1.25
+
+
+def context_cost(config: EngineConfig, hidden_size: int) -> float | None:
+    """The `context_cost` of Scheduler for this engine: None (a token counts 1) off the CPU."""
+    return CPU_CONTEXT_COST_PER_HIDDEN * hidden_size if config.device == "cpu" else None
+
+
 class Scheduler:
     def __init__(self, config: EngineConfig, block_manager: BlockManager,
-                 on_preempt: Callable[[Sequence], None] = lambda seq: None):
-        """on_preempt(seq): called while a preempted sequence still holds its blocks."""
+                 on_preempt: Callable[[Sequence], None] = lambda seq: None, context_cost: float | None = None):
+        """on_preempt(seq): called while a preempted sequence still holds its blocks. context_cost:
+        cached positions that make a prompt token count double against the prefill cap (None:
+        every token counts 1)."""
         self.config = config
         self.blocks = block_manager
         self.on_preempt = on_preempt
+        self.context_cost = context_cost
         self.waiting: deque[Sequence] = deque()
         self.running: list[Sequence] = []
+        self._passed_over: set[str] = set()  # prompts that got no chunk in the last step
 
     def add(self, seq: Sequence) -> None:
         self.waiting.append(seq)
@@ -70,18 +91,25 @@ class Scheduler:
 
     def schedule(self, lookahead: Callable[[Sequence], int]) -> list[ScheduledSeq]:
         """lookahead(seq): draft slots wanted by a decoding sequence this step."""
-        budget, chunk = self.config.max_num_batched_tokens, self.config.prefill_chunk()
+        budget = self.config.max_num_batched_tokens
         scheduled: list[ScheduledSeq] = []
         for seq in list(self.running):
             if budget == 0:
                 break
-            if seq.status is not SeqStatus.RUNNING:  # preempted by an older sequence in this loop
+            if seq.status is not SeqStatus.RUNNING or seq.num_pending > 1:  # preempted in this loop, or prefilling
                 continue
-            item = self._reserve(seq, min(seq.num_pending, budget, chunk), lookahead(seq) if seq.num_pending == 1 else 0)
+            item = self._reserve(seq, 1, lookahead(seq))
             if item is not None:
                 scheduled.append(item)
-                budget -= item.num_tokens
-        while self.waiting and budget > 0 and len(self.running) < self.config.max_num_seqs:
+                budget -= 1
+        if budget > 0:
+            self._admit()
+        scheduled += self._prefill_chunks(budget)
+        return scheduled
+
+    def _admit(self) -> None:
+        """Waiting sequences into the running batch (their prompt's blocks allocated), in order."""
+        while self.waiting and len(self.running) < self.config.max_num_seqs:
             seq = self.waiting[0]
             if not self.blocks.can_allocate(seq.token_ids):
                 break
@@ -93,10 +121,32 @@ class Scheduler:
             seq.num_computed = cached
             seq.status = SeqStatus.RUNNING
             self.running.append(seq)
-            n = min(seq.num_pending, budget, chunk)
-            scheduled.append(ScheduledSeq(seq, n, 0))
+
+    def _prefill_chunks(self, budget: int) -> list[ScheduledSeq]:
+        """This step's prompt chunks: those passed over in the last step first, then shortest
+        remaining first, within `budget` tokens, each within the cost cap; a chunk that leaves its
+        prompt unfinished runs only alone, or after a step passed over."""
+        prefilling = sorted((s for s in self.running if s.num_pending > 1),
+                            key=lambda s: (s.seq_id not in self._passed_over, s.num_pending))
+        cap = self.config.prefill_chunk()
+        chunks: list[ScheduledSeq] = []
+        for seq in prefilling:
+            n = min(seq.num_pending, budget, self._tokens_within(seq.num_computed, cap))
+            partial = n < seq.num_pending
+            if n == 0 or (partial and chunks and seq.seq_id not in self._passed_over):
+                continue
+            chunks.append(ScheduledSeq(seq, n, 0))  # the prompt's slots were allocated at admission
             budget -= n
-        return scheduled
+        chosen = {item.seq.seq_id for item in chunks}
+        self._passed_over = {s.seq_id for s in prefilling if s.seq_id not in chosen}
+        return chunks
+
+    def _token_cost(self, position: int) -> float:
+        return 1.0 if self.context_cost is None else 1.0 + position / self.context_cost
+
+    def _tokens_within(self, position: int, cap: int) -> int:
+        """Prompt tokens from `position` that cost at most `cap` (at least one)."""
+        return max(1, int(cap / self._token_cost(position)))
 
     def _reserve(self, seq: Sequence, num_tokens: int, lookahead: int) -> ScheduledSeq | None:
         """Reserve slots for `num_tokens` (+ `lookahead`), preempting younger sequences if needed."""

@@ -52,21 +52,25 @@ def test_chunked_prefill_matches(engine, prompts):
 
 
 def test_a_short_prompt_is_not_held_behind_a_long_ones_prefill(engine, prompts):
-    """A 1000-token prompt prefills 128 tokens per step on CPU; a short request that arrives after
-    its first step gets its first token in the next one, long before the long prompt's."""
-    assert engine.config.prefill_chunk() == 128
+    """A 1000-token prompt prefills in chunks of at most 64 tokens on CPU (fewer as its context
+    grows); a short request that arrives after its first step runs alone in the next one."""
+    assert engine.config.prefill_chunk() == 64
+    engine.blocks.clear_prefix_cache()
     long_prompt = (prompts[0] * 40)[:1000]
     long_id = engine.add_request(long_prompt, SamplingParams(max_tokens=1))
-    firsts: dict[str, int] = {}
-    for step in range(40):
-        if step == 1:
-            short_id = engine.add_request(prompts[1], SamplingParams(max_tokens=1))
-        for out in engine.step():
-            firsts.setdefault(out.request_id, step)
-        if not engine.has_unfinished():
-            break
-    assert firsts[short_id] == 1  # added after step 0, computed in step 1
-    assert firsts[long_id] == 1000 // 128  # its 8th step: chunks of 128 as before
+    engine.step()
+    long_seq = engine.seqs[long_id]
+    assert long_seq.num_computed == 64
+    short_id = engine.add_request(prompts[1], SamplingParams(max_tokens=1))
+    assert [out.request_id for out in engine.step()] == [short_id]
+    assert long_seq.num_computed == 64  # passed over for the newcomer's step
+    engine.step()
+    assert 0 < long_seq.num_computed - 64 < 64  # back first, a chunk priced by its context
+    steps = 3
+    while engine.has_unfinished():
+        engine.step()
+        steps += 1
+    assert steps > 1 + 1000 // 64
     assert engine.config.model_copy(update={"device": "cuda"}).prefill_chunk() == engine.config.max_num_batched_tokens
 
 

@@ -1,0 +1,86 @@
+"""The scheduler's prefill choices, without a model: chunks priced by their context on CPU, a
+newcomer beside a long prompt, and no prompt left behind."""
+
+from engine.block_manager import BlockManager
+from engine.config import EngineConfig
+from engine.params import SamplingParams
+from engine.scheduler import Scheduler
+from engine.sequence import Sequence
+
+
+def _scheduler(context_cost: float | None, cap: int = 64) -> Scheduler:
+    config = EngineConfig(long_prefill_token_threshold=cap, num_kv_blocks=1024)
+    return Scheduler(config, BlockManager(config.num_kv_blocks, config.block_size), context_cost=context_cost)
+
+
+def _add(scheduler: Scheduler, name: str, length: int) -> Sequence:
+    seq = Sequence.new(name, [100 + (i % 5000) for i in range(length)], SamplingParams())
+    scheduler.add(seq)
+    return seq
+
+
+def _step(scheduler: Scheduler) -> dict[str, int]:
+    """One schedule, its chunks run: {sequence: tokens computed}; a finished prompt gets a token."""
+    done = {}
+    for item in scheduler.schedule(lambda seq: 0):
+        item.seq.num_computed += item.num_tokens
+        if item.seq.num_computed == len(item.seq.token_ids):
+            item.seq.token_ids.append(0)
+        done[item.seq.seq_id] = item.num_tokens
+    return done
+
+
+def test_chunks_shrink_as_the_context_grows_and_cost_at_most_the_cap():
+    scheduler = _scheduler(context_cost=100.0)
+    long = _add(scheduler, "long", 2000)
+    chunks = []
+    while long.num_computed < 2000:
+        position = long.num_computed
+        chunks.append(_step(scheduler)["long"])
+        assert chunks[-1] == 1 or chunks[-1] * (1 + position / 100) <= 64
+    assert chunks[0] == 64 and chunks[1] == int(64 / 1.64) and chunks[-1] < chunks[1]
+    assert all(a >= b for a, b in zip(chunks, chunks[1:]))
+
+
+def test_without_a_context_cost_a_chunk_is_the_cap_in_tokens():
+    scheduler = _scheduler(context_cost=None)
+    long = _add(scheduler, "long", 1000)
+    assert [_step(scheduler)["long"] for _ in range(3)] == [64, 64, 64] and long.num_computed == 192
+
+
+def test_a_newcomer_runs_alone_then_the_long_prompt_goes_first():
+    scheduler = _scheduler(context_cost=100.0)
+    long = _add(scheduler, "long", 3000)
+    for _ in range(5):
+        _step(scheduler)
+    _add(scheduler, "short", 40)
+    assert _step(scheduler) == {"short": 40}  # alone: the long prompt's chunk waits a step
+    position = long.num_computed
+    # then the short one decodes beside the long prompt's next chunk, priced as before
+    assert _step(scheduler) == {"short": 1, "long": int(64 / (1 + position / 100))}
+
+
+def test_no_prompt_starves_beside_a_stream_of_newcomers():
+    scheduler = _scheduler(context_cost=100.0)
+    long = _add(scheduler, "long", 3000)
+    progress = []
+    for k in range(20):
+        _add(scheduler, f"short-{k}", 30)
+        before = long.num_computed
+        _step(scheduler)
+        progress.append(long.num_computed > before)
+    assert all(a or b for a, b in zip(progress, progress[1:]))  # at least every other step
+
+
+def test_short_prompts_that_arrive_together_prefill_together():
+    scheduler = _scheduler(context_cost=100.0)
+    for k in range(4):
+        _add(scheduler, f"short-{k}", 40 + k)
+    assert _step(scheduler) == {f"short-{k}": 40 + k for k in range(4)}
+
+
+def test_two_long_prompts_take_turns():
+    scheduler = _scheduler(context_cost=100.0)
+    a, b = _add(scheduler, "a", 3000), _add(scheduler, "b", 3000)
+    ran = [set(_step(scheduler)) for _ in range(6)]
+    assert {"a", "b"} <= set().union(*ran[:2]) and a.num_computed > 0 and b.num_computed > 0
