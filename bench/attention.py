@@ -1,0 +1,83 @@
+"""Paged attention alone: a decode step's attention over every layer, with its keys and values in
+DRAM (cold) or all in cache (hot), against the time a plain read of the same bytes takes.
+
+The embedded model's attention shape (30 layers, 9 heads over 3 KV heads of 64), one query token
+per sequence, `--context` cached positions each, blocks scattered over the pool as a long-running
+server leaves them. Cold: every sequence has blocks of its own (batch x context x 1536 bytes a
+layer). Hot: every sequence reads the same blocks of one layer (they stay in L2), so the time is
+the kernel's arithmetic. Read floor: torch summing the same per-layer slices of the cache (the
+bytes cold attention reads, in the same pieces). Prints one JSON object, then a table.
+
+    python -m bench.attention [--batches 1 4 16] [--context 320] [--threads 2]
+"""
+
+import argparse
+import json
+import time
+
+import torch
+
+from engine import cpu_kernels
+
+LAYERS, HEADS, KV_HEADS, HEAD_DIM, BLOCK = 30, 9, 3, 64, 16
+
+
+def _median_ms(fn, reps: int = 15) -> float:
+    for _ in range(3):
+        fn()
+    times = []
+    for _ in range(reps):
+        start = time.perf_counter()
+        fn()
+        times.append(time.perf_counter() - start)
+    return sorted(times)[reps // 2] * 1e3
+
+
+def measure(batch: int, context: int, dtype: torch.dtype, hot: bool) -> float:
+    """ms for one decode step's attention over all layers."""
+    kernels = cpu_kernels.kernels()
+    per_seq = -(-context // BLOCK)
+    pool = per_seq if hot else batch * per_seq
+    cache = torch.randn(pool, 1 if hot else LAYERS, 2, BLOCK, KV_HEADS, HEAD_DIM).to(dtype)
+    tables = (torch.arange(per_seq).repeat(batch, 1) if hot else torch.randperm(pool).view(batch, per_seq)).long()
+    q, out = torch.randn(batch, HEADS, HEAD_DIM), torch.empty(batch, HEADS * HEAD_DIM)
+    starts = torch.arange(batch + 1, dtype=torch.int32)
+    lengths = torch.full((batch,), context, dtype=torch.int32)
+
+    def step() -> None:
+        for layer in range(LAYERS):
+            kernels.paged_attention(q, cache[:, 0 if hot else layer], tables, starts, lengths, HEAD_DIM**-0.5, out)
+    return _median_ms(step)
+
+
+def read_floor(batch: int, context: int, dtype: torch.dtype) -> float:
+    # the same bytes summed as fp32 (torch's bf16 sum is slower than the read)
+    cache = torch.randn(batch * -(-context // BLOCK), LAYERS, 2, BLOCK, KV_HEADS, HEAD_DIM).to(dtype).view(torch.float32)
+    return _median_ms(lambda: [cache[:, layer].sum() for layer in range(LAYERS)])
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--batches", type=int, nargs="+", default=[1, 4, 16])
+    parser.add_argument("--context", type=int, default=320)
+    parser.add_argument("--threads", type=int, default=2)
+    args = parser.parse_args()
+    torch.set_num_threads(args.threads)
+    rows = {}
+    for batch in args.batches:
+        for dtype in (torch.float32, torch.bfloat16):
+            megabytes = batch * args.context * LAYERS * 2 * KV_HEADS * HEAD_DIM * dtype.itemsize / 1e6
+            cold, hot = measure(batch, args.context, dtype, False), measure(batch, args.context, dtype, True)
+            floor = read_floor(batch, args.context, dtype)
+            rows[f"b{batch} {str(dtype).removeprefix('torch.')}"] = {
+                "megabytes": round(megabytes, 1), "cold_ms": round(cold, 2), "hot_ms": round(hot, 2),
+                "read_floor_ms": round(floor, 2), "cold_gb_s": round(megabytes / cold, 1)}
+    print(json.dumps({"isa": cpu_kernels.selected_isa(), "threads": args.threads, "context": args.context,
+                      "rows": rows}))
+    print(f"{'':16}{'MB':>8}{'cold ms':>10}{'hot ms':>10}{'read ms':>10}{'cold GB/s':>11}")
+    for name, r in rows.items():
+        print(f"{name:16}{r['megabytes']:>8}{r['cold_ms']:>10}{r['hot_ms']:>10}{r['read_floor_ms']:>10}{r['cold_gb_s']:>11}")
+
+
+if __name__ == "__main__":
+    main()
