@@ -6,10 +6,10 @@ admitted while the batch size and the KV pool allow, and prompts are computed sh
 first, within the token budget, each at most long_prefill_token_threshold tokens a step. On CPU
 that cap counts a prompt token at its cost: attention over p cached positions makes a token at
 position p cost 1 + p / context_cost tokens, so a long prompt's chunks shrink as its context grows
-and its steps stay about as short as a short prompt's prefill. A prompt that cannot finish in this
-step (a chunk of a long one) runs only in a step no shorter prompt needs, or if it was passed over
-in the step before: a request that arrives while a long prompt prefills waits for at most the step
-under way, then runs without it, and the long prompt still progresses at least every other step.
+and its steps stay about as short as a short prompt's prefill. In a step where some prompt
+finishes, chunks of prompts that do not finish wait, unless they already waited in the step
+before: a request that arrives while a long prompt prefills waits for at most the step under way,
+then runs without it, and the long prompt still progresses at least every other step.
 When the pool cannot supply a decoding sequence's next slot, the youngest running sequence is
 preempted (its blocks freed, to be recomputed later, mostly from the prefix cache). A
 speculative reservation that does not fit degrades to no speculation for that step.
@@ -124,19 +124,21 @@ class Scheduler:
 
     def _prefill_chunks(self, budget: int) -> list[ScheduledSeq]:
         """This step's prompt chunks: those passed over in the last step first, then shortest
-        remaining first, within `budget` tokens, each within the cost cap; a chunk that leaves its
-        prompt unfinished runs only alone, or after a step passed over."""
+        remaining first, within `budget` tokens, each within the cost cap. When some prompt
+        finishes in this step, chunks that leave their prompt unfinished wait (unless they were
+        passed over already): a newcomer's step is not lengthened by a long prompt's chunk."""
         prefilling = sorted((s for s in self.running if s.num_pending > 1),
                             key=lambda s: (s.seq_id not in self._passed_over, s.num_pending))
         cap = self.config.prefill_chunk()
-        chunks: list[ScheduledSeq] = []
+        plan: list[ScheduledSeq] = []
         for seq in prefilling:
             n = min(seq.num_pending, budget, self._tokens_within(seq.num_computed, cap))
-            partial = n < seq.num_pending
-            if n == 0 or (partial and chunks and seq.seq_id not in self._passed_over):
-                continue
-            chunks.append(ScheduledSeq(seq, n, 0))  # the prompt's slots were allocated at admission
-            budget -= n
+            if n > 0:
+                plan.append(ScheduledSeq(seq, n, 0))  # the prompt's slots were allocated at admission
+                budget -= n
+        finishing = any(item.yields_token for item in plan)
+        chunks = [item for item in plan
+                  if not finishing or item.yields_token or item.seq.seq_id in self._passed_over]
         chosen = {item.seq.seq_id for item in chunks}
         self._passed_over = {s.seq_id for s in prefilling if s.seq_id not in chosen}
         return chunks

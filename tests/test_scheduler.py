@@ -79,8 +79,9 @@ def test_short_prompts_that_arrive_together_prefill_together():
     assert _step(scheduler) == {f"short-{k}": 40 + k for k in range(4)}
 
 
-def test_two_long_prompts_take_turns():
+def test_prompts_that_no_step_finishes_prefill_together():
     scheduler = _scheduler(context_cost=100.0)
-    a, b = _add(scheduler, "a", 3000), _add(scheduler, "b", 3000)
-    ran = [set(_step(scheduler)) for _ in range(6)]
-    assert {"a", "b"} <= set().union(*ran[:2]) and a.num_computed > 0 and b.num_computed > 0
+    seqs = [_add(scheduler, f"p{k}", 256) for k in range(8)]
+    assert _step(scheduler) == {f"p{k}": 64 for k in range(8)}
+    while any(s.num_computed < 256 for s in seqs):
+        assert len(_step(scheduler)) == 8
