@@ -160,7 +160,8 @@ def _train_eagle3(args: argparse.Namespace) -> int:
     out = Path(args.out)
     prompts = read_prompts(Path(args.prompts))[: args.max_prompts]
     if args.stage in ("distill", "all"):
-        distill(prompts, out / "data", args.target, max_new_tokens=args.max_new_tokens, batch_size=args.batch_size)
+        distill(prompts, out / "data", args.target, max_new_tokens=args.max_new_tokens, batch_size=args.batch_size,
+                store_features=not args.tokens_only)
     if args.stage in ("train", "all"):
         from tools.eagle3_training.trainer import TrainConfig, train
 
@@ -180,6 +181,9 @@ def _add_train_eagle3(sub: argparse._SubParsersAction) -> None:
     p.add_argument("--max-prompts", type=int, default=None)
     p.add_argument("--max-new-tokens", type=int, default=256, help="answer length cap during distillation")
     p.add_argument("--batch-size", type=int, default=32, help="sequences decoded together during distillation")
+    p.add_argument("--tokens-only", action="store_true",
+                   help="distill the answers' tokens only (4 bytes a token instead of ~4.6 KB of features); "
+                        "training recomputes the features with the target, one forward per batch")
     p.add_argument("--draft-vocab", type=int, default=8192, help="draft vocabulary: the most frequent target tokens")
     p.add_argument("--epochs", type=float, default=2.0)
     p.add_argument("--ttt-steps", type=int, default=3, help="training-time-test unroll depth")

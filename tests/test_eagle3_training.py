@@ -12,7 +12,8 @@ from engine.engine import Engine
 from engine.loader import load_weights
 from engine.params import SamplingParams
 from tools.eagle3_training.distill import distill
-from tools.eagle3_training.trainer import TargetDistribution, TrainConfig, load_shard, shard_paths, train
+from tools.eagle3_training.features import TargetFeatures
+from tools.eagle3_training.trainer import TargetDistribution, TrainConfig, collate, load_shard, shard_paths, train
 
 QUESTIONS = ["Name three primary colors.", "Count from 1 to 10.", "What is 12 times 12?", "Write a haiku about rain."]
 
@@ -80,3 +81,27 @@ def test_teacher_forced_accuracy_counts_every_answer_position(run_dir):
     top_k = list(result["top_k_position_1"].values())
     assert top_k == sorted(top_k) and 0 < top_k[-1] <= 1
     assert all(0 <= rate <= 1 for rate in result["top_k_position_2_given_1"].values())
+
+
+def test_tokens_only_shards_recompute_the_stored_features(run_dir, tmp_path):
+    """Distilled without features, the same answers; the target recomputes, in one forward over
+    several samples, exactly the fp16 features and last-layer outputs the decode steps stored."""
+    distill(QUESTIONS, tmp_path / "data", None, max_new_tokens=16, batch_size=4, store_features=False)
+    stored = load_shard(next((run_dir / "data").glob("shard-*.safetensors")))
+    tokens_only = load_shard(next((tmp_path / "data").glob("shard-*.safetensors")))
+    assert set(tokens_only) == {"tokens", "offsets", "prompt_lens"}
+    for key in tokens_only:
+        assert torch.equal(tokens_only[key], stored[key])
+    indices = list(range(len(QUESTIONS)))
+    with pytest.raises(ValueError, match="recompute"):
+        collate(tokens_only, indices, max_len=512)
+    recomputed = collate(tokens_only, indices, max_len=512, target_features=TargetFeatures(None, 512))
+    for got, want in zip(recomputed, collate(stored, indices, max_len=512)):
+        assert torch.equal(got, want)
+    # and training on either gives the same head
+    cfg = TrainConfig(target=None, data_dir=run_dir / "data", out_dir=tmp_path / "stored", draft_vocab_size=1024,
+                      epochs=1.0, ttt_steps=2, batch_tokens=256, warmup_steps=1)
+    heads = [load_weights(train(c), torch.float32, torch.device("cpu"))
+             for c in (cfg, replace(cfg, data_dir=tmp_path / "data", out_dir=tmp_path / "recomputed"))]
+    assert heads[0].keys() == heads[1].keys()
+    assert all(torch.equal(heads[0][k], heads[1][k]) for k in heads[0])

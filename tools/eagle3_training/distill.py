@@ -4,7 +4,9 @@ training recomputes the target's next-token distribution) are stored.
 
 Output: `shard-NNNNN.safetensors` files, each with `tokens` [T] int32 (samples concatenated),
 `offsets` [N+1] int64, `prompt_lens` [N] int64, `features` [T, 3H] fp16 and `final_hidden`
-[T, H] fp16 (the rows of a sample's last token are zero: the target never ran on it).
+[T, H] fp16 (the rows of a sample's last token are zero: the target never ran on it). With
+store_features=False only the tokens, offsets and prompt lengths (4 bytes a token instead of
+~4.6 KB): training recomputes the rest (features.py).
 `done.json` lists the finished prompt indices, so an interrupted run resumes where it stopped.
 """
 
@@ -20,30 +22,36 @@ from engine.engine import Engine
 from engine.params import SamplingParams
 from engine.sequence import Sequence
 from engine.spec.proposer import Proposal
+from tools.eagle3_training.features import FEATURE_DTYPE, with_last_layer
 
 
 class FeatureRecorder:
-    """A proposer that drafts nothing and keeps the target's features of every committed position."""
+    """A proposer that drafts nothing and keeps each finished sequence, with the target's features
+    of every committed position when needs_aux."""
 
-    needs_aux = True
-
-    def __init__(self):
+    def __init__(self, needs_aux: bool):
+        self.needs_aux = needs_aux
         self.features: dict[str, list[torch.Tensor]] = {}
-        self.finished: list[tuple[Sequence, torch.Tensor]] = []
+        self.finished: list[tuple[Sequence, torch.Tensor | None]] = []
 
     def propose(self, seqs: list[Sequence], num_tokens: list[int]) -> list[Proposal]:
         if any(num_tokens):
             raise AssertionError("FeatureRecorder runs with speculation off")
         return [Proposal([]) for _ in seqs]
 
-    def observe(self, seq: Sequence, start: int, aux: torch.Tensor) -> None:
+    def observe(self, seq: Sequence, start: int, aux: torch.Tensor | None) -> None:
+        if aux is None:  # tokens only
+            return
         parts = self.features.setdefault(seq.seq_id, [])
         if start == 0:  # (re)computed from the start, e.g. after preemption
             parts.clear()
-        parts.append(aux.to(torch.float16))
+        parts.append(aux.to(FEATURE_DTYPE))
 
     def release(self, seq: Sequence) -> None:
         if seq.finish_reason is None:  # preempted: recomputed from the start, observed again
+            return
+        if not self.needs_aux:
+            self.finished.append((seq, None))
             return
         features = torch.cat(self.features.pop(seq.seq_id))
         pad = features.new_zeros(len(seq.token_ids) - features.shape[0], features.shape[1])
@@ -51,19 +59,21 @@ class FeatureRecorder:
 
 
 def distill(prompts: list[str], out_dir: Path, target: str | None, max_new_tokens: int = 256,
-            batch_size: int = 32, shard_size: int = 256) -> None:
+            batch_size: int = 32, shard_size: int = 256, store_features: bool = True) -> None:
     out_dir.mkdir(parents=True, exist_ok=True)
     done_file = out_dir / "done.json"
     done = set(json.loads(done_file.read_text())) if done_file.exists() else set()
     todo = [i for i in range(len(prompts)) if i not in done]
     if not todo:
         return
+    # Features are observed as positions are computed: a prompt served from the prefix cache
+    # would have none. Tokens alone may share the chat template's prefix.
     engine = Engine(EngineConfig(model=target, num_kv_blocks=batch_size * 40, max_num_seqs=batch_size,
-                                 enable_prefix_caching=False))
-    recorder = FeatureRecorder()
+                                 enable_prefix_caching=not store_features))
+    recorder = FeatureRecorder(needs_aux=store_features)
     engine.proposer = recorder
-    model = engine.runner.model
-    model.aux_layer_ids = (*model.aux_layer_ids, engine.runner.model_config.num_layers)  # + the last layer's output
+    if store_features:
+        with_last_layer(engine)
     params = SamplingParams(max_tokens=max_new_tokens)
     shard = len(list(out_dir.glob("shard-*.safetensors")))
     progress = tqdm(total=len(todo), desc="distilling", unit="prompt")
@@ -83,14 +93,16 @@ def distill(prompts: list[str], out_dir: Path, target: str | None, max_new_token
     progress.close()
 
 
-def _write_shard(path: Path, samples: list[tuple[Sequence, torch.Tensor]], hidden_size: int) -> None:
+def _write_shard(path: Path, samples: list[tuple[Sequence, torch.Tensor | None]], hidden_size: int) -> None:
     lengths = torch.tensor([len(seq.token_ids) for seq, _ in samples])
-    recorded = torch.cat([f for _, f in samples])
-    save_file({
+    tensors = {
         "tokens": torch.tensor([t for seq, _ in samples for t in seq.token_ids], dtype=torch.int32),
         "offsets": torch.cat([torch.zeros(1, dtype=torch.long), lengths.cumsum(0)]),
         "prompt_lens": torch.tensor([seq.num_prompt_tokens for seq, _ in samples]),
-        "features": recorded[:, :-hidden_size].contiguous(),
-        "final_hidden": recorded[:, -hidden_size:].contiguous(),
-    }, str(path.with_suffix(".tmp")))
+    }
+    if samples[0][1] is not None:
+        recorded = torch.cat([f for _, f in samples])
+        tensors |= {"features": recorded[:, :-hidden_size].contiguous(),
+                    "final_hidden": recorded[:, -hidden_size:].contiguous()}
+    save_file(tensors, str(path.with_suffix(".tmp")))
     path.with_suffix(".tmp").rename(path)

@@ -25,6 +25,7 @@ from engine.config import ModelConfig
 from engine.layers import rms_norm
 from engine.loader import load_weights
 from engine.model_dir import resolve_model_dir
+from tools.eagle3_training.features import TargetFeatures
 from tools.eagle3_training.model import TrainableEagle3, exported_vocab
 
 
@@ -54,10 +55,16 @@ def shard_paths(data_dir: Path) -> list[Path]:
 
 
 def load_shard(path: Path) -> dict[str, torch.Tensor]:
+    """A shard's tensors; one stored without features (tokens only) has them recomputed in collate."""
     with safe_open(str(path), framework="pt") as f:
-        if "final_hidden" not in f.keys():
+        if "features" in f.keys() and "final_hidden" not in f.keys():
             raise ValueError(f"{path} has no final_hidden (an older distill wrote it): distill again into a new --out")
         return {k: f.get_tensor(k) for k in f.keys()}
+
+
+def has_features(path: Path) -> bool:
+    with safe_open(str(path), framework="pt") as f:
+        return "features" in f.keys()
 
 
 class TargetDistribution:
@@ -105,21 +112,30 @@ def _batches(shard: dict[str, torch.Tensor], cfg: TrainConfig, rng: random.Rando
     return batches
 
 
-def collate(shard: dict[str, torch.Tensor], indices: list[int], max_len: int) -> tuple[torch.Tensor, ...]:
-    """Samples padded into [B, T] tensors: features, final_hidden, tokens, valid, loss_mask (the answer)."""
+def collate(shard: dict[str, torch.Tensor], indices: list[int], max_len: int,
+            target_features: TargetFeatures | None = None) -> tuple[torch.Tensor, ...]:
+    """Samples padded into [B, T] tensors: features, final_hidden, tokens, valid, loss_mask (the
+    answer). A tokens-only shard's features come from `target_features`."""
     offsets, prompt_lens = shard["offsets"], shard["prompt_lens"]
     lengths = [min(int(offsets[i + 1] - offsets[i]), max_len) for i in indices]
+    samples = [shard["tokens"][int(offsets[i]) : int(offsets[i]) + n].long() for i, n in zip(indices, lengths)]
+    if "features" in shard:
+        stored = [(shard["features"][int(offsets[i]) :][:n], shard["final_hidden"][int(offsets[i]) :][:n])
+                  for i, n in zip(indices, lengths)]
+    elif target_features is None:
+        raise ValueError("a shard without features (distilled tokens only) needs the target to recompute them")
+    else:
+        stored = target_features([s.tolist() for s in samples])
     t = max(lengths)
     tokens = torch.zeros(len(indices), t, dtype=torch.long)
-    features = torch.zeros(len(indices), t, shard["features"].shape[1])
-    final_hidden = torch.zeros(len(indices), t, shard["final_hidden"].shape[1])
+    features = torch.zeros(len(indices), t, stored[0][0].shape[1])
+    final_hidden = torch.zeros(len(indices), t, stored[0][1].shape[1])
     valid = torch.zeros(len(indices), t, dtype=torch.bool)
     loss_mask = torch.zeros(len(indices), t, dtype=torch.bool)
-    for row, (i, n) in enumerate(zip(indices, lengths)):
-        start = int(offsets[i])
-        tokens[row, :n] = shard["tokens"][start : start + n].long()
-        features[row, :n] = shard["features"][start : start + n].float()
-        final_hidden[row, :n] = shard["final_hidden"][start : start + n].float()
+    for row, (i, n, sample, (f, h)) in enumerate(zip(indices, lengths, samples, stored)):
+        tokens[row, :n] = sample
+        features[row, :n] = f.float()
+        final_hidden[row, :n] = h.float()
         valid[row, :n] = True
         loss_mask[row, int(prompt_lens[i]) : n] = True
     return features, final_hidden, tokens, valid, loss_mask
@@ -158,7 +174,9 @@ def train(cfg: TrainConfig) -> Path:
         optim.load_state_dict(state["optim"])
         progress = state["progress"]
     schedule = lambda step: min(1.0, (step + 1) / cfg.warmup_steps) * 0.5 * (1 + math.cos(math.pi * min(step / total_steps, 1.0)))
-    _run(model, teacher, optim, schedule, shards, cfg, progress, total_steps, ckpt_dir, vocab, coverage)
+    # Shards distilled without features: the target recomputes them, one forward per batch.
+    recompute = None if all(has_features(p) for p in shards) else TargetFeatures(cfg.target, max(cfg.batch_tokens, cfg.max_len))
+    _run(model, teacher, optim, schedule, shards, cfg, progress, total_steps, ckpt_dir, vocab, coverage, recompute)
     model.export(cfg.out_dir)
     (cfg.out_dir / "training.json").write_text(json.dumps(
         {"config": {k: str(v) for k, v in asdict(cfg).items()}, "draft_vocab_coverage": coverage,
@@ -171,7 +189,8 @@ def _load_index(path: Path) -> dict[str, torch.Tensor]:
         return {k: f.get_tensor(k) for k in ("offsets", "prompt_lens")}
 
 
-def _run(model, teacher, optim, schedule, shards, cfg, progress, total_steps, ckpt_dir, vocab, coverage) -> None:
+def _run(model, teacher, optim, schedule, shards, cfg, progress, total_steps, ckpt_dir, vocab, coverage,
+         recompute: TargetFeatures | None) -> None:
     bar = tqdm(total=total_steps, initial=progress["step"], desc="training eagle3", unit="step")
     started, last_ckpt, step = time.time() - progress["seconds"], time.time(), 0
     epoch = 0
@@ -187,7 +206,7 @@ def _run(model, teacher, optim, schedule, shards, cfg, progress, total_steps, ck
                     continue
                 if progress["step"] >= total_steps or _out_of_time(cfg, started):
                     break
-                tensors = collate(shard, batch, cfg.max_len)
+                tensors = collate(shard, batch, cfg.max_len, recompute)
                 metrics = _train_step(model, teacher, optim, schedule(progress["step"]), *tensors, cfg)
                 step += 1
                 progress["step"] = step
