@@ -1,5 +1,6 @@
 """Speculative settings against each other: plain decoding and EAGLE3 with each `draft_top_k`
-(a chain, then trees with more leaves per position), each with or without the prompt-lookup
+(a chain, then trees with more leaves per position), each `draft_tree_width` (`--tree-width`,
+EAGLE-2's dynamic tree) and `num_speculative_tokens`, each with or without the prompt-lookup
 branch (`--lookup-branch`), for each head given (`--draft`), in one process, the engines taking
 turns on every prompt batch (in alternating order) so the machine's drift hits all alike. Per setting:
 tokens/s, and its time per batch against the others' as a median of per-batch ratios, a
@@ -7,7 +8,7 @@ paired figure steadier than a ratio of two runs' speeds. Greedy; every output mu
 token-identical to plain decoding. Prints one JSON object, then a table.
 
     python -m bench.spec_turns [--prompts bench/prompts/chat_eval.jsonl] [--max-prompts 40]
-        [--batch-size 1] [--top-k 1 4] [--num-speculative-tokens 5] [--threshold 0.08]
+        [--batch-size 1] [--top-k 1 4] [--tree-width 1] [--num-speculative-tokens 5] [--threshold 0.08]
         [--lookup-branch off|on|both] [--prompt-lookup-min 2] [--draft HEAD_DIR ...]
 """
 
@@ -33,7 +34,8 @@ def main() -> None:
     p.add_argument("--batch-size", type=int, default=1)
     p.add_argument("--max-tokens", type=int, default=128)
     p.add_argument("--top-k", type=int, nargs="+", default=[1, 4])
-    p.add_argument("--num-speculative-tokens", type=int, default=5)
+    p.add_argument("--tree-width", type=int, nargs="+", default=[1], help="draft_tree_width values")
+    p.add_argument("--num-speculative-tokens", type=int, nargs="+", default=[5])
     p.add_argument("--threshold", type=float, default=0.08, help="draft_confidence_threshold")
     p.add_argument("--disable-by-batch-size", type=int, default=4)
     p.add_argument("--lookup-branch", choices=["off", "on", "both"], default="off",
@@ -44,10 +46,13 @@ def main() -> None:
 
     engines = {"plain": Engine(EngineConfig())}
     branches = {"off": [False], "on": [True], "both": [False, True]}[args.lookup_branch]
-    for draft, k, branch in ((d, k, b) for d in args.draft for k in args.top_k for b in branches):
-        name = (f"{draft}:" if len(args.draft) > 1 else "") + f"top_k={k}" + ("+lookup" if branch else "")
+    settings = ((d, n, k, w, b) for d in args.draft for n in args.num_speculative_tokens for k in args.top_k
+                for w in args.tree_width for b in branches)
+    for draft, n, k, width, branch in settings:
+        name = ((f"{draft}:" if len(args.draft) > 1 else "") + (f"K={n}," if len(args.num_speculative_tokens) > 1 else "")
+                + f"top_k={k}" + (f",width={width}" if len(args.tree_width) > 1 else "") + ("+lookup" if branch else ""))
         engines[name] = Engine(EngineConfig(speculative={
-            "method": "eagle3", "model": draft, "num_speculative_tokens": args.num_speculative_tokens,
+            "method": "eagle3", "model": draft, "num_speculative_tokens": n, "draft_tree_width": width,
             "draft_top_k": k, "draft_confidence_threshold": args.threshold,
             "disable_by_batch_size": args.disable_by_batch_size, "prompt_lookup_branch": branch,
             "prompt_lookup_min": args.prompt_lookup_min}))
@@ -73,7 +78,7 @@ def main() -> None:
     names = list(engines)
     result = {
         "num_prompts": len(prompts), "batch_size": args.batch_size, "max_tokens": args.max_tokens,
-        "num_speculative_tokens": args.num_speculative_tokens, "draft_confidence_threshold": args.threshold,
+        "draft_confidence_threshold": args.threshold,
         "prompt_lookup_min": args.prompt_lookup_min, "tokens_per_s": {n: round(tokens[n] / sum(seconds[n]), 2) for n in names},
         "tau": {n: round(acceptance[n].mean_acceptance_length, 3) for n in names[1:]},
         "drafted": {n: acceptance[n].drafted for n in names[1:]},

@@ -129,6 +129,10 @@ class SpeculativeConfig(BaseModel):
         1, ge=1, le=8, description="eagle3: verify the head's k most likely tokens at each "
         "draft position, the chain continuing from the first and the others as leaves of a tree (each held "
         "to the confidence threshold by its path's probability); 1 = a chain; eagle3: 4 on cpu, 1 on cuda")
+    draft_tree_width: int = Field(
+        1, ge=1, le=8, description="eagle3: at each draft level, draft further from this many of the most likely "
+        "new tokens (EAGLE-2's dynamic tree; their path probabilities decide), up to num_speculative_tokens "
+        "drafted tokens; 1 = the chain")
     disable_by_batch_size: int | None = Field(
         None, ge=1, description="no drafting while more than this many sequences run (a draft's cost per "
         "step stays while its gain per sequence shrinks as the batch grows); None = no limit; eagle3: 4 on cpu, "
@@ -142,8 +146,9 @@ class SpeculativeConfig(BaseModel):
     def _check(self) -> "SpeculativeConfig":
         if self.method != "none" and self.num_speculative_tokens == 0:
             raise ValueError(f"num_speculative_tokens must be >= 1 with method {self.method!r} (got 0)")
-        if self.draft_top_k > 1 and self.method != "eagle3":
-            raise ValueError(f"draft_top_k > 1 needs method 'eagle3' (got {self.method!r}); set it to 1")
+        for name in ("draft_top_k", "draft_tree_width"):
+            if getattr(self, name) > 1 and self.method != "eagle3":
+                raise ValueError(f"{name} > 1 needs method 'eagle3' (got {self.method!r}); set it to 1")
         if self.prompt_lookup_branch and self.method != "eagle3":
             raise ValueError(f"prompt_lookup_branch needs method 'eagle3' (got {self.method!r}); "
                              "method 'ngram' drafts by prompt lookup alone")

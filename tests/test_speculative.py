@@ -389,3 +389,23 @@ def test_sampled_speculation_matches_plain_sampling_frequencies(engine, spec_eng
         "adaptive": False, "method": "eagle3", "num_speculative_tokens": 5, "draft_top_k": 4}))
     tv = 0.5 * (sampled_histogram(engine) - sampled_histogram(spec)).abs().sum()
     assert tv < 0.1  # total variation
+
+
+def test_a_dynamic_tree_drafts_several_branches_deep_and_stays_lossless(prompts, plain_outputs):
+    """EAGLE-2's tree (width 2): some step drafts further from two different first tokens (a
+    tree the chain-with-leaves cannot make); greedy output stays the target's, alone and batched."""
+    engine = Engine(EngineConfig(num_kv_blocks=256, speculative={
+        "adaptive": False, "method": "eagle3", "num_speculative_tokens": 8, "draft_top_k": 3,
+        "draft_tree_width": 2, "draft_confidence_threshold": 0.0}))
+    proposals = []
+    propose = engine.proposer.propose
+    engine.proposer.propose = lambda seqs, slots: proposals.extend(out := propose(seqs, slots)) or out
+    params = SamplingParams(max_tokens=32)
+    assert [_run(engine, [p], [params])[0] for p in prompts[:4]] == plain_outputs[:4]
+    assert _run(engine, prompts[:4], [params] * 4) == plain_outputs[:4]
+    assert engine.blocks.num_used_blocks == 0
+
+    def branched(parents: list[int] | None) -> bool:  # two depth-1 nodes with children of their own
+        return parents is not None and len({p for p in parents if p >= 0 and parents[p] == -1}) >= 2
+    assert any(branched(p.parents) for p in proposals)
+    assert all(len(p.token_ids) <= 15 for p in proposals)

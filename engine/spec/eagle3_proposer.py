@@ -1,4 +1,4 @@
-"""EAGLE3 chain drafting on the paged draft cache.
+"""EAGLE3 drafting on the paged draft cache: a chain, or EAGLE-2's dynamic tree.
 
 Per sequence the proposer keeps the target's auxiliary features (projected by `fc`) for the
 positions the draft has not yet seen with *target* features: after a prefill, the prompt; after
@@ -8,7 +8,10 @@ drafting them came from its own hidden states and is overwritten here). Proposin
    at p), whose last row predicts the first draft token;
 2. K-1 single-row forwards, each at the next position with the previous draft token and the
    draft's own output hidden state.
-All sequences of the batch go through each forward together.
+All sequences of the batch go through each forward together. With a tree width w > 1 (EAGLE-2),
+each level drafts further from the w most likely new tokens (by path probability) instead of
+one, and a level's forward reruns the tree's drafted nodes as a tree span (draft_tree.py): each
+row sees the draft KV of its own ancestors only, at positions by depth.
 
 With a confidence threshold P, a sequence's chain ends before the first token at which the
 product of the draft's probabilities along the chain falls below P times the number of
@@ -46,6 +49,7 @@ import torch
 from engine.attention import SHORT_QUERY
 from engine.batch import SeqChunk
 from engine.sequence import Sequence, SeqStatus
+from engine.spec.draft_tree import DraftTree
 from engine.spec.proposer import Proposal
 
 CATCH_UP = 32  # pending positions past which a sequence's draft cache is brought up to date
@@ -55,13 +59,15 @@ MAX_TREE_TOKENS = SHORT_QUERY - 1  # a tree span ([last token] + drafts) is a sh
 class Eagle3Proposer:
     needs_aux = True
 
-    def __init__(self, runner, block_table, confidence_threshold: float = 0.0, top_k: int = 1):
+    def __init__(self, runner, block_table, confidence_threshold: float = 0.0, top_k: int = 1, width: int = 1):
         """runner: the ModelRunner holding the draft and its cache; block_table(seq_id) -> block ids;
         confidence_threshold: per sequence drafting, the least product of draft probabilities a
-        proposed chain may have; top_k: candidates per draft position."""
+        proposed token's path may have; top_k: candidates per drafted node; width: nodes drafted
+        further per level (1: a chain)."""
         self.runner = runner
         self.confidence_threshold = confidence_threshold
         self.top_k = top_k
+        self.width = width
         self.draft = runner.draft
         self.block_table = block_table
         self.pending: dict[str, tuple[int, torch.Tensor]] = {}  # seq -> (first position, hidden [n, H])
@@ -117,12 +123,9 @@ class Eagle3Proposer:
         known = [(s, k) for s, k in zip(seqs, chain_slots) if s.seq_id in self.pending]
         if any(self.pending[s.seq_id][1].shape[0] > CATCH_UP for s, _ in known):
             self._catch_up([s for s, _ in known])
-        drafting = [(s, k) for s, k in known if k > 0]
-        drafts: dict[str, list[int]] = {s.seq_id: [] for s, _ in drafting}
-        leaves: dict[str, list[tuple[float, int, int]]] = {s.seq_id: [] for s, _ in drafting}
-        if drafting and self.confidence_threshold * len(drafting) < 1.0:
-            self._draft(drafting, drafts, leaves)
-        return [_proposal(drafts.get(s.seq_id, []), leaves.get(s.seq_id, [])) for s in seqs]
+        drafting = [(s, min(k, MAX_TREE_TOKENS)) for s, k in known if k > 0]
+        trees = self._draft(drafting) if drafting and self.confidence_threshold * len(drafting) < 1.0 else {}
+        return [trees.get(s.seq_id, Proposal([])) for s in seqs]
 
     def _catch_up(self, seqs: list[Sequence], keep_last: bool = True) -> None:
         """Write the draft cache's KV for the pending positions, in one batched call that computes
@@ -158,47 +161,65 @@ class Eagle3Proposer:
         self.positions_drafted += hidden.shape[0]
         return chunks, hidden
 
-    def _draft(self, active: list[tuple[Sequence, int]], drafts: dict[str, list[int]],
-               leaves: dict[str, list[tuple[float, int, int]]]) -> None:
-        """Fill each sequence's chain (drafts) and, with top_k > 1, its leaves (path probability,
-        parent's index in the chain, token)."""
-        seqs, limits = [s for s, _ in active], [k for _, k in active]
+    def _draft(self, active: list[tuple[Sequence, int]]) -> dict[str, Proposal]:
+        """Each sequence's draft tree (see draft_tree.py), grown a level per draft forward for all
+        sequences together."""
+        seqs = [s for s, _ in active]
         chunks, hidden = self._take_pending(seqs)
-        chain_prob = torch.ones(len(seqs), device=hidden.device)
-        threshold = self.confidence_threshold * len(seqs)
-        while True:
+        trees = {s.seq_id: DraftTree(self.width, k, self.confidence_threshold * len(seqs)) for s, k in active}
+        roots = [(c, hidden[row]) for c, row in zip(chunks, _last_rows(chunks))]  # (chunk, root input hidden)
+        out_hidden: dict[tuple[str, int], torch.Tensor] = {}  # (seq, node or -1) -> its row's draft output
+        expanding = [(seq, -1) for seq in seqs]  # (sequence, node) rows whose logits this forward gives
+        while expanding:
             out = self.runner.forward_draft(chunks, hidden)
-            choices, path_prob = self._choose(out.logits, chain_prob)
-            chain_prob = path_prob[:, 0]
-            passes = (path_prob >= threshold).tolist()
-            last_rows = torch.tensor([len(c.token_ids) for c in chunks], device=hidden.device).cumsum(0) - 1
-            last_hidden = out.hidden.index_select(0, last_rows)
-            for seq, tokens, ok, probs in zip(seqs, choices, passes, path_prob.tolist()):
-                chain = drafts[seq.seq_id]
-                leaves[seq.seq_id] += [(p, len(chain) - 1, t) for t, o, p in zip(tokens[1:], ok[1:], probs[1:]) if o]
-                if ok[0]:
-                    chain.append(tokens[0])
-            keep = [i for i, seq in enumerate(seqs) if passes[i][0] and len(drafts[seq.seq_id]) < limits[i]]
-            if not keep:
-                return
-            # Next step: one row per sequence at the next position, fed its own last hidden state.
-            chunks = [SeqChunk([choices[i][0]], chunks[i].end, chunks[i].block_table, num_logits=1) for i in keep]
-            hidden, chain_prob = last_hidden[keep], chain_prob[keep]
-            seqs, limits = [seqs[i] for i in keep], [limits[i] for i in keep]
+            rows = [r for c, last in zip(chunks, _last_rows(chunks)) for r in range(last + 1 - c.num_logits, last + 1)]
+            parent_prob = torch.tensor([trees[s.seq_id].nodes[n].prob if n >= 0 else 1.0 for s, n in expanding],
+                                       device=hidden.device)
+            choices, path_prob = self._choose(out.logits, parent_prob)
+            firsts = {}
+            for (seq, node), row, tokens, probs in zip(expanding, rows, choices, path_prob.tolist()):
+                out_hidden[seq.seq_id, node] = out.hidden[row]
+                firsts.setdefault(seq.seq_id, len(trees[seq.seq_id].nodes))
+                trees[seq.seq_id].add_children(node, tokens, probs)
+            chunks, hidden, expanding = self._next_level(seqs, trees, firsts, roots, out_hidden)
+        return {seq_id: tree.proposal(MAX_TREE_TOKENS) for seq_id, tree in trees.items()}
 
-    def _choose(self, logits: torch.Tensor, chain_prob: torch.Tensor) -> tuple[list[list[int]], torch.Tensor]:
-        """Each row's top_k tokens (target ids, most likely first) and the chain's probability
-        extended by each (all ones when no threshold needs them)."""
-        if self.confidence_threshold == 0.0:  # the probabilities are not needed
+    def _next_level(self, seqs: list[Sequence], trees: dict[str, DraftTree], firsts: dict[str, int], roots,
+                    out_hidden) -> tuple[list[SeqChunk], torch.Tensor | None, list[tuple[Sequence, int]]]:
+        """The next draft forward: for each sequence that grew a new frontier with room to expand,
+        its frontier's rows. A chain needs only them (everything before is an ancestor); a wider
+        tree reruns its expanded nodes as a tree span, so each row sees its own ancestors only."""
+        chunks, hidden, expanding = [], [], []
+        for seq, (root_chunk, root_hidden) in zip(seqs, roots):
+            tree = trees[seq.seq_id]
+            if seq.seq_id not in firsts or not tree.grow(firsts[seq.seq_id]) or len(tree.spine) >= tree.max_spine:
+                continue
+            depth_start = root_chunk.end  # position of the first level's row (the root's row is end - 1)
+            if tree.is_chain():
+                rows = tree.frontier
+                chunks.append(SeqChunk([tree.nodes[rows[0]].token], depth_start + len(tree.spine) - 1,
+                                       root_chunk.block_table, num_logits=1))
+                hidden.append(out_hidden[seq.seq_id, tree.nodes[rows[0]].parent][None])
+            else:
+                rows = tree.spine
+                index = {node: k for k, node in enumerate(rows)} | {-1: -1}
+                chunks.append(SeqChunk([root_chunk.token_ids[-1]] + [tree.nodes[n].token for n in rows],
+                                       depth_start - 1, root_chunk.block_table, num_logits=len(tree.frontier),
+                                       draft_parents=[index[tree.nodes[n].parent] for n in rows]))
+                hidden.append(torch.stack([root_hidden] + [out_hidden[seq.seq_id, tree.nodes[n].parent] for n in rows]))
+            expanding += [(seq, n) for n in tree.frontier]
+        return chunks, torch.cat(hidden) if hidden else None, expanding
+
+    def _choose(self, logits: torch.Tensor, parent_prob: torch.Tensor) -> tuple[list[list[int]], torch.Tensor]:
+        """Each row's top_k tokens (target ids, most likely first) and their path probabilities
+        (the parent's times their own; all ones when neither a threshold nor a tree needs them)."""
+        if self.confidence_threshold == 0.0 and self.width == 1:  # the probabilities are not needed
             choice = logits.topk(self.top_k, dim=-1).indices if self.top_k > 1 else logits.argmax(-1, keepdim=True)
             return self.draft.to_target_ids(choice).tolist(), torch.ones(choice.shape, device=logits.device)
         prob, choice = torch.softmax(logits.float(), dim=-1).topk(self.top_k, dim=-1)
-        return self.draft.to_target_ids(choice).tolist(), chain_prob[:, None] * prob
+        return self.draft.to_target_ids(choice).tolist(), parent_prob[:, None] * prob
 
 
-def _proposal(chain: list[int], leaves: list[tuple[float, int, int]]) -> Proposal:
-    """The chain, then the most likely leaves that fit in a verification span."""
-    leaves = sorted(leaves, key=lambda leaf: -leaf[0])[: max(0, MAX_TREE_TOKENS - len(chain))]
-    if not leaves:
-        return Proposal(chain)
-    return Proposal(chain + [t for _, _, t in leaves], list(range(-1, len(chain) - 1)) + [p for _, p, _ in leaves])
+def _last_rows(chunks: list[SeqChunk]) -> list[int]:
+    """Each chunk's last row in the forward's concatenated rows."""
+    return (torch.tensor([len(c.token_ids) for c in chunks]).cumsum(0) - 1).tolist()

@@ -11,7 +11,8 @@ def make_proposer(config: SpeculativeConfig, runner, block_table: Callable[[str]
         from engine.spec.eagle3_proposer import MAX_TREE_TOKENS, Eagle3Proposer
         from engine.spec.ngram import LookupBranch
 
-        eagle3 = Eagle3Proposer(runner, block_table, config.draft_confidence_threshold, config.draft_top_k)
+        eagle3 = Eagle3Proposer(runner, block_table, config.draft_confidence_threshold, config.draft_top_k,
+                                config.draft_tree_width)
         if not config.prompt_lookup_branch:
             return eagle3
         return LookupBranch(eagle3, config.prompt_lookup_min, config.prompt_lookup_max, MAX_TREE_TOKENS)
