@@ -184,8 +184,9 @@ class Eagle3Proposer:
             chunks, hidden, expanding = self._next_level(seqs, trees, firsts, roots, out_hidden)
         return {seq_id: tree.proposal(MAX_TREE_TOKENS) for seq_id, tree in trees.items()}
 
-    def _next_level(self, seqs: list[Sequence], trees: dict[str, DraftTree], firsts: dict[str, int], roots,
-                    out_hidden) -> tuple[list[SeqChunk], torch.Tensor | None, list[tuple[Sequence, int]]]:
+    def _next_level(self, seqs: list[Sequence], trees: dict[str, DraftTree], firsts: dict[str, int],
+                    roots: list[tuple[SeqChunk, torch.Tensor]], out_hidden: dict[tuple[str, int], torch.Tensor],
+                    ) -> tuple[list[SeqChunk], torch.Tensor | None, list[tuple[Sequence, int]]]:
         """The next draft forward: for each sequence that grew a new frontier with room to expand,
         its frontier's rows. A chain needs only them (everything before is an ancestor); a wider
         tree reruns its expanded nodes as a tree span, so each row sees its own ancestors only."""
@@ -196,17 +197,17 @@ class Eagle3Proposer:
                 continue
             depth_start = root_chunk.end  # position of the first level's row (the root's row is end - 1)
             if tree.is_chain():
-                rows = tree.frontier
-                chunks.append(SeqChunk([tree.nodes[rows[0]].token], depth_start + len(tree.spine) - 1,
-                                       root_chunk.block_table, num_logits=1))
-                hidden.append(out_hidden[seq.seq_id, tree.nodes[rows[0]].parent][None])
+                node = tree.nodes[tree.frontier[0]]
+                chunks.append(SeqChunk([node.token], depth_start + len(tree.spine) - 1, root_chunk.block_table,
+                                       num_logits=1))
+                hidden.append(out_hidden[seq.seq_id, node.parent][None])
             else:
-                rows = tree.spine
-                index = {node: k for k, node in enumerate(rows)} | {-1: -1}
-                chunks.append(SeqChunk([root_chunk.token_ids[-1]] + [tree.nodes[n].token for n in rows],
-                                       depth_start - 1, root_chunk.block_table, num_logits=len(tree.frontier),
-                                       draft_parents=[index[tree.nodes[n].parent] for n in rows]))
-                hidden.append(torch.stack([root_hidden] + [out_hidden[seq.seq_id, tree.nodes[n].parent] for n in rows]))
+                spine = [tree.nodes[n] for n in tree.spine]
+                index = {n: k for k, n in enumerate(tree.spine)} | {-1: -1}
+                chunks.append(SeqChunk([root_chunk.token_ids[-1]] + [node.token for node in spine], depth_start - 1,
+                                       root_chunk.block_table, num_logits=len(tree.frontier),
+                                       draft_parents=[index[node.parent] for node in spine]))
+                hidden.append(torch.stack([root_hidden] + [out_hidden[seq.seq_id, node.parent] for node in spine]))
             expanding += [(seq, n) for n in tree.frontier]
         return chunks, torch.cat(hidden) if hidden else None, expanding
 
