@@ -14,9 +14,10 @@ driven by the same load (`tools/loadgen.py`, what `pdspec bench serve` runs):
             SSE chunk is one token, as a gRPC message is), the same prompts through gRPC and HTTP
             taking turns one at a time (each prompt warmed first: both find it cached), with the
             median per-prompt TTFT difference, then each API under the same Poisson load.
-- fairness: a short chat request sent while a ~6000-token prompt prefills (disaggregated, no
-            speculation; 1 then 2 prefill workers), against short requests alone: what chunked
-            prefill, and then routing, leave a newcomer.
+- fairness: a short chat request sent 0.5 s and 8 s into a ~6000-token prompt's prefill (early,
+            at a short context, and late, at a long one; disaggregated, no speculation; 1 then 2
+            prefill workers), against short requests alone: what chunked prefill, and then
+            routing, leave a newcomer.
 
     python -m bench.serve [--scenarios routing ttft load] [--rate R] [--num-requests N]
 
@@ -41,7 +42,7 @@ from proto.pdspec.v1.common_pb2 import ChatMessage
 
 ROUTING_PREFIXES, ROUTING_PREFIX_TOKENS, ROUTING_KV_BLOCKS = 8, 600, 240
 TTFT_DOCUMENT_TOKENS = 360
-FAIRNESS_LONG_TOKENS, FAIRNESS_DELAY_S, FAIRNESS_ROUNDS = 4000, 0.5, 3  # ~6000 tokens (about 30 per sentence)
+FAIRNESS_LONG_TOKENS, FAIRNESS_DELAYS_S, FAIRNESS_ROUNDS = 4000, (0.5, 8.0), 3  # ~6000 tokens (~30 a sentence)
 CHAT_PROMPTS = Path(__file__).parent / "prompts" / "chat_eval.jsonl"
 ENGINE = {"num_kv_blocks": 1024, "max_num_seqs": 16,
           "speculative": {"method": "eagle3", "num_speculative_tokens": 2}}
@@ -149,24 +150,29 @@ def fairness(args, questions: list[str]) -> dict[str, dict]:
     engine = {**ENGINE, "speculative": {"method": "none"}}
     if args.long_prefill_token_threshold is not None:
         engine["long_prefill_token_threshold"] = args.long_prefill_token_threshold
-    short = make_workload(questions, 2 + 2 * FAIRNESS_ROUNDS)
+    short = make_workload(questions, 2 + (1 + len(FAIRNESS_DELAYS_S)) * FAIRNESS_ROUNDS)
     rows = {}
     for prefill_workers in (1, 2):
         roles = {**DISAGGREGATED, "prefill": {**DISAGGREGATED["prefill"], "replicas": prefill_workers}}
-        alone, beside, long = [], [], []
+        alone, long = [], []
+        beside: dict[float, list] = {delay: [] for delay in FAIRNESS_DELAYS_S}
+        fresh = iter(short[2:])
         with _cluster(roles, {}, short[:2], engine) as cluster, concurrent.futures.ThreadPoolExecutor(1) as pool:
             for k in range(FAIRNESS_ROUNDS):
-                alone += run_load(cluster.router_address, [short[2 + 2 * k]], 0, 8)[0]
-                # A document no cache holds (its first sentence names k), then the short request
-                # once the long prompt's prefill is under way.
-                document = [ChatMessage(role="user", content=f"{shared_prefix(100 + k, FAIRNESS_LONG_TOKENS)}\nSummarize.")]
-                pending = pool.submit(run_load, cluster.router_address, [document], 0, 8)
-                time.sleep(FAIRNESS_DELAY_S)
-                beside += run_load(cluster.router_address, [short[3 + 2 * k]], 0, 8)[0]
-                long += pending.result()[0]
-        rows |= {f"{prefill_workers}P: short alone": summarize(alone, 1.0),
-                 f"{prefill_workers}P: short beside a long prompt": summarize(beside, 1.0),
-                 f"{prefill_workers}P: the long prompt": summarize(long, 1.0)}
+                alone += run_load(cluster.router_address, [next(fresh)], 0, 8)[0]
+                for d, delay in enumerate(FAIRNESS_DELAYS_S):
+                    # A document no cache holds (its first sentence names the round), then the short
+                    # request once the long prompt's prefill is under way.
+                    topic = 100 + k * len(FAIRNESS_DELAYS_S) + d
+                    document = [ChatMessage(role="user", content=f"{shared_prefix(topic, FAIRNESS_LONG_TOKENS)}\nSummarize.")]
+                    pending = pool.submit(run_load, cluster.router_address, [document], 0, 8)
+                    time.sleep(delay)
+                    beside[delay] += run_load(cluster.router_address, [next(fresh)], 0, 8)[0]
+                    long += pending.result()[0]
+        rows[f"{prefill_workers}P: short alone"] = summarize(alone, 1.0)
+        for delay, results in beside.items():
+            rows[f"{prefill_workers}P: short {delay:g} s into a long prompt"] = summarize(results, 1.0)
+        rows[f"{prefill_workers}P: the long prompt"] = summarize(long, 1.0)
     return rows
 
 

@@ -39,10 +39,15 @@ class EngineLoop:
 
     def call(self, fn: Callable, *args):
         """Run `fn(*args)` on the loop thread and return its result (or raise its exception)."""
+        return self.post(fn, *args).result()
+
+    def post(self, fn: Callable, *args) -> Future:
+        """Queue `fn(*args)` for the loop thread without waiting for it (it runs before any later
+        call's command); its Future holds the result or the exception."""
         future: Future = Future()
         self._commands.put((fn, args, future))
         self._wake.set()
-        return future.result()
+        return future
 
     def submit(self, request_id: str, prompt: list[int], params: SamplingParams,
                prefill_only: bool = False) -> queue.SimpleQueue[RequestOutput]:

@@ -22,6 +22,16 @@ class PrefillServicer(worker_pb2_grpc.PrefillWorkerServicer):
         self.loop, self.source = loop, source
         self.worker_id, self.address, self.layout = worker_id, address, layout
 
+    def _free(self, rid: str) -> None:
+        """The pin ended: the engine frees the blocks at its next step boundary. Nothing waits for
+        that (a Release would otherwise wait out the step under way, and the decode side's first
+        token with it); any later command to the loop runs after it."""
+        def log_failure(future) -> None:
+            if future.exception() is not None:
+                log.error("freeing the blocks of %s failed", rid, exc_info=future.exception())
+
+        self.loop.post(self.loop.engine.release, rid).add_done_callback(log_failure)
+
     def Prefill(self, request, context: grpc.ServicerContext) -> kv_pb2.KVHandle:
         rid = request.request_id
         try:
@@ -48,7 +58,7 @@ class PrefillServicer(worker_pb2_grpc.PrefillWorkerServicer):
         if out.finish_reason != "prefilled":
             context.abort(grpc.StatusCode.UNAVAILABLE, f"prefill of {rid} ended: {out.finish_reason}")
         h = out.handle
-        self.source.pin(rid, h.block_table, on_release=lambda: self.loop.call(self.loop.engine.release, rid))
+        self.source.pin(rid, h.block_table, on_release=lambda: self._free(rid))
         if not context.is_active():  # the router gave up meanwhile: nobody will fetch these blocks
             self.source.release(rid)
         return kv_pb2.KVHandle(
