@@ -193,8 +193,8 @@ class EngineConfig(BaseModel):
         None, ge=1, description="most prompt tokens computed per forward (vLLM's name), so a request that arrives "
         "while a long prompt prefills waits one short step; on cpu a token counts at its attention's cost (a token "
         "at position p counts 1 + p / (1.25 x hidden size)), so chunks shrink as the context grows. Default: 64 on "
-        "cpu (BENCHMARKS: a short request beside a 6000-token prompt gets its first token in 2.5x its time alone, "
-        "not 17x), none on cuda")
+        "cpu (BENCHMARKS: a short request beside a 6000-token prompt gets its first token in ~2x its time alone, "
+        "not 18-55x), none on cuda")
     enable_prefix_caching: bool = True
     max_model_len: int | None = Field(None, ge=1, description="context limit; default: the model's own")
     speculative: SpeculativeConfig = Field(default_factory=SpeculativeConfig)
