@@ -59,6 +59,10 @@ class LocalContext:
     def is_active(self) -> bool:
         return self._callbacks is not None and self.time_remaining() > 0
 
+    def expired(self) -> bool:
+        """The deadline has passed (the servicer may have noticed before the caller's timer)."""
+        return self._deadline is not None and time.monotonic() >= self._deadline
+
     def add_callback(self, callback: Callable[[], None]) -> bool:
         with self._lock:
             if self._callbacks is None:
@@ -87,6 +91,10 @@ class LocalContext:
 
 
 _END = object()
+
+
+def _timed_out() -> LocalAbort:
+    return LocalAbort(grpc.StatusCode.DEADLINE_EXCEEDED, "the request's timeout passed")
 
 
 class LocalCall:
@@ -119,7 +127,7 @@ class LocalCall:
         self._fail(LocalAbort(grpc.StatusCode.CANCELLED, "the client left"))
 
     def _expire(self) -> None:
-        self._fail(LocalAbort(grpc.StatusCode.DEADLINE_EXCEEDED, "the request's timeout passed"))
+        self._fail(_timed_out())
 
     def _fail(self, error: LocalAbort) -> None:
         if self._context.is_active() or error.code() == grpc.StatusCode.DEADLINE_EXCEEDED:
@@ -134,7 +142,9 @@ class LocalCall:
                 if not self._context.is_active():
                     break
                 self._to_loop(self._queue.put_nowait, message)
-            self._to_loop(self._queue.put_nowait, _END)
+            # A stream that stops at the deadline ends as a gRPC call's would, in DEADLINE_EXCEEDED,
+            # even when the servicer saw the time run out before the caller's timer fired.
+            self._to_loop(self._queue.put_nowait, _timed_out() if self._context.expired() else _END)
         except LocalAbort as e:
             self._to_loop(self._queue.put_nowait, e)
         except Exception as e:  # a bug in the servicer: INTERNAL, as the gRPC server would answer

@@ -5,6 +5,7 @@ The HTTP tests (tests/test_http_api.py, test_admission.py) drive it through the 
 
 import asyncio
 import threading
+import time
 
 import grpc
 import pytest
@@ -70,3 +71,22 @@ def test_the_deadline_or_a_cancel_ends_the_call_runs_its_callbacks_and_closes_th
     expected = grpc.StatusCode.DEADLINE_EXCEEDED if ending == "deadline" else grpc.StatusCode.CANCELLED
     assert first.text == "first" and code == expected
     assert closed.wait(10) and ended == [expected]
+
+
+def test_a_stream_that_stops_at_its_deadline_ends_in_deadline_exceeded():
+    """The servicer may see the time run out (and end its stream quietly) before the caller's
+    timer fires: the caller still gets DEADLINE_EXCEEDED, as from a gRPC call, never a bare EOF."""
+    def generate(request, context):
+        while context.is_active():
+            threading.Event().wait(0.01)
+        return
+        yield  # a generator, as the servicer's Generate is
+
+    async def read_late():
+        call = LocalCall(generate, router_pb2.GenerateRequest(), timeout=0.05)
+        time.sleep(0.3)  # the loop is busy: the producer's end is queued before the timer runs
+        return await call.read()
+
+    with pytest.raises(LocalAbort) as e:
+        _run(read_late())
+    assert e.value.code() == grpc.StatusCode.DEADLINE_EXCEEDED
