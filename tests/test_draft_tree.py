@@ -6,9 +6,9 @@ from engine.spec.draft_tree import DraftTree
 def test_a_width_one_tree_is_the_chain_with_its_leaves():
     tree = DraftTree(width=1, max_spine=3, threshold=0.1)
     tree.add_children(-1, [10, 11, 12], [0.6, 0.3, 0.05])
-    assert tree.grow(0) == [0] and tree.is_chain()
+    assert tree.grow() == [0] and tree.is_chain()
     tree.add_children(0, [20, 21], [0.4, 0.15])
-    assert tree.grow(3) == [3]
+    assert tree.grow() == [3]
     proposal = tree.proposal(max_tokens=15)
     assert proposal.token_ids == [10, 20, 11, 21]  # the chain, then leaves by probability (12 fails the threshold)
     assert proposal.parents == [-1, 0, -1, 0]
@@ -17,10 +17,10 @@ def test_a_width_one_tree_is_the_chain_with_its_leaves():
 def test_each_level_drafts_from_its_most_likely_nodes_whoever_their_parent():
     tree = DraftTree(width=2, max_spine=6, threshold=0.0)
     tree.add_children(-1, [10, 11, 12], [0.5, 0.4, 0.1])
-    assert tree.grow(0) == [0, 1] and not tree.is_chain()
+    assert tree.grow() == [0, 1] and not tree.is_chain()
     tree.add_children(0, [20, 21], [0.2, 0.1])
     tree.add_children(1, [30, 31], [0.35, 0.03])
-    assert tree.grow(3) == [5, 3]  # 30 (0.35) under 11, then 20 (0.2) under 10
+    assert tree.grow() == [5, 3]  # 30 (0.35) under 11, then 20 (0.2) under 10
     proposal = tree.proposal(max_tokens=5)
     assert proposal.token_ids == [10, 11, 30, 20, 12]  # the spine, then the best leaf that fits
     assert proposal.parents == [-1, -1, 1, 0, -1]
@@ -29,8 +29,8 @@ def test_each_level_drafts_from_its_most_likely_nodes_whoever_their_parent():
 def test_the_spine_stops_at_its_slots_and_below_the_threshold():
     tree = DraftTree(width=3, max_spine=2, threshold=0.2)
     tree.add_children(-1, [10, 11, 12], [0.5, 0.3, 0.1])
-    assert tree.grow(0) == [0, 1]  # room for 2; 12 would not pass anyway
+    assert tree.grow() == [0, 1]  # room for 2; 12 would not pass anyway
     tree = DraftTree(width=2, max_spine=8, threshold=0.45)
     tree.add_children(-1, [10, 11], [0.5, 0.4])
-    assert tree.grow(0) == [0]
+    assert tree.grow() == [0]
     assert tree.proposal(max_tokens=15).parents is None  # a chain of one

@@ -30,17 +30,22 @@ class DraftTree:
         self.nodes: list[Node] = []
         self.spine: list[int] = []  # node indices, level by level
         self.frontier: list[int] = []  # the spine's newest level: expanded next
+        self._level_start = 0  # nodes from here on were added since the last grow()
 
     def add_children(self, parent: int, tokens: list[int], probs: list[float]) -> None:
         """The draft's candidates after `parent` (-1: the root), most likely first, with their
         path probabilities."""
         self.nodes += [Node(t, parent, p) for t, p in zip(tokens, probs)]
 
-    def grow(self, new_from: int) -> list[int]:
-        """Nodes[new_from:] are this level's candidates: the `width` most likely that pass the
-        threshold and fit join the spine as the next frontier, which is returned."""
+    def grow(self) -> list[int]:
+        """The nodes added since the last grow are this level's candidates: the `width` most likely
+        that pass the threshold and fit join the spine as the next frontier, which is returned
+        (empty, changing nothing, when no node was added)."""
+        if self._level_start == len(self.nodes):
+            return []
         room = self.max_spine - len(self.spine)
-        ranked = sorted(range(new_from, len(self.nodes)), key=lambda i: -self.nodes[i].prob)
+        ranked = sorted(range(self._level_start, len(self.nodes)), key=lambda i: -self.nodes[i].prob)
+        self._level_start = len(self.nodes)
         self.frontier = [i for i in ranked[: min(self.width, room)] if self.nodes[i].prob >= self.threshold]
         self.spine += self.frontier
         return self.frontier

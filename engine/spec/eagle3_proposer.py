@@ -176,15 +176,13 @@ class Eagle3Proposer:
             parent_prob = torch.tensor([trees[s.seq_id].nodes[n].prob if n >= 0 else 1.0 for s, n in expanding],
                                        device=hidden.device)
             choices, path_prob = self._choose(out.logits, parent_prob)
-            firsts = {}
             for (seq, node), row, tokens, probs in zip(expanding, rows, choices, path_prob.tolist()):
                 out_hidden[seq.seq_id, node] = out.hidden[row]
-                firsts.setdefault(seq.seq_id, len(trees[seq.seq_id].nodes))
                 trees[seq.seq_id].add_children(node, tokens, probs)
-            chunks, hidden, expanding = self._next_level(seqs, trees, firsts, roots, out_hidden)
+            chunks, hidden, expanding = self._next_level(seqs, trees, roots, out_hidden)
         return {seq_id: tree.proposal(MAX_TREE_TOKENS) for seq_id, tree in trees.items()}
 
-    def _next_level(self, seqs: list[Sequence], trees: dict[str, DraftTree], firsts: dict[str, int],
+    def _next_level(self, seqs: list[Sequence], trees: dict[str, DraftTree],
                     roots: list[tuple[SeqChunk, torch.Tensor]], out_hidden: dict[tuple[str, int], torch.Tensor],
                     ) -> tuple[list[SeqChunk], torch.Tensor | None, list[tuple[Sequence, int]]]:
         """The next draft forward: for each sequence that grew a new frontier with room to expand,
@@ -193,7 +191,7 @@ class Eagle3Proposer:
         chunks, hidden, expanding = [], [], []
         for seq, (root_chunk, root_hidden) in zip(seqs, roots):
             tree = trees[seq.seq_id]
-            if seq.seq_id not in firsts or not tree.grow(firsts[seq.seq_id]) or len(tree.spine) >= tree.max_spine:
+            if not tree.grow() or len(tree.spine) >= tree.max_spine:
                 continue
             depth_start = root_chunk.end  # position of the first level's row (the root's row is end - 1)
             if tree.is_chain():
