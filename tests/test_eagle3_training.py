@@ -105,3 +105,15 @@ def test_tokens_only_shards_recompute_the_stored_features(run_dir, tmp_path):
              for c in (cfg, replace(cfg, data_dir=tmp_path / "data", out_dir=tmp_path / "recomputed"))]
     assert heads[0].keys() == heads[1].keys()
     assert all(torch.equal(heads[0][k], heads[1][k]) for k in heads[0])
+
+
+def test_recomputed_features_do_not_depend_on_how_many_samples_share_the_pool():
+    """Seventy two-token samples need more whole blocks than a 16-token batch's pool holds: they
+    are computed in groups that fit, each sample as it would be alone."""
+    features = TargetFeatures(None, 16)
+    samples = [[100 + i, 200 + i] for i in range(70)]
+    together = features(samples)
+    assert len(together) == 70
+    for i in (0, 35, 69):
+        alone = features([samples[i]])[0]
+        assert all(torch.equal(a, b) for a, b in zip(together[i], alone))

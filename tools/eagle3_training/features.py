@@ -7,6 +7,8 @@ decode steps of distillation computed (a row's result does not depend on what el
 runs), rounded to fp16 as the shards store them.
 """
 
+from collections.abc import Iterator
+
 import torch
 
 from engine.batch import SeqChunk
@@ -37,6 +39,24 @@ class TargetFeatures:
     def __call__(self, samples: list[list[int]]) -> list[tuple[torch.Tensor, torch.Tensor]]:
         """Per sample: features [n, 3H] and final_hidden [n, H] (FEATURE_DTYPE), the last row zero
         as distillation leaves it (the target never ran on a sample's last token)."""
+        return [features for group in self._groups(samples) for features in self._compute(group)]
+
+    def _groups(self, samples: list[list[int]]) -> Iterator[list[list[int]]]:
+        """Consecutive samples whose blocks fit the pool together: each takes whole blocks, so
+        many short samples can need more than their tokens' worth (one forward each group)."""
+        size, capacity = self.engine.config.block_size, self.engine.blocks.num_free_blocks
+        group, need = [], 0
+        for tokens in samples:
+            blocks = -(-len(tokens) // size)
+            if group and need + blocks > capacity:
+                yield group
+                group, need = [], 0
+            group.append(tokens)
+            need += blocks
+        if group:
+            yield group
+
+    def _compute(self, samples: list[list[int]]) -> list[tuple[torch.Tensor, torch.Tensor]]:
         blocks, chunks = self.engine.blocks, []
         for i, tokens in enumerate(samples):
             blocks.allocate(f"sample-{i}", tokens)
