@@ -13,7 +13,7 @@ from engine.engine import Engine
 from engine.loader import load_weights
 from engine.params import SamplingParams
 from engine.spec.eagle3_proposer import CATCH_UP
-from engine.spec.governor import PROBE_EVERY, SpeculationGovernor
+from engine.spec.governor import PROBE_EVERY, PROBE_STEPS, SpeculationGovernor
 from engine.spec.rejection import VerifyInput, verify
 from tools.eagle3_training.model import TrainableEagle3
 from engine.stats import AcceptanceStats
@@ -155,22 +155,36 @@ def test_tree_drafts_are_lossless_and_return_every_block(prompts, plain_outputs)
 
 
 def test_the_governor_takes_the_cheaper_way_and_re_measures_the_other():
-    """Per batch size: draft first, then measure plain decoding once; afterwards the cheaper way,
-    the other re-measured every PROBE_EVERY steps (a change in costs flips the choice)."""
+    """Per batch size: draft first, then measure plain decoding; afterwards the cheaper way, the
+    other re-measured for PROBE_STEPS steps PROBE_EVERY steps later, then twice as long after
+    each probe that kept the choice; the first step after a switch is not counted (it pays for
+    the switch); a change in costs flips the choice."""
     g = SpeculationGovernor()
-    assert g.should_draft(1)
-    g.record(1, True, 0.030, 2)  # 15 ms per token drafting
-    assert not g.should_draft(1)
-    g.record(1, False, 0.010, 1)  # 10 ms plain: cheaper
+    cost = {True: (0.030, 2), False: (0.010, 1)}  # 15 ms per token drafting, 10 ms plain
     choices = []
-    for _ in range(2 * PROBE_EVERY + 2):
+    for _ in range(4 + 3 * PROBE_EVERY + 2 * PROBE_STEPS):
         choices.append(g.should_draft(1))
-        g.record(1, choices[-1], 0.030 if choices[-1] else 0.010, 2 if choices[-1] else 1)
-    assert choices.count(True) == 2 and choices.index(True) == PROBE_EVERY - 1  # a probe after PROBE_EVERY plain steps
+        g.record(1, choices[-1], *cost[choices[-1]])
+    assert choices[:4] == [True, True, False, False]  # each way measured once past its switch
+    first_probe = 4 + PROBE_EVERY
+    probes = [first_probe + j for j in range(PROBE_STEPS)]
+    assert [i for i, c in enumerate(choices) if c and i >= 4] == probes + [p + 2 * PROBE_EVERY + PROBE_STEPS for p in probes]
     assert g.should_draft(4)  # another batch size is measured on its own
-    for _ in range(PROBE_EVERY):  # drafting gets cheap: 5 ms per token; at the next probe it wins
+    for _ in range(PROBE_EVERY):  # drafting gets cheap: 5 ms per token, and wins
         g.record(1, True, 0.010, 2)
     assert g.should_draft(1) and g.figures()[1]["draft"] < g.figures()[1]["plain"]
+
+
+def test_the_governor_compares_time_per_token_over_steps_not_per_step():
+    """Drafting steps of 5 ms emitting 1, 2 or 3 tokens (2 on average: 2.5 ms a token) beat plain
+    steps of 3 ms a token, though the mean of their own times per token (3.06 ms) does not."""
+    g = SpeculationGovernor()
+    for tokens in [3, 2, 1] * 6:
+        g.record(1, True, 0.005, tokens)
+    for _ in range(4):
+        g.record(1, False, 0.003, 1)
+    assert g.should_draft(1)
+    assert g.figures()[1]["draft"] < g.figures()[1]["plain"]
 
 
 def test_adaptive_speculation_measures_both_ways_and_stays_lossless(prompts, plain_outputs):

@@ -2,46 +2,80 @@
 tokens it adds would cost decoded plainly. That depends on the machine, the model, the head's
 acceptance on this traffic and the batch size, so it is measured, not assumed.
 
-Per running batch size, the governor keeps a moving average of the wall time per emitted token
-of steps that drafted and of steps that did not, and each step takes the cheaper way. The other
-way is re-measured every PROBE_EVERY steps (and first tried as soon as one way has a figure),
-so a change (a longer context, another mix of prompts) shows up. Greedy output is the same
+Per running batch size, the governor keeps moving averages of the wall time and of the emitted
+tokens of steps that drafted and of steps that did not, and each step takes the way whose time per
+token (the ratio of the two averages) is lower. Averaging each step's own time per token instead
+would overstate drafting: a drafting step emits 1 to K+1 tokens, and the mean of time/tokens
+exceeds mean time / mean tokens (a 5 ms step emitting 1, 2 or 3 tokens, 1.8 on average: 3.4 ms
+against 2.8 ms per token).
+
+The other way is re-measured for PROBE_STEPS steps (and first tried as soon as one way has a
+figure), so a change (a longer context, another mix of prompts) shows up: PROBE_EVERY steps after
+the choice last changed, and twice as long after each probe that left it as it was (up to
+MAX_PROBE_EVERY), since a probe of the costlier way costs what it loses against the cheaper one.
+The first step after a switch is not counted: the first drafting step after plain ones also
+writes the draft cache for the positions decoded meanwhile, a cost paid once per switch, not per
+step, which would otherwise keep a probe of drafting from ever winning. Greedy output is the same
 either way (verification is lossless) and sampling keeps its distribution; only speed differs.
 """
 
 from dataclasses import dataclass, field
 
 PROBE_EVERY = 16
-DECAY = 0.2  # weight of the newest step in the moving averages
+MAX_PROBE_EVERY = 256
+PROBE_STEPS = 3
+DECAY = 0.05  # weight of the newest step in the moving averages
 
 
 @dataclass
 class _Figures:
-    seconds_per_token: dict[bool, float] = field(default_factory=dict)  # drafted? -> moving average
+    # drafted? -> moving averages of a step's (seconds, emitted tokens)
+    averages: dict[bool, tuple[float, float]] = field(default_factory=dict)
+    counts: dict[bool, int] = field(default_factory=dict)
+    best: bool | None = None  # the way chosen outside probes: draft?
     steps_since_probe: int = 0
+    probe_every: int = PROBE_EVERY
+    probe_steps_left: int = 0
+
+    @property
+    def seconds_per_token(self) -> dict[bool, float]:
+        return {k: seconds / tokens for k, (seconds, tokens) in self.averages.items()}
 
 
 class SpeculationGovernor:
     def __init__(self) -> None:
         self._by_batch: dict[int, _Figures] = {}
+        self._last_drafted: bool | None = None  # the previous recorded step's way, any batch size
 
     def should_draft(self, batch: int) -> bool:
         f = self._by_batch.setdefault(batch, _Figures())
-        if len(f.seconds_per_token) < 2:
-            return True not in f.seconds_per_token  # draft first, then measure plain decoding once
-        best = f.seconds_per_token[True] < f.seconds_per_token[False]
-        return not best if f.steps_since_probe >= PROBE_EVERY else best
+        per_token = f.seconds_per_token
+        if len(per_token) < 2:
+            return True not in per_token  # draft first, then measure plain decoding
+        best = per_token[True] < per_token[False]
+        if f.probe_steps_left:
+            f.probe_steps_left -= 1
+            return not f.best
+        if best != f.best:  # the choice changed (a probe's figures or a drift): probe again soon
+            f.best, f.probe_every, f.steps_since_probe = best, PROBE_EVERY, 0
+        elif f.steps_since_probe >= f.probe_every:
+            # doubled now, back to PROBE_EVERY above if this probe changes the choice
+            f.steps_since_probe, f.probe_steps_left = 0, PROBE_STEPS - 1
+            f.probe_every = min(2 * f.probe_every, MAX_PROBE_EVERY)
+            return not best
+        f.steps_since_probe += 1
+        return best
 
     def record(self, batch: int, drafted: bool, seconds: float, tokens: int) -> None:
         """One decode step of `batch` sequences (no prefill in it) that emitted `tokens` tokens."""
-        if tokens <= 0:
+        switched, self._last_drafted = drafted != self._last_drafted, drafted
+        if tokens <= 0 or switched:
             return
         f = self._by_batch.setdefault(batch, _Figures())
-        per_token = seconds / tokens
-        old = f.seconds_per_token.get(drafted)
-        f.seconds_per_token[drafted] = per_token if old is None else (1 - DECAY) * old + DECAY * per_token
-        chosen = len(f.seconds_per_token) == 2 and (f.seconds_per_token[True] < f.seconds_per_token[False]) == drafted
-        f.steps_since_probe = f.steps_since_probe + 1 if chosen else 0
+        n = f.counts[drafted] = f.counts.get(drafted, 0) + 1
+        weight = max(DECAY, 1 / n)  # the plain mean of the first steps, then a moving average
+        old_seconds, old_tokens = f.averages.get(drafted, (0.0, 0.0))
+        f.averages[drafted] = ((1 - weight) * old_seconds + weight * seconds, (1 - weight) * old_tokens + weight * tokens)
 
     def figures(self) -> dict[int, dict[str, float]]:
         """ms per token by batch size, for stats and benchmarks."""
