@@ -154,11 +154,11 @@ def _add_bench(sub: argparse._SubParsersAction) -> None:
 
 
 def _train_eagle3(args: argparse.Namespace) -> int:
-    from tools.prompts import read_prompts
+    from tools.prompts import read_conversations
     from tools.eagle3_training.distill import distill
 
     out = Path(args.out)
-    prompts = read_prompts(Path(args.prompts))[: args.max_prompts]
+    prompts = read_conversations(Path(args.prompts))[: args.max_prompts]
     if args.stage in ("distill", "all"):
         distill(prompts, out / "data", args.target, max_new_tokens=args.max_new_tokens, batch_size=args.batch_size,
                 store_features=not args.tokens_only)
@@ -174,7 +174,8 @@ def _train_eagle3(args: argparse.Namespace) -> int:
 def _add_train_eagle3(sub: argparse._SubParsersAction) -> None:
     p = sub.add_parser("train-eagle3", help="train an EAGLE3 draft head for a target by self-distillation")
     p.add_argument("--target", default=None, help="target HF model directory (default: embedded SmolLM2-135M-Instruct)")
-    p.add_argument("--prompts", required=True, help="JSONL prompts ('prompt' or MT-bench 'turns')")
+    p.add_argument("--prompts", required=True,
+                   help="JSONL prompts: 'prompt', or MT-bench 'turns' (each turn answered after the previous answers)")
     p.add_argument("--out", required=True, help="output directory: data/, checkpoints/, and the exported head")
     p.add_argument("--stage", choices=["distill", "train", "all"], default="all",
                    help="distill: the target answers the prompts; train: fit the head on that data (both resume)")

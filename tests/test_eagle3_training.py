@@ -117,3 +117,23 @@ def test_recomputed_features_do_not_depend_on_how_many_samples_share_the_pool():
     for i in (0, 35, 69):
         alone = features([samples[i]])[0]
         assert all(torch.equal(a, b) for a, b in zip(together[i], alone))
+
+
+def test_a_conversation_is_answered_turn_by_turn_after_the_targets_own_answers(engine, tmp_path):
+    """A prompt given as turns: one sample per answer; the second's prompt is the conversation as a
+    chat client would send it (the first answer as text), and its answer is the target's greedy one."""
+    turns = [QUESTIONS[0], "Now name three secondary colors."]
+    distill([turns, QUESTIONS[2]], tmp_path / "data", None, max_new_tokens=16, batch_size=4, store_features=False)
+    shard = load_shard(next((tmp_path / "data").glob("shard-*.safetensors")))
+    samples = [shard["tokens"][a:b].tolist() for a, b in zip(shard["offsets"][:-1], shard["offsets"][1:])]
+    assert len(samples) == 3 and json.loads((tmp_path / "data" / "done.json").read_text()) == [0, 1]
+    params = SamplingParams(max_tokens=16)
+    first = engine.tokenizer.encode_chat([{"role": "user", "content": turns[0]}])
+    answer = [t for o in engine.generate(first, params) for t in o.token_ids]
+    assert first + answer in samples
+    second = engine.tokenizer.encode_chat([{"role": "user", "content": turns[0]},
+                                           {"role": "assistant", "content": engine.tokenizer.decode(answer, True)},
+                                           {"role": "user", "content": turns[1]}])
+    (i,) = [i for i, s in enumerate(samples) if s[: len(second)] == second]
+    assert shard["prompt_lens"][i] == len(second)
+    assert samples[i][len(second):] == [t for o in engine.generate(second, params) for t in o.token_ids]

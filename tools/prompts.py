@@ -1,20 +1,26 @@
-"""Prompt files: JSONL with either `prompt` (a user message) or MT-bench style `turns` (the
-first turn is used)."""
+"""Prompt files: JSONL with either `prompt` (a user message) or MT-bench style `turns` (a
+conversation's user messages)."""
 
 import json
 from pathlib import Path
 
 
-def read_prompts(path: Path) -> list[str]:
-    prompts = []
+def read_conversations(path: Path) -> list[str | list[str]]:
+    """Each row's `prompt` string, or its `turns` list whole."""
+    rows = []
     for lineno, line in enumerate(Path(path).read_text(encoding="utf-8").splitlines(), 1):
         if not line.strip():
             continue
         row = json.loads(line)
         if "prompt" in row:
-            prompts.append(row["prompt"])
+            rows.append(row["prompt"])
         elif row.get("turns"):
-            prompts.append(row["turns"][0])
+            rows.append(list(row["turns"]))
         else:
             raise ValueError(f"{path}:{lineno}: expected a 'prompt' string or a 'turns' list")
-    return prompts
+    return rows
+
+
+def read_prompts(path: Path) -> list[str]:
+    """One user message per row: a conversation's first turn."""
+    return [row if isinstance(row, str) else row[0] for row in read_conversations(path)]

@@ -8,6 +8,10 @@ Output: `shard-NNNNN.safetensors` files, each with `tokens` [T] int32 (samples c
 store_features=False only the tokens, offsets and prompt lengths (4 bytes a token instead of
 ~4.6 KB): training recomputes the rest (features.py).
 `done.json` lists the finished prompt indices, so an interrupted run resumes where it stopped.
+
+A prompt may be a conversation: a list of user turns. The target answers the first, then each
+next turn after its own previous answers (rendered as text, as a chat client would send them),
+and every answer is a sample whose prompt is the whole conversation before it.
 """
 
 import json
@@ -58,7 +62,7 @@ class FeatureRecorder:
         self.finished.append((seq, torch.cat([features, pad])))
 
 
-def distill(prompts: list[str], out_dir: Path, target: str | None, max_new_tokens: int = 256,
+def distill(prompts: list[str | list[str]], out_dir: Path, target: str | None, max_new_tokens: int = 256,
             batch_size: int = 32, shard_size: int = 256, store_features: bool = True) -> None:
     out_dir.mkdir(parents=True, exist_ok=True)
     done_file = out_dir / "done.json"
@@ -79,17 +83,26 @@ def distill(prompts: list[str], out_dir: Path, target: str | None, max_new_token
     progress = tqdm(total=len(todo), desc="distilling", unit="prompt")
     for start in range(0, len(todo), shard_size):
         indices = todo[start : start + shard_size]
-        for i in indices:
-            engine.add_request(engine.tokenizer.encode_chat([{"role": "user", "content": prompts[i]}]), params,
-                               request_id=str(i))
-        while engine.has_unfinished():
-            engine.step()
-            progress.update(len(recorder.finished) - (progress.n - start))
+        chats = {i: [] for i in indices}  # the messages so far
+        turns = {i: [prompts[i]] if isinstance(prompts[i], str) else list(prompts[i]) for i in indices}
+        for turn in range(max(map(len, turns.values()))):
+            for i in indices:
+                if turn < len(turns[i]):
+                    chats[i].append({"role": "user", "content": turns[i][turn]})
+                    engine.add_request(engine.tokenizer.encode_chat(chats[i]), params, request_id=f"{i}.{turn}")
+            first = len(recorder.finished)
+            while engine.has_unfinished():
+                engine.step()
+            for seq, _ in recorder.finished[first:]:
+                i = int(seq.seq_id.split(".")[0])
+                answer = engine.tokenizer.decode(seq.token_ids[seq.num_prompt_tokens :], skip_special_tokens=True)
+                chats[i].append({"role": "assistant", "content": answer})
         _write_shard(out_dir / f"shard-{shard:05d}.safetensors", recorder.finished, engine.runner.model_config.hidden_size)
         shard += 1
-        done.update(int(seq.seq_id) for seq, _ in recorder.finished)
         recorder.finished.clear()
+        done.update(indices)
         done_file.write_text(json.dumps(sorted(done)))
+        progress.update(len(indices))
     progress.close()
 
 
