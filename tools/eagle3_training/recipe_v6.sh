@@ -8,7 +8,7 @@ RUN=${RUN:-$HOME/.cache/pdspec/eagle3-v6}  # outside the repository: shards and 
 PY=${PY:-.venv/bin/python}
 mkdir -p "$RUN"
 [ -s "$RUN/model_prompts.jsonl" ] ||
-    $PY -m tools.eagle3_training.model_prompts --out "$RUN/model_prompts.jsonl" --count 4000 --seed 6
+    $PY -m tools.eagle3_training.model_prompts --out "$RUN/model_prompts.jsonl" --count 2400 --seed 6
 [ -s "$RUN/mix.jsonl" ] || $PY - "$RUN" <<'MIX'
 import json, random, sys
 from pathlib import Path
@@ -20,7 +20,7 @@ held_out = set(read_prompts(Path("bench/prompts/gsm8k_eval.jsonl")))
 gsm8k = [r["prompt"] for r in rows[3072:] if r["source"] == "gsm8k/train" and r["prompt"] not in held_out]
 alpaca = [r["prompt"] for r in rows if r["source"].startswith("alpaca_eval")]
 written = read_prompts(run / "model_prompts.jsonl")
-mix = (written[:2000] + with_follow_ups(written[2000:], 2, seed=6) + with_follow_ups(alpaca, 2, seed=7)
+mix = (written[:1200] + with_follow_ups(written[1200:], 2, seed=6) + with_follow_ups(alpaca, 2, seed=7)
        + rng.sample(gsm8k, 700))
 rng.shuffle(mix)
 (run / "mix.jsonl").write_text("".join(json.dumps({"prompt": m} if isinstance(m, str) else {"turns": m}) + "\n"
