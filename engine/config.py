@@ -95,11 +95,12 @@ DType = Literal["float32", "bfloat16", "float16"]
 
 
 # EAGLE3's settings where a config leaves them out, per device. CPU: the best measured here
-# (BENCHMARKS.md: "Tree verification", "Larger batches", "v4 head and the chain-probability
-# threshold"); CUDA: the chain vLLM and SGLang default to for EAGLE3 at batch 1.
+# (BENCHMARKS.md: "Tree verification", "v4 head and the chain-probability threshold", and for
+# the batch limit "The governor's figures, and drafting at two sequences at most"); CUDA: the
+# chain vLLM and SGLang default to for EAGLE3 at batch 1.
 EAGLE3_DEFAULTS = {
     "cpu": {"num_speculative_tokens": 5, "draft_confidence_threshold": 0.08, "draft_top_k": 4,
-            "disable_by_batch_size": 4},
+            "disable_by_batch_size": 2},
     "cuda": {"num_speculative_tokens": 3, "draft_confidence_threshold": 0.0, "draft_top_k": 1,
              "disable_by_batch_size": None},
 }
