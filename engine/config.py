@@ -136,12 +136,12 @@ class SpeculativeConfig(BaseModel):
         "drafted tokens; 1 = the chain")
     disable_by_batch_size: int | None = Field(
         None, ge=1, description="no drafting while more than this many sequences run (a draft's cost per "
-        "step stays while its gain per sequence shrinks as the batch grows); None = no limit; eagle3: 4 on cpu, "
+        "step stays while its gain per sequence shrinks as the batch grows); None = no limit; eagle3: 2 on cpu, "
         "none on cuda")
     adaptive: bool = Field(
         True, description="draft only while it pays: per batch size, the measured time per emitted token with "
-        "and without drafting decides each step, the other way re-measured every 16 steps (output is the same "
-        "either way; false = always draft)")
+        "and without drafting decides each step, the other way re-measured for 3 steps every 16 to 256 steps (output "
+        "is the same either way; false = always draft)")
 
     @model_validator(mode="after")
     def _check(self) -> "SpeculativeConfig":
