@@ -2,6 +2,7 @@
 default and help come from the pydantic field, so a new field needs no second definition."""
 
 import argparse
+import ast
 import types
 import typing
 
@@ -44,4 +45,18 @@ def _kind(annotation) -> tuple[type, list | None]:
         return type(args[0]), list(args)
     if annotation in (bool, int, float, str):
         return annotation, None
+    if typing.get_origin(annotation) is list:
+        return literal, None
     raise TypeError(f"no command-line flag for a field of type {annotation}")
+
+
+def literal(text: str):
+    """A list flag's value as Python or JSON writes it: '[[0], [1], [0, 0]]', or vLLM's '[(0,), (1,), (0, 0)]'
+    (the config schema then checks its items)."""
+    try:
+        value = ast.literal_eval(text)
+    except (ValueError, SyntaxError):
+        raise argparse.ArgumentTypeError(f"expected a list such as [[0], [1], [0, 0]], got {text!r}") from None
+    if not isinstance(value, (list, tuple)):
+        raise argparse.ArgumentTypeError(f"expected a list such as [[0], [1], [0, 0]], got {text!r}")
+    return [list(v) if isinstance(v, tuple) else v for v in value]

@@ -106,6 +106,11 @@ EAGLE3_DEFAULTS = {
 }
 
 
+# Draft tokens one sequence verifies at most: the root and its tree are one short attention query
+# (engine/attention.py SHORT_QUERY = 16 rows).
+MAX_TREE_TOKENS = 15
+
+
 class SpeculativeConfig(BaseModel):
     """Speculative decoding; field names follow vLLM's `speculative_config`. With method eagle3,
     the fields of EAGLE3_DEFAULTS a config leaves out take the engine device's values there."""
@@ -134,6 +139,12 @@ class SpeculativeConfig(BaseModel):
         1, ge=1, le=8, description="eagle3: at each draft level, draft further from this many of the most likely "
         "new tokens (EAGLE-2's dynamic tree; their path probabilities decide), up to num_speculative_tokens "
         "drafted tokens; 1 = the chain")
+    speculative_token_tree: list[list[int]] | None = Field(
+        None, description="eagle3: a static draft tree (vLLM's name) instead of the chain or the dynamic tree: its "
+        "nodes as paths of ranks from the root, e.g. [[0], [1], [0, 0], [0, 1], [0, 0, 0]] (a node [..., r] is its "
+        "parent's (r+1)-th most likely draft token); every prefix of a path is a node too. Its inner nodes are "
+        "drafted further (num_speculative_tokens must cover them), all of it is verified, each node held to the "
+        "confidence threshold by its path's probability; it fixes draft_top_k and draft_tree_width")
     disable_by_batch_size: int | None = Field(
         None, ge=1, description="no drafting while more than this many sequences run (a draft's cost per "
         "step stays while its gain per sequence shrinks as the batch grows); None = no limit; eagle3: 2 on cpu, "
@@ -153,17 +164,42 @@ class SpeculativeConfig(BaseModel):
         if self.prompt_lookup_branch and self.method != "eagle3":
             raise ValueError(f"prompt_lookup_branch needs method 'eagle3' (got {self.method!r}); "
                              "method 'ngram' drafts by prompt lookup alone")
+        if self.speculative_token_tree is not None:
+            self._check_tree(self.speculative_token_tree)
         if self.prompt_lookup_min > self.prompt_lookup_max:
             raise ValueError(
                 f"prompt_lookup_min ({self.prompt_lookup_min}) must not exceed prompt_lookup_max ({self.prompt_lookup_max})"
             )
         return self
 
+    def _check_tree(self, tree: list[list[int]]) -> None:
+        where = "speculative_token_tree"
+        if self.method != "eagle3":
+            raise ValueError(f"{where} needs method 'eagle3' (got {self.method!r})")
+        fixed = {"draft_top_k", "draft_tree_width"} & self.model_fields_set
+        if fixed:
+            raise ValueError(f"{where} fixes the tree's shape: leave {' and '.join(sorted(fixed))} unset")
+        paths = [tuple(p) for p in tree]
+        if not paths or len(set(paths)) != len(paths) or len(paths) > MAX_TREE_TOKENS:
+            raise ValueError(f"{where} must hold 1 to {MAX_TREE_TOKENS} distinct paths (got {len(paths)}, "
+                             f"{len(set(paths))} distinct)")
+        for path in paths:
+            if not path or not all(0 <= r < 8 for r in path):
+                raise ValueError(f"{where}: {list(path)} must be a non-empty list of ranks from 0 to 7")
+            if len(path) > 1 and path[:-1] not in paths:
+                raise ValueError(f"{where}: {list(path)} needs its parent {list(path[:-1])} in the tree too")
+        inner = len({p[:-1] for p in paths if len(p) > 1})
+        if inner > self.num_speculative_tokens:
+            raise ValueError(f"{where} drafts {inner} inner nodes further: num_speculative_tokens must be at least "
+                             f"{inner} (got {self.num_speculative_tokens})")
+
     def for_device(self, device: str) -> "SpeculativeConfig":
-        """With eagle3, EAGLE3_DEFAULTS[device] for the fields not set explicitly."""
+        """With eagle3, EAGLE3_DEFAULTS[device] for the fields not set explicitly (a static tree
+        keeps its own top_k and width)."""
         if self.method != "eagle3":
             return self
-        return self.model_copy(update={k: v for k, v in EAGLE3_DEFAULTS[device].items() if k not in self.model_fields_set})
+        keep = self.model_fields_set | ({"draft_top_k", "draft_tree_width"} if self.speculative_token_tree else set())
+        return self.model_copy(update={k: v for k, v in EAGLE3_DEFAULTS[device].items() if k not in keep})
 
 
 CPU_PREFILL_CHUNK = 64  # token costs: measured in BENCHMARKS (issue 19's fairness run)

@@ -42,3 +42,18 @@ def test_eagle3_left_unset_takes_the_devices_measured_best_and_explicit_fields_s
     for name in ("local.yaml", "aggregated.yaml"):  # the configs get them from the one place
         spec = yaml.safe_load((Path(__file__).parent.parent / "deploy" / "configs" / name).read_text())["engine"]["speculative"]
         assert not set(spec) & set(EAGLE3_DEFAULTS["cpu"]), name
+
+
+def test_a_static_token_tree_comes_from_the_command_line_as_vllm_writes_it():
+    import argparse
+
+    from deploy.cli import _add_engine_args, _engine_config
+
+    parser = argparse.ArgumentParser()
+    _add_engine_args(parser)
+    args = ["--speculative", "eagle3", "--speculative-token-tree", "[(0,), (1,), (0, 0)]"]
+    assert _engine_config(parser.parse_args(args)).speculative.speculative_token_tree == [[0], [1], [0, 0]]
+    parser.exit = lambda status=0, message=None: (_ for _ in ()).throw(ValueError(message))
+    with pytest.raises(ValueError, match=r"expected a list such as \[\[0\], \[1\], \[0, 0\]\]"):
+        parser.parse_args(["--speculative-token-tree", "[(0,), (1,)"])
+    assert parse_config({"engine": {"speculative": {"method": "eagle3", "speculative_token_tree": [[0], [0, 0]]}}})

@@ -34,3 +34,21 @@ def test_the_spine_stops_at_its_slots_and_below_the_threshold():
     tree.add_children(-1, [10, 11], [0.5, 0.4])
     assert tree.grow() == [0]
     assert tree.proposal(max_tokens=15).parents is None  # a chain of one
+
+
+def test_a_static_tree_keeps_its_paths_and_drafts_its_inner_nodes_further():
+    """vLLM-style shape [[0], [1], [0, 0], [0, 1], [1, 0], [0, 0, 0]]: the root's two best, the
+    first's two best, the second's best, and one more level under [0, 0]."""
+    shape = frozenset({(0,), (1,), (0, 0), (0, 1), (1, 0), (0, 0, 0)})
+    tree = DraftTree(width=1, max_spine=3, threshold=0.0, shape=shape)
+    tree.add_children(-1, [10, 11, 12], [0.5, 0.3, 0.1])  # rank 2 is not in the shape
+    assert [n.token for n in tree.nodes] == [10, 11]
+    assert tree.grow() == [0, 1] and tree.expands() and not tree.is_chain()  # both have children in the shape
+    tree.add_children(0, [20, 21], [0.3, 0.1])
+    tree.add_children(1, [30, 31], [0.2, 0.1])  # only rank 0 under [1]
+    assert tree.grow() == [2] and tree.expands()  # [0, 0]: its child [0, 0, 0] is in the shape
+    tree.add_children(2, [40, 41], [0.2, 0.1])
+    assert tree.grow() == [] and not tree.expands()
+    proposal = tree.proposal(max_tokens=15)
+    assert proposal.token_ids == [10, 11, 20, 30, 40, 21]  # inner nodes, then the leaves by probability
+    assert proposal.parents == [-1, -1, 0, 1, 2, 0]

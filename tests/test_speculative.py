@@ -423,3 +423,45 @@ def test_a_dynamic_tree_drafts_several_branches_deep_and_stays_lossless(prompts,
         return parents is not None and len({p for p in parents if p >= 0 and parents[p] == -1}) >= 2
     assert any(branched(p.parents) for p in proposals)
     assert all(len(p.token_ids) <= 15 for p in proposals)
+
+
+def test_a_static_token_tree_drafts_its_shape_and_stays_lossless(prompts, plain_outputs):
+    """speculative_token_tree (vLLM's name): every proposal is the shape's paths (the threshold 0
+    keeps all of them while the slots allow), greedy output stays the target's, alone and batched."""
+    tree = [[0], [1], [2], [0, 0], [0, 1], [1, 0], [0, 0, 0], [0, 0, 1]]
+    engine = Engine(EngineConfig(num_kv_blocks=256, speculative={
+        "adaptive": False, "method": "eagle3", "num_speculative_tokens": 3, "speculative_token_tree": tree,
+        "draft_confidence_threshold": 0.0}))
+    proposals = []
+    propose = engine.proposer.propose
+    engine.proposer.propose = lambda seqs, slots: proposals.extend(out := propose(seqs, slots)) or out
+    params = SamplingParams(max_tokens=32)
+    assert [_run(engine, [p], [params])[0] for p in prompts[:3]] == plain_outputs[:3]
+    assert _run(engine, prompts[:3], [params] * 3) == plain_outputs[:3]
+    assert engine.blocks.num_used_blocks == 0
+
+    def shape(parents: list[int]) -> list[tuple[int, int]]:  # (depth, children) of each node, sorted
+        depth = []
+        for p in parents:  # parents precede their children
+            depth.append(1 if p < 0 else depth[p] + 1)
+        return sorted((depth[i], parents.count(i)) for i in range(len(parents)))
+    full = [p for p in proposals if len(p.token_ids) == len(tree)]
+    assert full and all(shape(p.parents) == [(1, 0), (1, 1), (1, 2), (2, 0), (2, 0), (2, 2), (3, 0), (3, 0)]
+                        for p in full)
+
+
+def test_a_static_token_tree_is_checked_when_configured():
+    def spec(**fields):
+        return EngineConfig(speculative={"method": "eagle3", **fields})
+    assert spec(speculative_token_tree=[[0], [0, 0]]).speculative.draft_top_k == 1  # not the cpu default's 4
+    for fields, message in [
+        ({"speculative_token_tree": [[0], [1, 0]]}, r"needs its parent \[1\]"),
+        ({"speculative_token_tree": [[0], [0]]}, "distinct"),
+        ({"speculative_token_tree": [[0], [9]]}, "ranks from 0 to 7"),
+        ({"speculative_token_tree": [[0], [0, 0], [0, 0, 0]], "num_speculative_tokens": 1}, "at least 2"),
+        ({"speculative_token_tree": [[0]], "draft_top_k": 2}, "leave draft_top_k unset"),
+    ]:
+        with pytest.raises(ValueError, match=message):
+            spec(**fields)
+    with pytest.raises(ValueError, match="needs method 'eagle3'"):
+        EngineConfig(speculative={"method": "ngram", "speculative_token_tree": [[0]]})

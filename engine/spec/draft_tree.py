@@ -10,6 +10,10 @@ chain. The other children of expanded nodes are leaves: verified, not drafted fu
 
 The verified tree is the spine, then the most likely leaves that fit (`max_tokens` in all), in an
 order where parents precede their children.
+
+A static tree (`shape`: the paths of ranks from the root that may be nodes, vLLM's
+`speculative_token_tree`) keeps only the candidates on its paths, and its spine is their inner
+nodes (those with children in the shape), whatever the width.
 """
 
 from dataclasses import dataclass
@@ -22,11 +26,13 @@ class Node:
     token: int
     parent: int  # index into DraftTree.nodes; -1: the root
     prob: float  # path probability
+    path: tuple[int, ...]  # ranks from the root: (0, 1) is the root's first candidate's second
 
 
 class DraftTree:
-    def __init__(self, width: int, max_spine: int, threshold: float):
-        self.width, self.max_spine, self.threshold = width, max_spine, threshold
+    def __init__(self, width: int, max_spine: int, threshold: float, shape: frozenset[tuple[int, ...]] | None = None):
+        self.width, self.max_spine, self.threshold, self.shape = width, max_spine, threshold, shape
+        self._inner = None if shape is None else {p[:-1] for p in shape}
         self.nodes: list[Node] = []
         self.spine: list[int] = []  # node indices, level by level
         self.frontier: list[int] = []  # the spine's newest level: expanded next
@@ -35,7 +41,10 @@ class DraftTree:
     def add_children(self, parent: int, tokens: list[int], probs: list[float]) -> None:
         """The draft's candidates after `parent` (-1: the root), most likely first, with their
         path probabilities."""
-        self.nodes += [Node(t, parent, p) for t, p in zip(tokens, probs)]
+        above = self.nodes[parent].path if parent >= 0 else ()
+        for rank, (token, prob) in enumerate(zip(tokens, probs)):
+            if self.shape is None or above + (rank,) in self.shape:
+                self.nodes.append(Node(token, parent, prob, above + (rank,)))
 
     def grow(self) -> list[int]:
         """The nodes added since the last grow are this level's candidates: the `width` most likely
@@ -46,9 +55,15 @@ class DraftTree:
         room = self.max_spine - len(self.spine)
         ranked = sorted(range(self._level_start, len(self.nodes)), key=lambda i: -self.nodes[i].prob)
         self._level_start = len(self.nodes)
-        self.frontier = [i for i in ranked[: min(self.width, room)] if self.nodes[i].prob >= self.threshold]
+        ranked = ranked[: self.width] if self._inner is None else [i for i in ranked if self.nodes[i].path in self._inner]
+        self.frontier = [i for i in ranked[:room] if self.nodes[i].prob >= self.threshold]
         self.spine += self.frontier
         return self.frontier
+
+    def expands(self) -> bool:
+        """Whether the frontier is drafted further: a static tree's always (its inner nodes), a
+        dynamic one's while the spine has room for another level."""
+        return bool(self.frontier) and (self.shape is not None or len(self.spine) < self.max_spine)
 
     def is_chain(self) -> bool:
         """Each spine node continues the one before it (width 1, or a single survivor per level)."""

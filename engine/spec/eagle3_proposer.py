@@ -48,26 +48,30 @@ import torch
 
 from engine.attention import SHORT_QUERY
 from engine.batch import SeqChunk
+from engine.config import MAX_TREE_TOKENS
 from engine.sequence import Sequence, SeqStatus
 from engine.spec.draft_tree import DraftTree
 from engine.spec.proposer import Proposal
 
+assert MAX_TREE_TOKENS + 1 <= SHORT_QUERY  # a tree span ([last token] + drafts) is a short attention query
 CATCH_UP = 32  # pending positions past which a sequence's draft cache is brought up to date
-MAX_TREE_TOKENS = SHORT_QUERY - 1  # a tree span ([last token] + drafts) is a short attention query
 
 
 class Eagle3Proposer:
     needs_aux = True
 
-    def __init__(self, runner, block_table, confidence_threshold: float = 0.0, top_k: int = 1, width: int = 1):
+    def __init__(self, runner, block_table, confidence_threshold: float = 0.0, top_k: int = 1, width: int = 1,
+                 static_tree: list[list[int]] | None = None):
         """runner: the ModelRunner holding the draft and its cache; block_table(seq_id) -> block ids;
         confidence_threshold: per sequence drafting, the least product of draft probabilities a
         proposed token's path may have; top_k: candidates per drafted node; width: nodes drafted
-        further per level (1: a chain)."""
+        further per level (1: a chain); static_tree: a fixed shape instead (paths of ranks, see
+        draft_tree.py), which sets top_k (and makes width moot)."""
         self.runner = runner
         self.confidence_threshold = confidence_threshold
-        self.top_k = top_k
-        self.width = width
+        self.shape = None if static_tree is None else frozenset(map(tuple, static_tree))
+        self.top_k = top_k if self.shape is None else 1 + max(r for p in self.shape for r in p)
+        self.width = width  # a static tree ignores it
         self.draft = runner.draft
         self.block_table = block_table
         self.pending: dict[str, tuple[int, torch.Tensor]] = {}  # seq -> (first position, hidden [n, H])
@@ -166,7 +170,7 @@ class Eagle3Proposer:
         sequences together."""
         seqs = [s for s, _ in active]
         chunks, hidden = self._take_pending(seqs)
-        trees = {s.seq_id: DraftTree(self.width, k, self.confidence_threshold * len(seqs)) for s, k in active}
+        trees = {s.seq_id: DraftTree(self.width, k, self.confidence_threshold * len(seqs), self.shape) for s, k in active}
         roots = [(c, hidden[row]) for c, row in zip(chunks, _last_rows(chunks))]  # (chunk, root input hidden)
         out_hidden: dict[tuple[str, int], torch.Tensor] = {}  # (seq, node or -1) -> its row's draft output
         expanding = [(seq, -1) for seq in seqs]  # (sequence, node) rows whose logits this forward gives
@@ -191,7 +195,7 @@ class Eagle3Proposer:
         chunks, hidden, expanding = [], [], []
         for seq, (root_chunk, root_hidden) in zip(seqs, roots):
             tree = trees[seq.seq_id]
-            if not tree.grow() or len(tree.spine) >= tree.max_spine:
+            if not tree.grow() or not tree.expands():
                 continue
             depth_start = root_chunk.end  # position of the first level's row (the root's row is end - 1)
             if tree.is_chain():

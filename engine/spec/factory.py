@@ -12,7 +12,7 @@ def make_proposer(config: SpeculativeConfig, runner, block_table: Callable[[str]
         from engine.spec.ngram import LookupBranch
 
         eagle3 = Eagle3Proposer(runner, block_table, config.draft_confidence_threshold, config.draft_top_k,
-                                config.draft_tree_width)
+                                config.draft_tree_width, config.speculative_token_tree)
         if not config.prompt_lookup_branch:
             return eagle3
         return LookupBranch(eagle3, config.prompt_lookup_min, config.prompt_lookup_max, MAX_TREE_TOKENS)
