@@ -9,7 +9,7 @@ token-identical to plain decoding. Prints one JSON object, then a table.
 
     python -m bench.spec_turns [--prompts bench/prompts/chat_eval.jsonl] [--max-prompts 40]
         [--batch-size 1] [--top-k 1 4] [--tree-width 1] [--num-speculative-tokens 5] [--threshold 0.08]
-        [--lookup-branch off|on|both] [--prompt-lookup-min 2] [--draft HEAD_DIR ...]
+        [--lookup-branch off|on|both] [--prompt-lookup-min 2] [--no-adaptive] [--draft HEAD_DIR ...]
 """
 
 import argparse
@@ -38,6 +38,8 @@ def main() -> None:
     p.add_argument("--num-speculative-tokens", type=int, nargs="+", default=[5])
     p.add_argument("--threshold", type=float, default=0.08, help="draft_confidence_threshold")
     p.add_argument("--disable-by-batch-size", type=int, default=4)
+    p.add_argument("--adaptive", action=argparse.BooleanOptionalAction, default=True,
+                   help="the governor (off: every step drafts, so tau compares heads on the same steps)")
     p.add_argument("--lookup-branch", choices=["off", "on", "both"], default="off",
                    help="prompt_lookup_branch for every top_k, or each top_k with and without it")
     p.add_argument("--prompt-lookup-min", type=int, default=2)
@@ -55,7 +57,7 @@ def main() -> None:
             "method": "eagle3", "model": draft, "num_speculative_tokens": n, "draft_tree_width": width,
             "draft_top_k": k, "draft_confidence_threshold": args.threshold,
             "disable_by_batch_size": args.disable_by_batch_size, "prompt_lookup_branch": branch,
-            "prompt_lookup_min": args.prompt_lookup_min}))
+            "prompt_lookup_min": args.prompt_lookup_min, "adaptive": args.adaptive}))
     tokenizer = engines["plain"].tokenizer
     prompts = [tokenizer.encode_chat([{"role": "user", "content": text}])
                for text in read_prompts(args.prompts)[: args.max_prompts]]
