@@ -405,19 +405,27 @@ def test_sampled_speculation_matches_plain_sampling_frequencies(engine, spec_eng
     assert tv < 0.1  # total variation
 
 
-def test_a_dynamic_tree_drafts_several_branches_deep_and_stays_lossless(prompts, plain_outputs):
-    """EAGLE-2's tree (width 2): some step drafts further from two different first tokens (a
-    tree the chain-with-leaves cannot make); greedy output stays the target's, alone and batched."""
+def _lossless_tree_proposals(spec: dict, prompts, plain_outputs, n: int) -> list:
+    """An eagle3 engine of `spec` (every step drafting, threshold 0) runs n prompts alone, then
+    together: each greedy output equals plain decoding's and no block stays used. Returns every
+    proposal it drafted."""
     engine = Engine(EngineConfig(num_kv_blocks=256, speculative={
-        "adaptive": False, "method": "eagle3", "num_speculative_tokens": 8, "draft_top_k": 3,
-        "draft_tree_width": 2, "draft_confidence_threshold": 0.0}))
+        "adaptive": False, "method": "eagle3", "draft_confidence_threshold": 0.0, **spec}))
     proposals = []
     propose = engine.proposer.propose
     engine.proposer.propose = lambda seqs, slots: proposals.extend(out := propose(seqs, slots)) or out
     params = SamplingParams(max_tokens=32)
-    assert [_run(engine, [p], [params])[0] for p in prompts[:4]] == plain_outputs[:4]
-    assert _run(engine, prompts[:4], [params] * 4) == plain_outputs[:4]
+    assert [_run(engine, [p], [params])[0] for p in prompts[:n]] == plain_outputs[:n]
+    assert _run(engine, prompts[:n], [params] * n) == plain_outputs[:n]
     assert engine.blocks.num_used_blocks == 0
+    return proposals
+
+
+def test_a_dynamic_tree_drafts_several_branches_deep_and_stays_lossless(prompts, plain_outputs):
+    """EAGLE-2's tree (width 2): some step drafts further from two different first tokens (a
+    tree the chain-with-leaves cannot make); greedy output stays the target's, alone and batched."""
+    proposals = _lossless_tree_proposals({"num_speculative_tokens": 8, "draft_top_k": 3, "draft_tree_width": 2},
+                                         prompts, plain_outputs, 4)
 
     def branched(parents: list[int] | None) -> bool:  # two depth-1 nodes with children of their own
         return parents is not None and len({p for p in parents if p >= 0 and parents[p] == -1}) >= 2
@@ -429,16 +437,8 @@ def test_a_static_token_tree_drafts_its_shape_and_stays_lossless(prompts, plain_
     """speculative_token_tree (vLLM's name): every proposal is the shape's paths (the threshold 0
     keeps all of them while the slots allow), greedy output stays the target's, alone and batched."""
     tree = [[0], [1], [2], [0, 0], [0, 1], [1, 0], [0, 0, 0], [0, 0, 1]]
-    engine = Engine(EngineConfig(num_kv_blocks=256, speculative={
-        "adaptive": False, "method": "eagle3", "num_speculative_tokens": 3, "speculative_token_tree": tree,
-        "draft_confidence_threshold": 0.0}))
-    proposals = []
-    propose = engine.proposer.propose
-    engine.proposer.propose = lambda seqs, slots: proposals.extend(out := propose(seqs, slots)) or out
-    params = SamplingParams(max_tokens=32)
-    assert [_run(engine, [p], [params])[0] for p in prompts[:3]] == plain_outputs[:3]
-    assert _run(engine, prompts[:3], [params] * 3) == plain_outputs[:3]
-    assert engine.blocks.num_used_blocks == 0
+    proposals = _lossless_tree_proposals({"num_speculative_tokens": 3, "speculative_token_tree": tree},
+                                         prompts, plain_outputs, 3)
 
     def shape(parents: list[int]) -> list[tuple[int, int]]:  # (depth, children) of each node, sorted
         depth = []
