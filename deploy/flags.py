@@ -56,7 +56,7 @@ def literal(text: str):
     try:
         value = ast.literal_eval(text)
     except (ValueError, SyntaxError):
-        raise argparse.ArgumentTypeError(f"expected a list such as [[0], [1], [0, 0]], got {text!r}") from None
+        value = None
     if not isinstance(value, (list, tuple)):
         raise argparse.ArgumentTypeError(f"expected a list such as [[0], [1], [0, 0]], got {text!r}")
     return [list(v) if isinstance(v, tuple) else v for v in value]

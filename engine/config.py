@@ -109,6 +109,8 @@ EAGLE3_DEFAULTS = {
 # Draft tokens one sequence verifies at most: the root and its tree are one short attention query
 # (engine/attention.py SHORT_QUERY = 16 rows).
 MAX_TREE_TOKENS = 15
+MAX_DRAFT_TOP_K = 8  # candidates per drafted node, so also a static tree's largest rank + 1
+TREE_SHAPE_FIELDS = ("draft_top_k", "draft_tree_width")  # what a static tree fixes
 
 
 class SpeculativeConfig(BaseModel):
@@ -132,7 +134,7 @@ class SpeculativeConfig(BaseModel):
         "drafting (0 = always draft K tokens; once it times the batch reaches 1, nothing is drafted); eagle3: "
         "0.08 on cpu, 0 on cuda")
     draft_top_k: int = Field(
-        1, ge=1, le=8, description="eagle3: verify the head's k most likely tokens at each "
+        1, ge=1, le=MAX_DRAFT_TOP_K, description="eagle3: verify the head's k most likely tokens at each "
         "draft position, the chain continuing from the first and the others as leaves of a tree (each held "
         "to the confidence threshold by its path's probability); 1 = a chain; eagle3: 4 on cpu, 1 on cuda")
     draft_tree_width: int = Field(
@@ -158,7 +160,7 @@ class SpeculativeConfig(BaseModel):
     def _check(self) -> "SpeculativeConfig":
         if self.method != "none" and self.num_speculative_tokens == 0:
             raise ValueError(f"num_speculative_tokens must be >= 1 with method {self.method!r} (got 0)")
-        for name in ("draft_top_k", "draft_tree_width"):
+        for name in TREE_SHAPE_FIELDS:
             if getattr(self, name) > 1 and self.method != "eagle3":
                 raise ValueError(f"{name} > 1 needs method 'eagle3' (got {self.method!r}); set it to 1")
         if self.prompt_lookup_branch and self.method != "eagle3":
@@ -176,7 +178,7 @@ class SpeculativeConfig(BaseModel):
         where = "speculative_token_tree"
         if self.method != "eagle3":
             raise ValueError(f"{where} needs method 'eagle3' (got {self.method!r})")
-        fixed = {"draft_top_k", "draft_tree_width"} & self.model_fields_set
+        fixed = set(TREE_SHAPE_FIELDS) & self.model_fields_set
         if fixed:
             raise ValueError(f"{where} fixes the tree's shape: leave {' and '.join(sorted(fixed))} unset")
         paths = [tuple(p) for p in tree]
@@ -184,8 +186,8 @@ class SpeculativeConfig(BaseModel):
             raise ValueError(f"{where} must hold 1 to {MAX_TREE_TOKENS} distinct paths (got {len(paths)}, "
                              f"{len(set(paths))} distinct)")
         for path in paths:
-            if not path or not all(0 <= r < 8 for r in path):
-                raise ValueError(f"{where}: {list(path)} must be a non-empty list of ranks from 0 to 7")
+            if not path or not all(0 <= r < MAX_DRAFT_TOP_K for r in path):
+                raise ValueError(f"{where}: {list(path)} must be a non-empty list of ranks from 0 to {MAX_DRAFT_TOP_K - 1}")
             if len(path) > 1 and path[:-1] not in paths:
                 raise ValueError(f"{where}: {list(path)} needs its parent {list(path[:-1])} in the tree too")
         inner = len({p[:-1] for p in paths if len(p) > 1})
@@ -198,7 +200,7 @@ class SpeculativeConfig(BaseModel):
         keeps its own top_k and width)."""
         if self.method != "eagle3":
             return self
-        keep = self.model_fields_set | ({"draft_top_k", "draft_tree_width"} if self.speculative_token_tree else set())
+        keep = self.model_fields_set | (set(TREE_SHAPE_FIELDS) if self.speculative_token_tree else set())
         return self.model_copy(update={k: v for k, v in EAGLE3_DEFAULTS[device].items() if k not in keep})
 
 
