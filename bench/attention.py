@@ -1,14 +1,15 @@
 """Paged attention alone: a decode step's attention over every layer, with its keys and values in
 DRAM (cold) or all in cache (hot), against the time a plain read of the same bytes takes.
 
-The embedded model's attention shape (30 layers, 9 heads over 3 KV heads of 64), one query token
-per sequence, `--context` cached positions each, blocks scattered over the pool as a long-running
+The embedded model's attention shape (30 layers, 9 heads over 3 KV heads of 64), `--span` query
+tokens per sequence (1: a decode step; more: a speculative verification span, the last `span` of
+the `--context` positions), `--context` cached positions each, blocks scattered over the pool as a long-running
 server leaves them. Cold: every sequence has blocks of its own (batch x context x 1536 bytes a
 layer). Hot: every sequence reads the same blocks of one layer (they stay in L2), so the time is
 the kernel's arithmetic. Read floor: torch summing the same per-layer slices of the cache (the
 bytes cold attention reads, in the same pieces). Prints one JSON object, then a table.
 
-    python -m bench.attention [--batches 1 4 16] [--context 320] [--threads 2]
+    python -m bench.attention [--batches 1 4 16] [--context 320] [--span 1] [--threads 2]
 """
 
 import argparse
@@ -33,15 +34,15 @@ def _median_ms(fn, reps: int = 15) -> float:
     return sorted(times)[reps // 2] * 1e3
 
 
-def measure(batch: int, context: int, dtype: torch.dtype, hot: bool) -> float:
+def measure(batch: int, context: int, span: int, dtype: torch.dtype, hot: bool) -> float:
     """ms for one decode step's attention over all layers."""
     kernels = cpu_kernels.kernels()
     per_seq = -(-context // BLOCK)
     pool = per_seq if hot else batch * per_seq
     cache = torch.randn(pool, 1 if hot else LAYERS, 2, BLOCK, KV_HEADS, HEAD_DIM).to(dtype)
     tables = (torch.arange(per_seq).repeat(batch, 1) if hot else torch.randperm(pool).view(batch, per_seq)).long()
-    q, out = torch.randn(batch, HEADS, HEAD_DIM), torch.empty(batch, HEADS * HEAD_DIM)
-    starts = torch.arange(batch + 1, dtype=torch.int32)
+    q, out = torch.randn(batch * span, HEADS, HEAD_DIM), torch.empty(batch * span, HEADS * HEAD_DIM)
+    starts = torch.arange(0, batch * span + 1, span, dtype=torch.int32)
     lengths = torch.full((batch,), context, dtype=torch.int32)
 
     def step() -> None:
@@ -60,6 +61,7 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--batches", type=int, nargs="+", default=[1, 4, 16])
     parser.add_argument("--context", type=int, default=320)
+    parser.add_argument("--span", type=int, default=1, help="query tokens per sequence")
     parser.add_argument("--threads", type=int, default=2)
     args = parser.parse_args()
     torch.set_num_threads(args.threads)
@@ -67,13 +69,13 @@ def main() -> None:
     for batch in args.batches:
         for dtype in (torch.float32, torch.bfloat16):
             megabytes = batch * args.context * LAYERS * 2 * KV_HEADS * HEAD_DIM * dtype.itemsize / 1e6
-            cold, hot = measure(batch, args.context, dtype, False), measure(batch, args.context, dtype, True)
+            cold, hot = (measure(batch, args.context, args.span, dtype, hot) for hot in (False, True))
             floor = read_floor(batch, args.context, dtype)
             rows[f"b{batch} {str(dtype).removeprefix('torch.')}"] = {
                 "megabytes": round(megabytes, 1), "cold_ms": round(cold, 2), "hot_ms": round(hot, 2),
                 "read_floor_ms": round(floor, 2), "cold_gb_s": round(megabytes / cold, 1)}
     print(json.dumps({"isa": cpu_kernels.selected_isa(), "threads": args.threads, "context": args.context,
-                      "rows": rows}))
+                      "span": args.span, "rows": rows}))
     print(f"{'':16}{'MB':>8}{'cold ms':>10}{'hot ms':>10}{'read ms':>10}{'cold GB/s':>11}")
     for name, r in rows.items():
         print(f"{name:16}{r['megabytes']:>8}{r['cold_ms']:>10}{r['hot_ms']:>10}{r['read_floor_ms']:>10}{r['cold_gb_s']:>11}")

@@ -169,27 +169,21 @@ static inline __attribute__((always_inline)) void attend_tile(
     }
     for (int r = 0; r < nrows; r++) {
         float *row = part + (size_t)r * (dim + 2);
-        for (int c = 0; c < chunks; c++) store_f32(row + LANES * c, splat(0.0f));
-    }
-    for (int st = 0; st < steps; st++) {
-        const char *const *kv = keys + st * KEYS;
-        for (int r = 0; r < nrows; r++) {
-            int visible = VISIBLE(r, st);
-            float *row = part + (size_t)r * (dim + 2);
-            if (visible <= 0 || row[dim] == -INFINITY) continue;
-            vfloat e = scores[r][st];
-            /* one FMA chain per chunk; with fewer than 8 chunks (wide vectors, small heads) a
-             * second set of accumulators takes every other key, so 8 chains keep the FMAs busy */
-            vfloat a0[MAX_DIM / LANES], a1[MAX_DIM / LANES];
-            for (int c = 0; c < chunks; c++) { a0[c] = load_f32(row + LANES * c); a1[c] = splat(0.0f); }
-            int stride = chunks >= 8 ? 1 : 2;
-            for (int o = 0; o < visible; o += stride) {
-                for (int c = 0; c < chunks; c++) a0[c] += e[o] * KV(kv[o] + value_offset, c);
-                if (stride == 2 && o + 1 < visible)
-                    for (int c = 0; c < chunks; c++) a1[c] += e[o + 1] * KV(kv[o + 1] + value_offset, c);
-            }
-            for (int c = 0; c < chunks; c++) store_f32(row + LANES * c, a0[c] + a1[c]);
+        /* one FMA chain per chunk; with fewer than 8 chunks (wide vectors, small heads) a second
+         * set of accumulators takes every other key, so 8 chains keep the FMAs busy. The row's
+         * sums stay in registers over the whole partition (summed through `row` step by step,
+         * each step paid a load and a store per chunk). */
+        vfloat a0[MAX_DIM / LANES], a1[MAX_DIM / LANES];
+        for (int c = 0; c < chunks; c++) a0[c] = a1[c] = splat(0.0f);
+        const float *e = (const float *)scores[r];  /* the exps, key by key */
+        int visible = row[dim] == -INFINITY ? 0 : pos[r] + 1 - k0 < k1 - k0 ? pos[r] + 1 - k0 : k1 - k0;
+        int stride = chunks >= 8 ? 1 : 2;
+        for (int o = 0; o < visible; o += stride) {
+            for (int c = 0; c < chunks; c++) a0[c] += e[o] * KV(keys[o] + value_offset, c);
+            if (stride == 2 && o + 1 < visible)
+                for (int c = 0; c < chunks; c++) a1[c] += e[o + 1] * KV(keys[o + 1] + value_offset, c);
         }
+        for (int c = 0; c < chunks; c++) store_f32(row + LANES * c, a0[c] + a1[c]);
     }
 #undef VISIBLE
 #undef KV
