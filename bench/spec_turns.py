@@ -9,7 +9,10 @@ token-identical to plain decoding. Prints one JSON object, then a table.
 
     python -m bench.spec_turns [--prompts bench/prompts/chat_eval.jsonl] [--max-prompts 40]
         [--batch-size 1] [--top-k 1 4] [--tree-width 1] [--num-speculative-tokens 5] [--threshold 0.08]
-        [--lookup-branch off|on|both] [--prompt-lookup-min 2] [--no-adaptive] [--draft HEAD_DIR ...]
+        [--disable-by-batch-size 2] [--lookup-branch off|on|both] [--prompt-lookup-min 2] [--no-adaptive]
+        [--draft HEAD_DIR ...]
+
+K, the threshold and the batch limit default to what the engine gives eagle3 on CPU.
 """
 
 import argparse
@@ -19,7 +22,7 @@ from pathlib import Path
 
 from tqdm import tqdm
 
-from engine.config import EngineConfig
+from engine.config import EAGLE3_DEFAULTS, EngineConfig
 from engine.engine import Engine
 from engine.params import SamplingParams
 from tools.evaluate import run_batch
@@ -35,9 +38,11 @@ def main() -> None:
     p.add_argument("--max-tokens", type=int, default=128)
     p.add_argument("--top-k", type=int, nargs="+", default=[1, 4])
     p.add_argument("--tree-width", type=int, nargs="+", default=[1], help="draft_tree_width values")
-    p.add_argument("--num-speculative-tokens", type=int, nargs="+", default=[5])
-    p.add_argument("--threshold", type=float, default=0.08, help="draft_confidence_threshold")
-    p.add_argument("--disable-by-batch-size", type=int, default=4)
+    cpu = EAGLE3_DEFAULTS["cpu"]  # the settings the engine gives eagle3 on this device
+    p.add_argument("--num-speculative-tokens", type=int, nargs="+", default=[cpu["num_speculative_tokens"]])
+    p.add_argument("--threshold", type=float, default=cpu["draft_confidence_threshold"],
+                   help="draft_confidence_threshold")
+    p.add_argument("--disable-by-batch-size", type=int, default=cpu["disable_by_batch_size"])
     p.add_argument("--adaptive", action=argparse.BooleanOptionalAction, default=True,
                    help="the governor (off: every step drafts, so tau compares heads on the same steps)")
     p.add_argument("--lookup-branch", choices=["off", "on", "both"], default="off",
