@@ -1,6 +1,6 @@
 """Decoder layers as one native call (engine/csrc/decoder_step.c), for every CPU fp32 forward:
 the target's prefill chunks, decode steps and speculative verification alike, and the EAGLE3
-draft's midlayer (its attention input given: [norm(embedding), norm(hidden)], 2H wide).
+draft's midlayer (its attention input [norm(embedding), norm(hidden)], 2H wide, normed in C too).
 
 The torch layer loop in model.py stays the readable reference (and runs CUDA, bf16, tensor
 parallelism and Qwen3's q/k norms); this path runs the same GEMM and attention kernels with the
@@ -37,7 +37,7 @@ class _Model(ctypes.Structure):
                                                   "block_size")] + [
         ("eps", ctypes.c_float), ("scale", ctypes.c_float), ("cache", ctypes.c_void_p), ("cache_bf16", ctypes.c_int),
         ("s_block", ctypes.c_long), ("s_layer", ctypes.c_long), ("s_kv", ctypes.c_long), ("s_offset", ctypes.c_long),
-        ("attn_input", ctypes.c_void_p), ("attn_width", ctypes.c_int)]
+        ("attn_embed", ctypes.c_void_p), ("embed_norm", ctypes.c_void_p)]
 
 
 class _Batch(ctypes.Structure):
@@ -58,8 +58,7 @@ def _matrix(linear) -> _Matrix:
 
 class NativeDecoder:
     """Bound to decoder layers (their packed weights stay owned by the layers), with each one's
-    input norm (None: the attention input is given, as the EAGLE3 midlayer's is), the rotary
-    tables and the final norm."""
+    input norm (the EAGLE3 midlayer's: its hidden norm), the rotary tables and the final norm."""
 
     @classmethod
     def bind(cls, layers: list, input_norms: list, rotary, norm: torch.Tensor, tp_size: int) -> "NativeDecoder | None":
@@ -80,20 +79,22 @@ class NativeDecoder:
         self.config = c
         self._layers = (_Layer * len(layers))(*[
             _Layer(_matrix(layer.qkv), _matrix(layer.o), _matrix(layer.gate_up), _matrix(layer.down),
-                   norm.data_ptr() if norm is not None else None, layer.post_norm.data_ptr())
+                   norm.data_ptr(), layer.post_norm.data_ptr())
             for layer, norm in zip(layers, input_norms)])
         q_size, width = c.num_heads * c.head_dim, (c.num_heads + 2 * c.num_kv_heads) * c.head_dim
-        self._scratch_per_row = (max(q_size, c.hidden_size) + max(width, 2 * c.intermediate_size) + q_size
+        self._scratch_per_row = (max(q_size, 2 * c.hidden_size) + max(width, 2 * c.intermediate_size) + q_size
                                  + c.hidden_size)
         # Set to float64 zeros(3) to add up seconds spent in the layers' GEMMs, their attention
         # and the whole layer loop (benchmarks read it; None costs nothing).
         self.timings: torch.Tensor | None = None
 
     def layers(self, x: torch.Tensor, batch: ForwardBatch, kv_cache: torch.Tensor, aux_ids: list[int],
-               attn_input: torch.Tensor | None = None) -> torch.Tensor:
+               embed: torch.Tensor | None = None, embed_norm: torch.Tensor | None = None) -> torch.Tensor:
         """Runs every layer over x [T, hidden] in place; returns the residual stream entering
         the layers `aux_ids` (sorted, < number of layers) as [T, len(aux_ids) * hidden].
-        attn_input: the first layer's attention input [T, n] fp32, contiguous (its input norm None)."""
+        embed, embed_norm: EAGLE3's midlayer: embeddings [T, hidden] fp32, contiguous, and their
+        norm's weight; the first layer's attention input is then [rmsnorm(embed) * embed_norm,
+        rmsnorm(x) * its input norm]."""
         c, meta = self.config, batch.attention
         t = x.shape[0]
         s_block, s_layer, s_kv, s_offset = kv_cache.stride()[:4]
@@ -101,8 +102,8 @@ class NativeDecoder:
                        kv_cache.shape[3], c.rms_norm_eps, c.head_dim**-0.5, kv_cache.data_ptr(),
                        kv_cache.dtype == torch.bfloat16,
                        s_block, s_layer, s_kv, s_offset,
-                       attn_input.data_ptr() if attn_input is not None else None,
-                       attn_input.shape[1] if attn_input is not None else 0)
+                       embed.data_ptr() if embed is not None else None,
+                       embed_norm.data_ptr() if embed is not None else None)
         rotary = self.rotary
         positions = batch.positions.contiguous()
         tables = meta.block_tables.contiguous()

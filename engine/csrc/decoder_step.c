@@ -41,10 +41,11 @@ typedef struct {
     void *cache;                       /* layer 0 of [blocks, layers, 2, block_size, kv_heads, D] */
     int cache_bf16;                    /* the cache's elements: bf16, else fp32 */
     long s_block, s_layer, s_kv, s_offset;
-    const float *attn_input;           /* NULL, or layer 0's attention input [T][attn_width] as given
-                                          (EAGLE3's midlayer: [norm(embedding), norm(hidden)]), in
-                                          place of rmsnorm(x) * w_in */
-    int attn_width;
+    const float *attn_embed;           /* NULL, or [T][hidden]: layer 0's attention input is then
+                                          [rmsnorm(attn_embed) * embed_norm, rmsnorm(x) * w_in], 2 *
+                                          hidden wide (EAGLE3's midlayer: the embedding of the token
+                                          after each position beside the hidden state) */
+    const float *embed_norm;
 } pd_model;
 
 typedef struct {  /* one forward's batch: T rows, the sequences' query tokens one after another */
@@ -129,12 +130,16 @@ static void cache_write(const pd_model *m, char *cache, long at, const float *x,
     for (int i = 0; i < n; i++) dst[i] = to_bf16(x[i]);
 }
 
-static int attention_block(const pd_model *m, const pd_layer *L, char *cache, const pd_batch *b, const float *given,
+static int attention_block(const pd_model *m, const pd_layer *L, char *cache, const pd_batch *b, const float *embed,
                             float *x, float *h, float *qkv, float *att, float *tmp, int threads) {
     int T = b->tokens, H = m->hidden, D = m->head_dim;
     int q_size = m->heads * D, kv_size = m->kv_heads * D, width = q_size + 2 * kv_size;
-    if (given == NULL) rms_norm(x, L->input_norm, h, T, H, m->eps);
-    if (matmul(b, &L->qkv, given ? given : h, qkv, T, given ? m->attn_width : H, width, threads)) return -1;
+    int in = embed ? 2 * H : H;  /* the attention input's width */
+    for (int t = 0; t < T; t++) {
+        if (embed) rms_norm(embed + (size_t)t * H, m->embed_norm, h + (size_t)t * in, 1, H, m->eps);
+        rms_norm(x + (size_t)t * H, L->input_norm, h + (size_t)t * in + (in - H), 1, H, m->eps);
+    }
+    if (matmul(b, &L->qkv, h, qkv, T, in, width, threads)) return -1;
     for (int t = 0; t < T; t++) {
         float *r = qkv + (size_t)t * width;
         const float *c = b->cos + (size_t)b->positions[t] * D, *s = b->sin + (size_t)b->positions[t] * D;
@@ -196,14 +201,14 @@ void pd_norm_rows(const float *x, const long *rows, int n, int hidden, const flo
 
 /* Layers [0, num_layers) over x [T][hidden], in place. aux: NULL, or [T][num_aux * hidden]
  * receiving x as it enters layer aux_layers[j] in column block j. scratch: T * (max(heads * D,
- * hidden) + max(qkv width, 2 * intermediate) + heads * D + hidden) floats. Returns 0, or -1
+ * 2 * hidden) + max(qkv width, 2 * intermediate) + heads * D + hidden) floats. Returns 0, or -1
  * when a GEMM or the attention kernel refuses its shapes (or a GEMM finds no memory). */
 int pd_decoder_layers(const pd_model *m, const pd_layer *layers, int num_layers, const pd_batch *b, float *x,
                       float *aux, const int *aux_layers, int num_aux, float *scratch, int threads) {
     int T = b->tokens, H = m->hidden, D = m->head_dim;
     int width = (m->heads + 2 * m->kv_heads) * D;
     if (D % 16 || m->heads % m->kv_heads) return -1;
-    float *h = scratch, *qkv = h + (size_t)T * (m->heads * D > H ? m->heads * D : H);
+    float *h = scratch, *qkv = h + (size_t)T * (m->heads * D > 2 * H ? m->heads * D : 2 * H);
     float *att = qkv + (size_t)T * (width > 2 * m->intermediate ? width : 2 * m->intermediate);
     float *tmp = att + (size_t)T * m->heads * D;
     double start = clock_start(b);
@@ -213,7 +218,7 @@ int pd_decoder_layers(const pd_model *m, const pd_layer *layers, int num_layers,
                 for (int t = 0; t < T; t++)
                     memcpy(aux + ((size_t)t * num_aux + j) * H, x + (size_t)t * H, sizeof(float) * H);
         char *cache = (char *)m->cache + (size_t)l * m->s_layer * (m->cache_bf16 ? 2 : 4);
-        if (attention_block(m, &layers[l], cache, b, l == 0 ? m->attn_input : NULL, x, h, qkv, att, tmp, threads) ||
+        if (attention_block(m, &layers[l], cache, b, l == 0 ? m->attn_embed : NULL, x, h, qkv, att, tmp, threads) ||
             mlp_block(m, &layers[l], b, x, h, qkv, tmp, threads))
             return -1;
     }

@@ -92,7 +92,7 @@ class Eagle3Draft:
         own_embed = w.get("embed_tokens.weight")
         self.embed = (lambda ids: own_embed[ids]) if own_embed is not None else target_embed
         self.rotary = Rotary(c, max_positions, device, dtype)
-        self.native = NativeDecoder.bind([self.midlayer], [None], self.rotary, self.norm, tp_size=1)
+        self.native = NativeDecoder.bind([self.midlayer], [self.hidden_norm], self.rotary, self.norm, tp_size=1)
 
     def project(self, aux_hidden: torch.Tensor) -> torch.Tensor:
         """Target auxiliary features [T, 3*H_target] -> draft hidden inputs [T, H]."""
@@ -105,14 +105,13 @@ class Eagle3Draft:
         """batch.input_ids hold the token *after* each position; hidden: [T, H] inputs (see project).
 
         kv_cache: the draft cache [num_blocks, 1, 2, block_size, kv_heads, head_dim]."""
-        attn_input = self._attention_input(batch, hidden)
         if self.native is not None:  # the midlayer as one native call, as the target's layers run
             h = hidden.clone(memory_format=torch.contiguous_format)  # updated in place
-            self.native.layers(h, batch, kv_cache, [], attn_input.contiguous())
+            self.native.layers(h, batch, kv_cache, [], self.embed(batch.input_ids).contiguous(), self.input_norm)
             out = self.native.final_norm(h, batch.logits_indices)
         else:
             cos, sin = self.rotary.tables(batch.positions)
-            h = self.midlayer(hidden, attn_input, cos, sin, kv_cache[:, 0], batch.attention)
+            h = self.midlayer(hidden, self._attention_input(batch, hidden), cos, sin, kv_cache[:, 0], batch.attention)
             out = rms_norm(h.index_select(0, batch.logits_indices), self.norm, self.config.layer.rms_norm_eps)
         return DraftOutput(hidden=h, logits=self.lm_head(out).float())
 
