@@ -34,9 +34,9 @@ ISA_LEVELS = ("avx512", "avx2", "portable")  # best first
 _ISA_FLAGS = {"avx512": ["-march=native"], "avx2": ["-march=x86-64-v3", "-mtune=native"], "portable": []}
 _ISA_CPU_FLAGS = {"avx512": {"avx512f"}, "avx2": {"avx2", "fma", "f16c"}, "portable": set()}
 _CSRC = Path(__file__).parent / "csrc"
-_SOURCES = [_CSRC / name for name in ("packed_gemm.c", "quant_dot.c", "paged_attention.c", "decoder_step.c")]
-_HEADERS = [_CSRC / name for name in ("vector_isa.h", "kernels.h")]
-_FLAGS = ["-O3", "-fopenmp", "-shared", "-fPIC", "-std=gnu11", f"-I{_CSRC}"]
+_SOURCES = ("packed_gemm.c", "quant_dot.c", "paged_attention.c", "decoder_step.c")
+KERNEL_FILES = _SOURCES + ("vector_isa.h", "kernels.h")  # what a build reads from its csrc directory
+_FLAGS = ["-O3", "-fopenmp", "-shared", "-fPIC", "-std=gnu11"]
 # Limits of paged_attention.c (checked here so callers can pick another path up front).
 ATTENTION_MAX_HEAD_DIM, ATTENTION_MAX_GROUP = 256, 64
 
@@ -70,7 +70,9 @@ def selected_isa() -> str:
     return wanted
 
 
-def _build(isa: str) -> Path:
+def build_kernels(isa: str, csrc: Path = _CSRC) -> Path:
+    """The kernel library of the sources in `csrc` (engine/csrc, or another revision's copy of it
+    for a comparison) built for `isa`: compiled once, then cached under pdspec_home()."""
     compiler = os.environ.get("CC") or shutil.which("gcc") or shutil.which("cc")
     if compiler is None:
         raise RuntimeError(
@@ -78,7 +80,7 @@ def _build(isa: str) -> Path:
             "install gcc or set CC, or run with device 'cuda'"
         )
     flags = _FLAGS + _ISA_FLAGS[isa]
-    source = b"".join(src.read_bytes() for src in _SOURCES + _HEADERS)
+    source = b"".join((csrc / name).read_bytes() for name in KERNEL_FILES)
     key = hashlib.sha256(source + " ".join(flags).encode() + _cpu_signature().encode()).hexdigest()[:16]
     target = pdspec_home() / "kernels" / f"pdspec_cpu-{isa}-{key}.so"
     if not target.exists():
@@ -86,7 +88,7 @@ def _build(isa: str) -> Path:
         # Build beside the target and rename: processes that start together never see half a file.
         with tempfile.TemporaryDirectory(dir=target.parent) as tmp:
             built = Path(tmp) / target.name
-            cmd = [compiler, *flags, *map(str, _SOURCES), "-o", str(built), "-lm"]
+            cmd = [compiler, *flags, f"-I{csrc}", *(str(csrc / name) for name in _SOURCES), "-o", str(built), "-lm"]
             result = subprocess.run(cmd, capture_output=True, text=True)
             if result.returncode != 0:
                 raise RuntimeError(f"building pdspec's CPU kernels ({isa}) with {compiler} failed:\n{result.stderr}")
@@ -98,9 +100,10 @@ class CpuKernels:
     """The kernel library built for one ISA level. Weights packed by one level's `pack_weight`
     are read by that level's `packed_gemm` only (the panel width follows the vector width)."""
 
-    def __init__(self, isa: str):
+    def __init__(self, isa: str, library: Path | None = None):
+        """library: a build of `isa` (default: engine/csrc's, built if needed)."""
         self.isa = isa
-        lib = ctypes.CDLL(str(_build(isa)))
+        lib = ctypes.CDLL(str(library or build_kernels(isa)))
         lib.pd_pack_width.restype = ctypes.c_int
         for gemm in (lib.pd_packed_gemm, lib.pd_packed_gemm_bf16):
             gemm.restype = None

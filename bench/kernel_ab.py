@@ -1,0 +1,131 @@
+"""Two builds of the CPU kernels against each other in one process, their calls alternated so the
+machine's drift (other tenants, clock, memory) hits both alike: on a shared 2-vCPU host two runs a
+minute apart can differ by 10 %, more than most kernel changes are worth.
+
+Build A is `engine/csrc` at a git revision (`--base`), build B the working tree's; both for the ISA
+level this process selects (`PDSPEC_CPU_ISA`). Timed, per build, as the median of alternated reps:
+- the embedded model's layer GEMMs (its 120 quantized matrices, weights from DRAM as in a step) at
+  each `--rows`, and with the lm_head after them (`+head`);
+- paged attention over 30 layers, cold (every layer's cache its own), 9 heads over 3 KV heads of 64,
+  `--context` cached positions, for each batch x span in `--attention` (span: query tokens per
+  sequence, as a verification span), fp32 and bf16 caches;
+and checked: both builds' outputs on the same inputs (max abs difference). Prints one JSON object,
+then a table.
+
+    python -m bench.kernel_ab --base REV [--rows 1 6 16] [--attention 1x1 1x6 4x1 16x1] [--context 262]
+"""
+
+import argparse
+import json
+import statistics
+import subprocess
+import tempfile
+import time
+from pathlib import Path
+
+import torch
+from tqdm import tqdm
+
+from engine import cpu_kernels
+from engine.config import EngineConfig
+from engine.engine import Engine
+
+LAYERS, HEADS, KV_HEADS, HEAD_DIM, BLOCK = 30, 9, 3, 64, 16
+
+
+def revision_kernels(rev: str, isa: str) -> cpu_kernels.CpuKernels:
+    """The kernels of `engine/csrc` as committed at `rev`, built for `isa` (cached like any build)."""
+    root = Path(__file__).resolve().parent.parent
+    with tempfile.TemporaryDirectory() as tmp:
+        for name in cpu_kernels.KERNEL_FILES:
+            source = subprocess.run(["git", "-C", str(root), "show", f"{rev}:engine/csrc/{name}"],
+                                    capture_output=True, check=True).stdout
+            (Path(tmp) / name).write_bytes(source)
+        return cpu_kernels.CpuKernels(isa, cpu_kernels.build_kernels(isa, Path(tmp)))
+
+
+def alternated_ms(calls: dict[str, callable], reps: int) -> dict[str, float]:
+    """Median ms of each call, the calls taking turns (in alternating order) rep by rep."""
+    times = {name: [] for name in calls}
+    for rep in range(reps):
+        for name in list(calls)[:: 1 if rep % 2 else -1]:
+            start = time.perf_counter()
+            calls[name]()
+            times[name].append(time.perf_counter() - start)
+    return {name: statistics.median(t[2:]) * 1e3 for name, t in times.items()}
+
+
+def gemm_cases(engine: Engine, rows: list[int]) -> dict[str, tuple]:
+    """case name -> (the matrices in call order, rows): the layers' then, with +head, the lm_head."""
+    model = engine.runner.model
+    layers = [lin for layer in model.layers for lin in (layer.qkv, layer.o, layer.gate_up, layer.down)]
+    return {f"gemm {m} rows{head}": (layers + ([model.lm_head] if head else []), m)
+            for m in rows for head in ("", " +head")}
+
+
+def gemm_call(kernels: cpu_kernels.CpuKernels, linears: list, inputs: dict, outputs: list):
+    def run() -> None:
+        outputs.clear()
+        for lin in linears:
+            outputs.append(kernels.quant_gemm(inputs[lin.in_features], lin.weight, lin.qtype, lin.out_features,
+                                              lin.bias, lin.int8_dot))
+    return run
+
+
+def attention_call(kernels: cpu_kernels.CpuKernels, batch: int, span: int, context: int, dtype: torch.dtype,
+                   out: torch.Tensor):
+    per_seq, rng = -(-context // BLOCK), torch.Generator().manual_seed(0)
+    # blocks scattered over the pool, as a long-running server leaves them
+    cache = torch.randn(batch * per_seq, LAYERS, 2, BLOCK, KV_HEADS, HEAD_DIM, generator=rng).to(dtype)
+    tables = torch.randperm(batch * per_seq, generator=rng).view(batch, per_seq).long()
+    q = torch.randn(batch * span, HEADS, HEAD_DIM, generator=rng)
+    starts = torch.arange(0, batch * span + 1, span, dtype=torch.int32)
+    lengths = torch.full((batch,), context, dtype=torch.int32)
+
+    def run() -> None:
+        for layer in range(LAYERS):
+            kernels.paged_attention(q, cache[:, layer], tables, starts, lengths, HEAD_DIM**-0.5, out)
+    return run
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    ap.add_argument("--base", required=True, help="git revision of build A")
+    ap.add_argument("--rows", type=int, nargs="*", default=[1, 6, 16])
+    ap.add_argument("--attention", nargs="*", default=["1x1", "1x6", "4x1", "16x1"], help="batch x span")
+    ap.add_argument("--context", type=int, default=262)
+    ap.add_argument("--reps", type=int, default=24)
+    ap.add_argument("--threads", type=int, default=2)
+    args = ap.parse_args()
+    torch.set_num_threads(args.threads)
+    isa = cpu_kernels.selected_isa()
+    builds = {"A": revision_kernels(args.base, isa), "B": cpu_kernels.kernels(isa)}
+    if len({k.pack_width for k in builds.values()}) != 1:
+        raise SystemExit("the two builds pack weights differently; their GEMMs cannot share one model's panels")
+    engine = Engine(EngineConfig())
+    cases = {}
+    for name, (linears, m) in gemm_cases(engine, args.rows).items():
+        inputs = {k: torch.randn(m, k) for k in {lin.in_features for lin in linears}}
+        outputs = {b: [] for b in builds}
+        cases[name] = ({b: gemm_call(k, linears, inputs, outputs[b]) for b, k in builds.items()},
+                       lambda o=outputs: max((x - y).abs().max().item() for x, y in zip(o["A"], o["B"])))
+    for spec in args.attention:
+        batch, span = map(int, spec.split("x"))
+        for dtype in (torch.float32, torch.bfloat16):
+            outs = {b: torch.empty(batch * span, HEADS * HEAD_DIM) for b in builds}
+            cases[f"attention b{batch} span{span} {str(dtype).removeprefix('torch.')}"] = (
+                {b: attention_call(k, batch, span, args.context, dtype, outs[b]) for b, k in builds.items()},
+                lambda o=outs: (o["A"] - o["B"]).abs().max().item())
+    rows = {}
+    for name, (calls, difference) in tqdm(cases.items(), desc="kernel_ab", unit="case"):
+        ms = alternated_ms(calls, args.reps)
+        rows[name] = {"a_ms": round(ms["A"], 3), "b_ms": round(ms["B"], 3), "b_over_a": round(ms["B"] / ms["A"], 3),
+                      "max_abs_diff": difference()}
+    print(json.dumps({"isa": isa, "threads": args.threads, "base": args.base, "context": args.context, "rows": rows}))
+    print(f"{'':34}{'A ms':>9}{'B ms':>9}{'B/A':>7}{'max |A-B|':>11}")
+    for name, r in rows.items():
+        print(f"{name:34}{r['a_ms']:>9}{r['b_ms']:>9}{r['b_over_a']:>7}{r['max_abs_diff']:>11.2e}")
+
+
+if __name__ == "__main__":
+    main()
