@@ -1,0 +1,34 @@
+#!/usr/bin/env bash
+# The corpus for a from-scratch head (issue 18: >= 20M tokens of the target's own answers), built
+# across sessions. Part 1 (~38K answers, ~10M tokens): templated chat prompts over every topic and
+# request shape (a third followed by a second turn), all GSM8K train questions not held out (a
+# quarter with a follow-up), the AlpacaEval instructions as three-turn conversations. The mix is
+# fixed by its seeds and distilled in order; run again to go on where it stopped (done.json), stop
+# it any time. Shards and the mix stay outside the repository.
+#   RUN=DIR bash tools/eagle3_training/recipe_corpus.sh
+set -euo pipefail
+RUN=${RUN:-$HOME/.cache/pdspec/eagle3-corpus}
+PY=${PY:-.venv/bin/python}
+mkdir -p "$RUN"
+[ -s "$RUN/mix.jsonl" ] || $PY - "$RUN" <<'MIX'
+import json, random, sys
+from pathlib import Path
+from tools.eagle3_training.follow_ups import with_follow_ups
+from tools.eagle3_training.synthetic_prompts import synthetic_prompts
+from tools.prompts import read_prompts
+run, rng = Path(sys.argv[1]), random.Random(11)
+rows = [json.loads(line) for line in open("../shared/data/train_prompts.jsonl")]
+held_out = set(read_prompts(Path("bench/prompts/gsm8k_eval.jsonl")))
+gsm8k = [r["prompt"] for r in rows if r["source"] == "gsm8k/train" and r["prompt"] not in held_out]
+alpaca = [r["prompt"] for r in rows if r["source"].startswith("alpaca_eval")]
+templated = synthetic_prompts(20000, seed=11)
+mix = (templated[:13400] + with_follow_ups(templated[13400:], 2, seed=11)
+       + gsm8k[: len(gsm8k) * 3 // 4] + with_follow_ups(gsm8k[len(gsm8k) * 3 // 4 :], 2, seed=12)
+       + with_follow_ups(alpaca, 3, seed=13))
+rng.shuffle(mix)
+(run / "mix.jsonl").write_text("".join(json.dumps({"prompt": m} if isinstance(m, str) else {"turns": m}) + "\n"
+                                       for m in mix))
+print(f"{len(mix)} conversations, {sum(1 if isinstance(m, str) else len(m) for m in mix)} answers")
+MIX
+$PY -m deploy.cli train-eagle3 --prompts "$RUN/mix.jsonl" --out "$RUN" --stage distill --tokens-only \
+    --max-new-tokens 192 --batch-size 48
