@@ -34,9 +34,9 @@
 
 /* With AVX-512, the second vector's pass over a panel (from L2) also requests the next panel,
  * block by block: from ~6 rows on a pass's arithmetic is as long as a panel's DRAM time, and the
- * memory had idled through it (a step's layer GEMMs at 1 / 6 / 16 rows 4-7 % faster, Machine C).
- * The AVX2 tiles are bound by their arithmetic from 2 rows on: there the requests only took load
- * slots (1-3 % slower). */
+ * memory had idled through it (a step's layer GEMMs at 1 and 6 rows 1-7 % faster, 16 rows -4 to
+ * +2 %, in three comparisons on Machine C). The AVX2 tiles are bound by their arithmetic from 2
+ * rows on: there the requests only took load slots (1-3 % slower). */
 #define PREFETCH_NEXT_PANEL (LANES == 16)
 
 /* The activation rows, quantized. Without VNNI every 4 bytes of q_x are repeated across a
