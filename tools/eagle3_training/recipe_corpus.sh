@@ -4,8 +4,10 @@
 # request shape (a third followed by a second turn), all GSM8K train questions not held out (a
 # quarter with a follow-up), the AlpacaEval instructions as three-turn conversations. The mix is
 # fixed by its seeds and distilled in order; run again to go on where it stopped (done.json), stop
-# it any time. Shards and the mix stay outside the repository.
-#   RUN=DIR bash tools/eagle3_training/recipe_corpus.sh
+# it any time. Once every answer is distilled, a head is trained on them from scratch (warmup and
+# cosine decay over two epochs, resumable, HOURS at a time), to set against the shipped one on
+# held-out chat. Shards, the mix and checkpoints stay outside the repository.
+#   RUN=DIR HOURS=H bash tools/eagle3_training/recipe_corpus.sh
 set -euo pipefail
 RUN=${RUN:-$HOME/.cache/pdspec/eagle3-corpus}
 PY=${PY:-.venv/bin/python}
@@ -32,3 +34,5 @@ print(f"{len(mix)} conversations, {sum(1 if isinstance(m, str) else len(m) for m
 MIX
 $PY -m deploy.cli train-eagle3 --prompts "$RUN/mix.jsonl" --out "$RUN" --stage distill --tokens-only \
     --max-new-tokens 192 --batch-size 48
+$PY -m deploy.cli train-eagle3 --prompts "$RUN/mix.jsonl" --out "$RUN" --stage train --epochs 2 --ttt-steps 4 \
+    --lr 5e-4 --max-hours "${HOURS:-1}"
