@@ -230,8 +230,9 @@ def test_killing_a_prefill_worker_retries_its_requests_elsewhere_and_restarts_it
 def test_killing_a_decode_worker_ends_only_its_streams(nixl_cluster):
     """Decode-0 is killed once one of its streams is under way (an event, not a wait of fixed
     length); its streams end with UNAVAILABLE naming it, the others finish. The streams are long
-    enough that decode-0's cannot end before the kill on any machine: the kill follows the 11th
-    token within one poll, and each stream wants 160."""
+    enough that decode-0's cannot end before the kill: the kill follows the 11th token the client
+    reads, and each stream wants 1,200. (With 160, a loaded machine once let the server finish a
+    stream while its client was still reading the first tokens of it.)"""
     stub = _stub(nixl_cluster)
     outcomes: dict[int, object] = {}
     victim_streaming = threading.Event()
@@ -239,7 +240,7 @@ def test_killing_a_decode_worker_ends_only_its_streams(nixl_cluster):
     def run(i: int) -> None:
         tokens = []
         try:
-            for r in stub.Generate(_request(QUESTIONS[i], 160, ignore_eos=True), timeout=600):
+            for r in stub.Generate(_request(QUESTIONS[i], 1200, ignore_eos=True), timeout=600):
                 tokens.extend(r.token_ids)
                 worker = r.decode_worker or outcomes[i][0]
                 outcomes[i] = (worker, len(tokens))
