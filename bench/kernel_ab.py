@@ -38,9 +38,11 @@ def revision_kernels(rev: str, isa: str) -> cpu_kernels.CpuKernels:
     root = Path(__file__).resolve().parent.parent
     with tempfile.TemporaryDirectory() as tmp:
         for name in cpu_kernels.KERNEL_FILES:
-            source = subprocess.run(["git", "-C", str(root), "show", f"{rev}:engine/csrc/{name}"],
-                                    capture_output=True, check=True).stdout
-            (Path(tmp) / name).write_bytes(source)
+            shown = subprocess.run(["git", "-C", str(root), "show", f"{rev}:engine/csrc/{name}"], capture_output=True)
+            if shown.returncode:
+                raise SystemExit(f"--base {rev}: no engine/csrc/{name} there ({shown.stderr.decode().strip()}); "
+                                 "compare revisions with the same kernel files")
+            (Path(tmp) / name).write_bytes(shown.stdout)
         return cpu_kernels.CpuKernels(isa, cpu_kernels.build_kernels(isa, Path(tmp)))
 
 
@@ -88,11 +90,23 @@ def attention_call(kernels: cpu_kernels.CpuKernels, batch: int, span: int, conte
     return run
 
 
+def batch_by_span(text: str) -> tuple[int, int]:
+    """'4x1' -> (4, 1): sequences, query tokens each."""
+    try:
+        batch, span = map(int, text.split("x"))
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"{text!r}: expected BATCHxSPAN, e.g. 4x1 or 1x6") from None
+    if batch < 1 or span < 1:
+        raise argparse.ArgumentTypeError(f"{text!r}: batch and span must be at least 1")
+    return batch, span
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--base", required=True, help="git revision of build A")
     ap.add_argument("--rows", type=int, nargs="*", default=[1, 6, 16])
-    ap.add_argument("--attention", nargs="*", default=["1x1", "1x6", "4x1", "16x1"], help="batch x span")
+    ap.add_argument("--attention", nargs="*", type=batch_by_span, default=[(1, 1), (1, 6), (4, 1), (16, 1)],
+                    help="BATCHxSPAN cases: sequences, query tokens each")
     ap.add_argument("--context", type=int, default=262)
     ap.add_argument("--reps", type=int, default=24)
     ap.add_argument("--threads", type=int, default=2)
@@ -109,8 +123,7 @@ def main() -> None:
         outputs = {b: [] for b in builds}
         cases[name] = ({b: gemm_call(k, linears, inputs, outputs[b]) for b, k in builds.items()},
                        lambda o=outputs: max((x - y).abs().max().item() for x, y in zip(o["A"], o["B"])))
-    for spec in args.attention:
-        batch, span = map(int, spec.split("x"))
+    for batch, span in args.attention:
         for dtype in (torch.float32, torch.bfloat16):
             outs = {b: torch.empty(batch * span, HEADS * HEAD_DIM) for b in builds}
             cases[f"attention b{batch} span{span} {str(dtype).removeprefix('torch.')}"] = (
