@@ -1,6 +1,7 @@
 #!/usr/bin/env bash
 # The corpus for a from-scratch head (issue 18: >= 20M tokens of the target's own answers), built
-# across sessions. Part 1 (~38K answers, ~10M tokens): templated chat prompts over every topic and
+# across sessions. Part 1 (38K answers: ~6M answer tokens, ~10M with the prompts, measured on its
+# first 7K answers at 163 answer tokens each): templated chat prompts over every topic and
 # request shape (a third followed by a second turn), all GSM8K train questions not held out (a
 # quarter with a follow-up), the AlpacaEval instructions as three-turn conversations. The mix is
 # fixed by its seeds and distilled in order; run again to go on where it stopped (done.json), stop
