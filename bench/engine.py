@@ -46,28 +46,54 @@ def _prompts(n: int, vocab: int) -> list[list[int]]:
     return [[rng.randrange(100, vocab) for _ in range(PROMPT_LEN)] for _ in range(n)]
 
 
+class _Timed:
+    """A callable whose calls' seconds add up while it runs where it is used: the lm_head inside
+    real forwards reads its weights from DRAM (the layers' stream evicted them); timed in a loop
+    alone it would find them in cache. Attributes pass through (the tied head embeds too)."""
+
+    def __init__(self, inner):
+        self.inner, self.seconds = inner, 0.0
+
+    def __call__(self, *args):
+        start = time.perf_counter()
+        try:
+            return self.inner(*args)
+        finally:
+            self.seconds += time.perf_counter() - start
+
+    def __getattr__(self, name):
+        return getattr(self.inner, name)
+
+
 def ours_decode(engine: Engine, batch: int) -> tuple[float, dict[str, float]]:
     """Decode tokens/s (time from every request's first token to the last token), and a decode
-    step's mean ms: whole, in the layers' GEMMs and in attention (with the native decoder step)."""
+    step's mean ms: whole, and with the native decoder step, in the layers' GEMMs, their
+    attention, the rest of the layer loop, the lm_head, and everything else (embedding, sampling,
+    scheduling, Python)."""
     params = SamplingParams(max_tokens=NEW_TOKENS, ignore_eos=True)
     for p in _prompts(batch, 40000):
         engine.add_request(p, params)
     generated = 0
     while generated < batch:  # prefill steps: until every request has its first token
         generated += len(engine.step())
-    native = engine.runner.model.native
-    if native is not None:
-        native.timings = torch.zeros(3, dtype=torch.float64)
+    model = engine.runner.model
+    if model.native is not None:
+        model.native.timings, model.lm_head = torch.zeros(3, dtype=torch.float64), _Timed(model.lm_head)
     start, decoded, steps = time.perf_counter(), 0, 0
-    while engine.has_unfinished():
-        decoded += sum(len(o.token_ids) for o in engine.step())
-        steps += 1
-    seconds = time.perf_counter() - start
-    step = {"step": seconds * 1e3 / steps}
-    if native is not None:
-        gemm, attention, _ = (native.timings * 1e3 / steps).tolist()
-        step |= {"layer_gemm": gemm, "attention": attention}
-        native.timings = None
+    try:
+        while engine.has_unfinished():
+            decoded += sum(len(o.token_ids) for o in engine.step())
+            steps += 1
+        seconds = time.perf_counter() - start
+        step = {"step": seconds * 1e3 / steps}
+        if model.native is not None:
+            gemm, attention, layers = (model.native.timings * 1e3 / steps).tolist()
+            head = model.lm_head.seconds * 1e3 / steps
+            step |= {"layer_gemm": gemm, "attention": attention, "layers_other": layers - gemm - attention,
+                     "lm_head": head, "rest": step["step"] - layers - head}
+    finally:
+        if model.native is not None:
+            model.native.timings, model.lm_head = None, model.lm_head.inner
     return decoded / seconds, step
 
 
@@ -90,25 +116,6 @@ def ours_span_costs(engine: Engine, spans: list[int], reps: int) -> dict[int, fl
     """Median ms of a forward over n new tokens after a 256-token cached context."""
     with _after_context(engine, spans) as chunks:
         return _interleaved_median_ms({n: (lambda c=c: engine.runner.forward([c])) for n, c in chunks.items()}, reps)
-
-
-class _Timed:
-    """A callable whose calls' seconds add up while it runs where it is used: the lm_head inside
-    real forwards reads its weights from DRAM (the layers' stream evicted them); timed in a loop
-    alone it would find them in cache. Attributes pass through (the tied head embeds too)."""
-
-    def __init__(self, inner):
-        self.inner, self.seconds = inner, 0.0
-
-    def __call__(self, *args):
-        start = time.perf_counter()
-        try:
-            return self.inner(*args)
-        finally:
-            self.seconds += time.perf_counter() - start
-
-    def __getattr__(self, name):
-        return getattr(self.inner, name)
 
 
 def ours_breakdown(engine: Engine, spans: list[int], reps: int) -> dict[int, dict[str, float]]:
