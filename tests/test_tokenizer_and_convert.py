@@ -11,7 +11,7 @@ import pytest
 import torch
 from safetensors.torch import load_file
 
-from engine.gguf_convert import convert_gguf, default_model_dir, embedded_gguf_path
+from engine.gguf_convert import SOURCE_FILE, convert_gguf, default_model_dir, embedded_gguf_path, prune_stale_conversions
 from engine.tokenizer import IncrementalDetokenizer, Tokenizer
 
 ENCODE_CASES = [
@@ -168,6 +168,7 @@ def test_default_model_dir_is_cached(converted_dir: Path) -> None:
     assert not [p for p in converted_dir.parent.iterdir() if p.name.endswith(".partial")]
     assert {p.name for p in converted_dir.iterdir()} == {
         "config.json", "model.safetensors", "tokenizer.json", "tokenizer_config.json", "generation_config.json", "gguf",
+        "source.json",
     }  # fmt: skip
 
 
@@ -219,3 +220,35 @@ def test_convert_rejects_unsupported_architecture(tmp_path: Path) -> None:
     with pytest.raises(ValueError, match=r"architecture 'mamba'; supported architectures: llama"):
         convert_gguf(path, tmp_path / "out")
     assert os.listdir(tmp_path) == ["tiny-mamba.gguf"], "a failed conversion must leave nothing behind"
+
+
+def test_the_default_conversion_records_its_source(converted_dir: Path) -> None:
+    source = json.loads((converted_dir / SOURCE_FILE).read_text())
+    assert Path(source["gguf"]) == embedded_gguf_path().resolve()
+    assert source["size"] == embedded_gguf_path().stat().st_size
+
+
+def test_conversions_of_a_gone_or_changed_gguf_are_pruned(tmp_path: Path) -> None:
+    """Another virtualenv's GGUF, deleted or reinstalled since, leaves a stale conversion; a new
+    conversion of the same name removes it, and nothing else."""
+    models = tmp_path / "models"
+
+    def conversion(name: str, gguf: Path | None) -> Path:
+        directory = models / name
+        directory.mkdir(parents=True)
+        if gguf is not None:
+            stat = gguf.stat()
+            (directory / SOURCE_FILE).write_text(json.dumps({"gguf": str(gguf), "size": stat.st_size,
+                                                             "mtime_ns": stat.st_mtime_ns}))
+        return directory
+
+    live, gone, changed = (tmp_path / f"{n}.gguf" for n in ("live", "gone", "changed"))
+    for path in (live, gone, changed):
+        path.write_bytes(b"gguf")
+    kept = [conversion("Model-aaa", live), conversion("Model-ddd", None), conversion("Other-eee", gone)]
+    stale = [conversion("Model-bbb", gone), conversion("Model-ccc", changed)]
+    new = conversion("Model-fff", live)
+    gone.unlink()
+    changed.write_bytes(b"gguf, reinstalled")
+    assert sorted(prune_stale_conversions(models, "Model", keep=new)) == stale
+    assert all(d.is_dir() for d in kept + [new]) and not any(d.exists() for d in stale)
