@@ -3,8 +3,8 @@ DRAM (cold) or all in cache (hot), against the time a plain read of the same byt
 
 The embedded model's attention shape (30 layers, 9 heads over 3 KV heads of 64), `--span` query
 tokens per sequence (1: a decode step; more: a speculative verification span, the last `span` of
-the `--context` positions), `--context` cached positions each, blocks scattered over the pool as a long-running
-server leaves them. Cold: every sequence has blocks of its own (batch x context x 1536 bytes a
+the `--context` positions), `--context` cached positions each, blocks scattered over the pool as
+a long-running server leaves them. Cold: every sequence has blocks of its own (batch x context x 1536 bytes a
 layer). Hot: every sequence reads the same blocks of one layer (they stay in L2), so the time is
 the kernel's arithmetic. Read floor: torch summing the same per-layer slices of the cache (the
 bytes cold attention reads, in the same pieces). Prints one JSON object, then a table.
@@ -15,6 +15,7 @@ bytes cold attention reads, in the same pieces). Prints one JSON object, then a 
 import argparse
 import json
 import time
+from typing import Callable
 
 import torch
 
@@ -34,21 +35,28 @@ def _median_ms(fn, reps: int = 15) -> float:
     return sorted(times)[reps // 2] * 1e3
 
 
-def measure(batch: int, context: int, span: int, dtype: torch.dtype, hot: bool) -> float:
-    """ms for one decode step's attention over all layers."""
-    kernels = cpu_kernels.kernels()
-    per_seq = -(-context // BLOCK)
+def attention_step(kernels: cpu_kernels.CpuKernels, batch: int, context: int, span: int, dtype: torch.dtype,
+                   hot: bool = False) -> tuple[Callable[[], None], torch.Tensor]:
+    """One step's attention over all layers with `kernels` (inputs seeded, so two builds given
+    the same arguments read the same data), and the tensor its output lands in."""
+    per_seq, rng = -(-context // BLOCK), torch.Generator().manual_seed(0)
     pool = per_seq if hot else batch * per_seq
-    cache = torch.randn(pool, 1 if hot else LAYERS, 2, BLOCK, KV_HEADS, HEAD_DIM).to(dtype)
-    tables = (torch.arange(per_seq).repeat(batch, 1) if hot else torch.randperm(pool).view(batch, per_seq)).long()
-    q, out = torch.randn(batch * span, HEADS, HEAD_DIM), torch.empty(batch * span, HEADS * HEAD_DIM)
+    cache = torch.randn(pool, 1 if hot else LAYERS, 2, BLOCK, KV_HEADS, HEAD_DIM, generator=rng).to(dtype)
+    tables = (torch.arange(per_seq).repeat(batch, 1) if hot
+              else torch.randperm(pool, generator=rng).view(batch, per_seq)).long()
+    q, out = torch.randn(batch * span, HEADS, HEAD_DIM, generator=rng), torch.empty(batch * span, HEADS * HEAD_DIM)
     starts = torch.arange(0, batch * span + 1, span, dtype=torch.int32)
     lengths = torch.full((batch,), context, dtype=torch.int32)
 
     def step() -> None:
         for layer in range(LAYERS):
             kernels.paged_attention(q, cache[:, 0 if hot else layer], tables, starts, lengths, HEAD_DIM**-0.5, out)
-    return _median_ms(step)
+    return step, out
+
+
+def measure(batch: int, context: int, span: int, dtype: torch.dtype, hot: bool) -> float:
+    """ms for one decode step's attention over all layers."""
+    return _median_ms(attention_step(cpu_kernels.kernels(), batch, context, span, dtype, hot)[0])
 
 
 def read_floor(batch: int, context: int, dtype: torch.dtype) -> float:

@@ -25,13 +25,13 @@ To run an AVX-512 machine as an AVX2 one, hold both to AVX2:
 import argparse
 import json
 import random
-import statistics
 import time
 from contextlib import contextmanager
 
 import torch
 from tqdm import tqdm
 
+from bench.timing import alternated_median_ms
 from engine import cpu_kernels
 from engine.batch import SeqChunk
 from engine.config import EngineConfig
@@ -65,6 +65,25 @@ class _Timed:
         return getattr(self.inner, name)
 
 
+@contextmanager
+def _timed_layers(model):
+    """While in it: the native layer loop's timings (seconds in GEMMs, attention, the whole loop)
+    and the lm_head's time add up; yields the timed head."""
+    model.native.timings, model.lm_head = torch.zeros(3, dtype=torch.float64), _Timed(model.lm_head)
+    try:
+        yield model.lm_head
+    finally:
+        model.native.timings, model.lm_head = None, model.lm_head.inner
+
+
+def _layer_ms(model, head: _Timed, count: int) -> tuple[dict[str, float], float]:
+    """Mean ms per call, over `count` calls, of the native layer loop's parts and the lm_head, and
+    of the whole layer loop."""
+    gemm, attention, layers = (model.native.timings * 1e3 / count).tolist()
+    return {"layer_gemm": gemm, "attention": attention, "layers_other": layers - gemm - attention,
+            "lm_head": head.seconds * 1e3 / count}, layers
+
+
 def ours_decode(engine: Engine, batch: int) -> tuple[float, dict[str, float]]:
     """Decode tokens/s (time from every request's first token to the last token), and a decode
     step's mean ms: whole, and with the native decoder step, in the layers' GEMMs, their
@@ -77,24 +96,22 @@ def ours_decode(engine: Engine, batch: int) -> tuple[float, dict[str, float]]:
     while generated < batch:  # prefill steps: until every request has its first token
         generated += len(engine.step())
     model = engine.runner.model
-    if model.native is not None:
-        model.native.timings, model.lm_head = torch.zeros(3, dtype=torch.float64), _Timed(model.lm_head)
-    start, decoded, steps = time.perf_counter(), 0, 0
-    try:
+
+    def decode() -> tuple[int, int, float]:
+        start, decoded, steps = time.perf_counter(), 0, 0
         while engine.has_unfinished():
             decoded += sum(len(o.token_ids) for o in engine.step())
             steps += 1
-        seconds = time.perf_counter() - start
-        step = {"step": seconds * 1e3 / steps}
-        if model.native is not None:
-            gemm, attention, layers = (model.native.timings * 1e3 / steps).tolist()
-            head = model.lm_head.seconds * 1e3 / steps
-            step |= {"layer_gemm": gemm, "attention": attention, "layers_other": layers - gemm - attention,
-                     "lm_head": head, "rest": step["step"] - layers - head}
-    finally:
-        if model.native is not None:
-            model.native.timings, model.lm_head = None, model.lm_head.inner
-    return decoded / seconds, step
+        return decoded, steps, time.perf_counter() - start
+
+    if model.native is None:
+        decoded, steps, seconds = decode()
+        return decoded / seconds, {"step": seconds * 1e3 / steps}
+    with _timed_layers(model) as head:
+        decoded, steps, seconds = decode()
+        parts, layers = _layer_ms(model, head, steps)
+    ms = seconds * 1e3 / steps
+    return decoded / seconds, {"step": ms} | parts | {"rest": ms - layers - parts["lm_head"]}
 
 
 @contextmanager
@@ -115,7 +132,7 @@ def _after_context(engine: Engine, spans: list[int]):
 def ours_span_costs(engine: Engine, spans: list[int], reps: int) -> dict[int, float]:
     """Median ms of a forward over n new tokens after a 256-token cached context."""
     with _after_context(engine, spans) as chunks:
-        return _interleaved_median_ms({n: (lambda c=c: engine.runner.forward([c])) for n, c in chunks.items()}, reps)
+        return alternated_median_ms({n: (lambda c=c: engine.runner.forward([c])) for n, c in chunks.items()}, reps)
 
 
 def ours_breakdown(engine: Engine, spans: list[int], reps: int) -> dict[int, dict[str, float]]:
@@ -130,19 +147,15 @@ def ours_breakdown(engine: Engine, spans: list[int], reps: int) -> dict[int, dic
     with _after_context(engine, spans) as chunks:
         for n, chunk in chunks.items():
             engine.runner.forward([chunk])  # warm
-            model.native.timings, model.lm_head = torch.zeros(3, dtype=torch.float64), _Timed(model.lm_head)
-            try:
+            with _timed_layers(model) as head:
                 start = time.perf_counter()
                 for _ in range(reps):
                     engine.runner.forward([chunk])
                 total = (time.perf_counter() - start) * 1e3 / reps
-                gemm, attention, layers = (model.native.timings * 1e3 / reps).tolist()
-                head = model.lm_head.seconds * 1e3 / reps
-            finally:
-                model.native.timings, model.lm_head = None, model.lm_head.inner
-            out[n] = {"total": total, "gemm": gemm + head, "layer_gemm": gemm, "lm_head": head,
-                      "attention": attention, "layers_other": layers - gemm - attention,
-                      "outside_layers": total - layers - head, "outside_gemm": total - gemm - head}
+                parts, layers = _layer_ms(model, head, reps)
+            gemm = parts["layer_gemm"] + parts["lm_head"]
+            out[n] = {"total": total, "gemm": gemm} | parts | {
+                "outside_layers": total - layers - parts["lm_head"], "outside_gemm": total - gemm}
     return out
 
 
@@ -187,19 +200,7 @@ def hf_span_costs(model, spans: list[int], reps: int) -> dict[int, float]:
             model(torch.arange(1000, 1000 + n)[None], past_key_values=cache, use_cache=True)
         cache.crop(-n)  # drop the n new tokens again
 
-    return _interleaved_median_ms({n: (lambda n=n: step(n)) for n in spans}, reps)
-
-
-def _interleaved_median_ms(fns: dict, reps: int) -> dict:
-    """Median ms of each fn, measured round-robin so drift (other load, clocks) hits all alike."""
-    times = {key: [] for key in fns}
-    for rep in range(reps + 1):
-        for key, fn in fns.items():
-            start = time.perf_counter()
-            fn()
-            if rep:  # the first round warms up
-                times[key].append((time.perf_counter() - start) * 1e3)
-    return {key: statistics.median(t) for key, t in times.items()}
+    return alternated_median_ms({n: (lambda n=n: step(n)) for n in spans}, reps)
 
 
 def main() -> None:

@@ -17,20 +17,18 @@ then a table.
 
 import argparse
 import json
-import statistics
 import subprocess
 import tempfile
-import time
 from pathlib import Path
 
 import torch
 from tqdm import tqdm
 
+from bench.attention import attention_step
+from bench.timing import alternated_median_ms
 from engine import cpu_kernels
 from engine.config import EngineConfig
 from engine.engine import Engine
-
-LAYERS, HEADS, KV_HEADS, HEAD_DIM, BLOCK = 30, 9, 3, 64, 16
 
 
 def revision_kernels(rev: str, isa: str) -> cpu_kernels.CpuKernels:
@@ -44,17 +42,6 @@ def revision_kernels(rev: str, isa: str) -> cpu_kernels.CpuKernels:
                                  "compare revisions with the same kernel files")
             (Path(tmp) / name).write_bytes(shown.stdout)
         return cpu_kernels.CpuKernels(isa, cpu_kernels.build_kernels(isa, Path(tmp)))
-
-
-def alternated_ms(calls: dict[str, callable], reps: int) -> dict[str, float]:
-    """Median ms of each call, the calls taking turns (in alternating order) rep by rep."""
-    times = {name: [] for name in calls}
-    for rep in range(reps):
-        for name in list(calls)[:: 1 if rep % 2 else -1]:
-            start = time.perf_counter()
-            calls[name]()
-            times[name].append(time.perf_counter() - start)
-    return {name: statistics.median(t[2:]) * 1e3 for name, t in times.items()}
 
 
 def gemm_cases(engine: Engine, rows: list[int]) -> dict[str, tuple]:
@@ -71,22 +58,6 @@ def gemm_call(kernels: cpu_kernels.CpuKernels, linears: list, inputs: dict, outp
         for lin in linears:
             outputs.append(kernels.quant_gemm(inputs[lin.in_features], lin.weight, lin.qtype, lin.out_features,
                                               lin.bias, lin.int8_dot))
-    return run
-
-
-def attention_call(kernels: cpu_kernels.CpuKernels, batch: int, span: int, context: int, dtype: torch.dtype,
-                   out: torch.Tensor):
-    per_seq, rng = -(-context // BLOCK), torch.Generator().manual_seed(0)
-    # blocks scattered over the pool, as a long-running server leaves them
-    cache = torch.randn(batch * per_seq, LAYERS, 2, BLOCK, KV_HEADS, HEAD_DIM, generator=rng).to(dtype)
-    tables = torch.randperm(batch * per_seq, generator=rng).view(batch, per_seq).long()
-    q = torch.randn(batch * span, HEADS, HEAD_DIM, generator=rng)
-    starts = torch.arange(0, batch * span + 1, span, dtype=torch.int32)
-    lengths = torch.full((batch,), context, dtype=torch.int32)
-
-    def run() -> None:
-        for layer in range(LAYERS):
-            kernels.paged_attention(q, cache[:, layer], tables, starts, lengths, HEAD_DIM**-0.5, out)
     return run
 
 
@@ -108,7 +79,7 @@ def main() -> None:
     ap.add_argument("--attention", nargs="*", type=batch_by_span, default=[(1, 1), (1, 6), (4, 1), (16, 1)],
                     help="BATCHxSPAN cases: sequences, query tokens each")
     ap.add_argument("--context", type=int, default=262)
-    ap.add_argument("--reps", type=int, default=24)
+    ap.add_argument("--reps", type=int, default=22, help="timed rounds (after two to warm up)")
     ap.add_argument("--threads", type=int, default=2)
     args = ap.parse_args()
     torch.set_num_threads(args.threads)
@@ -125,13 +96,13 @@ def main() -> None:
                        lambda o=outputs: max((x - y).abs().max().item() for x, y in zip(o["A"], o["B"])))
     for batch, span in args.attention:
         for dtype in (torch.float32, torch.bfloat16):
-            outs = {b: torch.empty(batch * span, HEADS * HEAD_DIM) for b in builds}
+            steps = {b: attention_step(k, batch, args.context, span, dtype) for b, k in builds.items()}
             cases[f"attention b{batch} span{span} {str(dtype).removeprefix('torch.')}"] = (
-                {b: attention_call(k, batch, span, args.context, dtype, outs[b]) for b, k in builds.items()},
-                lambda o=outs: (o["A"] - o["B"]).abs().max().item())
+                {b: step for b, (step, _) in steps.items()},
+                lambda s=steps: (s["A"][1] - s["B"][1]).abs().max().item())
     rows = {}
     for name, (calls, difference) in tqdm(cases.items(), desc="kernel_ab", unit="case"):
-        ms = alternated_ms(calls, args.reps)
+        ms = alternated_median_ms(calls, args.reps, warmup=2)
         rows[name] = {"a_ms": round(ms["A"], 3), "b_ms": round(ms["B"], 3), "b_over_a": round(ms["B"] / ms["A"], 3),
                       "max_abs_diff": difference()}
     print(json.dumps({"isa": isa, "threads": args.threads, "base": args.base, "context": args.context, "rows": rows}))
