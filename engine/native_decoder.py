@@ -58,20 +58,23 @@ def _matrix(linear) -> _Matrix:
 
 class NativeDecoder:
     """Bound to decoder layers (their packed weights stay owned by the layers), with each one's
-    input norm (the EAGLE3 midlayer's: its hidden norm), the rotary tables and the final norm."""
+    input norm (the EAGLE3 midlayer's: its hidden norm), the rotary tables, the final norm, and for
+    the EAGLE3 midlayer the norm of the embeddings beside its hidden input."""
 
     @classmethod
-    def bind(cls, layers: list, input_norms: list, rotary, norm: torch.Tensor, tp_size: int) -> "NativeDecoder | None":
+    def bind(cls, layers: list, input_norms: list, rotary, norm: torch.Tensor, tp_size: int,
+             embed_norm: torch.Tensor | None = None) -> "NativeDecoder | None":
         """A NativeDecoder for `layers`, or None unless they have CPU fp32 activations, one rank,
         no q/k norms, every projection on the packed kernels of one build, and the C attention kernel."""
         linears = [lin for layer in layers for lin in (layer.qkv, layer.o, layer.gate_up, layer.down)]
         supported = (norm.dtype == torch.float32 and tp_size == 1 and norm.device.type == "cpu"
                      and all(layer.q_norm is None and layer.attend is native_paged_attention for layer in layers)
                      and all(lin.packed for lin in linears) and len({id(lin.kernels) for lin in linears}) == 1)
-        return cls(layers, input_norms, rotary, norm) if supported else None
+        return cls(layers, input_norms, rotary, norm, embed_norm) if supported else None
 
-    def __init__(self, layers: list, input_norms: list, rotary, norm: torch.Tensor):
-        self.rotary, self.norm = rotary, norm
+    def __init__(self, layers: list, input_norms: list, rotary, norm: torch.Tensor,
+                 embed_norm: torch.Tensor | None = None):
+        self.rotary, self.norm, self.embed_norm = rotary, norm, embed_norm
         self.num_layers = len(layers)
         first = layers[0]
         self.kernels: CpuKernels = first.qkv.kernels
@@ -89,12 +92,14 @@ class NativeDecoder:
         self.timings: torch.Tensor | None = None
 
     def layers(self, x: torch.Tensor, batch: ForwardBatch, kv_cache: torch.Tensor, aux_ids: list[int],
-               embed: torch.Tensor | None = None, embed_norm: torch.Tensor | None = None) -> torch.Tensor:
+               embed: torch.Tensor | None = None) -> torch.Tensor:
         """Runs every layer over x [T, hidden] in place; returns the residual stream entering
         the layers `aux_ids` (sorted, < number of layers) as [T, len(aux_ids) * hidden].
-        embed, embed_norm: EAGLE3's midlayer: embeddings [T, hidden] fp32, contiguous, and their
-        norm's weight; the first layer's attention input is then [rmsnorm(embed) * embed_norm,
+        embed: EAGLE3's midlayer (bound with an embed_norm): embeddings [T, hidden] fp32,
+        contiguous; the first layer's attention input is then [rmsnorm(embed) * embed_norm,
         rmsnorm(x) * its input norm]."""
+        if embed is not None and self.embed_norm is None:
+            raise ValueError("NativeDecoder.layers: embeddings given, but no embed_norm was bound")
         c, meta = self.config, batch.attention
         t = x.shape[0]
         s_block, s_layer, s_kv, s_offset = kv_cache.stride()[:4]
@@ -103,7 +108,7 @@ class NativeDecoder:
                        kv_cache.dtype == torch.bfloat16,
                        s_block, s_layer, s_kv, s_offset,
                        embed.data_ptr() if embed is not None else None,
-                       embed_norm.data_ptr() if embed is not None else None)
+                       self.embed_norm.data_ptr() if embed is not None else None)
         rotary = self.rotary
         positions = batch.positions.contiguous()
         tables = meta.block_tables.contiguous()

@@ -92,7 +92,8 @@ class Eagle3Draft:
         own_embed = w.get("embed_tokens.weight")
         self.embed = (lambda ids: own_embed[ids]) if own_embed is not None else target_embed
         self.rotary = Rotary(c, max_positions, device, dtype)
-        self.native = NativeDecoder.bind([self.midlayer], [self.hidden_norm], self.rotary, self.norm, tp_size=1)
+        self.native = NativeDecoder.bind([self.midlayer], [self.hidden_norm], self.rotary, self.norm, tp_size=1,
+                                         embed_norm=self.input_norm)
 
     def project(self, aux_hidden: torch.Tensor) -> torch.Tensor:
         """Target auxiliary features [T, 3*H_target] -> draft hidden inputs [T, H]."""
@@ -107,7 +108,7 @@ class Eagle3Draft:
         kv_cache: the draft cache [num_blocks, 1, 2, block_size, kv_heads, head_dim]."""
         if self.native is not None:  # the midlayer as one native call, as the target's layers run
             h = hidden.clone(memory_format=torch.contiguous_format)  # updated in place
-            self.native.layers(h, batch, kv_cache, [], self.embed(batch.input_ids).contiguous(), self.input_norm)
+            self.native.layers(h, batch, kv_cache, [], self.embed(batch.input_ids).contiguous())
             out = self.native.final_norm(h, batch.logits_indices)
         else:
             cos, sin = self.rotary.tables(batch.positions)
