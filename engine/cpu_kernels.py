@@ -70,16 +70,27 @@ def selected_isa() -> str:
     return wanted
 
 
-def build_kernels(isa: str, csrc: Path = _CSRC) -> Path:
-    """The kernel library of the sources in `csrc` (engine/csrc, or another revision's copy of it
-    for a comparison) built for `isa`: compiled once, then cached under pdspec_home()."""
+def c_compiler() -> str:
+    """$CC, else gcc or cc from PATH."""
     compiler = os.environ.get("CC") or shutil.which("gcc") or shutil.which("cc")
     if compiler is None:
         raise RuntimeError(
             "pdspec's CPU kernels need a C compiler (gcc) to build engine/csrc/*.c; "
             "install gcc or set CC, or run with device 'cuda'"
         )
-    flags = _FLAGS + _ISA_FLAGS[isa]
+    return compiler
+
+
+def isa_flags(isa: str) -> list[str]:
+    """The compiler flags that target `isa` (what the kernels of that level are built with)."""
+    return list(_ISA_FLAGS[isa])
+
+
+def build_kernels(isa: str, csrc: Path = _CSRC) -> Path:
+    """The kernel library of the sources in `csrc` (engine/csrc, or another revision's copy of it
+    for a comparison) built for `isa`: compiled once, then cached under pdspec_home()."""
+    compiler = c_compiler()
+    flags = _FLAGS + isa_flags(isa)
     source = b"".join((csrc / name).read_bytes() for name in KERNEL_FILES)
     key = hashlib.sha256(source + " ".join(flags).encode() + _cpu_signature().encode()).hexdigest()[:16]
     target = pdspec_home() / "kernels" / f"pdspec_cpu-{isa}-{key}.so"

@@ -1,0 +1,120 @@
+"""The floors this machine puts under a decode step: how fast the model could run here at best,
+from the machine's measured rates and the model's sizes, to read bench.engine's and bench.peer's
+figures (and a speed goal) against.
+
+Measured (2 threads unless noted):
+- DRAM reads: a plain stream (torch summing 512 MB), and the KV cache's pieces as attention
+  reads them (bench.attention's read floor, `--context` positions of 16 sequences);
+- one core's vector units, from a C probe (bench/probe.c) built with the kernels' compiler and
+  the ISA flags of the kernels in use: int8 multiply-adds (what the quantized GEMMs are made of)
+  and fp32 FMA lanes (attention), in independent chains;
+- an OpenMP region's and a barrier's cost (the kernels open ~5 regions a layer).
+For the model (default the embedded one), per step of B sequences of S query tokens each over
+C cached positions:
+  memory  = weight bytes / stream rate + B x C x KV bytes per position / KV read rate
+  compute = B x S x weight multiply-adds / (int8 rate x threads)
+            + B x S x C x attention FMAs per position / (FMA rate x threads)
+  floor   = the larger (both overlapped perfectly; no norms, sampling or Python)
+and the best aggregate speedups the floors allow: batch B over batch 1 (B x floor(1) / floor(B)),
+and a forward over S tokens against one (floor(1, S) / floor(1, 1)). Prints one JSON object,
+then a table.
+
+    python -m bench.floors [--context 320] [--batches 1 4 16] [--spans 6] [--kv-cache-dtype float32]
+"""
+
+import argparse
+import json
+import subprocess
+import tempfile
+import time
+from pathlib import Path
+
+import torch
+
+from bench.attention import read_floor
+from engine import cpu_kernels
+from engine.config import EngineConfig
+from engine.engine import Engine
+
+
+def probe(isa: str, threads: int) -> dict[str, float]:
+    """bench/probe.c's rates and costs, built for `isa` as the kernels are."""
+    with tempfile.TemporaryDirectory() as tmp:
+        exe = Path(tmp) / "probe"
+        cmd = [cpu_kernels.c_compiler(), "-O3", "-fopenmp", "-std=gnu11", *cpu_kernels.isa_flags(isa),
+               str(Path(__file__).with_name("probe.c")), "-o", str(exe)]
+        subprocess.run(cmd, check=True, capture_output=True)
+        return json.loads(subprocess.run([str(exe), str(threads)], check=True, capture_output=True, text=True).stdout)
+
+
+def stream_gb_s() -> float:
+    data = torch.ones(128 * 2**20)  # 512 MB
+    data.sum()
+    start, reps = time.perf_counter(), 5
+    for _ in range(reps):
+        data.sum()
+    return data.numel() * 4 * reps / (time.perf_counter() - start) / 1e9
+
+
+def model_costs(engine: Engine) -> dict[str, float]:
+    """Per token: weight bytes and multiply-adds (layers and lm_head); per cached position: KV bytes
+    (every layer, keys and values) and attention FMAs (scores and weighted values, every head)."""
+    model, config = engine.runner.model, engine.runner.model.config
+    linears = [lin for layer in model.layers for lin in (layer.qkv, layer.o, layer.gate_up, layer.down)]
+    linears.append(model.lm_head)
+    kv_dtype = getattr(torch, engine.config.cache_dtype)
+    return {
+        "weight_bytes": sum(lin.weight.numel() * lin.weight.element_size() for lin in linears),
+        "weight_macs": sum(lin.in_features * lin.out_features for lin in linears),
+        "kv_bytes_per_position": config.num_layers * 2 * config.num_kv_heads * config.head_dim * kv_dtype.itemsize,
+        "attention_fmas_per_position": config.num_layers * 2 * config.num_heads * config.head_dim,
+    }
+
+
+def step_floor_ms(costs: dict, rates: dict, threads: int, batch: int, span: int, context: int) -> dict[str, float]:
+    rows = batch * span
+    memory = costs["weight_bytes"] / rates["stream_gb_s"] / 1e6 \
+        + batch * context * costs["kv_bytes_per_position"] / rates["kv_read_gb_s"] / 1e6
+    compute = rows * costs["weight_macs"] / (rates["int8_macs_per_ns"] * threads) / 1e6 \
+        + rows * context * costs["attention_fmas_per_position"] / (rates["fma_lanes_per_ns"] * threads) / 1e6
+    return {"memory_ms": memory, "compute_ms": compute, "floor_ms": max(memory, compute)}
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    ap.add_argument("--model", default=None)
+    ap.add_argument("--threads", type=int, default=2)
+    ap.add_argument("--context", type=int, default=320, help="cached positions per sequence")
+    ap.add_argument("--batches", type=int, nargs="+", default=[1, 4, 16])
+    ap.add_argument("--spans", type=int, nargs="+", default=[6], help="query tokens of a verification forward")
+    ap.add_argument("--kv-cache-dtype", choices=["float32", "bfloat16"], default="float32")
+    args = ap.parse_args()
+    torch.set_num_threads(args.threads)
+    isa = cpu_kernels.selected_isa()
+    engine = Engine(EngineConfig(model=args.model, num_threads=args.threads, kv_cache_dtype=args.kv_cache_dtype))
+    costs = model_costs(engine)
+    kv_dtype = getattr(torch, args.kv_cache_dtype)
+    kv_megabytes = 16 * args.context * costs["kv_bytes_per_position"] / 1e6
+    rates = {**probe(isa, args.threads), "stream_gb_s": stream_gb_s(),
+             "kv_read_gb_s": kv_megabytes / read_floor(16, args.context, kv_dtype)}
+    steps = {f"batch {b}": step_floor_ms(costs, rates, args.threads, b, 1, args.context) for b in args.batches}
+    steps |= {f"{s} tokens": step_floor_ms(costs, rates, args.threads, 1, s, args.context) for s in args.spans}
+    one = step_floor_ms(costs, rates, args.threads, 1, 1, args.context)["floor_ms"]
+    for name, floor in steps.items():
+        count = int(name.split()[1] if name.startswith("batch") else 1)
+        floor["best_speedup"] = count * one / floor["floor_ms"] if name.startswith("batch") else floor["floor_ms"] / one
+    print(json.dumps({"isa": isa, "threads": args.threads, "context": args.context,
+                      "kv_cache_dtype": args.kv_cache_dtype, "rates": rates, "model": costs,
+                      "steps": {k: {n: round(v, 3) for n, v in s.items()} for k, s in steps.items()}}))
+    print(f"{isa}, {args.threads} threads: int8 {rates['int8_macs_per_ns']:.0f} MAC/ns and fp32 "
+          f"{rates['fma_lanes_per_ns']:.0f} FMA/ns a core; stream {rates['stream_gb_s']:.1f} GB/s, KV pieces "
+          f"{rates['kv_read_gb_s']:.1f} GB/s; OpenMP region {rates['region_us']:.2f} us, barrier "
+          f"{rates['barrier_us']:.2f} us")
+    print(f"{'step':12}{'memory ms':>11}{'compute ms':>12}{'floor ms':>10}  best speedup (batch: over batch 1; "
+          "tokens: x one token)")
+    for name, s in steps.items():
+        print(f"{name:12}{s['memory_ms']:>11.2f}{s['compute_ms']:>12.2f}{s['floor_ms']:>10.2f}  {s['best_speedup']:.2f}")
+
+
+if __name__ == "__main__":
+    main()
