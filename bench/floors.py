@@ -89,6 +89,8 @@ def main() -> None:
     ap.add_argument("--spans", type=int, nargs="+", default=[6], help="query tokens of a verification forward")
     ap.add_argument("--kv-cache-dtype", choices=["float32", "bfloat16"], default="float32")
     args = ap.parse_args()
+    if args.context < 1:
+        ap.error("--context: at least 1 cached position (the KV read rate is measured over them)")
     torch.set_num_threads(args.threads)
     isa = cpu_kernels.selected_isa()
     engine = Engine(EngineConfig(model=args.model, num_threads=args.threads, kv_cache_dtype=args.kv_cache_dtype))
