@@ -5,14 +5,15 @@ minute apart can differ by 10 %, more than most kernel changes are worth.
 Build A is `engine/csrc` at a git revision (`--base`), build B the working tree's; both for the ISA
 level this process selects (`PDSPEC_CPU_ISA`). Timed, per build, as the median of alternated reps:
 - the embedded model's layer GEMMs (its 120 quantized matrices, weights from DRAM as in a step) at
-  each `--rows`, and with the lm_head after them (`+head`);
+  each `--rows`, and with the lm_head after them (`+head`); `--layers N`: the first N layers' only
+  (a few layers' weights stay in L3 from rep to rep: the tiles' own time, without DRAM's);
 - paged attention over 30 layers, cold (every layer's cache its own), 9 heads over 3 KV heads of 64,
   `--context` cached positions, for each batch x span in `--attention` (span: query tokens per
   sequence, as a verification span), fp32 and bf16 caches;
 and checked: both builds' outputs on the same inputs (max abs difference). Prints one JSON object,
 then a table.
 
-    python -m bench.kernel_ab --base REV [--rows 1 6 16] [--attention 1x1 1x6 4x1 16x1] [--context 262]
+    python -m bench.kernel_ab --base REV [--rows 1 6 16] [--layers N] [--attention 1x1 1x6 4x1 16x1] [--context 262]
 """
 
 import argparse
@@ -44,10 +45,11 @@ def revision_kernels(rev: str, isa: str) -> cpu_kernels.CpuKernels:
         return cpu_kernels.CpuKernels(isa, cpu_kernels.build_kernels(isa, Path(tmp)))
 
 
-def gemm_cases(engine: Engine, rows: list[int]) -> dict[str, tuple]:
-    """case name -> (the matrices in call order, rows): the layers' then, with +head, the lm_head."""
+def gemm_cases(engine: Engine, rows: list[int], num_layers: int | None = None) -> dict[str, tuple]:
+    """case name -> (the matrices in call order, rows): the (first num_layers) layers' then, with
+    +head, the lm_head."""
     model = engine.runner.model
-    layers = [lin for layer in model.layers for lin in (layer.qkv, layer.o, layer.gate_up, layer.down)]
+    layers = [lin for layer in model.layers[:num_layers] for lin in (layer.qkv, layer.o, layer.gate_up, layer.down)]
     return {f"gemm {m} rows{head}": (layers + ([model.lm_head] if head else []), m)
             for m in rows for head in ("", " +head")}
 
@@ -76,6 +78,7 @@ def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--base", required=True, help="git revision of build A")
     ap.add_argument("--rows", type=int, nargs="*", default=[1, 6, 16])
+    ap.add_argument("--layers", type=int, default=None, help="the first N layers' GEMMs only (default: all)")
     ap.add_argument("--attention", nargs="*", type=batch_by_span, default=[(1, 1), (1, 6), (4, 1), (16, 1)],
                     help="BATCHxSPAN cases: sequences, query tokens each")
     ap.add_argument("--context", type=int, default=262)
@@ -89,7 +92,7 @@ def main() -> None:
         raise SystemExit("the two builds pack weights differently; their GEMMs cannot share one model's panels")
     engine = Engine(EngineConfig())
     cases = {}
-    for name, (linears, m) in gemm_cases(engine, args.rows).items():
+    for name, (linears, m) in gemm_cases(engine, args.rows, args.layers).items():
         inputs = {k: torch.randn(m, k) for k in {lin.in_features for lin in linears}}
         outputs = {b: [] for b in builds}
         cases[name] = ({b: gemm_call(k, linears, inputs, outputs[b]) for b, k in builds.items()},
