@@ -21,8 +21,9 @@ driven by the same load (`tools/loadgen.py`, what `pdspec bench serve` runs):
 
     python -m bench.serve [--scenarios routing ttft load] [--rate R] [--num-requests N]
 
-Prints one JSON object, then a table per scenario. Every worker gets one thread (OMP), so the
-replicas of a scenario share this machine's cores instead of spinning against each other.
+Prints one JSON object, then a table per scenario. Every worker gets one thread (OMP), as a local
+cluster's default gives it on two cores, so the replicas of a scenario share this machine's cores
+instead of spinning against each other (the ttft scenario's get both: they never compute at once).
 """
 
 import argparse
@@ -48,7 +49,9 @@ ENGINE = {"num_kv_blocks": 1024, "max_num_seqs": 16,
           "speculative": {"method": "eagle3", "num_speculative_tokens": 2}}
 NIXL = {"kv_transfer": "nixl", "num_threads": 1}
 DISAGGREGATED = {"prefill": {"replicas": 1, **NIXL}, "decode": {"replicas": 1, **NIXL}}
-AGGREGATED = {"prefill": {"replicas": 0}, "decode": {"replicas": 0}, "aggregated": {"replicas": 1, "num_threads": 2}}
+# Threads as a local cluster gives them by default: the cores but one, split between replicas (1
+# here); the ttft scenario gives its workers both cores.
+AGGREGATED = {"prefill": {"replicas": 0}, "decode": {"replicas": 0}, "aggregated": {"replicas": 1}}
 KEYS = ["requests", "errors", "mean_prompt_tokens", "prefill_tokens_computed", "cached_prompt_tokens",
         "ttft_ms_p50", "ttft_ms_p99", "ttft_ms_mean", "second_token_ms_p50", "itl_ms_p50", "itl_ms_p99", "e2e_ms_p50",
         "output_tokens_per_s", "tau", "prefill_workers"]
@@ -116,9 +119,10 @@ def ttft(args, questions: list[str]) -> dict[str, dict]:
     # off, work the aggregated worker defers until after the first token (into the second
     # token's latency); without speculation the TTFT gap is the KV transfer alone.
     both_cores = {**NIXL, "replicas": 1, "num_threads": 2}
+    aggregated = {**AGGREGATED, "aggregated": {"replicas": 1, "num_threads": 2}}
     setups = {f"{mode}/{method}": (roles, {**ENGINE, "speculative": {"method": method}})
               for method in ("eagle3", "none")
-              for mode, roles in (("aggregated", AGGREGATED), ("disaggregated", {"prefill": both_cores,
+              for mode, roles in (("aggregated", aggregated), ("disaggregated", {"prefill": both_cores,
                                                                                  "decode": both_cores}))}
     with contextlib.ExitStack() as stack:
         addresses = {name: stack.enter_context(_cluster(roles, {}, workload[:2], engine)).router_address

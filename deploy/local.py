@@ -111,9 +111,13 @@ class LocalCluster:
         self.supervisor.spawn(name, args, env, self.log_dir / f"{name}.log")
 
 
-def default_threads(config: DeploymentConfig) -> dict[str, int]:
-    """Threads per replica: the configured number, else the cores split evenly between replicas
-    (OpenMP threads of processes sharing a core would spin against each other)."""
+def default_threads(config: DeploymentConfig, cores: int | None = None) -> dict[str, int]:
+    """Threads per replica: the configured number, else the cores but one split evenly between
+    replicas (at least one each). OpenMP threads of processes sharing a core would spin against
+    each other; and the router, the fronts and the clients of a local cluster run on this machine
+    too: a team on every core waits at each of a step's ~150 barriers whenever one of them
+    preempts a member (on 2 cores, an aggregated worker with both decoded a chat load at 7.5-8 ms
+    a token, with one at 3.5)."""
     replicas = sum(getattr(config, r).replicas for r in WORKER_ROLES)
-    share = max(1, (os.cpu_count() or 1) // max(1, replicas))
+    share = max(1, ((cores or os.cpu_count() or 1) - 1) // max(1, replicas))
     return {r: getattr(config, r).num_threads or share for r in WORKER_ROLES}

@@ -57,3 +57,19 @@ def test_a_static_token_tree_comes_from_the_command_line_as_vllm_writes_it():
     with pytest.raises(ValueError, match=r"expected a list such as \[\[0\], \[1\], \[0, 0\]\]"):
         parser.parse_args(["--speculative-token-tree", "[(0,), (1,)"])
     assert parse_config({"engine": {"speculative": {"method": "eagle3", "speculative_token_tree": [[0], [0, 0]]}}})
+
+
+@pytest.mark.parametrize("roles, cores, expected", [
+    ({"prefill": {"replicas": 0}, "decode": {"replicas": 0}, "aggregated": {"replicas": 1}}, 2, 1),
+    ({"prefill": {"replicas": 1}, "decode": {"replicas": 1}}, 2, 1),
+    ({"prefill": {"replicas": 1}, "decode": {"replicas": 1}}, 9, 4),
+    ({"prefill": {"replicas": 1}, "decode": {"replicas": 1, "num_threads": 3}}, 9, 4),
+])
+def test_a_local_cluster_leaves_a_core_to_its_router_and_fronts(roles, cores, expected):
+    from deploy.local import default_threads
+
+    config = parse_config(roles)
+    threads = default_threads(config, cores)
+    assert threads["prefill"] == expected
+    assert threads["decode"] == (roles["decode"].get("num_threads") or expected)
+    assert threads["aggregated"] == expected
