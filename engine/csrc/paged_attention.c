@@ -65,23 +65,6 @@ static inline void request_next(const part_keys *next, int o, int row, int nrows
 #endif
 #define LANE_INDEX(i, h) (i)
 
-/* Tree reduction: a plain loop over the lanes is a LANES-step dependency chain. */
-static inline float hsum(vfloat v) {
-    float s[LANES];
-    memcpy(s, &v, sizeof v);
-    for (int width = LANES / 2; width > 0; width /= 2)
-        for (int i = 0; i < width; i++) s[i] += s[i + width];
-    return s[0];
-}
-
-static inline float hmax(vfloat v) {
-    float s[LANES];
-    memcpy(s, &v, sizeof v);
-    for (int width = LANES / 2; width > 0; width /= 2)
-        for (int i = 0; i < width; i++) s[i] = s[i + width] > s[i] ? s[i + width] : s[i];
-    return s[0];
-}
-
 /* Lane o of the result = sum of the lanes of d[o], for LANES vectors: a transpose-and-add tree
  * (LANES - 1 shuffle pairs) instead of LANES separate horizontal sums. At each level, pairs
  * (a, b) = (d[o], d[o + h]) are folded within chunks of 2h lanes: the chunk's first h lanes hold

@@ -71,10 +71,7 @@ static void quantize_row(const float *x, int K, uint8_t *xb, float *d, float *ds
             vfloat v = load_f32(xs + i), a = select_lanes(v < 0, -v, v);
             amax = select_lanes(a > amax, a, amax);
         }
-        float m = 0.0f, lanes[LANES];
-        store_f32(lanes, amax);
-        for (int l = 0; l < LANES; l++) m = lanes[l] > m ? lanes[l] : m;
-        float scale = m / 127.0f, inv = m > 0.0f ? 127.0f / m : 0.0f;
+        float m = hmax(amax), scale = m / 127.0f, inv = m > 0.0f ? 127.0f / m : 0.0f;
         vint sum = splat_i(0);
         int8_t q[QBLOCK];
         for (int i = 0; i < QBLOCK; i += LANES) {
@@ -83,18 +80,20 @@ static void quantize_row(const float *x, int K, uint8_t *xb, float *d, float *ds
             vbyte qb = __builtin_convertvector(qi, vbyte);
             memcpy(q + i, &qb, LANES);
         }
-        int total = 0;
-        for (int l = 0; l < LANES; l++) total += sum[l];
+        int total = hsum_i(sum);
         if (s16) {
             s16[2 * b] = s16[2 * b + 1] = 0;
             for (int i = 0; i < QBLOCK; i++) s16[2 * b + i / 16] += q[i];
         }
-        for (int j = 0; j < QBLOCK / 4; j++) {
-            int32_t group;
-            memcpy(&group, q + 4 * j, 4);
-            vint rep = splat_i(group);
-            memcpy(xb + (size_t)(b * QBLOCK / 4 + j) * VBYTES, &rep, VBYTES);
-        }
+        if (XREP == 1)
+            memcpy(xb + (size_t)b * QBLOCK, q, QBLOCK);
+        else
+            for (int j = 0; j < QBLOCK / 4; j++) {
+                int32_t group;
+                memcpy(&group, q + 4 * j, 4);
+                vint rep = splat_i(group);
+                memcpy(xb + (size_t)(b * QBLOCK / 4 + j) * VBYTES, &rep, VBYTES);
+            }
         d[b] = scale;
         ds[b] = scale * (float)total;
         s[b] = total;

@@ -95,6 +95,32 @@ static inline vfloat select_lanes(vint mask, vfloat a, vfloat b) {
     return out;
 }
 
+/* A vector's lanes summed, or their max, as a tree: a plain loop over the lanes is a LANES-step
+ * dependency chain. */
+static inline float hsum(vfloat v) {
+    float s[LANES];
+    memcpy(s, &v, sizeof v);
+    for (int width = LANES / 2; width > 0; width /= 2)
+        for (int i = 0; i < width; i++) s[i] += s[i + width];
+    return s[0];
+}
+
+static inline float hmax(vfloat v) {
+    float s[LANES];
+    memcpy(s, &v, sizeof v);
+    for (int width = LANES / 2; width > 0; width /= 2)
+        for (int i = 0; i < width; i++) s[i] = s[i + width] > s[i] ? s[i + width] : s[i];
+    return s[0];
+}
+
+static inline int hsum_i(vint v) {
+    int s[LANES];
+    memcpy(s, &v, sizeof v);
+    for (int width = LANES / 2; width > 0; width /= 2)
+        for (int i = 0; i < width; i++) s[i] += s[i + width];
+    return s[0];
+}
+
 /* exp(x) for x <= 0 (attention's scores minus their max, SiLU's -|x|): Cody-Waite range
  * reduction and a degree-6 polynomial, relative error ~2e-7; inputs below -87 flush to 0. */
 static inline vfloat vexp(vfloat x) {
