@@ -167,7 +167,8 @@ def _train_eagle3(args: argparse.Namespace) -> int:
 
         train(TrainConfig(target=args.target, data_dir=out / "data", out_dir=out, draft_vocab_size=args.draft_vocab,
                           epochs=args.epochs, ttt_steps=args.ttt_steps, lr=args.lr, max_hours=args.max_hours,
-                          init_from=Path(args.init_from) if args.init_from else None))
+                          init_from=Path(args.init_from) if args.init_from else None,
+                          snapshot_tokens=tuple(int(t) for t in args.snapshot_tokens)))
     return 0
 
 
@@ -191,6 +192,9 @@ def _add_train_eagle3(sub: argparse._SubParsersAction) -> None:
     p.add_argument("--lr", type=float, default=5e-4)
     p.add_argument("--max-hours", type=float, default=None, help="stop training after this long (resumable)")
     p.add_argument("--init-from", default=None, help="an exported head to continue training from (keeps its vocabulary)")
+    p.add_argument("--snapshot-tokens", type=float, nargs="*", default=[],
+                   help="export the head once training has seen each of these many tokens, to OUT/snapshots/ "
+                        "(a data-vs-acceptance curve from one run, e.g. 1e6 2e6 4e6)")
     p.set_defaults(func=_train_eagle3)
 
 

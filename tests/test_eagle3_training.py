@@ -47,13 +47,18 @@ def test_distilled_last_layer_output_reproduces_the_targets_greedy_choices(run_d
 
 def test_training_resumes_and_exports_a_head_that_drafts_losslessly(run_dir, engine):
     cfg = TrainConfig(target=None, data_dir=run_dir / "data", out_dir=run_dir, draft_vocab_size=1024,
-                      epochs=1.0, ttt_steps=2, batch_tokens=256, warmup_steps=1)
+                      epochs=1.0, ttt_steps=2, batch_tokens=256, warmup_steps=1, snapshot_tokens=(1, 10**12))
     train(cfg)
     first = json.loads((run_dir / "training.json").read_text())
     assert first["step"] > 0 and first["samples"] == len(QUESTIONS)
+    snapshot = run_dir / "snapshots" / "1e-06M"  # taken after the first step, the only size reached
+    taken = json.loads((snapshot / "progress.json").read_text())
+    assert taken["step"] == 1 and (snapshot / "model.safetensors").exists()
+    assert [p.name for p in (run_dir / "snapshots").iterdir()] == ["1e-06M"]
     train(replace(cfg, epochs=2.0))  # resumes at the checkpoint's step
     second = json.loads((run_dir / "training.json").read_text())
     assert second["step"] == 2 * first["step"] and second["tokens"] == 2 * first["tokens"]
+    assert json.loads((snapshot / "progress.json").read_text()) == taken  # kept, not overwritten
 
     spec = Engine(EngineConfig(num_kv_blocks=128, speculative={"method": "eagle3", "model": str(run_dir),
                                                                "num_speculative_tokens": 3}))

@@ -7,7 +7,8 @@
 # fixed by its seeds and distilled in order; run again to go on where it stopped (done.json), stop
 # it any time. Once every answer is distilled, a head is trained on them from scratch (warmup and
 # cosine decay over two epochs, resumable, HOURS at a time), to set against the shipped one on
-# held-out chat. Shards, the mix and checkpoints stay outside the repository.
+# held-out chat; it is exported as it stands after 0.5M, 1M, 2M ... 16M tokens (RUN/snapshots/),
+# for the data-vs-acceptance curve. Shards, the mix and checkpoints stay outside the repository.
 #   RUN=DIR HOURS=H bash tools/eagle3_training/recipe_corpus.sh
 set -euo pipefail
 RUN=${RUN:-$HOME/.cache/pdspec/eagle3-corpus}
@@ -36,4 +37,4 @@ MIX
 $PY -m deploy.cli train-eagle3 --prompts "$RUN/mix.jsonl" --out "$RUN" --stage distill --tokens-only \
     --max-new-tokens 192 --batch-size 48
 $PY -m deploy.cli train-eagle3 --prompts "$RUN/mix.jsonl" --out "$RUN" --stage train --epochs 2 --ttt-steps 4 \
-    --lr 5e-4 --max-hours "${HOURS:-1}"
+    --lr 5e-4 --max-hours "${HOURS:-1}" --snapshot-tokens 5e5 1e6 2e6 4e6 8e6 16e6

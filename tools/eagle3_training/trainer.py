@@ -45,6 +45,9 @@ class TrainConfig:
     warmup_steps: int = 100
     seed: int = 0
     checkpoint_every_s: float = 600.0
+    # Export the head as it is once training has seen each of these many tokens (a data-vs-
+    # acceptance curve from one run), to out_dir/snapshots/<millions>M.
+    snapshot_tokens: tuple[int, ...] = ()
 
 
 def shard_paths(data_dir: Path) -> list[Path]:
@@ -214,6 +217,7 @@ def _run(model, teacher, optim, schedule, shards, cfg, progress, total_steps, ck
                 progress["seconds"] = time.time() - started
                 bar.update(1)
                 bar.set_postfix(metrics)
+                _snapshots(model, cfg, progress)
                 if time.time() - last_ckpt > cfg.checkpoint_every_s:
                     _checkpoint(ckpt_dir, model, optim, progress, vocab, coverage)
                     last_ckpt = time.time()
@@ -222,6 +226,16 @@ def _run(model, teacher, optim, schedule, shards, cfg, progress, total_steps, ck
             break
     _checkpoint(ckpt_dir, model, optim, progress, vocab, coverage)
     bar.close()
+
+
+def _snapshots(model, cfg: TrainConfig, progress: dict) -> None:
+    """The head exported at each snapshot size training has reached (once: one on disk is kept,
+    so a resumed run does not overwrite it with a later state)."""
+    for tokens in cfg.snapshot_tokens:
+        out = cfg.out_dir / "snapshots" / f"{tokens / 1e6:g}M"
+        if progress["tokens"] >= tokens and not (out / "progress.json").exists():
+            model.export(out)
+            (out / "progress.json").write_text(json.dumps(progress) + "\n")  # last: marks it complete
 
 
 def _out_of_time(cfg: TrainConfig, started: float) -> bool:
