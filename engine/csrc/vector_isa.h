@@ -95,31 +95,21 @@ static inline vfloat select_lanes(vint mask, vfloat a, vfloat b) {
     return out;
 }
 
-/* A vector's lanes summed, or their max, as a tree: a plain loop over the lanes is a LANES-step
- * dependency chain. */
-static inline float hsum(vfloat v) {
-    float s[LANES];
-    memcpy(s, &v, sizeof v);
-    for (int width = LANES / 2; width > 0; width /= 2)
-        for (int i = 0; i < width; i++) s[i] += s[i + width];
-    return s[0];
-}
-
-static inline float hmax(vfloat v) {
-    float s[LANES];
-    memcpy(s, &v, sizeof v);
-    for (int width = LANES / 2; width > 0; width /= 2)
-        for (int i = 0; i < width; i++) s[i] = s[i + width] > s[i] ? s[i + width] : s[i];
-    return s[0];
-}
-
-static inline int hsum_i(vint v) {
-    int s[LANES];
-    memcpy(s, &v, sizeof v);
-    for (int width = LANES / 2; width > 0; width /= 2)
-        for (int i = 0; i < width; i++) s[i] += s[i + width];
-    return s[0];
-}
+/* A vector's lanes folded by COMBINE as a tree: a plain loop over the lanes is a LANES-step
+ * dependency chain. hsum, hmax (fp32) and hsum_i (int32). */
+#define LANE_TREE(NAME, T, V, COMBINE)                                         \
+    static inline T NAME(V v) {                                                \
+        T s[LANES];                                                            \
+        memcpy(s, &v, sizeof v);                                               \
+        for (int width = LANES / 2; width > 0; width /= 2)                     \
+            for (int i = 0; i < width; i++) s[i] = COMBINE(s[i], s[i + width]); \
+        return s[0];                                                           \
+    }
+#define LANE_ADD(a, b) ((a) + (b))
+#define LANE_MAX(a, b) ((b) > (a) ? (b) : (a))
+LANE_TREE(hsum, float, vfloat, LANE_ADD)
+LANE_TREE(hmax, float, vfloat, LANE_MAX)
+LANE_TREE(hsum_i, int, vint, LANE_ADD)
 
 /* exp(x) for x <= 0 (attention's scores minus their max, SiLU's -|x|): Cody-Waite range
  * reduction and a degree-6 polynomial, relative error ~2e-7; inputs below -87 flush to 0. */
