@@ -220,10 +220,10 @@ static inline __attribute__((always_inline)) void attend_tile(
         int visible = row[dim] == -INFINITY ? 0 : pos[r] + 1 - k0 < k1 - k0 ? pos[r] + 1 - k0 : k1 - k0;
         int stride = chunks >= 8 ? 1 : 2;
         /* The next partition's lines are requested here, a key at a time, so DRAM streams them
-         * while this partition computes. Requested all at once before a partition (as this
-         * one's were, below), the requests filled the core's miss buffers and its arithmetic
-         * waited behind them: a partition's time was its memory's plus its arithmetic's
-         * (batch 16, fp32: cold 9.5 ms = 2.8 hot + 6.6 reading). */
+         * while this partition computes. Requested in one burst before their partition (as a
+         * partition's own lines still are, at its start: by then they are mostly on their way),
+         * memory and arithmetic took turns instead: cold attention at batch 16 took its
+         * arithmetic's time plus its bytes' (fp32: 9.5 ms = 2.8 hot + 6.6 reading; now ~8). */
         for (int o = 0; o < visible; o += stride) {
             request_next(next, o, r, nrows, value_offset, dim * esize);
             if (stride == 2) request_next(next, o + 1, r, nrows, value_offset, dim * esize);
