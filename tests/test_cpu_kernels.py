@@ -88,6 +88,28 @@ def test_native_attention_dense_decode_batch(isa):
 
 
 @pytest.mark.parametrize("isa", ISAS)
+@pytest.mark.parametrize("query_lens, context_lens", [
+    ([6, 1], [200, 700]),  # 6 tiles: whole on 1 thread, each partition a task on 2 and 3
+    ([1] * 3 + [16] + [1] * 6, [90, 700, 5, 80] + [64 * i + 1 for i in range(6)]),  # 30 tiles, run whole
+])
+def test_threads_share_the_partitions_without_changing_a_bit(isa, query_lens, context_lens):
+    """Each thread takes a contiguous share of the partitions, balanced by their rows (so that it
+    knows the next one to request ahead): tiles of 3 to 48 rows and contexts of 1 to 11 partitions,
+    on 1, 2 and 3 threads, compute the same bits."""
+    q, layer_cache, meta = _case(query_lens, context_lens, 9, 3, 64, 16, seed=5)
+    threads = torch.get_num_threads()
+    try:
+        outs = []
+        for n in (1, 2, 3):
+            torch.set_num_threads(n)
+            outs.append(native_paged_attention(q, layer_cache, meta, 0.125, isa))
+    finally:
+        torch.set_num_threads(threads)
+    assert torch.equal(outs[0], outs[1]) and torch.equal(outs[0], outs[2])
+    assert (outs[0] - paged_attention(q, layer_cache, meta, 0.125)).abs().max() < 1e-4
+
+
+@pytest.mark.parametrize("isa", ISAS)
 @pytest.mark.parametrize("cache_dtype", [torch.float32, torch.bfloat16])
 def test_a_row_computes_the_same_bits_alone_and_in_a_batch(isa, cache_dtype):
     """A sequence alone has few tiles, so its key partitions run as separate tasks folded after;

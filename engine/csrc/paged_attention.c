@@ -44,14 +44,17 @@ typedef struct {
     int n;
 } part_keys;
 
-/* The next partition's key o (row 0 of a tile) or value o (row 1; a tile of one row requests both),
- * towards L1. */
-static inline void request_next(const part_keys *next, int o, int row, int nrows, long value_offset, long bytes) {
-    if (o >= next->n || row > 1) return;
-    const char *p = next->keys[o] + (row == 1 ? value_offset : 0);
+/* Key `pos` of kv head `kv_head` in a sequence's blocks (`table`), in bytes from `cache`. */
+static inline const char *key_address(const char *cache, const long *table, int block_size, long s_block,
+                                      long s_offset, int kv_head, int dim, long esize, int pos) {
+    return cache + (table[pos / block_size] * s_block + (long)(pos % block_size) * s_offset + (long)kv_head * dim) * esize;
+}
+
+/* `bytes` at p towards L1, and as many at p + also (when also != 0). */
+static inline void request_lines(const char *p, long bytes, long also) {
     for (long l = 0; l < bytes; l += 64) __builtin_prefetch(p + l);
-    if (nrows == 1)
-        for (long l = 0; l < bytes; l += 64) __builtin_prefetch(p + value_offset + l);
+    if (also)
+        for (long l = 0; l < bytes; l += 64) __builtin_prefetch(p + also + l);
 }
 
 /* F(0, h), ..., F(LANES - 1, h): the lanes of a vector constant. */
@@ -162,7 +165,7 @@ static inline __attribute__((always_inline)) void attend_tile(
     for (int o = 0; o < steps * KEYS; o++) {
         int p = k0 + o < k1 ? k0 + o : k0;  /* past k1: valid memory, masked out below */
         if (span_map && p >= span0) p = span0 + span_map[p - span0];
-        keys[o] = cache + (table[p / block_size] * s_block + (long)(p % block_size) * s_offset + (long)kv_head * dim) * esize;
+        keys[o] = key_address(cache, table, block_size, s_block, s_offset, kv_head, dim, esize, p);
         /* Every line of the partition's keys and values requested at once: the keys sit in
          * blocks scattered over the pool, in strided pieces (one head of each token), a pattern
          * the hardware prefetcher does not follow; read on demand, each line waited its turn. */
@@ -220,19 +223,21 @@ static inline __attribute__((always_inline)) void attend_tile(
         int visible = row[dim] == -INFINITY ? 0 : pos[r] + 1 - k0 < k1 - k0 ? pos[r] + 1 - k0 : k1 - k0;
         int stride = chunks >= 8 ? 1 : 2;
         /* The next partition's lines are requested here, a key at a time, so DRAM streams them
-         * while this partition computes. Requested in one burst before their partition (as a
-         * partition's own lines still are, at its start: by then they are mostly on their way),
-         * memory and arithmetic took turns instead: cold attention at batch 16 took its
-         * arithmetic's time plus its bytes' (fp32: 9.5 ms = 2.8 hot + 6.6 reading; now ~8). */
+         * while this partition computes: row 0 requests its keys, row 1 its values (a tile of one
+         * row both). Requested in one burst before their partition (as a partition's own lines
+         * still are, at its start: by then they are mostly on their way), memory and arithmetic
+         * took turns instead: cold attention at batch 16 took its arithmetic's time plus its
+         * bytes' (BENCHMARKS.md, fourth and sixth passes). */
+        int requests = r <= 1 ? next->n : 0;
+        long first = r == 1 ? value_offset : 0, also = nrows == 1 ? value_offset : 0, bytes = dim * esize;
         for (int o = 0; o < visible; o += stride) {
-            request_next(next, o, r, nrows, value_offset, dim * esize);
-            if (stride == 2) request_next(next, o + 1, r, nrows, value_offset, dim * esize);
+            if (o < requests) request_lines(next->keys[o] + first, bytes, also);
+            if (stride == 2 && o + 1 < requests) request_lines(next->keys[o + 1] + first, bytes, also);
             for (int c = 0; c < chunks; c++) a0[c] += e[o] * KV(keys[o] + value_offset, c);
             if (stride == 2 && o + 1 < visible)
                 for (int c = 0; c < chunks; c++) a1[c] += e[o + 1] * KV(keys[o + 1] + value_offset, c);
         }
-        for (int o = visible + (visible % stride); o < PART_KEYS; o++)
-            request_next(next, o, r, nrows, value_offset, dim * esize);
+        for (int o = visible + (visible % stride); o < requests; o++) request_lines(next->keys[o] + first, bytes, also);
         for (int c = 0; c < chunks; c++) a0[c] += a1[c];
         store_chunks(row, a0, chunks, kv_bf16);
     }
@@ -350,8 +355,8 @@ static void keys_of_part(const attn_call *a, const tile *t, int p, part_keys *ou
     long esize = a->kv_bf16 ? 2 : 4;
     int k1 = (p + 1) * PART_KEYS < t->keys ? (p + 1) * PART_KEYS : t->keys;
     for (int k = p * PART_KEYS; k < k1; k++)
-        out->keys[out->n++] = (const char *)a->cache + (table[k / a->block_size] * a->s_block
-                              + (long)(k % a->block_size) * a->s_offset + (long)t->kv_head * a->dim) * esize;
+        out->keys[out->n++] = key_address(a->cache, table, a->block_size, a->s_block, a->s_offset, t->kv_head, a->dim,
+                                          esize, k);
 }
 
 /* A tile start to end in one task: its partitions in turn, each requesting the next one's memory
@@ -370,13 +375,37 @@ static void attend_whole_tile(const attn_call *a, const tile *t, const tile *nex
     write_rows(&r, state, a->dim);
 }
 
-/* This thread's share [*lo, *hi) of n partitions: contiguous, so that each one's next partition is
- * known and requested ahead (taken from a shared queue, the next one was often the other
- * thread's). */
-static void thread_share(int n, int *lo, int *hi) {
-    int id = omp_get_thread_num(), threads = omp_get_num_threads();
-    *lo = (int)((long)n * id / threads);
-    *hi = (int)((long)n * (id + 1) / threads);
+/* Partition p's cost: its keys times its tile's rows, plus its read, about 8 rows' worth (a decode
+ * tile's three rows wait on memory more than they compute). */
+static long part_cost(const attn_call *a, const tile *t, int p) {
+    int keys = t->keys - p * PART_KEYS < PART_KEYS ? t->keys - p * PART_KEYS : PART_KEYS;
+    return (long)keys * ((t->t1 - t->t0) * a->group + 8);
+}
+
+/* This thread's share [*lo, *hi) of all partitions, in order: contiguous, so that each one's next
+ * partition is known and requested ahead (taken from a shared queue, the next one was often the
+ * other thread's), and balanced by cost (a verification span's or a prefill chunk's tile has up to
+ * 64 rows, a decode step's 3). */
+static void thread_share(const attn_call *a, const tile *tiles, int ntiles, int *lo, int *hi) {
+    int id = omp_get_thread_num(), threads = omp_get_num_threads(), k = 0;
+    long total = 0, before = 0;
+    for (int i = 0; i < ntiles; i++)
+        for (int p = 0; p < tile_parts(&tiles[i]); p++) total += part_cost(a, &tiles[i], p);
+    long from = total * id / threads, to = total * (id + 1) / threads;
+    *lo = -1;
+    for (int i = 0; i < ntiles; i++)
+        for (int p = 0; p < tile_parts(&tiles[i]); p++, k++) {
+            long cost = part_cost(a, &tiles[i], p), middle = before + cost / 2;  /* a partition's thread: where its middle falls */
+            if (*lo < 0 && middle >= from) *lo = k;
+            if (middle >= to) {
+                *hi = k;
+                if (*lo < 0) *lo = k;
+                return;
+            }
+            before += cost;
+        }
+    if (*lo < 0) *lo = k;
+    *hi = k;  /* the last thread's share runs to the end */
 }
 
 /* The tiles of every sequence and kv head into `tiles` (room for kv_heads * (T + num_seqs)), their
@@ -412,7 +441,7 @@ static int make_tiles(const attn_call *a, int num_seqs, tile *tiles, int *parts)
 
 /* Enough tiles to share out whole: each thread runs the tiles whose first partitions fall in its
  * share of all partitions, each tile's partitions in turn. */
-static int attend_tiles_whole(const attn_call *a, const tile *tiles, int ntiles, int parts, int num_threads) {
+static int attend_tiles_whole(const attn_call *a, const tile *tiles, int ntiles, int num_threads) {
     size_t row_floats = (size_t)MAX_ROWS * (a->dim + 2);
     int failed = 0;
     #pragma omp parallel num_threads(num_threads) reduction(|: failed)
@@ -420,7 +449,7 @@ static int attend_tiles_whole(const attn_call *a, const tile *tiles, int ntiles,
         float *state = malloc(2 * row_floats * sizeof(float));
         failed = !state;
         int lo, hi, i = 0;
-        thread_share(parts, &lo, &hi);
+        thread_share(a, tiles, ntiles, &lo, &hi);
         while (i < ntiles && tiles[i].first_part < lo) i++;
         for (; state && i < ntiles && tiles[i].first_part < hi; i++) {
             int last = i + 1 == ntiles || tiles[i + 1].first_part >= hi;
@@ -447,7 +476,7 @@ static int attend_tiles_split(const attn_call *a, const tile *tiles, int ntiles,
     #pragma omp parallel num_threads(num_threads)
     {
         int lo, hi;
-        thread_share(parts, &lo, &hi);
+        thread_share(a, tiles, ntiles, &lo, &hi);
         for (int k = lo; k < hi; k++) {
             const tile *t = &tiles[task_tile[k]], *next = k + 1 < hi ? &tiles[task_tile[k + 1]] : 0;
             tile_rows r;
@@ -489,7 +518,7 @@ int pd_paged_attention(const float *q, const void *cache, int kv_bf16, long s_bl
     tile *tiles = malloc(sizeof(tile) * (size_t)kv_heads * (query_start_loc[num_seqs] + num_seqs));
     if (!tiles) return -1;
     int parts, ntiles = make_tiles(&a, num_seqs, tiles, &parts);
-    int rc = ntiles >= 4 * num_threads ? attend_tiles_whole(&a, tiles, ntiles, parts, num_threads)
+    int rc = ntiles >= 4 * num_threads ? attend_tiles_whole(&a, tiles, ntiles, num_threads)
                                        : attend_tiles_split(&a, tiles, ntiles, parts, num_threads);
     free(tiles);
     return rc;
