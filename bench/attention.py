@@ -59,10 +59,11 @@ def measure(batch: int, context: int, span: int, dtype: torch.dtype, hot: bool) 
     return _median_ms(attention_step(cpu_kernels.kernels(), batch, context, span, dtype, hot)[0])
 
 
-def read_floor(batch: int, context: int, dtype: torch.dtype) -> float:
+def read_floor(batch: int, context: int, dtype: torch.dtype) -> tuple[float, int]:
+    """ms to read the KV pieces cold attention reads (whole blocks), and how many bytes they are."""
     # the same bytes summed as fp32 (torch's bf16 sum is slower than the read)
     cache = torch.randn(batch * -(-context // BLOCK), LAYERS, 2, BLOCK, KV_HEADS, HEAD_DIM).to(dtype).view(torch.float32)
-    return _median_ms(lambda: [cache[:, layer].sum() for layer in range(LAYERS)])
+    return _median_ms(lambda: [cache[:, layer].sum() for layer in range(LAYERS)]), cache.numel() * 4
 
 
 def main() -> None:
@@ -78,7 +79,7 @@ def main() -> None:
         for dtype in (torch.float32, torch.bfloat16):
             megabytes = batch * args.context * LAYERS * 2 * KV_HEADS * HEAD_DIM * dtype.itemsize / 1e6
             cold, hot = (measure(batch, args.context, args.span, dtype, hot) for hot in (False, True))
-            floor = read_floor(batch, args.context, dtype)
+            floor = read_floor(batch, args.context, dtype)[0]
             rows[f"b{batch} {str(dtype).removeprefix('torch.')}"] = {
                 "megabytes": round(megabytes, 1), "cold_ms": round(cold, 2), "hot_ms": round(hot, 2),
                 "read_floor_ms": round(floor, 2), "cold_gb_s": round(megabytes / cold, 1)}

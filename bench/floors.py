@@ -12,12 +12,13 @@ Measured (2 threads unless noted):
 For the model (default the embedded one), per step of B sequences of S query tokens each over
 C cached positions:
   memory  = weight bytes / stream rate + B x C x KV bytes per position / KV read rate
-  compute = B x S x weight multiply-adds / (int8 rate x threads)
-            + B x S x C x attention FMAs per position / (FMA rate x threads)
+  compute = B x S x weight multiply-adds / (int8 rate, or the FMA rate for matrices the
+            fp32 GEMM runs, x threads) + B x S x C x attention FMAs per position / (FMA rate x threads)
   floor   = the larger (both overlapped perfectly; no norms, sampling or Python)
-and the best aggregate speedups the floors allow: batch B over batch 1 (B x floor(1) / floor(B)),
-and a forward over S tokens against one (floor(1, S) / floor(1, 1)). Prints one JSON object,
-then a table.
+and what the floors allow: batch B's aggregate speedup over batch 1 (B x floor(1) / floor(B)),
+and a forward over S tokens' time against one token's (floor(1, S) / floor(1, 1)). The KV read
+rate is measured on the embedded model's cache geometry, whatever --model is. Prints one JSON
+object, then a table.
 
     python -m bench.floors [--context 320] [--batches 1 4 16] [--spans 6] [--kv-cache-dtype float32]
 """
@@ -43,7 +44,9 @@ def probe(isa: str, threads: int) -> dict[str, float]:
         exe = Path(tmp) / "probe"
         cmd = [cpu_kernels.c_compiler(), "-O3", "-fopenmp", "-std=gnu11", *cpu_kernels.isa_flags(isa),
                str(Path(__file__).with_name("probe.c")), "-o", str(exe)]
-        subprocess.run(cmd, check=True, capture_output=True)
+        built = subprocess.run(cmd, capture_output=True, text=True)
+        if built.returncode:
+            raise SystemExit(f"building bench/probe.c for {isa} failed:\n{built.stderr}")
         return json.loads(subprocess.run([str(exe), str(threads)], check=True, capture_output=True, text=True).stdout)
 
 
@@ -57,15 +60,17 @@ def stream_gb_s() -> float:
 
 
 def model_costs(engine: Engine) -> dict[str, float]:
-    """Per token: weight bytes and multiply-adds (layers and lm_head); per cached position: KV bytes
-    (every layer, keys and values) and attention FMAs (scores and weighted values, every head)."""
+    """Per token: weight bytes and multiply-adds (layers and lm_head; those of int8 dot products
+    apart from the fp32 GEMM's); per cached position: KV bytes (every layer, keys and values) and
+    attention FMAs (scores and weighted values, every head)."""
     model, config = engine.runner.model, engine.runner.model.config
     linears = [lin for layer in model.layers for lin in (layer.qkv, layer.o, layer.gate_up, layer.down)]
     linears.append(model.lm_head)
     kv_dtype = getattr(torch, engine.config.cache_dtype)
     return {
         "weight_bytes": sum(lin.weight.numel() * lin.weight.element_size() for lin in linears),
-        "weight_macs": sum(lin.in_features * lin.out_features for lin in linears),
+        "int8_macs": sum(lin.in_features * lin.out_features for lin in linears if lin.int8_dot),
+        "fp32_macs": sum(lin.in_features * lin.out_features for lin in linears if not lin.int8_dot),
         "kv_bytes_per_position": config.num_layers * 2 * config.num_kv_heads * config.head_dim * kv_dtype.itemsize,
         "attention_fmas_per_position": config.num_layers * 2 * config.num_heads * config.head_dim,
     }
@@ -75,8 +80,8 @@ def step_floor_ms(costs: dict, rates: dict, threads: int, batch: int, span: int,
     rows = batch * span
     memory = costs["weight_bytes"] / rates["stream_gb_s"] / 1e6 \
         + batch * context * costs["kv_bytes_per_position"] / rates["kv_read_gb_s"] / 1e6
-    compute = rows * costs["weight_macs"] / (rates["int8_macs_per_ns"] * threads) / 1e6 \
-        + rows * context * costs["attention_fmas_per_position"] / (rates["fma_lanes_per_ns"] * threads) / 1e6
+    fmas = costs["fp32_macs"] + context * costs["attention_fmas_per_position"]
+    compute = rows * (costs["int8_macs"] / rates["int8_macs_per_ns"] + fmas / rates["fma_lanes_per_ns"]) / threads / 1e6
     return {"memory_ms": memory, "compute_ms": compute, "floor_ms": max(memory, compute)}
 
 
@@ -95,16 +100,16 @@ def main() -> None:
     isa = cpu_kernels.selected_isa()
     engine = Engine(EngineConfig(model=args.model, num_threads=args.threads, kv_cache_dtype=args.kv_cache_dtype))
     costs = model_costs(engine)
-    kv_dtype = getattr(torch, args.kv_cache_dtype)
-    kv_megabytes = 16 * args.context * costs["kv_bytes_per_position"] / 1e6
-    rates = {**probe(isa, args.threads), "stream_gb_s": stream_gb_s(),
-             "kv_read_gb_s": kv_megabytes / read_floor(16, args.context, kv_dtype)}
-    steps = {f"batch {b}": step_floor_ms(costs, rates, args.threads, b, 1, args.context) for b in args.batches}
-    steps |= {f"{s} tokens": step_floor_ms(costs, rates, args.threads, 1, s, args.context) for s in args.spans}
+    read_ms, read_bytes = read_floor(16, args.context, getattr(torch, args.kv_cache_dtype))
+    rates = {**probe(isa, args.threads), "stream_gb_s": stream_gb_s(), "kv_read_gb_s": read_bytes / read_ms / 1e6}
     one = step_floor_ms(costs, rates, args.threads, 1, 1, args.context)["floor_ms"]
-    for name, floor in steps.items():
-        count = int(name.split()[1] if name.startswith("batch") else 1)
-        floor["best_speedup"] = count * one / floor["floor_ms"] if name.startswith("batch") else floor["floor_ms"] / one
+    steps = {}
+    for b in args.batches:
+        steps[f"batch {b}"] = floor = step_floor_ms(costs, rates, args.threads, b, 1, args.context)
+        floor["speedup_over_batch_1"] = b * one / floor["floor_ms"]
+    for span in args.spans:
+        steps[f"{span} tokens"] = floor = step_floor_ms(costs, rates, args.threads, 1, span, args.context)
+        floor["time_over_one_token"] = floor["floor_ms"] / one
     print(json.dumps({"isa": isa, "threads": args.threads, "context": args.context,
                       "kv_cache_dtype": args.kv_cache_dtype, "rates": rates, "model": costs,
                       "steps": {k: {n: round(v, 3) for n, v in s.items()} for k, s in steps.items()}}))
@@ -112,10 +117,11 @@ def main() -> None:
           f"{rates['fma_lanes_per_ns']:.0f} FMA/ns a core; stream {rates['stream_gb_s']:.1f} GB/s, KV pieces "
           f"{rates['kv_read_gb_s']:.1f} GB/s; OpenMP region {rates['region_us']:.2f} us, barrier "
           f"{rates['barrier_us']:.2f} us")
-    print(f"{'step':12}{'memory ms':>11}{'compute ms':>12}{'floor ms':>10}  best speedup (batch: over batch 1; "
-          "tokens: x one token)")
+    print(f"{'step':12}{'memory ms':>11}{'compute ms':>12}{'floor ms':>10}  at best: batch's speedup over batch 1, "
+          "span's time over one token")
     for name, s in steps.items():
-        print(f"{name:12}{s['memory_ms']:>11.2f}{s['compute_ms']:>12.2f}{s['floor_ms']:>10.2f}  {s['best_speedup']:.2f}")
+        best = s.get("speedup_over_batch_1", s.get("time_over_one_token"))
+        print(f"{name:12}{s['memory_ms']:>11.2f}{s['compute_ms']:>12.2f}{s['floor_ms']:>10.2f}  {best:.2f}")
 
 
 if __name__ == "__main__":

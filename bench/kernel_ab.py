@@ -85,12 +85,16 @@ def main() -> None:
     ap.add_argument("--reps", type=int, default=22, help="timed rounds (after two to warm up)")
     ap.add_argument("--threads", type=int, default=2)
     args = ap.parse_args()
+    if args.layers is not None and args.layers < 1:
+        ap.error("--layers: at least 1 (the first N layers' GEMMs), or leave it out for all")
     torch.set_num_threads(args.threads)
     isa = cpu_kernels.selected_isa()
     builds = {"A": revision_kernels(args.base, isa), "B": cpu_kernels.kernels(isa)}
     if len({k.pack_width for k in builds.values()}) != 1:
         raise SystemExit("the two builds pack weights differently; their GEMMs cannot share one model's panels")
     engine = Engine(EngineConfig())
+    if args.layers is not None and args.layers > len(engine.runner.model.layers):
+        ap.error(f"--layers: the model has {len(engine.runner.model.layers)} layers, not {args.layers}")
     cases = {}
     for name, (linears, m) in gemm_cases(engine, args.rows, args.layers).items():
         inputs = {k: torch.randn(m, k) for k in {lin.in_features for lin in linears}}
@@ -108,7 +112,8 @@ def main() -> None:
         ms = alternated_median_ms(calls, args.reps, warmup=2)
         rows[name] = {"a_ms": round(ms["A"], 3), "b_ms": round(ms["B"], 3), "b_over_a": round(ms["B"] / ms["A"], 3),
                       "max_abs_diff": difference()}
-    print(json.dumps({"isa": isa, "threads": args.threads, "base": args.base, "context": args.context, "rows": rows}))
+    print(json.dumps({"isa": isa, "threads": args.threads, "base": args.base, "context": args.context,
+                      "layers": args.layers or len(engine.runner.model.layers), "rows": rows}))
     print(f"{'':34}{'A ms':>9}{'B ms':>9}{'B/A':>7}{'max |A-B|':>11}")
     for name, r in rows.items():
         print(f"{name:34}{r['a_ms']:>9}{r['b_ms']:>9}{r['b_over_a']:>7}{r['max_abs_diff']:>11.2e}")

@@ -1,10 +1,12 @@
 /* One core's vector rates and the OpenMP costs the kernels pay, for bench/floors.py. Built with
  * the kernels' compiler and ISA flags; prints one JSON object.
  *
- * int8_macs_per_ns: int8 multiply-adds a core retires per ns in independent chains: vpdpbusd
- *   (64 a zmm instruction) with AVX-512 VNNI, else AVX2's vpmaddubsw + vpaddw (32 a ymm pair),
- *   what the quantized GEMM tiles are made of (quant_dot.c);
- * fma_lanes_per_ns: fp32 multiply-adds per ns at the build's vector width (attention, packed_gemm.c);
+ * int8_macs_per_ns: int8 multiply-adds a core retires per ns in independent chains, with the
+ *   instructions the quantized GEMM tiles are made of (quant_dot.c): vpdpbusd (64 a zmm
+ *   instruction) with AVX-512 VNNI, vpmaddubsw + vpaddw (64 a zmm pair) with AVX-512BW, the same
+ *   on ymm (32) with AVX2, scalar int32 multiply-adds in the portable build;
+ * fma_lanes_per_ns: fp32 multiply-adds per ns at the build's vector width (4 lanes in the portable
+ *   build, as its kernels use; attention, packed_gemm.c);
  * region_us / barrier_us: an empty `omp parallel` region and one barrier, on `threads` threads.
  */
 #include <omp.h>
@@ -30,7 +32,7 @@
 #define CHAINS 12
 #define ROUNDS 50000000L
 #define EACH(F) F(a0) F(a1) F(a2) F(a3) F(a4) F(a5) F(a6) F(a7) F(a8) F(a9) F(a10) F(a11)
-#define RATE(TYPE, FIRST, STEP, PER_STEP)                                                 \
+#define RETURN_RATE(TYPE, FIRST, STEP, PER_STEP)                                          \
     do {                                                                                 \
         TYPE a0 = FIRST, a1 = a0, a2 = a0, a3 = a0, a4 = a0, a5 = a0, a6 = a0, a7 = a0,  \
              a8 = a0, a9 = a0, a10 = a0, a11 = a0;                                       \
@@ -52,13 +54,19 @@ static double int8_macs_per_ns(void) {
 #if defined(__AVX512VNNI__)
     __m512i u = _mm512_set1_epi8(3), s = _mm512_set1_epi8(5);
 #define STEP8(v) v = _mm512_dpbusd_epi32(v, u, s); PIN(v);
-    RATE(__m512i, _mm512_set1_epi32(1), STEP8, 64);
+    RETURN_RATE(__m512i, _mm512_set1_epi32(1), STEP8, 64);
+#elif defined(__AVX512BW__)
+    __m512i u = _mm512_set1_epi8(3), s = _mm512_set1_epi8(5);
+#define STEP8(v) v = _mm512_add_epi16(v, _mm512_maddubs_epi16(u, s)); PIN(v); PIN(u);
+    RETURN_RATE(__m512i, _mm512_set1_epi16(1), STEP8, 64);  /* PIN(u): else the product is computed once, outside the loop */
 #elif defined(__AVX2__)
     __m256i u = _mm256_set1_epi8(3), s = _mm256_set1_epi8(5);
 #define STEP8(v) v = _mm256_add_epi16(v, _mm256_maddubs_epi16(u, s)); PIN(v); PIN(u);
-    RATE(__m256i, _mm256_set1_epi16(1), STEP8, 32);  /* PIN(u): else the product is computed once, outside the loop */
+    RETURN_RATE(__m256i, _mm256_set1_epi16(1), STEP8, 32);
 #else
-    return 0.0;  /* the portable build has no integer dot-product kernel to measure */
+    int u = 3, s = 5;
+#define STEP8(v) v += u * s; __asm__ volatile("" : "+r"(v), "+r"(u));  /* in general registers */
+    RETURN_RATE(int, 1, STEP8, 1);
 #endif
 }
 
@@ -66,15 +74,16 @@ static double fma_lanes_per_ns(void) {
 #if defined(__AVX512F__)
     __m512 m = _mm512_set1_ps(1.0001f);
 #define STEPF(v) v = _mm512_fmadd_ps(v, m, m); PIN(v);
-    RATE(__m512, _mm512_set1_ps(1.0f), STEPF, 16);
+    RETURN_RATE(__m512, _mm512_set1_ps(1.0f), STEPF, 16);
 #elif defined(__AVX2__)
     __m256 m = _mm256_set1_ps(1.0001f);
 #define STEPF(v) v = _mm256_fmadd_ps(v, m, m); PIN(v);
-    RATE(__m256, _mm256_set1_ps(1.0f), STEPF, 8);
+    RETURN_RATE(__m256, _mm256_set1_ps(1.0f), STEPF, 8);
 #else
-    float m = 1.0001f;
+    typedef float v4 __attribute__((vector_size(16)));
+    v4 m = {1.0001f, 1.0001f, 1.0001f, 1.0001f};
 #define STEPF(v) v = v * m + m; PIN(v);
-    RATE(float, 1.0f, STEPF, 1);
+    RETURN_RATE(v4, m, STEPF, 4);
 #endif
 }
 

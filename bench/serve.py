@@ -49,9 +49,9 @@ ENGINE = {"num_kv_blocks": 1024, "max_num_seqs": 16,
           "speculative": {"method": "eagle3", "num_speculative_tokens": 2}}
 NIXL = {"kv_transfer": "nixl", "num_threads": 1}
 DISAGGREGATED = {"prefill": {"replicas": 1, **NIXL}, "decode": {"replicas": 1, **NIXL}}
-# Threads as a local cluster gives them by default: the cores but one, split between replicas (1
-# here); the ttft scenario gives its workers both cores.
-AGGREGATED = {"prefill": {"replicas": 0}, "decode": {"replicas": 0}, "aggregated": {"replicas": 1}}
+# One thread a worker, as a local cluster's default gives them on two cores (the cores but one,
+# split between replicas), on any machine; the ttft scenario gives its workers both cores.
+AGGREGATED = {"prefill": {"replicas": 0}, "decode": {"replicas": 0}, "aggregated": {"replicas": 1, "num_threads": 1}}
 KEYS = ["requests", "errors", "mean_prompt_tokens", "prefill_tokens_computed", "cached_prompt_tokens",
         "ttft_ms_p50", "ttft_ms_p99", "ttft_ms_mean", "second_token_ms_p50", "itl_ms_p50", "itl_ms_p99", "e2e_ms_p50",
         "output_tokens_per_s", "tau", "prefill_workers"]

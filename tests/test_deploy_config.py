@@ -62,6 +62,7 @@ def test_a_static_token_tree_comes_from_the_command_line_as_vllm_writes_it():
 @pytest.mark.parametrize("roles, cores, expected", [
     ({"prefill": {"replicas": 0}, "decode": {"replicas": 0}, "aggregated": {"replicas": 1}}, 2, 1),
     ({"prefill": {"replicas": 1}, "decode": {"replicas": 1}}, 2, 1),
+    ({"prefill": {"replicas": 1}, "decode": {"replicas": 1}}, 1, 1),
     ({"prefill": {"replicas": 1}, "decode": {"replicas": 1}}, 9, 4),
     ({"prefill": {"replicas": 1}, "decode": {"replicas": 1, "num_threads": 3}}, 9, 4),
 ])

@@ -110,6 +110,9 @@ static inline vfloat select_lanes(vint mask, vfloat a, vfloat b) {
 LANE_TREE(hsum, float, vfloat, LANE_ADD)
 LANE_TREE(hmax, float, vfloat, LANE_MAX)
 LANE_TREE(hsum_i, int, vint, LANE_ADD)
+#undef LANE_TREE
+#undef LANE_ADD
+#undef LANE_MAX
 
 /* exp(x) for x <= 0 (attention's scores minus their max, SiLU's -|x|): Cody-Waite range
  * reduction and a degree-6 polynomial, relative error ~2e-7; inputs below -87 flush to 0. */

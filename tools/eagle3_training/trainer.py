@@ -211,13 +211,14 @@ def _run(model, teacher, optim, schedule, shards, cfg, progress, total_steps, ck
                     break
                 tensors = collate(shard, batch, cfg.max_len, recompute)
                 metrics = _train_step(model, teacher, optim, schedule(progress["step"]), *tensors, cfg)
+                seen = progress["tokens"]
                 step += 1
                 progress["step"] = step
                 progress["tokens"] += metrics.pop("tokens")
                 progress["seconds"] = time.time() - started
                 bar.update(1)
                 bar.set_postfix(metrics)
-                _snapshots(model, cfg, progress)
+                _snapshots(model, cfg, seen, progress)
                 if time.time() - last_ckpt > cfg.checkpoint_every_s:
                     _checkpoint(ckpt_dir, model, optim, progress, vocab, coverage)
                     last_ckpt = time.time()
@@ -228,12 +229,12 @@ def _run(model, teacher, optim, schedule, shards, cfg, progress, total_steps, ck
     bar.close()
 
 
-def _snapshots(model, cfg: TrainConfig, progress: dict) -> None:
-    """The head exported at each snapshot size training has reached (once: one on disk is kept,
-    so a resumed run does not overwrite it with a later state)."""
+def _snapshots(model, cfg: TrainConfig, seen_before: int, progress: dict) -> None:
+    """The head exported at each snapshot size this step took training past (a size passed before
+    this run resumed, or added after it was passed, is not taken later under its name)."""
     for tokens in cfg.snapshot_tokens:
         out = cfg.out_dir / "snapshots" / f"{tokens / 1e6:g}M"
-        if progress["tokens"] >= tokens and not (out / "progress.json").exists():
+        if seen_before < tokens <= progress["tokens"] and not (out / "progress.json").exists():
             model.export(out)
             (out / "progress.json").write_text(json.dumps(progress) + "\n")  # last: marks it complete
 
