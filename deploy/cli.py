@@ -190,7 +190,8 @@ def _add_train_eagle3(sub: argparse._SubParsersAction) -> None:
     p.add_argument("--epochs", type=float, default=2.0)
     p.add_argument("--ttt-steps", type=int, default=3, help="training-time-test unroll depth")
     p.add_argument("--lr", type=float, default=5e-4)
-    p.add_argument("--max-hours", type=float, default=None, help="stop training after this long (resumable)")
+    p.add_argument("--max-hours", type=float, default=None,
+                   help="stop this invocation's training after this long (a checkpoint; run again to go on)")
     p.add_argument("--init-from", default=None, help="an exported head to continue training from (keeps its vocabulary)")
     p.add_argument("--snapshot-tokens", type=float, nargs="*", default=[],
                    help="export the head once training has seen each of these many tokens, to OUT/snapshots/ "

@@ -70,6 +70,20 @@ def test_training_resumes_and_exports_a_head_that_drafts_losslessly(run_dir, eng
     assert outs[-1].acceptance.drafted > 0
 
 
+def test_max_hours_is_each_runs_own_budget(run_dir, tmp_path):
+    """A run resumed after earlier ones trains for its own --max-hours, however long they ran."""
+    cfg = TrainConfig(target=None, data_dir=run_dir / "data", out_dir=tmp_path, draft_vocab_size=1024,
+                      epochs=1.0, ttt_steps=2, batch_tokens=256, warmup_steps=1)
+    train(cfg)
+    first = json.loads((tmp_path / "training.json").read_text())["step"]
+    checkpoint = tmp_path / "checkpoints" / "latest.pt"
+    state = torch.load(checkpoint, weights_only=False)
+    state["progress"]["seconds"] = 10 * 3600.0  # as if earlier runs had trained for ten hours
+    torch.save(state, checkpoint)
+    train(replace(cfg, epochs=2.0, max_hours=1.0))
+    assert json.loads((tmp_path / "training.json").read_text())["step"] == 2 * first
+
+
 def test_teacher_forced_accuracy_counts_every_answer_position(run_dir):
     """bench.draft_accuracy on the shipped head: one draft position-1 prediction per answer token,
     every one in a calibration bin, and a wider top-k never less accurate at position 1."""

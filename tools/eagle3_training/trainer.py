@@ -38,7 +38,7 @@ class TrainConfig:
     epochs: float = 2.0
     ttt_steps: int = 3
     lr: float = 5e-4
-    max_hours: float | None = None
+    max_hours: float | None = None  # this run's budget: a resumed run gets it afresh
     init_from: Path | None = None  # an exported head to continue from (its draft vocabulary is kept)
     batch_tokens: int = 4096  # padded tokens per batch
     max_len: int = 512  # longer samples are truncated
@@ -195,7 +195,8 @@ def _load_index(path: Path) -> dict[str, torch.Tensor]:
 def _run(model, teacher, optim, schedule, shards, cfg, progress, total_steps, ckpt_dir, vocab, coverage,
          recompute: TargetFeatures | None) -> None:
     bar = tqdm(total=total_steps, initial=progress["step"], desc="training eagle3", unit="step")
-    started, last_ckpt, step = time.time() - progress["seconds"], time.time(), 0
+    started, last_ckpt, step = time.time() - progress["seconds"], time.time(), 0  # started: of the whole run
+    this_run = time.time()
     epoch = 0
     while progress["step"] < total_steps:
         rng = random.Random(cfg.seed + epoch)
@@ -207,7 +208,7 @@ def _run(model, teacher, optim, schedule, shards, cfg, progress, total_steps, ck
                 if step < progress["step"]:  # resuming: skip what the checkpoint already trained on
                     step += 1
                     continue
-                if progress["step"] >= total_steps or _out_of_time(cfg, started):
+                if progress["step"] >= total_steps or _out_of_time(cfg, this_run):
                     break
                 tensors = collate(shard, batch, cfg.max_len, recompute)
                 metrics = _train_step(model, teacher, optim, schedule(progress["step"]), *tensors, cfg)
@@ -223,7 +224,7 @@ def _run(model, teacher, optim, schedule, shards, cfg, progress, total_steps, ck
                     _checkpoint(ckpt_dir, model, optim, progress, vocab, coverage)
                     last_ckpt = time.time()
         epoch += 1
-        if _out_of_time(cfg, started):
+        if _out_of_time(cfg, this_run):
             break
     _checkpoint(ckpt_dir, model, optim, progress, vocab, coverage)
     bar.close()
@@ -239,8 +240,8 @@ def _snapshots(model, cfg: TrainConfig, seen_before: int, progress: dict) -> Non
             (out / "progress.json").write_text(json.dumps(progress) + "\n")  # last: marks it complete
 
 
-def _out_of_time(cfg: TrainConfig, started: float) -> bool:
-    return cfg.max_hours is not None and time.time() - started > cfg.max_hours * 3600
+def _out_of_time(cfg: TrainConfig, since: float) -> bool:
+    return cfg.max_hours is not None and time.time() - since > cfg.max_hours * 3600
 
 
 def _train_step(model, teacher, optim, lr_scale, features, final_hidden, tokens, valid, loss_mask, cfg) -> dict:
