@@ -64,8 +64,7 @@ def model_costs(engine: Engine) -> dict[str, float]:
     apart from the fp32 GEMM's); per cached position: KV bytes (every layer, keys and values) and
     attention FMAs (scores and weighted values, every head)."""
     model, config = engine.runner.model, engine.runner.model.config
-    linears = [lin for layer in model.layers for lin in (layer.qkv, layer.o, layer.gate_up, layer.down)]
-    linears.append(model.lm_head)
+    linears = [lin for layer in model.layers for lin in layer.linears] + [model.lm_head]
     kv_dtype = getattr(torch, engine.config.cache_dtype)
     return {
         "weight_bytes": sum(lin.weight.numel() * lin.weight.element_size() for lin in linears),

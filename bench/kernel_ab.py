@@ -49,7 +49,7 @@ def gemm_cases(engine: Engine, rows: list[int], num_layers: int | None = None) -
     """case name -> (the matrices in call order, rows): the (first num_layers) layers' then, with
     +head, the lm_head."""
     model = engine.runner.model
-    layers = [lin for layer in model.layers[:num_layers] for lin in (layer.qkv, layer.o, layer.gate_up, layer.down)]
+    layers = [lin for layer in model.layers[:num_layers] for lin in layer.linears]
     return {f"gemm {m} rows{head}": (layers + ([model.lm_head] if head else []), m)
             for m in rows for head in ("", " +head")}
 

@@ -72,6 +72,11 @@ class DecoderLayer:
         self.kv_size = config.num_kv_heads * config.head_dim
         self.scale = config.head_dim**-0.5
 
+    @property
+    def linears(self) -> tuple[Linear, ...]:
+        """The layer's matrices in the order a forward runs them."""
+        return self.qkv, self.o, self.gate_up, self.down
+
     def __call__(self, residual, attn_input, cos, sin, layer_cache, meta: AttentionMetadata) -> torch.Tensor:
         c = self.config
         t = residual.shape[0]

@@ -66,7 +66,7 @@ class NativeDecoder:
              embed_norm: torch.Tensor | None = None) -> "NativeDecoder | None":
         """A NativeDecoder for `layers`, or None unless they have CPU fp32 activations, one rank,
         no q/k norms, every projection on the packed kernels of one build, and the C attention kernel."""
-        linears = [lin for layer in layers for lin in (layer.qkv, layer.o, layer.gate_up, layer.down)]
+        linears = [lin for layer in layers for lin in layer.linears]
         supported = (norm.dtype == torch.float32 and tp_size == 1 and norm.device.type == "cpu"
                      and all(layer.q_norm is None and layer.attend is native_paged_attention for layer in layers)
                      and all(lin.packed for lin in linears) and len({id(lin.kernels) for lin in linears}) == 1)
