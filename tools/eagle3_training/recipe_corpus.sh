@@ -6,7 +6,8 @@
 # quarter with a follow-up), the AlpacaEval instructions as three-turn conversations. The mix is
 # fixed by its seeds and distilled in order; run again to go on where it stopped (done.json), stop
 # it any time. Once every answer is distilled, a head is trained on them from scratch (warmup and
-# cosine decay over two epochs, resumable, HOURS at a time), to set against the shipped one on
+# cosine decay over one epoch, resumable, HOURS at a time; two epochs were ~7 h of both cores, more
+# than a session can spare beside its other work), to set against the shipped one on
 # held-out chat; it is exported as it stands after 0.5M, 1M, 2M ... 16M tokens (RUN/snapshots/),
 # for the data-vs-acceptance curve. Shards, the mix and checkpoints stay outside the repository.
 #   RUN=DIR HOURS=H bash tools/eagle3_training/recipe_corpus.sh
@@ -36,5 +37,5 @@ print(f"{len(mix)} conversations, {sum(1 if isinstance(m, str) else len(m) for m
 MIX
 $PY -m deploy.cli train-eagle3 --prompts "$RUN/mix.jsonl" --out "$RUN" --stage distill --tokens-only \
     --max-new-tokens 192 --batch-size 48
-$PY -m deploy.cli train-eagle3 --prompts "$RUN/mix.jsonl" --out "$RUN" --stage train --epochs 2 --ttt-steps 4 \
+$PY -m deploy.cli train-eagle3 --prompts "$RUN/mix.jsonl" --out "$RUN" --stage train --epochs 1 --ttt-steps 4 \
     --lr 5e-4 --max-hours "${HOURS:-1}" --snapshot-tokens 5e5 1e6 2e6 4e6 8e6 16e6
