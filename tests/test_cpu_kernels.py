@@ -208,22 +208,24 @@ def test_linear_first_output_computes_a_tail_of_the_outputs(packed_dtype, first)
 
 
 @pytest.mark.parametrize("isa", ISAS)
-def test_a_tree_row_computes_the_bits_of_its_path_decoded_plainly(isa):
+@pytest.mark.parametrize("prefix", [37, 123])  # the span inside one key partition, or across two
+def test_a_tree_row_computes_the_bits_of_its_path_decoded_plainly(isa, prefix):
     """Each row of a tree span (chain rows and leaves off it) gets exactly the output the same
     query gets as a plain one-token decode over the prefix plus its ancestors laid out
-    contiguously: lossless verification must not hinge on rounding."""
-    heads, kv_heads, dim, bs, prefix = 9, 3, 64, 16, 37
+    contiguously: lossless verification must not hinge on rounding (nor on which rows share a
+    pass over the keys: a span's rows see different numbers of them)."""
+    heads, kv_heads, dim, bs = 9, 3, 64, 16
     parents = [-1, 0, 1, 0, 2, 4, 1]  # the chain 0-1-2-4-5, leaves 3 (under the root) and 6
     depth, masks = tree_layout(parents)
     n = len(parents) + 1
     torch.manual_seed(0)
-    cache = torch.randn(16, 2, bs, kv_heads, dim)
-    tree_table = [3, 7, 1, 9]
+    cache = torch.randn(24, 2, bs, kv_heads, dim)
+    tree_table = [3, 7, 1, 9, 17, 12, 20, 15, 22]
     q = torch.randn(n, heads, dim)
     slots = torch.tensor([tree_table[p // bs] * bs + p % bs for p in range(prefix, prefix + n)])
     meta = AttentionMetadata.build([n], [prefix + n], [tree_table], slots, bs, torch.device("cpu"), masks)
     tree_out = native_paged_attention(q, cache, meta, dim**-0.5, isa)
-    plain_table = [11, 5, 14, 2]
+    plain_table = [11, 5, 14, 2, 16, 23, 0, 19, 18]
     for i in range(n):
         visible = list(range(prefix)) + [prefix + j for j in range(n) if masks[i] >> j & 1]
         plain = cache.clone()

@@ -50,11 +50,10 @@ static inline const char *key_address(const char *cache, const long *table, int 
     return cache + (table[pos / block_size] * s_block + (long)(pos % block_size) * s_offset + (long)kv_head * dim) * esize;
 }
 
-/* `bytes` at p towards L1, and as many at p + also (when also != 0). */
-static inline void request_lines(const char *p, long bytes, long also) {
-    for (long l = 0; l < bytes; l += 64) __builtin_prefetch(p + l);
-    if (also)
-        for (long l = 0; l < bytes; l += 64) __builtin_prefetch(p + also + l);
+/* Piece u of a partition's 2n (its keys, then its values: value_offset bytes further) towards L1. */
+static inline void request_piece(const part_keys *part, int u, long value_offset, int bytes) {
+    const char *p = u < part->n ? part->keys[u] : part->keys[u - part->n] + value_offset;
+    for (int l = 0; l < bytes; l += 64) __builtin_prefetch(p + l);
 }
 
 /* F(0, h), ..., F(LANES - 1, h): the lanes of a vector constant. */
@@ -140,6 +139,54 @@ static inline void store_chunks(float *row, const vfloat *a, int chunks, int bf1
     }
 }
 
+/* Sums that two rows' values passes may keep in registers at once (vector_isa.h: AVX-512 has 32,
+ * the others 16): where a row needs more than half of them, rows go one at a time. */
+#define PAIRED_SUMS (LANES == 16 ? 16 : 8)
+
+/* Rows r .. r + rows - 1 (rows: 1 or 2) of a partition: the exps-weighted sum of the values of keys
+ * 0 .. visible - 1, into part's rows. One FMA chain per chunk; with fewer than 8 chunks (wide
+ * vectors, small heads) a second set of sums takes every other key, so 8 chains keep the FMAs
+ * busy. Two rows share each value chunk's load (and widening), half the loads per FMA of one row
+ * alone (a verification span's tiles have 18 rows). The sums stay in registers over the whole
+ * partition (summed through `part` step by step, each step paid a load and a store per chunk).
+ *
+ * The next partition's lines are requested here, a piece (one key's key or value) at a time, so
+ * DRAM streams them while this partition computes: its 2n pieces, keys first, shared out over the
+ * rows' values passes and spread over each. Requested in one burst before their partition (as a
+ * partition's own lines still are, at its start: by then they are mostly on their way), memory
+ * and arithmetic took turns: cold attention at batch 16 took its arithmetic's time plus its
+ * bytes' (BENCHMARKS.md, fourth and sixth passes). Left to the first two rows, a verification
+ * span's 18-row tile asked for all of them in its first ninth, more than a core keeps in flight. */
+static inline __attribute__((always_inline)) void weigh_values(
+    const char *const *keys, long value_offset, const float *exps, float *part, int r, const int rows,
+    const int *pos, int nrows, int k0, int k1, const int dim, const int kv_bf16, const part_keys *next) {
+    const int chunks = dim / LANES, stride = chunks >= 8 ? 1 : 2, bytes = dim * (kv_bf16 ? 2 : 4);
+    const int row_exps = PART_KEYS / KEYS * KEYS;  /* floats from one row's exps to the next's */
+    vfloat a[2][2][MAX_DIM / LANES];              /* [row][key parity][chunk] */
+    int visible = 0;
+    for (int i = 0; i < rows; i++) {
+        float *row = part + (size_t)(r + i) * (dim + 2);
+        int v = row[dim] == -INFINITY ? 0 : pos[r + i] + 1 - k0 < k1 - k0 ? pos[r + i] + 1 - k0 : k1 - k0;
+        visible = v > visible ? v : visible;
+        for (int c = 0; c < chunks; c++) a[i][0][c] = a[i][1][c] = splat(0.0f);
+    }
+    int u = 2 * next->n * r / nrows, u1 = 2 * next->n * (r + rows) / nrows;
+    int per_key = visible ? (u1 - u + visible - 1) / visible : 0;
+    for (int o = 0; o < visible; o += stride) {
+        for (int i = 0; i < stride * per_key && u < u1; i++, u++) request_piece(next, u, value_offset, bytes);
+        for (int k = 0; k < stride && o + k < visible; k++)
+            for (int c = 0; c < chunks; c++) {
+                vfloat v = key_chunk(keys[o + k] + value_offset, c, chunks, kv_bf16);
+                for (int i = 0; i < rows; i++) a[i][k][c] += exps[(size_t)i * row_exps + o + k] * v;
+            }
+    }
+    for (; u < u1; u++) request_piece(next, u, value_offset, bytes);
+    for (int i = 0; i < rows; i++) {
+        for (int c = 0; c < chunks; c++) a[i][0][c] += a[i][1][c];
+        store_chunks(part + (size_t)(r + i) * (dim + 2), a[i][0], chunks, kv_bf16);
+    }
+}
+
 /* One tile of rows (query token, head) of one sequence against keys [k0, k1) of one kv head
  * (one partition, at most PART_KEYS): per row the unnormalised softmax-weighted sum of values,
  * the scores' max and the sum of exps, into part [rows][dim + 2]. Three passes, the keys in
@@ -203,44 +250,25 @@ static inline __attribute__((always_inline)) void attend_tile(
         for (int st = 1; st < steps; st++) mv = select_lanes(scores[r][st] > mv, scores[r][st], mv);
         float m = hmax(mv), *row = part + (size_t)r * (dim + 2);
         row[dim] = m;
-        if (m == -INFINITY) {  /* no key of the partition visible to the row */
+        if (m == -INFINITY) {  /* no key of the partition visible to the row: all exps 0 */
             row[dim + 1] = 0.0f;
+            for (int st = 0; st < steps; st++) scores[r][st] = splat(0.0f);
             continue;
         }
         vfloat sum = splat(0.0f);
         for (int st = 0; st < steps; st++) sum += scores[r][st] = vexp(scores[r][st] - m);
         row[dim + 1] = hsum(sum);
     }
-    for (int r = 0; r < nrows; r++) {
-        float *row = part + (size_t)r * (dim + 2);
-        /* one FMA chain per chunk; with fewer than 8 chunks (wide vectors, small heads) a second
-         * set of accumulators takes every other key, so 8 chains keep the FMAs busy. The row's
-         * sums stay in registers over the whole partition (summed through `row` step by step,
-         * each step paid a load and a store per chunk). */
-        vfloat a0[MAX_DIM / LANES], a1[MAX_DIM / LANES];
-        for (int c = 0; c < chunks; c++) a0[c] = a1[c] = splat(0.0f);
-        const float *e = (const float *)scores[r];  /* the exps, key by key */
-        int visible = row[dim] == -INFINITY ? 0 : pos[r] + 1 - k0 < k1 - k0 ? pos[r] + 1 - k0 : k1 - k0;
-        int stride = chunks >= 8 ? 1 : 2;
-        /* The next partition's lines are requested here, a key at a time, so DRAM streams them
-         * while this partition computes: row 0 requests its keys, row 1 its values (a tile of one
-         * row both). Requested in one burst before their partition (as a partition's own lines
-         * still are, at its start: by then they are mostly on their way), memory and arithmetic
-         * took turns instead: cold attention at batch 16 took its arithmetic's time plus its
-         * bytes' (BENCHMARKS.md, fourth and sixth passes). */
-        int requests = r <= 1 ? next->n : 0;
-        long first = r == 1 ? value_offset : 0, also = nrows == 1 ? value_offset : 0, bytes = dim * esize;
-        for (int o = 0; o < visible; o += stride) {
-            if (o < requests) request_lines(next->keys[o] + first, bytes, also);
-            if (stride == 2 && o + 1 < requests) request_lines(next->keys[o + 1] + first, bytes, also);
-            for (int c = 0; c < chunks; c++) a0[c] += e[o] * KV(keys[o] + value_offset, c);
-            if (stride == 2 && o + 1 < visible)
-                for (int c = 0; c < chunks; c++) a1[c] += e[o + 1] * KV(keys[o + 1] + value_offset, c);
-        }
-        for (int o = visible + (visible % stride); o < requests; o++) request_lines(next->keys[o] + first, bytes, also);
-        for (int c = 0; c < chunks; c++) a0[c] += a1[c];
-        store_chunks(row, a0, chunks, kv_bf16);
-    }
+    /* Values. A row's keys from 0 to its last visible one, in order (one with exp 0 adds nothing):
+     * its bits are its own whichever rows share its loop. Rows in pairs where a tile has more than
+     * one token's heads (a span's or a prefill chunk's): a decode tile's three rows, memory-bound,
+     * ran 1-3 % slower in pairs at batch 16 (bench.kernel_ab). */
+    const int stride = chunks >= 8 ? 1 : 2, pair = 2 * stride * chunks <= PAIRED_SUMS && nrows >= 4;
+    int r = 0;
+    for (; pair && r + 1 < nrows; r += 2)
+        weigh_values(keys, value_offset, (const float *)scores[r], part, r, 2, pos, nrows, k0, k1, dim, kv_bf16, next);
+    for (; r < nrows; r++)
+        weigh_values(keys, value_offset, (const float *)scores[r], part, r, 1, pos, nrows, k0, k1, dim, kv_bf16, next);
 #undef VISIBLE
 #undef KV
 }
