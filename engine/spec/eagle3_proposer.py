@@ -97,13 +97,22 @@ class Eagle3Proposer:
         if not self.unprojected:
             return
         hidden = self.draft.project(torch.cat([aux for _, _, aux in self.unprojected]))
+        # Each sequence's rows gathered, then joined once (a join per step's rows copied its
+        # growing pending rows every time: ~30 joins a step at batch 16).
+        runs: dict[str, tuple[int, list[torch.Tensor], int]] = {}  # seq -> (first position, rows, next position)
         row = 0
         for seq_id, start, aux in self.unprojected:
             h, row = hidden[row : row + aux.shape[0]], row + aux.shape[0]
-            first, old = self.pending.get(seq_id, (start, h[:0]))
-            if first + old.shape[0] != start:  # not contiguous (e.g. recomputed after preemption): restart
-                first, old = start, h[:0]
-            self.pending[seq_id] = (first, torch.cat([old, h]))
+            if seq_id not in runs:
+                first, old = self.pending.get(seq_id, (start, h[:0]))
+                runs[seq_id] = (first, [old], first + old.shape[0])
+            first, rows, end = runs[seq_id]
+            if end != start:  # not contiguous (e.g. recomputed after preemption): restart
+                first, rows = start, []
+            rows.append(h)
+            runs[seq_id] = (first, rows, start + h.shape[0])
+        for seq_id, (first, rows, _) in runs.items():
+            self.pending[seq_id] = (first, torch.cat(rows))
         self.unprojected, self.unprojected_rows = [], 0
 
     @torch.inference_mode()
