@@ -128,6 +128,8 @@ class CpuKernels:
         lib.pd_panel_rows.restype = ctypes.c_int
         lib.pd_panel_rows.argtypes = [ctypes.c_int] * 2 + [ctypes.c_void_p, ctypes.c_int, ctypes.c_long, ctypes.c_void_p,
                                                             ctypes.c_int, ctypes.c_void_p]
+        lib.pd_argmax_rows.restype = None
+        lib.pd_argmax_rows.argtypes = [ctypes.c_void_p, ctypes.c_int, ctypes.c_int, ctypes.c_void_p, ctypes.c_int]
         lib.pd_paged_attention.restype = ctypes.c_int
         lib.pd_paged_attention.argtypes = (
             [ctypes.c_void_p] * 2 + [ctypes.c_int] + [ctypes.c_long] * 3 + [ctypes.c_void_p, ctypes.c_int]
@@ -207,6 +209,16 @@ class CpuKernels:
                                    len(ids), out.data_ptr()):
             raise IndexError(f"panel_rows: ids outside the {rows} packed rows")
         return out
+
+    def argmax_rows(self, logits: torch.Tensor) -> list[int]:
+        """Each row's argmax of logits [rows, V] fp32, as torch.argmax(-1) gives it (first of equal
+        maxima, first NaN): torch's own took ~55 us for a 4-row verification span over 49K logits."""
+        logits = logits.contiguous()
+        out = torch.empty(logits.shape[0], dtype=torch.long)
+        if logits.shape[0] and logits.shape[1]:
+            self._lib.pd_argmax_rows(logits.data_ptr(), logits.shape[0], logits.shape[1], out.data_ptr(),
+                                     torch.get_num_threads())
+        return out.tolist()
 
     def norm_rows(self, x: torch.Tensor, rows: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
         """rms_norm(x[rows]) * weight for x [T, hidden] fp32 contiguous, rows int64 (in range: the

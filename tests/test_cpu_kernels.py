@@ -236,3 +236,21 @@ def test_a_tree_row_computes_the_bits_of_its_path_decoded_plainly(isa, prefix):
                                       bs, torch.device("cpu"))
         assert len(visible) == prefix + depth[i] + 1
         assert torch.equal(native_paged_attention(q[i : i + 1], plain, one, dim**-0.5, isa)[0], tree_out[i]), i
+
+
+@pytest.mark.parametrize("isa", ISAS)
+@pytest.mark.parametrize("n", [1, 7, 31, 32, 33, 49152 + 5])
+def test_argmax_rows_picks_what_torch_picks(isa, n):
+    """Greedy sampling's choice, natively: the first of equal maxima, the first NaN, index 0 of a
+    row of -inf, on rows shorter than two vectors and with a tail past the last one."""
+    torch.manual_seed(n)
+    rows = torch.randn(9, n)
+    rows[1] = float("-inf")
+    rows[2, n // 3] = rows[2, n - 1] = 1e4  # a tie, the later one in another lane or the tail
+    rows[3, n // 2] = float("nan")
+    rows[3, n - 1] = float("nan")
+    rows[4, n - 1] = float("inf")
+    rows[5] = rows[5].round()  # many ties
+    rows[6, 0] = float("nan")
+    rows[7, :] = 3.0
+    assert cpu_kernels.kernels(isa).argmax_rows(rows) == rows.argmax(dim=-1).tolist()

@@ -35,6 +35,7 @@ from dataclasses import dataclass
 
 import torch
 
+from engine import cpu_kernels
 from engine.params import SamplingParams
 from engine.sampling import probabilities
 
@@ -88,7 +89,7 @@ def make_verify_input(params: list[SamplingParams], generators: list[torch.Gener
 def verify(inp: VerifyInput) -> VerifyOutput:
     b = inp.num_drafts.shape[0]
     width = int(inp.num_drafts.max()) + 1 if b else 1
-    argmax = inp.target_logits.argmax(dim=-1).tolist()
+    argmax = _argmax_rows(inp.target_logits)
     drafts = inp.draft_ids.tolist()
     parents = inp.draft_parents.tolist() if inp.draft_parents is not None else None
     tokens, paths, num_accepted = [], [], []  # lists, one tensor each at the end: few torch calls per step
@@ -112,6 +113,14 @@ def verify(inp: VerifyInput) -> VerifyOutput:
                             torch.full((0, 1), -1, dtype=torch.long))
     return VerifyOutput(torch.tensor(tokens, dtype=torch.long), torch.tensor(num_accepted, dtype=torch.long),
                         torch.tensor(paths, dtype=torch.long))
+
+
+def _argmax_rows(logits: torch.Tensor) -> list[int]:
+    """Each row's argmax: on CPU by the native kernel (torch's took ~55 us a 4-row verification
+    span and ~200 us a batch-16 step, 1-2 % of either), elsewhere by torch."""
+    if logits.device.type == "cpu" and logits.dtype == torch.float32:
+        return cpu_kernels.kernels().argmax_rows(logits)
+    return logits.argmax(dim=-1).tolist()
 
 
 def _greedy_path(drafts: list[int], parents, argmax: list[int]) -> list[int]:
