@@ -213,9 +213,14 @@ class CpuKernels:
     def argmax_rows(self, logits: torch.Tensor) -> list[int]:
         """Each row's argmax of logits [rows, V] fp32, as torch.argmax(-1) gives it (first of equal
         maxima, first NaN): torch's own took ~55 us for a 4-row verification span over 49K logits."""
+        if logits.dim() != 2 or logits.dtype != torch.float32 or logits.device.type != "cpu":
+            raise ValueError(f"argmax_rows: logits must be a 2-D fp32 CPU tensor (got {tuple(logits.shape)} "
+                             f"{logits.dtype} on {logits.device})")
+        if logits.shape[0] and not logits.shape[1]:
+            raise ValueError("argmax_rows: rows of 0 logits have no argmax")
         logits = logits.contiguous()
         out = torch.empty(logits.shape[0], dtype=torch.long)
-        if logits.shape[0] and logits.shape[1]:
+        if logits.shape[0]:
             self._lib.pd_argmax_rows(logits.data_ptr(), logits.shape[0], logits.shape[1], out.data_ptr(),
                                      torch.get_num_threads())
         return out.tolist()

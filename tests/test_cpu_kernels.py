@@ -208,13 +208,16 @@ def test_linear_first_output_computes_a_tail_of_the_outputs(packed_dtype, first)
 
 
 @pytest.mark.parametrize("isa", ISAS)
-@pytest.mark.parametrize("prefix", [37, 123])  # the span inside one key partition, or across two
-def test_a_tree_row_computes_the_bits_of_its_path_decoded_plainly(isa, prefix):
+# The span inside one key partition, or across two (125: the chain tile's rows pair across the
+# boundary, one of a pair seeing no key of the last partition); head size 16 pairs rows on 8-lane
+# builds too.
+@pytest.mark.parametrize("prefix, dim", [(37, 64), (125, 64), (125, 16)])
+def test_a_tree_row_computes_the_bits_of_its_path_decoded_plainly(isa, prefix, dim):
     """Each row of a tree span (chain rows and leaves off it) gets exactly the output the same
     query gets as a plain one-token decode over the prefix plus its ancestors laid out
     contiguously: lossless verification must not hinge on rounding (nor on which rows share a
     pass over the keys: a span's rows see different numbers of them)."""
-    heads, kv_heads, dim, bs = 9, 3, 64, 16
+    heads, kv_heads, bs = 9, 3, 16
     parents = [-1, 0, 1, 0, 2, 4, 1]  # the chain 0-1-2-4-5, leaves 3 (under the root) and 6
     depth, masks = tree_layout(parents)
     n = len(parents) + 1
@@ -253,4 +256,10 @@ def test_argmax_rows_picks_what_torch_picks(isa, n):
     rows[5] = rows[5].round()  # many ties
     rows[6, 0] = float("nan")
     rows[7, :] = 3.0
+    if n > 34:
+        rows[8, 21] = rows[8, 34] = 1e4  # the later one in a lower lane
+        rows[0, 1] = float("nan")  # a NaN in the first vector, past its first lane
     assert cpu_kernels.kernels(isa).argmax_rows(rows) == rows.argmax(dim=-1).tolist()
+    tail_nan = torch.randn(1, n)
+    tail_nan[0, n - 1] = float("nan")
+    assert cpu_kernels.kernels(isa).argmax_rows(tail_nan) == [n - 1]
