@@ -43,7 +43,12 @@ def revision_kernels(rev: str, isa: str) -> cpu_kernels.CpuKernels:
                 raise SystemExit(f"--base {rev}: no engine/csrc/{name} there ({shown.stderr.decode().strip()}); "
                                  "compare revisions with the same kernel files")
             (Path(tmp) / name).write_bytes(shown.stdout)
-        return cpu_kernels.CpuKernels(isa, cpu_kernels.build_kernels(isa, Path(tmp)))
+        try:
+            return cpu_kernels.CpuKernels(isa, cpu_kernels.build_kernels(isa, Path(tmp)))
+        except AttributeError as missing:  # an entry point this checkout binds came later
+            raise SystemExit(f"--base {rev}: its kernels lack an entry point this checkout binds ({missing}); "
+                             "compare revisions with the same entry points (or run kernel_ab from a checkout "
+                             "of the older one)") from None
 
 
 def gemm_cases(engine: Engine, rows: list[int], num_layers: int | None = None) -> dict[str, tuple]:
