@@ -1,0 +1,47 @@
+#!/usr/bin/env bash
+# Corpus part 2 (issue 18: >= 20M answer tokens of the target's own answers; part 1,
+# recipe_corpus.sh, holds 6.2M), then a head trained from scratch on both parts. Part 1 used 20,000
+# of the 23,808 templated prompts there are, so part 2 is mostly prompts the target writes itself:
+# 30,000 (ten resumable files of 3,000; duplicates and part 1's prompts dropped), half of them
+# followed by a second turn; plus two more turns after each of part 1's single-turn prompts (their
+# first answers repeat part 1's; each such conversation adds two new answers). Estimated ~80K new
+# answers (~13M answer tokens at part 1's 162 a answer) beside ~19K repeated first answers: several
+# sessions of both cores (run again to go on; every step
+# resumes where it stopped). Shards, the mix and checkpoints stay outside the repository; part 1's
+# shards are linked into this run's data.
+#   RUN1=DIR RUN=DIR HOURS=H bash tools/eagle3_training/recipe_corpus2.sh
+set -euo pipefail
+RUN1=${RUN1:-$HOME/.cache/pdspec/eagle3-corpus}  # part 1: its mix.jsonl and data/
+RUN=${RUN:-$HOME/.cache/pdspec/eagle3-corpus2}
+PY=${PY:-.venv/bin/python}
+[ -s "$RUN1/mix.jsonl" ] || { echo "part 1 ($RUN1/mix.jsonl) first: bash tools/eagle3_training/recipe_corpus.sh" >&2; exit 1; }
+mkdir -p "$RUN/data"
+for part in 0 1 2 3 4 5 6 7 8 9; do
+    [ -s "$RUN/model_prompts_$part.jsonl" ] || $PY -m tools.eagle3_training.model_prompts \
+        --out "$RUN/model_prompts_$part.jsonl" --count 3000 --seed $((20 + part))
+done
+[ -s "$RUN/mix.jsonl" ] || $PY - "$RUN" "$RUN1" <<'MIX'
+import json, random, sys
+from pathlib import Path
+from tools.eagle3_training.follow_ups import with_follow_ups
+from tools.prompts import read_conversations, read_prompts
+run, run1 = Path(sys.argv[1]), Path(sys.argv[2])
+part1 = read_conversations(run1 / "mix.jsonl")
+seen = {row if isinstance(row, str) else row[0] for row in part1}
+written = list(dict.fromkeys(p for k in range(10) for p in read_prompts(run / f"model_prompts_{k}.jsonl")
+                             if p not in seen))
+singles = [row for row in part1 if isinstance(row, str)]
+half = len(written) // 2
+mix = written[:half] + with_follow_ups(written[half:], 2, seed=21) + with_follow_ups(singles, 3, seed=22)
+random.Random(21).shuffle(mix)
+(run / "mix.jsonl").write_text("".join(json.dumps({"prompt": m} if isinstance(m, str) else {"turns": m}) + "\n"
+                                       for m in mix))
+print(f"{len(mix)} conversations, {sum(1 if isinstance(m, str) else len(m) for m in mix)} answers")
+MIX
+for shard in "$RUN1"/data/shard-*.safetensors; do  # before distilling: it numbers its shards after them
+    ln -sf "$shard" "$RUN/data/shard-p1-$(basename "$shard" .safetensors | cut -d- -f2).safetensors"
+done
+$PY -m deploy.cli train-eagle3 --prompts "$RUN/mix.jsonl" --out "$RUN" --stage distill --tokens-only \
+    --max-new-tokens 192 --batch-size 48
+$PY -m deploy.cli train-eagle3 --prompts "$RUN/mix.jsonl" --out "$RUN" --stage train --epochs 1 --ttt-steps 4 \
+    --lr 5e-4 --max-hours "${HOURS:-1}" --snapshot-tokens 4e6 8e6 16e6 32e6
