@@ -50,9 +50,8 @@ static inline const char *key_address(const char *cache, const long *table, int 
     return cache + (table[pos / block_size] * s_block + (long)(pos % block_size) * s_offset + (long)kv_head * dim) * esize;
 }
 
-/* Piece u of a partition's 2n (its keys, then its values: value_offset bytes further) towards L1. */
-static inline void request_piece(const part_keys *part, int u, long value_offset, int bytes) {
-    const char *p = u < part->n ? part->keys[u] : part->keys[u - part->n] + value_offset;
+/* `bytes` at p towards L1. */
+static inline void request_lines(const char *p, int bytes) {
     for (int l = 0; l < bytes; l += 64) __builtin_prefetch(p + l);
 }
 
@@ -150,13 +149,13 @@ static inline void store_chunks(float *row, const vfloat *a, int chunks, int bf1
  * alone (a verification span's tiles have 18 rows). The sums stay in registers over the whole
  * partition (summed through `part` step by step, each step paid a load and a store per chunk).
  *
- * The next partition's lines are requested here, a piece (one key's key or value) at a time, so
- * DRAM streams them while this partition computes: its 2n pieces, keys first, shared out over the
- * rows' values passes and spread over each. Requested in one burst before their partition (as a
- * partition's own lines still are, at its start: by then they are mostly on their way), memory
- * and arithmetic took turns: cold attention at batch 16 took its arithmetic's time plus its
- * bytes' (BENCHMARKS.md, fourth and sixth passes). Left to the first two rows, a verification
- * span's 18-row tile asked for all of them in its first ninth, more than a core keeps in flight. */
+ * The next partition's lines are requested here, a key at a time, so DRAM streams them while this
+ * partition computes: row 0 requests its keys, row 1 its values (a tile's only row both).
+ * Requested in one burst before their partition (as a partition's own lines still are, at its
+ * start: by then they are mostly on their way), memory and arithmetic took turns: cold attention
+ * at batch 16 took its arithmetic's time plus its bytes' (BENCHMARKS.md, fourth and sixth passes).
+ * (Spread over all rows instead, a 4 x 6-token batch gained 10-15 % and bf16 decoding on AVX2
+ * lost 2-5 %.) */
 static inline __attribute__((always_inline)) void weigh_values(
     const char *const *keys, long value_offset, const float *exps, float *part, int r, const int rows,
     const int *pos, int nrows, int k0, int k1, const int dim, const int kv_bf16, const part_keys *next) {
@@ -170,17 +169,28 @@ static inline __attribute__((always_inline)) void weigh_values(
         visible = v > visible ? v : visible;
         for (int c = 0; c < chunks; c++) a[i][0][c] = a[i][1][c] = splat(0.0f);
     }
-    int u = 2 * next->n * r / nrows, u1 = 2 * next->n * (r + rows) / nrows;
-    int per_key = visible ? (u1 - u + visible - 1) / visible : 0;
+    const int ask_keys = r == 0, ask_values = (r <= 1 && r + rows > 1) || nrows == 1;
+    const int requests = ask_keys || ask_values ? next->n : 0;
     for (int o = 0; o < visible; o += stride) {
-        for (int i = 0; i < stride * per_key && u < u1; i++, u++) request_piece(next, u, value_offset, bytes);
-        for (int k = 0; k < stride && o + k < visible; k++)
-            for (int c = 0; c < chunks; c++) {
-                vfloat v = key_chunk(keys[o + k] + value_offset, c, chunks, kv_bf16);
-                for (int i = 0; i < rows; i++) a[i][k][c] += exps[(size_t)i * row_exps + o + k] * v;
-            }
+        for (int k = 0; k < stride && o + k < requests; k++) {
+            if (ask_keys) request_lines(next->keys[o + k], bytes);
+            if (ask_values) request_lines(next->keys[o + k] + value_offset, bytes);
+        }
+        /* key o into the even sums, o + 1 into the odd (k a constant: indexed by a variable, the
+         * sums lived in memory) */
+#define WEIGH(k)                                                                              \
+        for (int c = 0; c < chunks; c++) {                                                    \
+            vfloat v = key_chunk(keys[o + (k)] + value_offset, c, chunks, kv_bf16);           \
+            for (int i = 0; i < rows; i++) a[i][k][c] += exps[(size_t)i * row_exps + o + (k)] * v; \
+        }
+        WEIGH(0)
+        if (stride == 2 && o + 1 < visible) WEIGH(1)
+#undef WEIGH
     }
-    for (; u < u1; u++) request_piece(next, u, value_offset, bytes);
+    for (int o = visible + (visible % stride); o < requests; o++) {
+        if (ask_keys) request_lines(next->keys[o], bytes);
+        if (ask_values) request_lines(next->keys[o] + value_offset, bytes);
+    }
     for (int i = 0; i < rows; i++) {
         for (int c = 0; c < chunks; c++) a[i][0][c] += a[i][1][c];
         store_chunks(part + (size_t)(r + i) * (dim + 2), a[i][0], chunks, kv_bf16);
