@@ -138,15 +138,18 @@ static inline void store_chunks(float *row, const vfloat *a, int chunks, int bf1
     }
 }
 
+/* Keys per step of the values pass: one FMA chain per chunk; with fewer than 8 chunks (wide
+ * vectors, small heads) a second set of sums takes every other key, so 8 chains keep the FMAs busy. */
+static inline int key_stride(int chunks) { return chunks >= 8 ? 1 : 2; }
+
 /* Sums that two rows' values passes may keep in registers at once (vector_isa.h: AVX-512 has 32,
  * the others 16): where a row needs more than half of them, rows go one at a time. */
 #define PAIRED_SUMS (LANES == 16 ? 16 : 8)
 
 /* Rows r .. r + rows - 1 (rows: 1 or 2) of a partition: the exps-weighted sum of the values of keys
- * 0 .. visible - 1, into part's rows. One FMA chain per chunk; with fewer than 8 chunks (wide
- * vectors, small heads) a second set of sums takes every other key, so 8 chains keep the FMAs
- * busy. Two rows share each value chunk's load (and widening), half the loads per FMA of one row
- * alone (a verification span's tiles have 18 rows). The sums stay in registers over the whole
+ * 0 .. visible - 1, into part's rows, key_stride keys a step. Two rows share each value chunk's
+ * load (and widening), half the loads per FMA of one row alone (a verification span's tiles have
+ * 18 rows). The sums stay in registers over the whole
  * partition (summed through `part` step by step, each step paid a load and a store per chunk).
  *
  * The next partition's lines are requested here, a key at a time, so DRAM streams them while this
@@ -159,7 +162,7 @@ static inline void store_chunks(float *row, const vfloat *a, int chunks, int bf1
 static inline __attribute__((always_inline)) void weigh_values(
     const char *const *keys, long value_offset, const float *exps, float *part, int r, const int rows,
     const int *pos, int nrows, int k0, int k1, const int dim, const int kv_bf16, const part_keys *next) {
-    const int chunks = dim / LANES, stride = chunks >= 8 ? 1 : 2, bytes = dim * (kv_bf16 ? 2 : 4);
+    const int chunks = dim / LANES, stride = key_stride(chunks), bytes = dim * (kv_bf16 ? 2 : 4);
     const int row_exps = PART_KEYS / KEYS * KEYS;  /* floats from one row's exps to the next's */
     vfloat a[2][2][MAX_DIM / LANES];              /* [row][key parity][chunk] */
     int visible = 0;
@@ -273,7 +276,7 @@ static inline __attribute__((always_inline)) void attend_tile(
      * its bits are its own whichever rows share its loop. Rows in pairs where a tile has more than
      * one token's heads (a span's or a prefill chunk's): a decode tile's three rows, memory-bound,
      * ran 1-3 % slower in pairs at batch 16 (bench.kernel_ab). */
-    const int stride = chunks >= 8 ? 1 : 2, pair = 2 * stride * chunks <= PAIRED_SUMS && nrows >= 4;
+    const int pair = 2 * key_stride(chunks) * chunks <= PAIRED_SUMS && nrows >= 4;
     int r = 0;
     for (; pair && r + 1 < nrows; r += 2)
         weigh_values(keys, value_offset, (const float *)scores[r], part, r, 2, pos, nrows, k0, k1, dim, kv_bf16, next);
