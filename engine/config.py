@@ -99,7 +99,7 @@ DType = Literal["float32", "bfloat16", "float16"]
 # the batch limit "The governor's figures, and drafting at two sequences at most"); CUDA: the
 # chain vLLM and SGLang default to for EAGLE3 at batch 1.
 EAGLE3_DEFAULTS = {
-    "cpu": {"num_speculative_tokens": 5, "draft_confidence_threshold": 0.08, "draft_top_k": 4,
+    "cpu": {"num_speculative_tokens": 5, "draft_confidence_threshold": None, "draft_top_k": 4,
             "disable_by_batch_size": 2},
     "cuda": {"num_speculative_tokens": 3, "draft_confidence_threshold": 0.0, "draft_top_k": 1,
              "disable_by_batch_size": None},
@@ -128,11 +128,12 @@ class SpeculativeConfig(BaseModel):
     prompt_lookup_branch: bool = Field(
         False, description="eagle3: add the prompt-lookup (ngram) continuation to each draft tree as one more "
         "branch from the root, verified in the same forward")
-    draft_confidence_threshold: float = Field(
+    draft_confidence_threshold: float | None = Field(
         0.0, ge=0.0, lt=1.0, description="eagle3: end a sequence's draft chain before the first token at which "
         "the product of the draft's probabilities along it falls below this times the number of sequences "
-        "drafting (0 = always draft K tokens; once it times the batch reaches 1, nothing is drafted); eagle3: "
-        "0.08 on cpu, 0 on cuda")
+        "drafting (0 = always draft K tokens; once it times the batch reaches 1, nothing is drafted); None = "
+        "learnt as the engine runs: a verification row's time over a one-row forward's, from its decode steps "
+        "(engine/spec/governor.py); eagle3: None on cpu, 0 on cuda")
     draft_top_k: int = Field(
         1, ge=1, le=MAX_DRAFT_TOP_K, description="eagle3: verify the head's k most likely tokens at each "
         "draft position, the chain continuing from the first and the others as leaves of a tree (each held "

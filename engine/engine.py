@@ -32,7 +32,7 @@ from engine.params import SamplingParams
 from engine.scheduler import ScheduledSeq, Scheduler, context_cost
 from engine.sequence import Sequence
 from engine.spec.factory import make_proposer
-from engine.spec.governor import SpeculationGovernor
+from engine.spec.governor import RowPrice, SpeculationGovernor
 from engine.spec.proposer import Proposal
 from engine.spec.rejection import make_verify_input, verify
 from engine.stats import EngineStats
@@ -45,7 +45,12 @@ class Engine:
         self.runner = ModelRunner(config)
         self.tokenizer = Tokenizer.from_dir(self.runner.model_dir)
         self.blocks = BlockManager(config.num_kv_blocks, config.block_size, config.enable_prefix_caching)
-        self.proposer = make_proposer(config.speculative, self.runner, self.blocks.block_table)
+        spec = config.speculative
+        # Left unset (the CPU default), the draft confidence threshold follows what a verification row costs here.
+        self.row_price = RowPrice() if spec.method == "eagle3" and spec.draft_confidence_threshold is None else None
+        if self.row_price is not None:
+            spec = spec.model_copy(update={"draft_confidence_threshold": self.row_price.threshold()})
+        self.proposer = make_proposer(spec, self.runner, self.blocks.block_table)
         # A preempted sequence is recomputed later (mostly from the prefix cache): the proposer
         # leaves its state as after a finish.
         self.scheduler = Scheduler(config, self.blocks, on_preempt=lambda seq: self.proposer.release(seq),
@@ -58,7 +63,6 @@ class Engine:
         self.incoming: dict[str, Sequence] = {}  # blocks allocated, KV arriving from a prefill worker
         self._ids = itertools.count()
         self.counters: collections.Counter[str] = collections.Counter()  # monotonic totals, for metrics
-        spec = config.speculative
         self.governor = SpeculationGovernor() if spec.method != "none" and spec.adaptive else None
         self._drafting = True  # this step's choice (the governor's, when adaptive)
         # Where the steps that drafted spent their time (seconds): draft, verify (the target's
@@ -155,9 +159,18 @@ class Engine:
             self.counters["drafting_steps"] += 1
             self.counters["drafting_step_tokens"] += emitted
             self.counters["verify_rows"] += len(proposals) + sum(len(p.token_ids) for p in proposals)
-        if self.governor is not None and len(scheduled) == batch and all(s.num_tokens == 1 for s in scheduled):
-            # a decode step of the whole running batch (a prefill chunk's cost would skew the figures)
+        if not all(s.num_tokens == 1 for s in scheduled):
+            return  # a prefill chunk's cost would skew the figures below
+        if self.row_price is not None:
+            self.row_price.observe(len(proposals) + sum(len(p.token_ids) for p in proposals), verified_at - drafted_at)
+            self.proposer.confidence_threshold = self.row_price.threshold()
+        if self.governor is not None and len(scheduled) == batch:  # a decode step of the whole running batch
             self.governor.record(batch, self._drafting, end - start, emitted)
+
+    @property
+    def draft_confidence_threshold(self) -> float:
+        """The threshold drafting uses now: the config's, or the verification rows' price here."""
+        return self.proposer.confidence_threshold if self.row_price else self.config.speculative.draft_confidence_threshold
 
     def _kept_rows(self, chunk: SeqChunk, num_drafts: int, path: list[int]) -> list[int]:
         """The chunk's rows whose KV stays: its real tokens and the accepted drafts. A tree's

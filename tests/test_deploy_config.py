@@ -34,7 +34,7 @@ def test_eagle3_left_unset_takes_the_devices_measured_best_and_explicit_fields_s
     for device in ("cpu", "cuda"):
         assert chosen(EngineConfig(device=device, speculative={"method": "eagle3"}).speculative) == EAGLE3_DEFAULTS[device]
     explicit = EngineConfig(speculative={"method": "eagle3", "draft_top_k": 1, "disable_by_batch_size": None}).speculative
-    assert (explicit.draft_top_k, explicit.disable_by_batch_size, explicit.draft_confidence_threshold) == (1, None, 0.08)
+    assert (explicit.draft_top_k, explicit.disable_by_batch_size, explicit.draft_confidence_threshold) == (1, None, None)
     assert EngineConfig(speculative={"method": "ngram"}).speculative.draft_top_k == 1  # eagle3's alone
     parser = argparse.ArgumentParser()  # the CLI: `--speculative eagle3` and nothing else
     _add_engine_args(parser)

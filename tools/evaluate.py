@@ -57,7 +57,7 @@ def evaluate(base: Engine, spec: Engine, prompts: list[list[int]], max_tokens: i
         "max_tokens": max_tokens,
         "method": spec.config.speculative.method,
         "num_speculative_tokens": spec.config.speculative.num_speculative_tokens,
-        "draft_confidence_threshold": spec.config.speculative.draft_confidence_threshold,
+        "draft_confidence_threshold": spec.draft_confidence_threshold,
         "draft_top_k": spec.config.speculative.draft_top_k,
         "speculative_token_tree": spec.config.speculative.speculative_token_tree,
         "disable_by_batch_size": spec.config.speculative.disable_by_batch_size,

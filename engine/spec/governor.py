@@ -17,6 +17,13 @@ The first step after a switch is not counted: the first drafting step after plai
 writes the draft cache for the positions decoded meanwhile, a cost paid once per switch, not per
 step, which would otherwise keep a probe of drafting from ever winning. Greedy output is the same
 either way (verification is lossless) and sampling keeps its distribution; only speed differs.
+
+How much to draft when drafting: a draft token costs a row of the verification forward and adds,
+in expectation, its path probability in tokens (the head is calibrated), so it pays when that
+probability exceeds the row's time over a one-row forward's. That ratio is the machine's: with
+the GGUF's 4-bit weights ~7-18 % on an AVX-512 VNNI CPU and ~25-28 % on an AVX2-only one, and it
+moves with the host's memory speed. So with the draft confidence threshold left unset (None,
+the CPU default), `RowPrice` learns it from the engine's decode steps and sets the threshold.
 """
 
 from dataclasses import dataclass, field
@@ -25,6 +32,9 @@ PROBE_EVERY = 16
 MAX_PROBE_EVERY = 256
 PROBE_STEPS = 3
 DECAY = 0.05  # weight of the newest step in the moving averages
+ROW_PRICE_PRIOR = 0.1  # the threshold until the steps tell (an AVX-512 VNNI CPU's, BENCHMARKS)
+ROW_PRICE_HALF_LIFE = 256  # decode steps after which one weighs half
+ROW_PRICE_BOUNDS = (0.01, 0.5)  # below: every draft pays; above: hardly any would
 
 
 @dataclass
@@ -81,3 +91,31 @@ class SpeculationGovernor:
         """ms per token by batch size, for stats and benchmarks."""
         return {b: {("draft" if k else "plain"): v * 1e3 for k, v in f.seconds_per_token.items()}
                 for b, f in sorted(self._by_batch.items())}
+
+
+class RowPrice:
+    """A verification row's time over a one-row forward's, from the decode steps' own target
+    forwards: their times against their rows (the batch's sequences plus their drafts), fit as
+    t = a + c * rows by least squares, older steps fading. Until the rows have varied enough to
+    price one, the last price (first ROW_PRICE_PRIOR) stands."""
+
+    def __init__(self) -> None:
+        self._keep = 0.5 ** (1 / ROW_PRICE_HALF_LIFE)
+        self._sums = (0.0, 0.0, 0.0, 0.0, 0.0)  # faded count, sum of rows, of seconds, of rows^2, of rows * seconds
+        self._price = ROW_PRICE_PRIOR
+
+    def observe(self, rows: int, seconds: float) -> None:
+        k, (n, sx, sy, sxx, sxy) = self._keep, self._sums
+        self._sums = (k * n + 1, k * sx + rows, k * sy + seconds, k * sxx + rows * rows, k * sxy + rows * seconds)
+
+    def threshold(self) -> float:
+        n, sx, sy, sxx, sxy = self._sums
+        if n >= 16:
+            mean_rows, mean_seconds = sx / n, sy / n
+            spread = sxx / n - mean_rows**2
+            if spread >= 0.25:  # rows with a standard deviation of half a row at least
+                per_row = (sxy / n - mean_rows * mean_seconds) / spread
+                one_row = mean_seconds + per_row * (1 - mean_rows)
+                if one_row > 0:
+                    self._price = min(max(per_row / one_row, ROW_PRICE_BOUNDS[0]), ROW_PRICE_BOUNDS[1])
+        return self._price

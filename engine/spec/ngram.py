@@ -54,6 +54,14 @@ class LookupBranch:
     def positions_drafted(self) -> int:  # a metric of the EAGLE3 proposer's
         return self.inner.positions_drafted
 
+    @property
+    def confidence_threshold(self) -> float:
+        return self.inner.confidence_threshold
+
+    @confidence_threshold.setter
+    def confidence_threshold(self, value: float) -> None:
+        self.inner.confidence_threshold = value
+
     def observe(self, seq: Sequence, start: int, aux: torch.Tensor | None) -> None:
         self.inner.observe(seq, start, aux)
 

@@ -1,0 +1,64 @@
+"""The draft confidence threshold priced from the verification rows' cost (engine/spec/governor.py
+RowPrice), and an engine that drafts by it."""
+
+import pytest
+
+from engine.config import EngineConfig
+from engine.engine import Engine
+from engine.params import SamplingParams
+from engine.spec.governor import ROW_PRICE_BOUNDS, ROW_PRICE_PRIOR, RowPrice
+
+
+def _steps(price: RowPrice, fixed: float, per_row: float, count: int) -> None:
+    for i in range(count):
+        rows = 1 + i % 5
+        price.observe(rows, fixed + per_row * rows)
+
+
+def test_the_price_is_a_rows_time_over_a_one_row_forwards():
+    price = RowPrice()
+    _steps(price, 2.0e-3, 0.3e-3, 40)
+    assert price.threshold() == pytest.approx(0.3 / 2.3)
+
+
+def test_the_prior_stands_until_the_rows_have_varied_and_the_last_price_after():
+    price = RowPrice()
+    for _ in range(40):
+        price.observe(1, 2.5e-3)
+    assert price.threshold() == ROW_PRICE_PRIOR  # one row only: no price yet
+    _steps(price, 2.0e-3, 0.6e-3, 200)
+    fitted = price.threshold()
+    assert fitted > 2 * ROW_PRICE_PRIOR
+    for _ in range(2000):  # drafting off for long: the rows stop varying, the price stays
+        price.observe(1, 2.6e-3)
+    assert price.threshold() == fitted
+
+
+def test_old_steps_fade_and_the_price_stays_in_bounds():
+    price = RowPrice()
+    _steps(price, 2.0e-3, 0.2e-3, 200)
+    _steps(price, 2.0e-3, 0.8e-3, 3000)
+    assert price.threshold() == pytest.approx(0.8 / 2.8, rel=0.02)
+    _steps(price, 3.0e-3, -0.1e-3, 3000)  # more rows faster: noise, not a price
+    assert price.threshold() == ROW_PRICE_BOUNDS[0]
+    _steps(price, 1.0e-3, 5e-3, 3000)
+    assert price.threshold() == ROW_PRICE_BOUNDS[1]
+
+
+@pytest.mark.parametrize("lookup_branch", [False, True])
+def test_an_engine_left_unset_drafts_by_the_price_losslessly(engine, lookup_branch):
+    prompts = [engine.tokenizer.encode_chat([{"role": "user", "content": q}])
+               for q in ("Name three primary colors.", "Count from 1 to 10.")]
+    params = SamplingParams(max_tokens=48, ignore_eos=True)
+    priced = Engine(EngineConfig(num_kv_blocks=128, speculative={
+        "method": "eagle3", "adaptive": False, "prompt_lookup_branch": lookup_branch}))
+    assert priced.config.speculative.draft_confidence_threshold is None
+    for prompt in prompts:
+        assert _tokens(priced, prompt, params) == _tokens(engine, prompt, params)
+    assert priced.counters["draft_tokens"] > 0
+    assert ROW_PRICE_BOUNDS[0] <= priced.draft_confidence_threshold <= ROW_PRICE_BOUNDS[1]
+    assert priced.draft_confidence_threshold != ROW_PRICE_PRIOR  # priced from its own steps
+
+
+def _tokens(engine: Engine, prompt: list[int], params: SamplingParams) -> list[int]:
+    return [t for out in engine.generate(prompt, params) for t in out.token_ids]
