@@ -131,9 +131,9 @@ class SpeculativeConfig(BaseModel):
     draft_confidence_threshold: float | None = Field(
         0.0, ge=0.0, lt=1.0, description="eagle3: end a sequence's draft chain before the first token at which "
         "the product of the draft's probabilities along it falls below this times the number of sequences "
-        "drafting (0 = always draft K tokens; once it times the batch reaches 1, nothing is drafted); None = "
-        "learnt as the engine runs: a verification row's time over a one-row forward's, from its decode steps "
-        "(engine/spec/governor.py); eagle3: None on cpu, 0 on cuda")
+        "drafting (0 = always draft K tokens; once it times the batch reaches 1, nothing is drafted); None (cpu "
+        "only) = priced as the engine runs: a verification row's time over a one-row forward's, from its decode "
+        "steps (engine/spec/governor.py); eagle3: None on cpu, 0 on cuda")
     draft_top_k: int = Field(
         1, ge=1, le=MAX_DRAFT_TOP_K, description="eagle3: verify the head's k most likely tokens at each "
         "draft position, the chain continuing from the first and the others as leaves of a tree (each held "
@@ -247,6 +247,10 @@ class EngineConfig(BaseModel):
     @model_validator(mode="after")
     def _device_defaults(self) -> "EngineConfig":
         self.speculative = self.speculative.for_device(self.device)
+        if self.device == "cuda" and self.speculative.method == "eagle3" and self.speculative.draft_confidence_threshold is None:
+            # priced from forward times, which CUDA's asynchronous launches do not give
+            raise ValueError("speculative.draft_confidence_threshold: None (priced as the engine runs) is for "
+                             "device cpu; on cuda set a number from 0 to 1 (0: always draft K tokens)")
         return self
 
     def prefill_chunk(self) -> int:

@@ -2,6 +2,7 @@
 RowPrice), and an engine that drafts by it."""
 
 import pytest
+from pydantic import ValidationError
 
 from engine.config import EngineConfig
 from engine.engine import Engine
@@ -43,6 +44,12 @@ def test_old_steps_fade_and_the_price_stays_in_bounds():
     assert price.threshold() == ROW_PRICE_BOUNDS[0]
     _steps(price, 1.0e-3, 5e-3, 3000)
     assert price.threshold() == ROW_PRICE_BOUNDS[1]
+
+
+def test_a_priced_threshold_is_refused_on_cuda_with_the_fix():
+    with pytest.raises(ValidationError, match="draft_confidence_threshold.*on cuda set a number"):
+        EngineConfig(device="cuda", speculative={"method": "eagle3", "draft_confidence_threshold": None})
+    assert EngineConfig(device="cuda", speculative={"method": "eagle3"}).speculative.draft_confidence_threshold == 0.0
 
 
 @pytest.mark.parametrize("lookup_branch", [False, True])
