@@ -223,7 +223,7 @@ def main() -> None:
                                  max_num_batched_tokens=max(args.prefill + [2048]), quantization=args.quantization,
                                  kv_cache_dtype=args.kv_cache_dtype))
     result = {"threads": args.threads, "isa": cpu_kernels.selected_isa(), "quantization": args.quantization,
-              "kv_cache_dtype": engine.config.cache_dtype,
+              "kv_cache_dtype": engine.runner.cache_dtype,
               "torch_cpu_capability": torch.backends.cpu.get_cpu_capability(),
               "prompt_len": PROMPT_LEN, "new_tokens": NEW_TOKENS, "ours": {}, "transformers": {}}
     hf = None

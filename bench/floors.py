@@ -65,7 +65,7 @@ def model_costs(engine: Engine) -> dict[str, float]:
     attention FMAs (scores and weighted values, every head)."""
     model, config = engine.runner.model, engine.runner.model.config
     linears = [lin for layer in model.layers for lin in layer.linears] + [model.lm_head]
-    kv_dtype = getattr(torch, engine.config.cache_dtype)
+    kv_dtype = getattr(torch, engine.runner.cache_dtype)
     return {
         "weight_bytes": sum(lin.weight.numel() * lin.weight.element_size() for lin in linears),
         "int8_macs": sum(lin.in_features * lin.out_features for lin in linears if lin.int8_dot),

@@ -52,6 +52,7 @@ class ModelRunner:
             weights = quantize_matrices(weights)
         weights = tp.shard(self.model_config, weights)
         quantized = any(isinstance(w, QuantizedTensor) for w in weights.values())
+        self.cache_dtype = config.cache_dtype(int8_activations=quantized and blocks == "int8")
         self.model = CausalLM(self.model_config, weights, self.max_model_len, config.block_size, tp)
         is_driver = tp.rank == 0
         self.draft = self._load_draft() if config.speculative.method == "eagle3" and is_driver else None
@@ -59,7 +60,7 @@ class ModelRunner:
         self.layout = KVLayout(
             # Quantized weights compute other KV than the float ones they came from: not interchangeable.
             model=model_fingerprint(self.model_dir) + (f"+{blocks}" if quantized else ""),
-            dtype=config.cache_dtype,
+            dtype=self.cache_dtype,
             block_size=config.block_size,
             target=CacheShape(mc.num_layers, mc.num_kv_heads, mc.head_dim),
             draft=CacheShape(1, self.draft.config.layer.num_kv_heads, self.draft.config.layer.head_dim)

@@ -160,3 +160,13 @@ def test_bfloat16_engine_agrees_with_float32_teacher_forced(engine, chat_prompts
         agree += sum(a == b for a, b in zip(ours, ref))
         total += len(ref)
     assert agree / total >= BF16_TOP1_AGREEMENT, f"bf16 top-1 agrees with fp32 on {agree}/{total} positions"
+
+
+def test_the_kv_cache_is_bf16_where_activations_are_int8_and_as_asked_elsewhere(engine):
+    """kv_cache_dtype auto: bfloat16 on the int8-activation path (approximate already), dtype on
+    the exact one; an explicit type always wins."""
+    assert engine.runner.cache_dtype == "bfloat16" and engine.runner.kv_cache.dtype == torch.bfloat16
+    for config, int8, expected in [(EngineConfig(), True, "bfloat16"), (EngineConfig(), False, "float32"),
+                                   (EngineConfig(kv_cache_dtype="float32"), True, "float32"),
+                                   (EngineConfig(kv_cache_dtype="bfloat16"), False, "bfloat16")]:
+        assert config.cache_dtype(int8_activations=int8) == expected
