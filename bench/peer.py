@@ -143,7 +143,9 @@ def main() -> None:
         "machine": {"isa": cpu_kernels.selected_isa(), "threads": args.threads, "cpu": _cpu_name()},
         "gguf": gguf.name, "prompts": len(prompts), "new_tokens": args.new_tokens,
         # what the EAGLE3 engine runs: the config's fields plus the device's defaults for the rest
-        "speculative": (eagle.config.speculative if eagle else spec).model_dump(exclude_none=True),
+        "speculative": (eagle.config.speculative if eagle else spec).model_dump(exclude_none=True)
+        | ({"draft_confidence_threshold": round(eagle.draft_confidence_threshold, 3)} if eagle else {}),  # as priced
+        "kv_cache_dtype": plain.runner.cache_dtype,
         "ms_per_token": {name: round(v, 2) for name, v in median.items()},
         "per_prompt_ms": {name: [round(x, 2) for x in v] for name, v in ms.items()},
         "speedup_vs_llama_cpp": {name: round(median["llama.cpp"] / v, 2) for name, v in median.items()},
