@@ -249,7 +249,8 @@ class EngineConfig(BaseModel):
     @model_validator(mode="after")
     def _device_defaults(self) -> "EngineConfig":
         self.speculative = self.speculative.for_device(self.device)
-        if self.device == "cuda" and self.speculative.method == "eagle3" and self.speculative.draft_confidence_threshold is None:
+        spec = self.speculative
+        if self.device == "cuda" and spec.method == "eagle3" and spec.draft_confidence_threshold is None:
             # priced from forward times, which CUDA's asynchronous launches do not give
             raise ValueError("speculative.draft_confidence_threshold: None (priced as the engine runs) is for "
                              "device cpu; on cuda set a number from 0 to 1 (0: always draft K tokens)")

@@ -144,13 +144,15 @@ class Engine:
             tokens = verdict.tokens[j, : a + 1].tolist()
             outputs.append(self._prefilled_handle(seq, tokens[0]) if seq.prefill_only else self._append(seq, tokens))
         self._note_time(batch, scheduled, [proposals[i] for i in sampling], int(verdict.num_accepted.sum()),
+                        sum(len(c.token_ids) for c in chunks),
                         (start, scheduled_at, drafted_at, verified_at, time.perf_counter()))
         return outputs
 
     def _note_time(self, batch: int, scheduled: list[ScheduledSeq], proposals: list[Proposal], accepted: int,
-                   times: tuple[float, ...]) -> None:
-        """A step's timings: where a drafting step's time went (bench spec), and the governor's
-        figures. proposals: the sampling sequences'; times: start, scheduled, drafted, verified, end."""
+                   rows: int, times: tuple[float, ...]) -> None:
+        """A step's timings: where a drafting step's time went (bench spec), the verification rows'
+        price and the governor's figures. proposals: the sampling sequences'; rows: the forward's;
+        times: start, scheduled, drafted, verified, end."""
         start, scheduled_at, drafted_at, verified_at, end = times
         emitted = len(proposals) + accepted
         if any(p.token_ids for p in proposals):
@@ -161,8 +163,9 @@ class Engine:
             self.counters["verify_rows"] += len(proposals) + sum(len(p.token_ids) for p in proposals)
         if not all(s.num_tokens == 1 for s in scheduled):
             return  # a prefill chunk's cost would skew the figures below
-        if self.row_price is not None:
-            self.row_price.observe(len(proposals) + sum(len(p.token_ids) for p in proposals), verified_at - drafted_at)
+        limit = self.config.speculative.disable_by_batch_size
+        if self.row_price is not None and (limit is None or batch <= limit):  # priced where drafting may run
+            self.row_price.observe(rows, verified_at - drafted_at)
             self.proposer.confidence_threshold = self.row_price.threshold()
         if self.governor is not None and len(scheduled) == batch:  # a decode step of the whole running batch
             self.governor.record(batch, self._drafting, end - start, emitted)
@@ -170,7 +173,9 @@ class Engine:
     @property
     def draft_confidence_threshold(self) -> float:
         """The threshold drafting uses now: the config's, or the verification rows' price here."""
-        return self.proposer.confidence_threshold if self.row_price else self.config.speculative.draft_confidence_threshold
+        if self.row_price is None:
+            return self.config.speculative.draft_confidence_threshold
+        return self.proposer.confidence_threshold
 
     def _kept_rows(self, chunk: SeqChunk, num_drafts: int, path: list[int]) -> list[int]:
         """The chunk's rows whose KV stays: its real tokens and the accepted drafts. A tree's

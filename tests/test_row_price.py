@@ -40,7 +40,10 @@ def test_old_steps_fade_and_the_price_stays_in_bounds():
     _steps(price, 2.0e-3, 0.2e-3, 200)
     _steps(price, 2.0e-3, 0.8e-3, 3000)
     assert price.threshold() == pytest.approx(0.8 / 2.8, rel=0.02)
-    _steps(price, 3.0e-3, -0.1e-3, 3000)  # more rows faster: noise, not a price
+    fitted = price.threshold()
+    _steps(price, 3.0e-3, -0.1e-3, 3000)  # more rows faster: a busy host's noise, not a price
+    assert price.threshold() == fitted
+    _steps(price, 3.0e-3, 0.001e-3, 3000)
     assert price.threshold() == ROW_PRICE_BOUNDS[0]
     _steps(price, 1.0e-3, 5e-3, 3000)
     assert price.threshold() == ROW_PRICE_BOUNDS[1]
@@ -64,7 +67,7 @@ def test_an_engine_left_unset_drafts_by_the_price_losslessly(engine, lookup_bran
         assert _tokens(priced, prompt, params) == _tokens(engine, prompt, params)
     assert priced.counters["draft_tokens"] > 0
     assert ROW_PRICE_BOUNDS[0] <= priced.draft_confidence_threshold <= ROW_PRICE_BOUNDS[1]
-    assert priced.draft_confidence_threshold != ROW_PRICE_PRIOR  # priced from its own steps
+    assert priced.draft_confidence_threshold == priced.row_price.threshold()  # the proposer drafts by the price
 
 
 def _tokens(engine: Engine, prompt: list[int], params: SamplingParams) -> list[int]:

@@ -21,7 +21,7 @@ either way (verification is lossless) and sampling keeps its distribution; only 
 How much to draft when drafting: a draft token costs a row of the verification forward and adds,
 in expectation, its path probability in tokens (the head is calibrated), so it pays when that
 probability exceeds the row's time over a one-row forward's. That ratio is the machine's: with
-the GGUF's 4-bit weights ~7-18 % on an AVX-512 VNNI CPU and ~25-28 % on an AVX2-only one, and it
+the GGUF's 4-bit weights ~6-18 % on an AVX-512 VNNI CPU and ~25-30 % on an AVX2-only one, and it
 moves with the host's memory speed. So with the draft confidence threshold left unset (None,
 the CPU default), `RowPrice` learns it from the engine's decode steps and sets the threshold.
 """
@@ -97,7 +97,10 @@ class RowPrice:
     """A verification row's time over a one-row forward's, from the decode steps' own target
     forwards: their times against their rows (the batch's sequences plus their drafts), fit as
     t = a + c * rows by least squares, older steps fading. Until the rows have varied enough to
-    price one, the last price (first ROW_PRICE_PRIOR) stands."""
+    price one (and while a fit says more rows cost nothing), the last price (first
+    ROW_PRICE_PRIOR) stands. The proposer scales the threshold by the sequences drafting, b c /
+    (a + c), where a row's break-even at batch b is b c / (a + b c): a little stricter at batch 2,
+    the largest batch that drafts on CPU."""
 
     def __init__(self) -> None:
         self._keep = 0.5 ** (1 / ROW_PRICE_HALF_LIFE)
@@ -110,12 +113,12 @@ class RowPrice:
 
     def threshold(self) -> float:
         n, sx, sy, sxx, sxy = self._sums
-        if n >= 16:
+        if n >= 32:
             mean_rows, mean_seconds = sx / n, sy / n
             spread = sxx / n - mean_rows**2
             if spread >= 0.25:  # rows with a standard deviation of half a row at least
                 per_row = (sxy / n - mean_rows * mean_seconds) / spread
                 one_row = mean_seconds + per_row * (1 - mean_rows)
-                if one_row > 0:
+                if per_row > 0 and one_row > 0:  # more rows no slower: the host's noise, not a price
                     self._price = min(max(per_row / one_row, ROW_PRICE_BOUNDS[0]), ROW_PRICE_BOUNDS[1])
         return self._price
