@@ -20,7 +20,7 @@ and a forward over S tokens' time against one token's (floor(1, S) / floor(1, 1)
 rate is measured on the embedded model's cache geometry, whatever --model is. Prints one JSON
 object, then a table.
 
-    python -m bench.floors [--context 320] [--batches 1 4 16] [--spans 6] [--kv-cache-dtype float32]
+    python -m bench.floors [--context 320] [--batches 1 4 16] [--spans 6] [--kv-cache-dtype auto]
 """
 
 import argparse
@@ -91,7 +91,8 @@ def main() -> None:
     ap.add_argument("--context", type=int, default=320, help="cached positions per sequence")
     ap.add_argument("--batches", type=int, nargs="+", default=[1, 4, 16])
     ap.add_argument("--spans", type=int, nargs="+", default=[6], help="query tokens of a verification forward")
-    ap.add_argument("--kv-cache-dtype", choices=["float32", "bfloat16"], default="float32")
+    ap.add_argument("--kv-cache-dtype", choices=["auto", "float32", "bfloat16"], default="auto",
+                    help="engine.kv_cache_dtype (auto: the engine's default for this model and quantization)")
     args = ap.parse_args()
     if args.context < 1:
         ap.error("--context: at least 1 cached position (the KV read rate is measured over them)")
@@ -99,7 +100,7 @@ def main() -> None:
     isa = cpu_kernels.selected_isa()
     engine = Engine(EngineConfig(model=args.model, num_threads=args.threads, kv_cache_dtype=args.kv_cache_dtype))
     costs = model_costs(engine)
-    read_ms, read_bytes = read_floor(16, args.context, getattr(torch, args.kv_cache_dtype))
+    read_ms, read_bytes = read_floor(16, args.context, getattr(torch, engine.runner.cache_dtype))
     rates = {**probe(isa, args.threads), "stream_gb_s": stream_gb_s(), "kv_read_gb_s": read_bytes / read_ms / 1e6}
     one = step_floor_ms(costs, rates, args.threads, 1, 1, args.context)["floor_ms"]
     steps = {}
@@ -110,7 +111,7 @@ def main() -> None:
         steps[f"{span} tokens"] = floor = step_floor_ms(costs, rates, args.threads, 1, span, args.context)
         floor["time_over_one_token"] = floor["floor_ms"] / one
     print(json.dumps({"isa": isa, "threads": args.threads, "context": args.context,
-                      "kv_cache_dtype": args.kv_cache_dtype, "rates": rates, "model": costs,
+                      "kv_cache_dtype": engine.runner.cache_dtype, "rates": rates, "model": costs,
                       "steps": {k: {n: round(v, 3) for n, v in s.items()} for k, s in steps.items()}}))
     print(f"{isa}, {args.threads} threads: int8 {rates['int8_macs_per_ns']:.0f} MAC/ns and fp32 "
           f"{rates['fma_lanes_per_ns']:.0f} FMA/ns a core; stream {rates['stream_gb_s']:.1f} GB/s, KV pieces "

@@ -49,14 +49,16 @@ def main() -> None:
     ratio = {b: round(statistics.median(h / f for f, h in zip(tok_s["float32"][b], tok_s["bfloat16"][b])), 3)
              for b in args.batches}
     agreement = against_exact(engines, args.agreement) if args.agreement else {}
+    for engine in engines.values():
+        engine.close()
     print(json.dumps({"isa": cpu_kernels.selected_isa(), "threads": args.threads, "quantization": args.quantization,
                       "tokens_per_s": tok_s, "bf16_over_fp32": ratio, "against_exact": agreement}))
     print("\n| batch | fp32 KV tok/s | bf16 KV tok/s | bf16 / fp32 (median) |\n|---|---|---|---|")
     for b in args.batches:
         print(f"| {b} | {tok_s['float32'][b]} | {tok_s['bfloat16'][b]} | {ratio[b]:.3f} |")
     if agreement:
-        print(f"\n| cache | answers identical to the exact path's (of {args.agreement}) | first difference, median token |"
-              "\n|---|---|---|")
+        print(f"\n| cache | answers identical to the exact path's (of {args.agreement}) "
+              "| first difference, median token |\n|---|---|---|")
         for kv, a in agreement.items():
             print(f"| {kv} | {a['identical']} | {a['median_first_difference']} |")
 
@@ -73,6 +75,7 @@ def against_exact(engines: dict[str, Engine], count: int) -> dict[str, dict]:
             out = run_batch(engine, [prompt], params)[0][0]
             first[kv].append(next((i for i, (a, b) in enumerate(zip(out, reference)) if a != b),
                                   None if len(out) == len(reference) else min(len(out), len(reference))))
+    exact.close()
     return {kv: {"identical": sum(d is None for d in firsts),
                  "median_first_difference": statistics.median([d for d in firsts if d is not None] or [0])}
             for kv, firsts in first.items()}

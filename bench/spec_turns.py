@@ -62,9 +62,7 @@ def main() -> None:
     settings = ((d, n, k, w, b, t, a) for d in args.draft for n in args.num_speculative_tokens for k in args.top_k
                 for w in args.tree_width for b in branches for t in args.threshold for a in governed)
     for draft, n, k, width, branch, threshold, adaptive in settings:
-        name = ((f"{draft}:" if len(args.draft) > 1 else "") + (f"K={n}," if len(args.num_speculative_tokens) > 1 else "")
-                + f"top_k={k}" + (f",width={width}" if len(args.tree_width) > 1 else "") + ("+lookup" if branch else "")
-                + (f",P={threshold if threshold is not None else 'priced'}" if len(args.threshold) > 1 else "") + (",governed" if adaptive and len(governed) > 1 else ""))
+        name = _name(args, draft, n, k, width, branch, threshold, adaptive and len(governed) > 1)
         engines[name] = Engine(EngineConfig(speculative={
             "method": "eagle3", "model": draft, "num_speculative_tokens": n, "draft_tree_width": width,
             "draft_top_k": k, "draft_confidence_threshold": threshold,
@@ -107,6 +105,14 @@ def main() -> None:
     for a in names:
         cells = " | ".join("" if a == b else f"{result['median_time_ratio'][a][b]:.3f}" for b in names)
         print(f"| {a} | {result['tau'].get(a, 1.0):.3f} | {result['tokens_per_s'][a]:.1f} | {cells} |")
+
+
+def _name(args, draft, n: int, k: int, width: int, branch: bool, threshold: float | None, governed: bool) -> str:
+    """A setting's name: top_k, and each other field the run varies."""
+    return ((f"{draft}:" if len(args.draft) > 1 else "") + (f"K={n}," if len(args.num_speculative_tokens) > 1 else "")
+            + f"top_k={k}" + (f",width={width}" if len(args.tree_width) > 1 else "") + ("+lookup" if branch else "")
+            + (f",P={'priced' if threshold is None else threshold}" if len(args.threshold) > 1 else "")
+            + (",governed" if governed else ""))
 
 
 if __name__ == "__main__":
