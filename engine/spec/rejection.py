@@ -25,9 +25,9 @@ node's children in proposal order:
 A chain is the tree whose parents are i - 1, and the walk is then the rules above. The output names the accepted drafts' indices (`path`): their KV must move to
 consecutive slots.
 
-Randomness comes in as uniforms drawn from each request's own generator, two per row: the
-first of row start_b + i is draft i's accept test, the second of the row where the walk ends
-its inverse-CDF sample. So a seeded request is reproducible. The Triton kernel in
+Randomness comes in as uniforms drawn from each sampled request's own generator, two per row:
+the first of row start_b + i is draft i's accept test, the second of the row where the walk ends
+its inverse-CDF sample. So a seeded request is reproducible. (Greedy requests draw none.) The Triton kernel in
 triton_rejection.py computes the same from the same inputs on CUDA.
 """
 
@@ -66,22 +66,24 @@ def make_verify_input(params: list[SamplingParams], generators: list[torch.Gener
     if parents is not None and any(t is not None for t in parents):
         tree = torch.tensor([i for d, t in zip(drafts, parents) for i in (t if t is not None else range(-1, len(d) - 1))],
                             dtype=torch.long)
-    probs = None
+    # Sampled sequences' rows: p, and two uniforms a row from the request's own generator. Greedy
+    # rows read neither (their uniforms stay zero: one tensor, not a draw per sequence and step).
+    probs, uniforms = None, torch.zeros(sum(len(d) + 1 for d in drafts), 2)
     if not all(p.greedy for p in params):
         probs = torch.empty_like(logits)
         row = 0
-        for p, d in zip(params, drafts):
+        for p, g, d in zip(params, generators, drafts):
             if not p.greedy:
                 probs[row : row + len(d) + 1] = probabilities(logits[row : row + len(d) + 1], p)
+                uniforms[row : row + len(d) + 1] = torch.rand(len(d) + 1, 2, generator=g)
             row += len(d) + 1
-    uniforms = [torch.rand(len(d) + 1, 2, generator=g) for g, d in zip(generators, drafts)]
     return VerifyInput(
         draft_ids=torch.tensor([t for d in drafts for t in d], dtype=torch.long),
         num_drafts=torch.tensor([len(d) for d in drafts], dtype=torch.long),
         target_logits=logits,
         target_probs=probs,
         greedy=torch.tensor([p.greedy for p in params], dtype=torch.bool),
-        uniforms=torch.cat(uniforms) if uniforms else torch.empty(0, 2),
+        uniforms=uniforms,
         draft_parents=tree,
     )
 
