@@ -8,6 +8,7 @@ from engine.config import EngineConfig
 from engine.engine import Engine
 from engine.params import SamplingParams
 from engine.spec.governor import ROW_PRICE_BOUNDS, ROW_PRICE_PRIOR, RowPrice
+from tools.evaluate import run_batch
 
 
 def _steps(price: RowPrice, fixed: float, per_row: float, count: int) -> None:
@@ -64,11 +65,7 @@ def test_an_engine_left_unset_drafts_by_the_price_losslessly(engine, lookup_bran
         "method": "eagle3", "adaptive": False, "prompt_lookup_branch": lookup_branch}))
     assert priced.config.speculative.draft_confidence_threshold is None
     for prompt in prompts:
-        assert _tokens(priced, prompt, params) == _tokens(engine, prompt, params)
+        assert run_batch(priced, [prompt], params)[0] == run_batch(engine, [prompt], params)[0]
     assert priced.counters["draft_tokens"] > 0
     assert ROW_PRICE_BOUNDS[0] <= priced.draft_confidence_threshold <= ROW_PRICE_BOUNDS[1]
     assert priced.draft_confidence_threshold == priced.row_price.threshold()  # the proposer drafts by the price
-
-
-def _tokens(engine: Engine, prompt: list[int], params: SamplingParams) -> list[int]:
-    return [t for out in engine.generate(prompt, params) for t in out.token_ids]
