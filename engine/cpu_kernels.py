@@ -139,6 +139,8 @@ class CpuKernels:
         lib.pd_decoder_layers.restype = ctypes.c_int
         lib.pd_decoder_layers.argtypes = ([ctypes.c_void_p] * 2 + [ctypes.c_int] + [ctypes.c_void_p] * 4
                                           + [ctypes.c_int, ctypes.c_void_p, ctypes.c_int])
+        lib.pd_write_kv.restype = ctypes.c_int
+        lib.pd_write_kv.argtypes = [ctypes.c_void_p] * 3 + [ctypes.c_int] + [ctypes.c_void_p] * 3 + [ctypes.c_int]
         self._lib = lib
         self.pack_width = lib.pd_pack_width()
         self._gemms = {torch.float32: lib.pd_packed_gemm, torch.bfloat16: lib.pd_packed_gemm_bf16}
@@ -241,6 +243,12 @@ class CpuKernels:
                                          num_aux, scratch.data_ptr(), torch.get_num_threads())
         if rc != 0:
             raise RuntimeError("native decoder step: a kernel refused its shapes or found no memory")
+
+    def write_kv(self, model, layer, kv, skip: int, batch, x: torch.Tensor, scratch: torch.Tensor) -> None:
+        """The first layer's cache entries alone, from csrc/decoder_step.c (engine/native_decoder.py
+        builds the structures)."""
+        if self._lib.pd_write_kv(model, layer, kv, skip, batch, x.data_ptr(), scratch.data_ptr(), torch.get_num_threads()):
+            raise RuntimeError("native draft KV write: the GEMM refused its shapes or found no memory")
 
     def paged_attention(self, q: torch.Tensor, layer_cache: torch.Tensor, block_tables: torch.Tensor,
                         query_start_loc: torch.Tensor, context_lens: torch.Tensor, scale: float,

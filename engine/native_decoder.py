@@ -47,13 +47,15 @@ class _Batch(ctypes.Structure):
                                              "timings")]
 
 
-def _matrix(linear) -> _Matrix:
+def _matrix(linear, first_panel: int = 0) -> _Matrix:
+    """linear's packed weights from panel `first_panel` on (the output features from that panel's first)."""
     if linear.qtype is None:
         fmt = _FORMATS[linear.weight.dtype]
     else:  # csrc/kernels.h: PD_Q4 = 4, PD_Q4_I8 = 5, PD_Q8 = 8, PD_Q8_I8 = 9
         fmt = KERNEL_FORMAT[linear.qtype] + (1 if linear.int8_dot else 0)
-    bias = linear.bias.data_ptr() if linear.bias is not None else None
-    return _Matrix(fmt, linear.weight.data_ptr(), bias)
+    first = first_panel * linear.kernels.pack_width
+    bias = linear.bias[first:].data_ptr() if linear.bias is not None else None
+    return _Matrix(fmt, linear.weight[first_panel:].data_ptr(), bias)
 
 
 class NativeDecoder:
@@ -87,6 +89,9 @@ class NativeDecoder:
         q_size, width = c.num_heads * c.head_dim, (c.num_heads + 2 * c.num_kv_heads) * c.head_dim
         self._scratch_per_row = (max(q_size, 2 * c.hidden_size) + max(width, 2 * c.intermediate_size) + q_size
                                  + c.hidden_size)
+        # The first layer's qkv from the panel holding its first key feature (write_kv).
+        panel, self._kv_skip = divmod(q_size, self.kernels.pack_width)
+        self._kv = _matrix(first.qkv, panel)
         # Set to float64 zeros(3) to add up seconds spent in the layers' GEMMs, their attention
         # and the whole layer loop (benchmarks read it; None costs nothing).
         self.timings: torch.Tensor | None = None
@@ -98,10 +103,31 @@ class NativeDecoder:
         embed: EAGLE3's midlayer (bound with an embed_norm): embeddings [T, hidden] fp32,
         contiguous; the first layer's attention input is then [rmsnorm(embed) * embed_norm,
         rmsnorm(x) * its input norm]."""
+        model, run = self._structs(batch, kv_cache, embed)
+        c, t = self.config, x.shape[0]
+        aux = torch.empty(t, len(aux_ids) * c.hidden_size)
+        ids = (ctypes.c_int * len(aux_ids))(*aux_ids)
+        scratch = torch.empty(t * self._scratch_per_row)
+        self.kernels.decoder_layers(ctypes.byref(model), self._layers, self.num_layers, ctypes.byref(run),
+                                    x, aux, ids, len(aux_ids), scratch)
+        return aux
+
+    def write_kv(self, x: torch.Tensor, batch: ForwardBatch, kv_cache: torch.Tensor,
+                 embed: torch.Tensor | None = None) -> None:
+        """What `layers` writes into the first layer's cache for x [T, hidden] (embed as there), and
+        nothing else: the same bits, without queries, attention, MLP or the layers after it."""
+        model, run = self._structs(batch, kv_cache, embed)
+        c, t = self.config, x.shape[0]
+        scratch = torch.empty(t * (2 * c.hidden_size + self._kv_skip + 2 * c.num_kv_heads * c.head_dim))
+        self.kernels.write_kv(ctypes.byref(model), self._layers, ctypes.byref(self._kv), self._kv_skip,
+                              ctypes.byref(run), x.contiguous(), scratch)
+
+    def _structs(self, batch: ForwardBatch, kv_cache: torch.Tensor, embed: torch.Tensor | None) -> tuple[_Model, _Batch]:
+        """The C structures describing the model, its cache and the batch (the tensors they point
+        into are the caller's, alive for the call)."""
         if embed is not None and self.embed_norm is None:
-            raise ValueError("NativeDecoder.layers: embeddings given, but no embed_norm was bound")
+            raise ValueError("NativeDecoder: embeddings given, but no embed_norm was bound")
         c, meta = self.config, batch.attention
-        t = x.shape[0]
         s_block, s_layer, s_kv, s_offset = kv_cache.stride()[:4]
         model = _Model(c.hidden_size, c.num_heads, c.num_kv_heads, c.head_dim, c.intermediate_size,
                        kv_cache.shape[3], c.rms_norm_eps, c.head_dim**-0.5, kv_cache.data_ptr(),
@@ -112,18 +138,14 @@ class NativeDecoder:
         rotary = self.rotary
         positions = batch.positions.contiguous()
         tables = meta.block_tables.contiguous()
-        run = _Batch(t, meta.context_lens.shape[0], tables.shape[1],
+        run = _Batch(positions.shape[0], meta.context_lens.shape[0], tables.shape[1],
                      positions.data_ptr(), meta.slot_blocks.data_ptr(), meta.slot_offsets.data_ptr(),
                      tables.data_ptr(), meta.query_start_loc.data_ptr(), meta.context_lens.data_ptr(),
                      meta.span_masks.data_ptr() if meta.span_masks is not None else None,
                      rotary.cos.data_ptr(), rotary.sin.data_ptr(),
                      self.timings.data_ptr() if self.timings is not None else None)
-        aux = torch.empty(t, len(aux_ids) * c.hidden_size)
-        ids = (ctypes.c_int * len(aux_ids))(*aux_ids)
-        scratch = torch.empty(t * self._scratch_per_row)
-        self.kernels.decoder_layers(ctypes.byref(model), self._layers, self.num_layers, ctypes.byref(run),
-                                    x, aux, ids, len(aux_ids), scratch)
-        return aux
+        run.keep = (positions, tables)  # alive as long as the structure (copies if they were not contiguous)
+        return model, run
 
     def final_norm(self, x: torch.Tensor, rows: torch.Tensor) -> torch.Tensor:
         """The final RMSNorm of x's `rows` (the positions whose logits are wanted)."""

@@ -124,3 +124,35 @@ def test_the_native_draft_midlayer_matches_its_torch_layer():
         assert torch.equal(a.logits.argmax(-1), b.logits.argmax(-1))
     assert torch.allclose(native_cache, reference_cache, rtol=1e-4, atol=1e-4)
     engine.close()
+
+
+def test_the_native_draft_kv_write_is_what_a_draft_forward_writes():
+    """The draft's catch-up (keys and values alone, in one native call) writes the bits a whole
+    native midlayer forward writes at the same positions, and nothing anywhere else; the torch
+    KV-only write agrees within rounding."""
+    from engine.config import EngineConfig
+    from engine.engine import Engine
+
+    engine = Engine(EngineConfig(speculative={"method": "eagle3"}, num_kv_blocks=64))
+    runner, draft, blocks = engine.runner, engine.runner.draft, engine.blocks
+    prompt = _tokens(random.Random(1), 37)  # past two blocks' boundaries
+    blocks.allocate("s", prompt)
+    chunk = SeqChunk(prompt[1:], 0, blocks.block_table("s"), num_logits=0)
+    hidden = torch.randn(36, draft.config.layer.hidden_size)
+    caches = {}
+    for how in ("forward", "native", "torch"):
+        runner.draft_cache.zero_()
+        saved = draft.native
+        draft.native = None if how == "torch" else saved
+        try:
+            if how == "forward":
+                runner.forward_draft([chunk], hidden)
+            else:
+                runner.write_draft_kv([chunk], hidden)
+        finally:
+            draft.native = saved
+        caches[how] = runner.draft_cache.clone()
+    assert caches["native"].abs().sum() > 0
+    assert torch.equal(caches["native"], caches["forward"])
+    assert torch.allclose(caches["native"].float(), caches["torch"].float(), rtol=1e-3, atol=1e-3)
+    engine.close()

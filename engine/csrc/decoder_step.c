@@ -130,24 +130,36 @@ static void cache_write(const pd_model *m, char *cache, long at, const float *x,
     for (int i = 0; i < n; i++) dst[i] = to_bf16(x[i]);
 }
 
+/* h = the attention input of x's T rows (width: 2 * hidden with embed, else hidden), returned. */
+static int attention_input(const pd_model *m, const pd_layer *L, const pd_batch *b, const float *embed,
+                           const float *x, float *h) {
+    int H = m->hidden, in = embed ? 2 * H : H;
+    for (int t = 0; t < b->tokens; t++) {
+        if (embed) rms_norm(embed + (size_t)t * H, m->embed_norm, h + (size_t)t * in, 1, H, m->eps);
+        rms_norm(x + (size_t)t * H, L->input_norm, h + (size_t)t * in + (in - H), 1, H, m->eps);
+    }
+    return in;
+}
+
+/* Row t's key (rotated here, in place) and value into the cache at its slot. */
+static void store_kv(const pd_model *m, char *cache, const pd_batch *b, int t, float *k, const float *v) {
+    int D = m->head_dim, kv_size = m->kv_heads * D;
+    rope(k, m->kv_heads, D, b->cos + (size_t)b->positions[t] * D, b->sin + (size_t)b->positions[t] * D);
+    long slot = b->slot_blocks[t] * m->s_block + b->slot_offsets[t] * m->s_offset;
+    cache_write(m, cache, slot, k, kv_size);
+    cache_write(m, cache, slot + m->s_kv, v, kv_size);
+}
+
 static int attention_block(const pd_model *m, const pd_layer *L, char *cache, const pd_batch *b, const float *embed,
                             float *x, float *h, float *qkv, float *att, float *tmp, int threads) {
     int T = b->tokens, H = m->hidden, D = m->head_dim;
     int q_size = m->heads * D, kv_size = m->kv_heads * D, width = q_size + 2 * kv_size;
-    int in = embed ? 2 * H : H;  /* the attention input's width */
-    for (int t = 0; t < T; t++) {
-        if (embed) rms_norm(embed + (size_t)t * H, m->embed_norm, h + (size_t)t * in, 1, H, m->eps);
-        rms_norm(x + (size_t)t * H, L->input_norm, h + (size_t)t * in + (in - H), 1, H, m->eps);
-    }
+    int in = attention_input(m, L, b, embed, x, h);
     if (matmul(b, &L->qkv, h, qkv, T, in, width, threads)) return -1;
     for (int t = 0; t < T; t++) {
         float *r = qkv + (size_t)t * width;
-        const float *c = b->cos + (size_t)b->positions[t] * D, *s = b->sin + (size_t)b->positions[t] * D;
-        rope(r, m->heads, D, c, s);
-        rope(r + q_size, m->kv_heads, D, c, s);
-        long slot = b->slot_blocks[t] * m->s_block + b->slot_offsets[t] * m->s_offset;
-        cache_write(m, cache, slot, r + q_size, kv_size);
-        cache_write(m, cache, slot + m->s_kv, r + q_size + kv_size, kv_size);
+        rope(r, m->heads, D, b->cos + (size_t)b->positions[t] * D, b->sin + (size_t)b->positions[t] * D);
+        store_kv(m, cache, b, t, r + q_size, r + q_size + kv_size);
     }
     for (int t = 0; t < T; t++)  /* q rows packed [T][heads * D] for the attention kernel */
         memmove(h + (size_t)t * q_size, qkv + (size_t)t * width, sizeof(float) * q_size);
@@ -191,6 +203,24 @@ static int mlp_block(const pd_model *m, const pd_layer *L, const pd_batch *b, fl
         silu_mul(gu + (size_t)t * 2 * I, gu + (size_t)t * 2 * I + I, gu + (size_t)t * I, I);
     if (matmul(b, &L->down, gu, tmp, T, I, H, threads)) return -1;
     for (size_t i = 0; i < (size_t)T * H; i++) x[i] += tmp[i];
+    return 0;
+}
+
+/* What the first layer writes into the cache for x's T rows, and nothing else (no queries,
+ * attention or MLP): EAGLE3's draft catching up on positions whose outputs are not needed. kv:
+ * the layer's qkv matrix from the panel holding its first key feature on, `skip` features before
+ * that key; each output feature is the same sum as in the full projection, so the entries are the
+ * bits a whole layer call writes. scratch: T * (2 * hidden + skip + 2 * kv_heads * D) floats. */
+int pd_write_kv(const pd_model *m, const pd_layer *L, const pd_matrix *kv, int skip, const pd_batch *b,
+                const float *x, float *scratch, int threads) {
+    int T = b->tokens, kv_size = m->kv_heads * m->head_dim, width = skip + 2 * kv_size;
+    float *h = scratch, *out = h + (size_t)T * 2 * m->hidden;
+    int in = attention_input(m, L, b, m->attn_embed, x, h);
+    if (matmul(b, kv, h, out, T, in, width, threads)) return -1;
+    for (int t = 0; t < T; t++) {
+        float *r = out + (size_t)t * width + skip;
+        store_kv(m, (char *)m->cache, b, t, r, r + kv_size);
+    }
     return 0;
 }
 

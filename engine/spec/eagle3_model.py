@@ -119,6 +119,9 @@ class Eagle3Draft:
     def write_kv(self, batch: ForwardBatch, hidden: torch.Tensor, kv_cache: torch.Tensor) -> None:
         """What `forward` writes into the draft cache, and nothing else: about a tenth of its work.
         For positions the draft must only remember (their output hidden states are not needed)."""
+        if self.native is not None:
+            self.native.write_kv(hidden, batch, kv_cache, self.embed(batch.input_ids).contiguous())
+            return
         cos, sin = self.rotary.tables(batch.positions)
         self.midlayer.write_kv_only(self._attention_input(batch, hidden), cos, sin, kv_cache[:, 0], batch.attention)
 
