@@ -166,7 +166,7 @@ def _train_eagle3(args: argparse.Namespace) -> int:
         from tools.eagle3_training.trainer import TrainConfig, train
 
         train(TrainConfig(target=args.target, data_dir=out / "data", out_dir=out, draft_vocab_size=args.draft_vocab,
-                          epochs=args.epochs, ttt_steps=args.ttt_steps, lr=args.lr, max_hours=args.max_hours,
+                          intermediate_size=args.draft_intermediate_size, epochs=args.epochs, ttt_steps=args.ttt_steps, lr=args.lr, max_hours=args.max_hours,
                           init_from=Path(args.init_from) if args.init_from else None,
                           snapshot_tokens=tuple(int(t) for t in args.snapshot_tokens)))
     return 0
@@ -187,6 +187,8 @@ def _add_train_eagle3(sub: argparse._SubParsersAction) -> None:
                    help="distill the answers' tokens only (4 bytes a token instead of ~4.6 KB of features); "
                         "training recomputes the features with the target, one forward per batch")
     p.add_argument("--draft-vocab", type=int, default=8192, help="draft vocabulary: the most frequent target tokens")
+    p.add_argument("--draft-intermediate-size", type=int, default=None,
+                   help="the head's MLP width (default: the target's; wider: more capacity, a little more per draft row)")
     p.add_argument("--epochs", type=float, default=2.0)
     p.add_argument("--ttt-steps", type=int, default=3, help="training-time-test unroll depth")
     p.add_argument("--lr", type=float, default=5e-4)

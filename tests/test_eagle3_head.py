@@ -93,3 +93,27 @@ def test_training_can_continue_from_an_exported_head(head):
     again.load_exported(weights)
     for (name, a), b in zip(model.named_parameters(), again.parameters()):
         assert torch.equal(a, b), name
+
+
+def test_a_wider_head_round_trips_and_refuses_a_narrower_continuation(tmp_path):
+    """A head trained with a wider MLP than the target's exports its width; the inference head
+    loads it and computes what training computed; continuing it at another width is refused."""
+    torch.manual_seed(1)
+    vocab = torch.randperm(TARGET.vocab_size)[:500].sort().values
+    model = TrainableEagle3(TARGET, vocab, torch.randn(TARGET.vocab_size, TARGET.hidden_size), intermediate_size=1280)
+    model.export(tmp_path, dtype=torch.float32)
+    assert json.loads((tmp_path / "config.json").read_text())["intermediate_size"] == 1280
+    t = 12
+    tokens = torch.randint(0, TARGET.vocab_size, (1, t + 1))
+    features = torch.randn(1, t + 1, 3 * TARGET.hidden_size)
+    with torch.no_grad():
+        ref = model.unroll(features, tokens, torch.ones(1, t + 1, dtype=torch.bool), steps=1)
+    draft = _inference_head(model, tmp_path)
+    layout = KVLayout("m", "float32", BLOCK, CacheShape(8, 2, 32), CacheShape(1, 2, 32))
+    cache = allocate_cache(layout, layout.draft, 4, torch.device("cpu"))
+    batch = build_batch([SeqChunk(tokens[0, 1:].tolist(), 0, [1, 3], num_logits=t)], BLOCK, torch.device("cpu"))
+    out = draft.forward(batch, draft.project(features[0, :t]), cache)
+    assert torch.allclose(out.logits, ref[0][0, :t], atol=2e-4)
+    narrower = TrainableEagle3(TARGET, vocab, model.embed)
+    with pytest.raises(ValueError, match="--draft-intermediate-size 1280"):
+        narrower.load_exported(load_weights(tmp_path, torch.float32, torch.device("cpu")))

@@ -13,7 +13,8 @@ from engine.loader import load_weights
 from engine.params import SamplingParams
 from tools.eagle3_training.distill import distill
 from tools.eagle3_training.features import TargetFeatures
-from tools.eagle3_training.trainer import TargetDistribution, TrainConfig, collate, load_shard, shard_paths, train
+from tools.eagle3_training.trainer import (TargetDistribution, TrainConfig, _mlp_width, collate, load_shard,
+                                          shard_paths, train)
 
 QUESTIONS = ["Name three primary colors.", "Count from 1 to 10.", "What is 12 times 12?", "Write a haiku about rain."]
 
@@ -156,3 +157,13 @@ def test_a_conversation_is_answered_turn_by_turn_after_the_targets_own_answers(e
     (i,) = [i for i, s in enumerate(samples) if s[: len(second)] == second]
     assert shard["prompt_lens"][i] == len(second)
     assert samples[i][len(second):] == [t for o in engine.generate(second, params) for t in o.token_ids]
+
+
+def test_a_resumed_run_keeps_the_mlp_width_it_started_with(tmp_path):
+    """Resuming may leave --draft-intermediate-size out (the checkpoint's width is kept) but not change it."""
+    state = {"model": {"up_proj.weight": torch.zeros(1280, 8)}}
+    cfg = TrainConfig(target=None, data_dir=tmp_path, out_dir=tmp_path)
+    assert _mlp_width(cfg, None) is None and _mlp_width(replace(cfg, intermediate_size=2048), None) == 2048
+    assert _mlp_width(cfg, state) == 1280 and _mlp_width(replace(cfg, intermediate_size=1280), state) == 1280
+    with pytest.raises(ValueError, match="started with 1280"):
+        _mlp_width(replace(cfg, intermediate_size=1536), state)

@@ -22,11 +22,15 @@ from engine.layers import rope_inv_freq
 
 
 class TrainableEagle3(nn.Module):
-    def __init__(self, target: ModelConfig, draft_vocab: torch.Tensor, target_embed: torch.Tensor):
-        """draft_vocab: [N] target token ids the head predicts (sorted); target_embed: [V, H], frozen."""
+    def __init__(self, target: ModelConfig, draft_vocab: torch.Tensor, target_embed: torch.Tensor,
+                 intermediate_size: int | None = None):
+        """draft_vocab: [N] target token ids the head predicts (sorted); target_embed: [V, H], frozen;
+        intermediate_size: the midlayer's MLP width (default: the target's; wider is more capacity
+        at a few more multiply-adds a draft row)."""
         super().__init__()
         h, c = target.hidden_size, target
         self.target = target
+        self.intermediate_size = intermediate_size or c.intermediate_size
         self.fc = nn.Linear(3 * h, h, bias=False)
         self.input_layernorm = nn.Parameter(torch.ones(h))
         self.hidden_norm = nn.Parameter(torch.ones(h))
@@ -35,9 +39,9 @@ class TrainableEagle3(nn.Module):
         self.k_proj = nn.Linear(2 * h, c.num_kv_heads * c.head_dim, bias=False)
         self.v_proj = nn.Linear(2 * h, c.num_kv_heads * c.head_dim, bias=False)
         self.o_proj = nn.Linear(c.num_heads * c.head_dim, h, bias=False)
-        self.gate_proj = nn.Linear(h, c.intermediate_size, bias=False)
-        self.up_proj = nn.Linear(h, c.intermediate_size, bias=False)
-        self.down_proj = nn.Linear(c.intermediate_size, h, bias=False)
+        self.gate_proj = nn.Linear(h, self.intermediate_size, bias=False)
+        self.up_proj = nn.Linear(h, self.intermediate_size, bias=False)
+        self.down_proj = nn.Linear(self.intermediate_size, h, bias=False)
         self.norm = nn.Parameter(torch.ones(h))
         self.lm_head = nn.Linear(h, draft_vocab.numel(), bias=False)
         self.register_buffer("embed", target_embed, persistent=False)
@@ -134,10 +138,14 @@ class TrainableEagle3(nn.Module):
         tensors["t2d"] = t2d
         out_dir.mkdir(parents=True, exist_ok=True)
         save_file(tensors, str(out_dir / "model.safetensors"))
-        (out_dir / "config.json").write_text(json.dumps(eagle3_config(c, n), indent=2) + "\n")
+        (out_dir / "config.json").write_text(json.dumps(eagle3_config(c, n, self.intermediate_size), indent=2) + "\n")
 
     def load_exported(self, weights: dict[str, torch.Tensor]) -> None:
         """Start from an exported head (same target and draft vocabulary), e.g. to train it further."""
+        width = weights["midlayer.mlp.up_proj.weight"].shape[0]
+        if width != self.intermediate_size:
+            raise ValueError(f"the head to continue from has an MLP width of {width}, this one {self.intermediate_size}: "
+                             f"give --draft-intermediate-size {width} (or train from scratch)")
         with torch.no_grad():
             for name, param in self._checkpoint_params().items():
                 param.copy_(weights[name].float())
@@ -149,12 +157,12 @@ def exported_vocab(weights: dict[str, torch.Tensor]) -> torch.Tensor:
     return torch.arange(d2t.numel()) + d2t
 
 
-def eagle3_config(c: ModelConfig, draft_vocab_size: int) -> dict:
+def eagle3_config(c: ModelConfig, draft_vocab_size: int, intermediate_size: int) -> dict:
     return {
         "architectures": ["LlamaForCausalLMEagle3"],
         "model_type": "llama",
         "hidden_size": c.hidden_size,
-        "intermediate_size": c.intermediate_size,
+        "intermediate_size": intermediate_size,
         "num_hidden_layers": 1,
         "num_attention_heads": c.num_heads,
         "num_key_value_heads": c.num_kv_heads,

@@ -35,6 +35,7 @@ class TrainConfig:
     data_dir: Path
     out_dir: Path
     draft_vocab_size: int = 8192
+    intermediate_size: int | None = None  # the head's MLP width (None: the target's)
     epochs: float = 2.0
     ttt_steps: int = 3
     lr: float = 5e-4
@@ -159,7 +160,7 @@ def train(cfg: TrainConfig) -> Path:
     else:
         vocab, coverage = state["draft_vocab"], state["coverage"]
     embed = weights["model.embed_tokens.weight"]
-    model = TrainableEagle3(target, vocab, embed)
+    model = TrainableEagle3(target, vocab, embed, _mlp_width(cfg, state))
     teacher = TargetDistribution(weights["model.norm.weight"], weights.get("lm_head.weight", embed)[vocab],
                                  target.rms_norm_eps)
     if init is not None:
@@ -185,6 +186,17 @@ def train(cfg: TrainConfig) -> Path:
         {"config": {k: str(v) for k, v in asdict(cfg).items()}, "draft_vocab_coverage": coverage,
          "samples": sum(_load_index(p)["prompt_lens"].numel() for p in shards), **progress}, indent=2) + "\n")
     return cfg.out_dir
+
+
+def _mlp_width(cfg: TrainConfig, state: dict | None) -> int | None:
+    """The head's MLP width: a resumed run's own (the flag may be left out, not changed), else the config's."""
+    if state is None:
+        return cfg.intermediate_size
+    width = state["model"]["up_proj.weight"].shape[0]
+    if cfg.intermediate_size not in (None, width):
+        raise ValueError(f"--draft-intermediate-size {cfg.intermediate_size}: the run in {cfg.out_dir} was started "
+                         f"with {width}; resume with that (or start a new --out)")
+    return width
 
 
 def _load_index(path: Path) -> dict[str, torch.Tensor]:
