@@ -88,7 +88,8 @@ class Eagle3Draft:
         mid = {k.removeprefix("midlayer."): v for k, v in w.items() if k.startswith("midlayer.")}
         self.midlayer = DecoderLayer(c, mid, attention_for(c, device, dtype, block_size), packed_dtype=packed)
         self.lm_head = Linear(w["lm_head.weight"], packed_dtype=packed)
-        self.d2t = w["d2t"].long() if "d2t" in w else None
+        # Target id of each draft id, one lookup per drafted level (d2t holds the offsets).
+        self.draft_to_target = torch.arange(len(w["d2t"])) + w["d2t"].long() if "d2t" in w else None
         own_embed = w.get("embed_tokens.weight")
         self.embed = (lambda ids: own_embed[ids]) if own_embed is not None else target_embed
         self.rotary = Rotary(c, max_positions, device, dtype)
@@ -100,7 +101,7 @@ class Eagle3Draft:
         return self.fc(aux_hidden)
 
     def to_target_ids(self, draft_ids: torch.Tensor) -> torch.Tensor:
-        return draft_ids if self.d2t is None else draft_ids + self.d2t[draft_ids]
+        return draft_ids if self.draft_to_target is None else self.draft_to_target[draft_ids]
 
     def forward(self, batch: ForwardBatch, hidden: torch.Tensor, kv_cache: torch.Tensor) -> DraftOutput:
         """batch.input_ids hold the token *after* each position; hidden: [T, H] inputs (see project).

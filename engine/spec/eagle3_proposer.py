@@ -45,6 +45,8 @@ The target's features reach `observe` one sequence at a time; they are projected
 whole batch at once, when next needed.
 """
 
+from itertools import accumulate
+
 import torch
 
 from engine.attention import SHORT_QUERY
@@ -233,4 +235,4 @@ class Eagle3Proposer:
 
 def _last_rows(chunks: list[SeqChunk]) -> list[int]:
     """Each chunk's last row in the forward's concatenated rows."""
-    return (torch.tensor([len(c.token_ids) for c in chunks]).cumsum(0) - 1).tolist()
+    return [end - 1 for end in accumulate(len(c.token_ids) for c in chunks)]
