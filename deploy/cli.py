@@ -166,7 +166,8 @@ def _train_eagle3(args: argparse.Namespace) -> int:
         from tools.eagle3_training.trainer import TrainConfig, train
 
         train(TrainConfig(target=args.target, data_dir=out / "data", out_dir=out, draft_vocab_size=args.draft_vocab,
-                          intermediate_size=args.draft_intermediate_size, epochs=args.epochs, ttt_steps=args.ttt_steps, lr=args.lr, max_hours=args.max_hours,
+                          intermediate_size=args.draft_intermediate_size, epochs=args.epochs,
+                          ttt_steps=args.ttt_steps, lr=args.lr, max_hours=args.max_hours,
                           init_from=Path(args.init_from) if args.init_from else None,
                           snapshot_tokens=tuple(int(t) for t in args.snapshot_tokens)))
     return 0

@@ -58,7 +58,7 @@ class Linear:
         bias = self.bias
         if self.packed:
             # Start at the panel holding first_output; drop the columns before it.
-            panel, skip = divmod(first_output, self.kernels.pack_width)
+            panel, skip = self.panel_of(first_output)
             start = first_output - skip
             bias = bias[start:] if bias is not None else None
             if self.qtype is not None:
@@ -72,6 +72,10 @@ class Linear:
             bias = bias[first_output:] if bias is not None else None
             return F.linear(x, self.weight[first_output:], bias)
         return F.linear(x, self.weight, bias)
+
+    def panel_of(self, feature: int) -> tuple[int, int]:
+        """Packed weights: the panel holding output `feature`, and the features before it there."""
+        return divmod(feature, self.kernels.pack_width)
 
     def rows(self, ids: torch.Tensor) -> torch.Tensor:
         """Rows of W (an embedding lookup when the head is tied to the embeddings); fp32 for

@@ -89,9 +89,7 @@ class NativeDecoder:
         q_size, width = c.num_heads * c.head_dim, (c.num_heads + 2 * c.num_kv_heads) * c.head_dim
         self._scratch_per_row = (max(q_size, 2 * c.hidden_size) + max(width, 2 * c.intermediate_size) + q_size
                                  + c.hidden_size)
-        # The first layer's qkv from the panel holding its first key feature (write_kv).
-        panel, self._kv_skip = divmod(q_size, self.kernels.pack_width)
-        self._kv = _matrix(first.qkv, panel)
+        self._first_qkv = first.qkv  # write_kv reads its key and value features
         # Set to float64 zeros(3) to add up seconds spent in the layers' GEMMs, their attention
         # and the whole layer loop (benchmarks read it; None costs nothing).
         self.timings: torch.Tensor | None = None
@@ -103,7 +101,7 @@ class NativeDecoder:
         embed: EAGLE3's midlayer (bound with an embed_norm): embeddings [T, hidden] fp32,
         contiguous; the first layer's attention input is then [rmsnorm(embed) * embed_norm,
         rmsnorm(x) * its input norm]."""
-        model, run = self._structs(batch, kv_cache, embed)
+        model, run = self._structs(x, batch, kv_cache, embed)
         c, t = self.config, x.shape[0]
         aux = torch.empty(t, len(aux_ids) * c.hidden_size)
         ids = (ctypes.c_int * len(aux_ids))(*aux_ids)
@@ -116,17 +114,26 @@ class NativeDecoder:
                  embed: torch.Tensor | None = None) -> None:
         """What `layers` writes into the first layer's cache for x [T, hidden] (embed as there), and
         nothing else: the same bits, without queries, attention, MLP or the layers after it."""
-        model, run = self._structs(batch, kv_cache, embed)
+        x = x.contiguous()
+        model, run = self._structs(x, batch, kv_cache, embed)
         c, t = self.config, x.shape[0]
-        scratch = torch.empty(t * (2 * c.hidden_size + self._kv_skip + 2 * c.num_kv_heads * c.head_dim))
-        self.kernels.write_kv(ctypes.byref(model), self._layers, ctypes.byref(self._kv), self._kv_skip,
-                              ctypes.byref(run), x.contiguous(), scratch)
+        # The qkv GEMM from the panel holding the first key feature; `skip` features before it.
+        panel, skip = self._first_qkv.panel_of(c.num_heads * c.head_dim)
+        scratch = torch.empty(t * (2 * c.hidden_size + skip + 2 * c.num_kv_heads * c.head_dim))
+        self.kernels.write_kv(ctypes.byref(model), self._layers, ctypes.byref(_matrix(self._first_qkv, panel)), skip,
+                              ctypes.byref(run), x, scratch)
 
-    def _structs(self, batch: ForwardBatch, kv_cache: torch.Tensor, embed: torch.Tensor | None) -> tuple[_Model, _Batch]:
-        """The C structures describing the model, its cache and the batch (the tensors they point
-        into are the caller's, alive for the call)."""
+    def _structs(self, x: torch.Tensor, batch: ForwardBatch, kv_cache: torch.Tensor,
+                 embed: torch.Tensor | None) -> tuple[_Model, _Batch]:
+        """The C structures describing the model, its cache and the batch of x's rows. They point
+        into the caller's tensors (alive for the call) and into copies they keep themselves."""
         if embed is not None and self.embed_norm is None:
             raise ValueError("NativeDecoder: embeddings given, but no embed_norm was bound")
+        t = batch.positions.shape[0]
+        bad_embed = embed is not None and (embed.shape[0] != t or embed.dtype != torch.float32 or not embed.is_contiguous())
+        if x.shape[0] != t or bad_embed:  # the C loops would run past x's, or the embeddings', rows
+            raise ValueError(f"NativeDecoder: x has {x.shape[0]} rows, the embeddings "
+                             f"{None if embed is None else tuple(embed.shape)} (fp32, contiguous), for {t} positions")
         c, meta = self.config, batch.attention
         s_block, s_layer, s_kv, s_offset = kv_cache.stride()[:4]
         model = _Model(c.hidden_size, c.num_heads, c.num_kv_heads, c.head_dim, c.intermediate_size,
@@ -138,7 +145,7 @@ class NativeDecoder:
         rotary = self.rotary
         positions = batch.positions.contiguous()
         tables = meta.block_tables.contiguous()
-        run = _Batch(positions.shape[0], meta.context_lens.shape[0], tables.shape[1],
+        run = _Batch(t, meta.context_lens.shape[0], tables.shape[1],
                      positions.data_ptr(), meta.slot_blocks.data_ptr(), meta.slot_offsets.data_ptr(),
                      tables.data_ptr(), meta.query_start_loc.data_ptr(), meta.context_lens.data_ptr(),
                      meta.span_masks.data_ptr() if meta.span_masks is not None else None,

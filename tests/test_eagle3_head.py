@@ -1,6 +1,7 @@
 """The EAGLE3 head: published checkpoint layout round trip, and training (TTT) == inference."""
 
 import json
+from dataclasses import replace
 
 import pytest
 import torch
@@ -117,3 +118,24 @@ def test_a_wider_head_round_trips_and_refuses_a_narrower_continuation(tmp_path):
     narrower = TrainableEagle3(TARGET, vocab, model.embed)
     with pytest.raises(ValueError, match="--draft-intermediate-size 1280"):
         narrower.load_exported(load_weights(tmp_path, torch.float32, torch.device("cpu")))
+
+
+def test_the_kv_only_write_matches_a_forward_from_mid_panel(tmp_path):
+    """The native KV-only write starts its GEMM at the panel holding the first key feature. With 3
+    heads of 48 the keys start 16 features into a panel of 32 (the AVX-512 build's; narrower builds
+    start on a boundary): the entries must still be the bits a whole forward writes."""
+    target = replace(TARGET, hidden_size=96, intermediate_size=128, num_heads=3, num_kv_heads=1, head_dim=48)
+    torch.manual_seed(2)
+    vocab = torch.randperm(target.vocab_size)[:300].sort().values
+    TrainableEagle3(target, vocab, torch.randn(target.vocab_size, 96)).export(tmp_path, dtype=torch.float32)
+    draft = _inference_head(TrainableEagle3(target, vocab, torch.randn(target.vocab_size, 96)), tmp_path)
+    assert draft.native is not None
+    layout = KVLayout("m", "float32", BLOCK, CacheShape(2, 1, 48), CacheShape(1, 1, 48))
+    batch = build_batch([SeqChunk(list(range(5, 19)), 0, [2, 0], num_logits=1)], BLOCK, torch.device("cpu"))
+    hidden = torch.randn(14, 96)
+    caches = []
+    for write in (lambda c: draft.forward(batch, hidden, c), lambda c: draft.write_kv(batch, hidden, c)):
+        cache = allocate_cache(layout, layout.draft, 4, torch.device("cpu"))
+        write(cache)
+        caches.append(cache)
+    assert caches[0].abs().sum() > 0 and torch.equal(caches[0], caches[1])

@@ -52,6 +52,7 @@ def test_training_resumes_and_exports_a_head_that_drafts_losslessly(run_dir, eng
     train(cfg)
     first = json.loads((run_dir / "training.json").read_text())
     assert first["step"] > 0 and first["samples"] == len(QUESTIONS)
+    assert first["finished"] and first["total_steps"] == first["step"]
     snapshot = run_dir / "snapshots" / "1e-06M"  # taken after the first step, the only size reached
     taken = json.loads((snapshot / "progress.json").read_text())
     assert taken["step"] == 1 and (snapshot / "model.safetensors").exists()
@@ -83,6 +84,9 @@ def test_max_hours_is_each_runs_own_budget(run_dir, tmp_path):
     torch.save(state, checkpoint)
     train(replace(cfg, epochs=2.0, max_hours=1.0))
     assert json.loads((tmp_path / "training.json").read_text())["step"] == 2 * first
+    train(replace(cfg, epochs=3.0, max_hours=1e-9))  # out of time before a step
+    cut = json.loads((tmp_path / "training.json").read_text())
+    assert cut["step"] == 2 * first and not cut["finished"] and cut["total_steps"] == 3 * first
 
 
 def test_teacher_forced_accuracy_counts_every_answer_position(run_dir):
@@ -159,11 +163,16 @@ def test_a_conversation_is_answered_turn_by_turn_after_the_targets_own_answers(e
     assert samples[i][len(second):] == [t for o in engine.generate(second, params) for t in o.token_ids]
 
 
-def test_a_resumed_run_keeps_the_mlp_width_it_started_with(tmp_path):
-    """Resuming may leave --draft-intermediate-size out (the checkpoint's width is kept) but not change it."""
+def test_a_resumed_or_continued_head_keeps_its_mlp_width(tmp_path):
+    """Resuming a run or continuing a head may leave --draft-intermediate-size out (their width is
+    kept) but not change it."""
     state = {"model": {"up_proj.weight": torch.zeros(1280, 8)}}
+    init = {"midlayer.mlp.up_proj.weight": torch.zeros(2560, 8)}
     cfg = TrainConfig(target=None, data_dir=tmp_path, out_dir=tmp_path)
-    assert _mlp_width(cfg, None) is None and _mlp_width(replace(cfg, intermediate_size=2048), None) == 2048
-    assert _mlp_width(cfg, state) == 1280 and _mlp_width(replace(cfg, intermediate_size=1280), state) == 1280
+    assert _mlp_width(cfg, None, None) is None and _mlp_width(replace(cfg, intermediate_size=2048), None, None) == 2048
+    assert _mlp_width(cfg, state, None) == 1280 and _mlp_width(replace(cfg, intermediate_size=1280), state, init) == 1280
+    assert _mlp_width(cfg, None, init) == 2560
     with pytest.raises(ValueError, match="started with 1280"):
-        _mlp_width(replace(cfg, intermediate_size=1536), state)
+        _mlp_width(replace(cfg, intermediate_size=1536), state, None)
+    with pytest.raises(ValueError, match="continue from .* has 2560"):
+        _mlp_width(replace(cfg, intermediate_size=1536), None, init)

@@ -130,7 +130,7 @@ static void cache_write(const pd_model *m, char *cache, long at, const float *x,
     for (int i = 0; i < n; i++) dst[i] = to_bf16(x[i]);
 }
 
-/* h = the attention input of x's T rows (width: 2 * hidden with embed, else hidden), returned. */
+/* h = the attention input of x's T rows; returns its width (2 * hidden with embed, else hidden). */
 static int attention_input(const pd_model *m, const pd_layer *L, const pd_batch *b, const float *embed,
                            const float *x, float *h) {
     int H = m->hidden, in = embed ? 2 * H : H;

@@ -61,6 +61,11 @@ class Eagle3Config:
         )
 
 
+def draft_vocab_ids(d2t: torch.Tensor) -> torch.Tensor:
+    """The target id of each draft id, from a checkpoint's d2t (target id = draft id + d2t[draft id])."""
+    return torch.arange(len(d2t), device=d2t.device) + d2t.long()
+
+
 @dataclass
 class DraftOutput:
     hidden: torch.Tensor  # [T, H] pre-norm output hidden states (inputs of the next draft step)
@@ -88,8 +93,8 @@ class Eagle3Draft:
         mid = {k.removeprefix("midlayer."): v for k, v in w.items() if k.startswith("midlayer.")}
         self.midlayer = DecoderLayer(c, mid, attention_for(c, device, dtype, block_size), packed_dtype=packed)
         self.lm_head = Linear(w["lm_head.weight"], packed_dtype=packed)
-        # Target id of each draft id, one lookup per drafted level (d2t holds the offsets).
-        self.draft_to_target = torch.arange(len(w["d2t"])) + w["d2t"].long() if "d2t" in w else None
+        # Target id of each draft id: one lookup per drafted level.
+        self.draft_to_target = draft_vocab_ids(w["d2t"]) if "d2t" in w else None
         own_embed = w.get("embed_tokens.weight")
         self.embed = (lambda ids: own_embed[ids]) if own_embed is not None else target_embed
         self.rotary = Rotary(c, max_positions, device, dtype)

@@ -27,12 +27,12 @@ draft cache up to date for when it drafts again. Once some sequence lags more th
 positions behind, every sequence's pending positions but the last get their draft KV written in
 one batched call that computes only the keys and values (not attention, MLP or logits: about a
 tenth of a draft forward's arithmetic; on CPU one native call, Eagle3Draft.write_kv) and reads the
-weights once instead of once per step. The
-same call covers a prompt before its first draft, a prompt whose prefill is handed off, and what
-is still pending when a sequence leaves (its full blocks stay in the prefix cache, and a request
-that reuses them reads their draft entries too). While a sequence lags, up to CATCH_UP of its
-positions have no draft entries yet; a request reusing those blocks meanwhile drafts from stale
-ones there, which costs acceptance, never correctness (verification decides every token).
+weights once instead of once per step. The same call covers a prompt before its first draft, a
+prompt whose prefill is handed off, and what is still pending when a sequence leaves (its full
+blocks stay in the prefix cache, and a request that reuses them reads their draft entries too).
+While a sequence lags, up to CATCH_UP of its positions have no draft entries yet; a request
+reusing those blocks meanwhile drafts from stale ones there, which costs acceptance, never
+correctness (verification decides every token).
 
 With top_k > 1, each draft step also proposes the head's next k - 1 choices at that position as
 leaves of a tree: siblings of the chain's token, verified in the same target forward but not
@@ -120,8 +120,9 @@ class Eagle3Proposer:
     def prefill_draft(self, seq: Sequence) -> torch.Tensor | None:
         self._project()
         self._catch_up([seq])
-        # Left pending: the prompt's last position, whose next token is not chosen yet here.
-        return self.pending.pop(seq.seq_id)[1].contiguous()
+        # Left pending: the prompt's last position, whose next token is not chosen yet here. A copy:
+        # pending rows may be views of a whole batch's projection.
+        return self.pending.pop(seq.seq_id)[1].clone()
 
     def adopt(self, seq: Sequence, position: int, hidden: torch.Tensor | None) -> None:
         if hidden is not None:

@@ -19,6 +19,7 @@ from torch import nn
 
 from engine.config import ModelConfig
 from engine.layers import rope_inv_freq
+from engine.spec.eagle3_model import draft_vocab_ids
 
 
 class TrainableEagle3(nn.Module):
@@ -30,7 +31,9 @@ class TrainableEagle3(nn.Module):
         super().__init__()
         h, c = target.hidden_size, target
         self.target = target
-        self.intermediate_size = intermediate_size or c.intermediate_size
+        if intermediate_size is not None and intermediate_size < 1:
+            raise ValueError(f"--draft-intermediate-size must be a positive width (got {intermediate_size})")
+        self.intermediate_size = c.intermediate_size if intermediate_size is None else intermediate_size
         self.fc = nn.Linear(3 * h, h, bias=False)
         self.input_layernorm = nn.Parameter(torch.ones(h))
         self.hidden_norm = nn.Parameter(torch.ones(h))
@@ -142,7 +145,7 @@ class TrainableEagle3(nn.Module):
 
     def load_exported(self, weights: dict[str, torch.Tensor]) -> None:
         """Start from an exported head (same target and draft vocabulary), e.g. to train it further."""
-        width = weights["midlayer.mlp.up_proj.weight"].shape[0]
+        width = exported_mlp_width(weights)
         if width != self.intermediate_size:
             raise ValueError(f"the head to continue from has an MLP width of {width}, this one {self.intermediate_size}: "
                              f"give --draft-intermediate-size {width} (or train from scratch)")
@@ -153,8 +156,12 @@ class TrainableEagle3(nn.Module):
 
 def exported_vocab(weights: dict[str, torch.Tensor]) -> torch.Tensor:
     """The draft vocabulary (target ids, sorted) of an exported head."""
-    d2t = weights["d2t"].long()
-    return torch.arange(d2t.numel()) + d2t
+    return draft_vocab_ids(weights["d2t"])
+
+
+def exported_mlp_width(weights: dict[str, torch.Tensor]) -> int:
+    """The MLP width of an exported head."""
+    return weights["midlayer.mlp.up_proj.weight"].shape[0]
 
 
 def eagle3_config(c: ModelConfig, draft_vocab_size: int, intermediate_size: int) -> dict:

@@ -26,7 +26,7 @@ from engine.layers import rms_norm
 from engine.loader import load_weights
 from engine.model_dir import resolve_model_dir
 from tools.eagle3_training.features import TargetFeatures
-from tools.eagle3_training.model import TrainableEagle3, exported_vocab
+from tools.eagle3_training.model import TrainableEagle3, exported_mlp_width, exported_vocab
 
 
 @dataclass
@@ -160,7 +160,7 @@ def train(cfg: TrainConfig) -> Path:
     else:
         vocab, coverage = state["draft_vocab"], state["coverage"]
     embed = weights["model.embed_tokens.weight"]
-    model = TrainableEagle3(target, vocab, embed, _mlp_width(cfg, state))
+    model = TrainableEagle3(target, vocab, embed, _mlp_width(cfg, state, init))
     teacher = TargetDistribution(weights["model.norm.weight"], weights.get("lm_head.weight", embed)[vocab],
                                  target.rms_norm_eps)
     if init is not None:
@@ -184,18 +184,23 @@ def train(cfg: TrainConfig) -> Path:
     model.export(cfg.out_dir)
     (cfg.out_dir / "training.json").write_text(json.dumps(
         {"config": {k: str(v) for k, v in asdict(cfg).items()}, "draft_vocab_coverage": coverage,
-         "samples": sum(_load_index(p)["prompt_lens"].numel() for p in shards), **progress}, indent=2) + "\n")
+         "samples": sum(_load_index(p)["prompt_lens"].numel() for p in shards), **progress,
+         "total_steps": total_steps, "finished": progress["step"] >= total_steps}, indent=2) + "\n")
     return cfg.out_dir
 
 
-def _mlp_width(cfg: TrainConfig, state: dict | None) -> int | None:
-    """The head's MLP width: a resumed run's own (the flag may be left out, not changed), else the config's."""
-    if state is None:
+def _mlp_width(cfg: TrainConfig, state: dict | None, init: dict[str, torch.Tensor] | None) -> int | None:
+    """The head's MLP width: a resumed run's own, or that of the head it continues from (the flag
+    may be left out, not changed), else the config's."""
+    if state is not None:
+        width, source = state["model"]["up_proj.weight"].shape[0], f"the run in {cfg.out_dir} was started with"
+    elif init is not None:
+        width, source = exported_mlp_width(init), f"the head to continue from ({cfg.init_from}) has"
+    else:
         return cfg.intermediate_size
-    width = state["model"]["up_proj.weight"].shape[0]
     if cfg.intermediate_size not in (None, width):
-        raise ValueError(f"--draft-intermediate-size {cfg.intermediate_size}: the run in {cfg.out_dir} was started "
-                         f"with {width}; resume with that (or start a new --out)")
+        raise ValueError(f"--draft-intermediate-size {cfg.intermediate_size}: {source} {width}; give that "
+                         f"(or train from scratch into a new --out)")
     return width
 
 
