@@ -30,7 +30,7 @@ from engine.model_dir import resolve_model_dir
 from engine.runner import EMBEDDED_DRAFT_DIR
 from tools.prompts import read_prompts
 from tools.eagle3_training.distill import distill
-from tools.eagle3_training.model import TrainableEagle3, exported_mlp_width, exported_vocab
+from tools.eagle3_training.model import TrainableEagle3, exported_depth, exported_mlp_width, exported_vocab
 from tools.eagle3_training.trainer import collate, load_shard, shard_paths
 
 TOP_K = (1, 2, 4, 8)
@@ -42,7 +42,7 @@ def load_head(draft_dir: Path, target: str | None) -> TrainableEagle3:
     weights = load_weights(model_dir, torch.float32, torch.device("cpu"))
     exported = load_weights(draft_dir, torch.float32, torch.device("cpu"))
     head = TrainableEagle3(ModelConfig.from_dir(model_dir), exported_vocab(exported), weights["model.embed_tokens.weight"],
-                           exported_mlp_width(exported))
+                           exported_mlp_width(exported), exported_depth(exported))
     head.load_exported(exported)
     return head.eval()
 

@@ -139,3 +139,31 @@ def test_the_kv_only_write_matches_a_forward_from_mid_panel(tmp_path):
         write(cache)
         caches.append(cache)
     assert caches[0].abs().sum() > 0 and torch.equal(caches[0], caches[1])
+
+
+def test_a_deeper_head_round_trips_for_experiments_and_the_engine_refuses_it(tmp_path):
+    """A head of two layers (a capacity experiment outside the published format) exports its
+    extra layer and reloads to the same unroll; the engine names the layer count it serves."""
+    from engine.config import ModelConfigError
+    from tools.eagle3_training.model import exported_depth, exported_vocab
+
+    torch.manual_seed(3)
+    vocab = torch.randperm(TARGET.vocab_size)[:500].sort().values
+    model = TrainableEagle3(TARGET, vocab, torch.randn(TARGET.vocab_size, TARGET.hidden_size), num_layers=2)
+    with torch.no_grad():
+        model.deeper[0].input_layernorm.uniform_(0.5, 1.5)
+    model.export(tmp_path, dtype=torch.float32)
+    weights = load_weights(tmp_path, torch.float32, torch.device("cpu"))
+    assert exported_depth(weights) == 2 and "layers.1.self_attn.q_proj.weight" in weights
+    again = TrainableEagle3(TARGET, exported_vocab(weights), model.embed, num_layers=2)
+    again.load_exported(weights)
+    tokens = torch.randint(0, TARGET.vocab_size, (1, 9))
+    features = torch.randn(1, 9, 3 * TARGET.hidden_size)
+    valid = torch.ones(1, 9, dtype=torch.bool)
+    with torch.no_grad():
+        assert all(torch.equal(a, b) for a, b in zip(model.unroll(features, tokens, valid, 2),
+                                                     again.unroll(features, tokens, valid, 2)))
+    with pytest.raises(ValueError, match="--draft-layers 2"):
+        TrainableEagle3(TARGET, vocab, model.embed).load_exported(weights)
+    with pytest.raises(ModelConfigError, match="num_hidden_layers 2"):
+        Eagle3Config.from_dir(tmp_path)

@@ -13,7 +13,7 @@ from engine.loader import load_weights
 from engine.params import SamplingParams
 from tools.eagle3_training.distill import distill
 from tools.eagle3_training.features import TargetFeatures
-from tools.eagle3_training.trainer import (TargetDistribution, TrainConfig, _mlp_width, collate, load_shard,
+from tools.eagle3_training.trainer import (TargetDistribution, TrainConfig, _head_shape, collate, load_shard,
                                           shard_paths, train)
 
 QUESTIONS = ["Name three primary colors.", "Count from 1 to 10.", "What is 12 times 12?", "Write a haiku about rain."]
@@ -163,16 +163,17 @@ def test_a_conversation_is_answered_turn_by_turn_after_the_targets_own_answers(e
     assert samples[i][len(second):] == [t for o in engine.generate(second, params) for t in o.token_ids]
 
 
-def test_a_resumed_or_continued_head_keeps_its_mlp_width(tmp_path):
-    """Resuming a run or continuing a head may leave --draft-intermediate-size out (their width is
-    kept) but not change it."""
-    state = {"model": {"up_proj.weight": torch.zeros(1280, 8)}}
-    init = {"midlayer.mlp.up_proj.weight": torch.zeros(2560, 8)}
+def test_a_resumed_or_continued_head_keeps_its_shape(tmp_path):
+    """Resuming a run or continuing a head may leave --draft-intermediate-size and --draft-layers
+    out (their values are kept) but not change them."""
+    state = {"model": {"up_proj.weight": torch.zeros(1280, 8), "input_layernorm": torch.ones(8)}}
+    init = {"midlayer.mlp.up_proj.weight": torch.zeros(2560, 8), "layers.1.input_layernorm.weight": torch.ones(8)}
     cfg = TrainConfig(target=None, data_dir=tmp_path, out_dir=tmp_path)
-    assert _mlp_width(cfg, None, None) is None and _mlp_width(replace(cfg, intermediate_size=2048), None, None) == 2048
-    assert _mlp_width(cfg, state, None) == 1280 and _mlp_width(replace(cfg, intermediate_size=1280), state, init) == 1280
-    assert _mlp_width(cfg, None, init) == 2560
+    assert _head_shape(cfg, None, None) == (None, 1)
+    assert _head_shape(replace(cfg, intermediate_size=2048, num_layers=3), None, None) == (2048, 3)
+    assert _head_shape(cfg, state, None) == (1280, 1) == _head_shape(replace(cfg, intermediate_size=1280), state, init)
+    assert _head_shape(cfg, None, init) == (2560, 2)
     with pytest.raises(ValueError, match="started with 1280"):
-        _mlp_width(replace(cfg, intermediate_size=1536), state, None)
-    with pytest.raises(ValueError, match="continue from .* has 2560"):
-        _mlp_width(replace(cfg, intermediate_size=1536), None, init)
+        _head_shape(replace(cfg, intermediate_size=1536), state, None)
+    with pytest.raises(ValueError, match="--draft-layers 1: the head to continue from .* has 2"):
+        _head_shape(replace(cfg, num_layers=1), None, init)

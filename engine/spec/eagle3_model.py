@@ -50,6 +50,9 @@ class Eagle3Config:
                 f"EAGLE3 draft {path}: architectures {archs or '(missing)'} not supported; "
                 f"supported: {', '.join(EAGLE3_ARCHITECTURES)}"
             )
+        if raw.get("num_hidden_layers", 1) != 1:
+            raise ModelConfigError(f"EAGLE3 draft {path}: num_hidden_layers {raw['num_hidden_layers']}; the engine "
+                                   "serves EAGLE3 heads of one layer (the published format)")
         layer = ModelConfig.from_dict({**raw, "architectures": ["LlamaForCausalLM"], "num_hidden_layers": 1})
         aux = raw.get("eagle_aux_hidden_state_layer_ids") or (raw.get("eagle_config") or {}).get(
             "eagle_aux_hidden_state_layer_ids")

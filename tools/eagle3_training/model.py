@@ -22,29 +22,46 @@ from engine.layers import rope_inv_freq
 from engine.spec.eagle3_model import draft_vocab_ids
 
 
+def _add_block(module: nn.Module, c: ModelConfig, in_features: int, intermediate_size: int) -> None:
+    """A decoder layer's projections and post-attention norm, as `module`'s attributes."""
+    h = c.hidden_size
+    module.post_attention_layernorm = nn.Parameter(torch.ones(h))
+    module.q_proj = nn.Linear(in_features, c.num_heads * c.head_dim, bias=False)
+    module.k_proj = nn.Linear(in_features, c.num_kv_heads * c.head_dim, bias=False)
+    module.v_proj = nn.Linear(in_features, c.num_kv_heads * c.head_dim, bias=False)
+    module.o_proj = nn.Linear(c.num_heads * c.head_dim, h, bias=False)
+    module.gate_proj = nn.Linear(h, intermediate_size, bias=False)
+    module.up_proj = nn.Linear(h, intermediate_size, bias=False)
+    module.down_proj = nn.Linear(intermediate_size, h, bias=False)
+
+
+class _DeeperLayer(nn.Module):
+    """A layer after the midlayer (a head deeper than EAGLE3's one): it reads the hidden state alone."""
+
+    def __init__(self, c: ModelConfig, intermediate_size: int):
+        super().__init__()
+        self.input_layernorm = nn.Parameter(torch.ones(c.hidden_size))
+        _add_block(self, c, c.hidden_size, intermediate_size)
+
+
 class TrainableEagle3(nn.Module):
     def __init__(self, target: ModelConfig, draft_vocab: torch.Tensor, target_embed: torch.Tensor,
-                 intermediate_size: int | None = None):
+                 intermediate_size: int | None = None, num_layers: int = 1):
         """draft_vocab: [N] target token ids the head predicts (sorted); target_embed: [V, H], frozen;
-        intermediate_size: the midlayer's MLP width (default: the target's; wider is more capacity
-        at a few more multiply-adds a draft row)."""
+        intermediate_size: the MLP width (default: the target's; wider is more capacity at a few
+        more multiply-adds a draft row); num_layers: the midlayer, then plain decoder layers (more
+        than one is outside the published format: for capacity experiments, not served)."""
         super().__init__()
         h, c = target.hidden_size, target
         self.target = target
-        if intermediate_size is not None and intermediate_size < 1:
-            raise ValueError(f"--draft-intermediate-size must be a positive width (got {intermediate_size})")
+        if intermediate_size is not None and intermediate_size < 1 or num_layers < 1:
+            raise ValueError(f"the head's MLP width and layers must be positive (got {intermediate_size}, {num_layers})")
         self.intermediate_size = c.intermediate_size if intermediate_size is None else intermediate_size
         self.fc = nn.Linear(3 * h, h, bias=False)
         self.input_layernorm = nn.Parameter(torch.ones(h))
         self.hidden_norm = nn.Parameter(torch.ones(h))
-        self.post_attention_layernorm = nn.Parameter(torch.ones(h))
-        self.q_proj = nn.Linear(2 * h, c.num_heads * c.head_dim, bias=False)
-        self.k_proj = nn.Linear(2 * h, c.num_kv_heads * c.head_dim, bias=False)
-        self.v_proj = nn.Linear(2 * h, c.num_kv_heads * c.head_dim, bias=False)
-        self.o_proj = nn.Linear(c.num_heads * c.head_dim, h, bias=False)
-        self.gate_proj = nn.Linear(h, self.intermediate_size, bias=False)
-        self.up_proj = nn.Linear(h, self.intermediate_size, bias=False)
-        self.down_proj = nn.Linear(self.intermediate_size, h, bias=False)
+        _add_block(self, c, 2 * h, self.intermediate_size)
+        self.deeper = nn.ModuleList(_DeeperLayer(c, self.intermediate_size) for _ in range(num_layers - 1))
         self.norm = nn.Parameter(torch.ones(h))
         self.lm_head = nn.Linear(h, draft_vocab.numel(), bias=False)
         self.register_buffer("embed", target_embed, persistent=False)
@@ -71,29 +88,39 @@ class TrainableEagle3(nn.Module):
         features: [B, T, 3H] target features at each position; tokens: [B, T]; valid: [B, T] bool,
         positions holding real tokens. Step k at index t reads token t+1+k and predicts t+2+k.
         """
-        c = self.target
         b, t, _ = features.shape
         hidden = self.fc(features)
         causal = torch.tril(torch.ones(t, t, dtype=torch.bool, device=features.device))
         key_ok = causal[None, None] & valid[:, None, None, :]  # [B, 1, T, T]
-        keys, values, logits = [], [], []
+        caches = [([], []) for _ in range(1 + len(self.deeper))]  # each layer's keys and values per step
+        logits = []
         for k in range(steps):
             ids = F.pad(tokens[:, 1 + k :], (0, 1 + k))  # token t+1+k (0 past the end; masked by labels)
             x = torch.cat([self._rms(self.embed[ids], self.input_layernorm), self._rms(hidden, self.hidden_norm)], -1)
-            q = self.q_proj(x).view(b, t, c.num_heads, c.head_dim).transpose(1, 2)
-            kk = self.k_proj(x).view(b, t, c.num_kv_heads, c.head_dim).transpose(1, 2)
-            v = self.v_proj(x).view(b, t, c.num_kv_heads, c.head_dim).transpose(1, 2)
             positions = torch.arange(k, t + k, device=features.device)
-            q, kk = self._rope(q, positions), self._rope(kk, positions)
-            rep = c.num_heads // c.num_kv_heads
-            keys.append(kk.repeat_interleave(rep, 1))
-            values.append(v.repeat_interleave(rep, 1))
-            attn = self._attend(q, keys, values, key_ok)
-            hidden = hidden + self.o_proj(attn.transpose(1, 2).reshape(b, t, -1))
-            mlp_in = self._rms(hidden, self.post_attention_layernorm)
-            hidden = hidden + self.down_proj(F.silu(self.gate_proj(mlp_in)) * self.up_proj(mlp_in))
+            hidden = self._block(self, x, hidden, positions, *caches[0], key_ok)
+            for layer, cache in zip(self.deeper, caches[1:]):
+                hidden = self._block(layer, self._rms(hidden, layer.input_layernorm), hidden, positions, *cache, key_ok)
             logits.append(self.lm_head(self._rms(hidden, self.norm)))
         return logits
+
+    def _block(self, layer: nn.Module, x: torch.Tensor, hidden: torch.Tensor, positions: torch.Tensor,
+               keys: list, values: list, key_ok: torch.Tensor) -> torch.Tensor:
+        """hidden after `layer`'s attention (input x) and MLP; this step's keys and values join the
+        layer's TTT cache (keys, values)."""
+        c = self.target
+        b, t = x.shape[:2]
+        q = layer.q_proj(x).view(b, t, c.num_heads, c.head_dim).transpose(1, 2)
+        kk = layer.k_proj(x).view(b, t, c.num_kv_heads, c.head_dim).transpose(1, 2)
+        v = layer.v_proj(x).view(b, t, c.num_kv_heads, c.head_dim).transpose(1, 2)
+        q, kk = self._rope(q, positions), self._rope(kk, positions)
+        rep = c.num_heads // c.num_kv_heads
+        keys.append(kk.repeat_interleave(rep, 1))
+        values.append(v.repeat_interleave(rep, 1))
+        attn = self._attend(q, keys, values, key_ok)
+        hidden = hidden + layer.o_proj(attn.transpose(1, 2).reshape(b, t, -1))
+        mlp_in = self._rms(hidden, layer.post_attention_layernorm)
+        return hidden + layer.down_proj(F.silu(layer.gate_proj(mlp_in)) * layer.up_proj(mlp_in))
 
     @staticmethod
     def _attend(q, keys, values, key_ok) -> torch.Tensor:
@@ -129,6 +156,13 @@ class TrainableEagle3(nn.Module):
             w[f"midlayer.self_attn.{name}_proj.weight"] = getattr(self, f"{name}_proj").weight
         for name in ("gate", "up", "down"):
             w[f"midlayer.mlp.{name}_proj.weight"] = getattr(self, f"{name}_proj").weight
+        for i, layer in enumerate(self.deeper, start=1):  # outside the published format (see __init__)
+            w[f"layers.{i}.input_layernorm.weight"] = layer.input_layernorm
+            w[f"layers.{i}.post_attention_layernorm.weight"] = layer.post_attention_layernorm
+            for name in ("q", "k", "v", "o"):
+                w[f"layers.{i}.self_attn.{name}_proj.weight"] = getattr(layer, f"{name}_proj").weight
+            for name in ("gate", "up", "down"):
+                w[f"layers.{i}.mlp.{name}_proj.weight"] = getattr(layer, f"{name}_proj").weight
         return w
 
     def export(self, out_dir: Path, dtype: torch.dtype = torch.float16) -> None:
@@ -141,14 +175,15 @@ class TrainableEagle3(nn.Module):
         tensors["t2d"] = t2d
         out_dir.mkdir(parents=True, exist_ok=True)
         save_file(tensors, str(out_dir / "model.safetensors"))
-        (out_dir / "config.json").write_text(json.dumps(eagle3_config(c, n, self.intermediate_size), indent=2) + "\n")
+        (out_dir / "config.json").write_text(json.dumps(eagle3_config(c, n, self.intermediate_size, 1 + len(self.deeper)), indent=2) + "\n")
 
     def load_exported(self, weights: dict[str, torch.Tensor]) -> None:
         """Start from an exported head (same target and draft vocabulary), e.g. to train it further."""
-        width = exported_mlp_width(weights)
-        if width != self.intermediate_size:
-            raise ValueError(f"the head to continue from has an MLP width of {width}, this one {self.intermediate_size}: "
-                             f"give --draft-intermediate-size {width} (or train from scratch)")
+        for flag, have, mine in (("--draft-intermediate-size", exported_mlp_width(weights), self.intermediate_size),
+                                 ("--draft-layers", exported_depth(weights), 1 + len(self.deeper))):
+            if have != mine:
+                raise ValueError(f"the head to continue from has {flag} {have}, this one {mine}: give {flag} {have} "
+                                 f"(or train from scratch)")
         with torch.no_grad():
             for name, param in self._checkpoint_params().items():
                 param.copy_(weights[name].float())
@@ -164,13 +199,18 @@ def exported_mlp_width(weights: dict[str, torch.Tensor]) -> int:
     return weights["midlayer.mlp.up_proj.weight"].shape[0]
 
 
-def eagle3_config(c: ModelConfig, draft_vocab_size: int, intermediate_size: int) -> dict:
+def exported_depth(weights: dict[str, torch.Tensor]) -> int:
+    """The layers of an exported head: the midlayer and any after it."""
+    return 1 + sum(name.startswith("layers.") and name.endswith(".input_layernorm.weight") for name in weights)
+
+
+def eagle3_config(c: ModelConfig, draft_vocab_size: int, intermediate_size: int, num_layers: int = 1) -> dict:
     return {
         "architectures": ["LlamaForCausalLMEagle3"],
         "model_type": "llama",
         "hidden_size": c.hidden_size,
         "intermediate_size": intermediate_size,
-        "num_hidden_layers": 1,
+        "num_hidden_layers": num_layers,
         "num_attention_heads": c.num_heads,
         "num_key_value_heads": c.num_kv_heads,
         "head_dim": c.head_dim,

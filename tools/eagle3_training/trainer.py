@@ -26,7 +26,7 @@ from engine.layers import rms_norm
 from engine.loader import load_weights
 from engine.model_dir import resolve_model_dir
 from tools.eagle3_training.features import TargetFeatures
-from tools.eagle3_training.model import TrainableEagle3, exported_mlp_width, exported_vocab
+from tools.eagle3_training.model import TrainableEagle3, exported_depth, exported_mlp_width, exported_vocab
 
 
 @dataclass
@@ -36,6 +36,7 @@ class TrainConfig:
     out_dir: Path
     draft_vocab_size: int = 8192
     intermediate_size: int | None = None  # the head's MLP width (None: the target's)
+    num_layers: int | None = None  # the head's layers (None: 1, EAGLE3's; more is for capacity experiments)
     epochs: float = 2.0
     ttt_steps: int = 3
     lr: float = 5e-4
@@ -160,7 +161,7 @@ def train(cfg: TrainConfig) -> Path:
     else:
         vocab, coverage = state["draft_vocab"], state["coverage"]
     embed = weights["model.embed_tokens.weight"]
-    model = TrainableEagle3(target, vocab, embed, _mlp_width(cfg, state, init))
+    model = TrainableEagle3(target, vocab, embed, *_head_shape(cfg, state, init))
     teacher = TargetDistribution(weights["model.norm.weight"], weights.get("lm_head.weight", embed)[vocab],
                                  target.rms_norm_eps)
     if init is not None:
@@ -189,19 +190,22 @@ def train(cfg: TrainConfig) -> Path:
     return cfg.out_dir
 
 
-def _mlp_width(cfg: TrainConfig, state: dict | None, init: dict[str, torch.Tensor] | None) -> int | None:
-    """The head's MLP width: a resumed run's own, or that of the head it continues from (the flag
-    may be left out, not changed), else the config's."""
+def _head_shape(cfg: TrainConfig, state: dict | None, init: dict[str, torch.Tensor] | None) -> tuple[int | None, int]:
+    """The head's MLP width and layers: a resumed run's own, or those of the head it continues from
+    (the flags may be left out, not changed), else the config's."""
     if state is not None:
-        width, source = state["model"]["up_proj.weight"].shape[0], f"the run in {cfg.out_dir} was started with"
+        model = state["model"]
+        found = (model["up_proj.weight"].shape[0], 1 + sum(k.endswith(".input_layernorm") for k in model))
+        source = f"the run in {cfg.out_dir} was started with"
     elif init is not None:
-        width, source = exported_mlp_width(init), f"the head to continue from ({cfg.init_from}) has"
+        found, source = (exported_mlp_width(init), exported_depth(init)), f"the head to continue from ({cfg.init_from}) has"
     else:
-        return cfg.intermediate_size
-    if cfg.intermediate_size not in (None, width):
-        raise ValueError(f"--draft-intermediate-size {cfg.intermediate_size}: {source} {width}; give that "
-                         f"(or train from scratch into a new --out)")
-    return width
+        return cfg.intermediate_size, cfg.num_layers or 1
+    for flag, asked, have in (("--draft-intermediate-size", cfg.intermediate_size, found[0]),
+                              ("--draft-layers", cfg.num_layers, found[1])):
+        if asked not in (None, have):
+            raise ValueError(f"{flag} {asked}: {source} {have}; give that (or train from scratch into a new --out)")
+    return found
 
 
 def _load_index(path: Path) -> dict[str, torch.Tensor]:
