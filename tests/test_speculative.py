@@ -237,8 +237,9 @@ def test_draft_caches_left_behind_catch_up_to_what_one_forward_computes(prompts)
     """Sequences that draft nothing (here: K=0 for the request) get their draft caches brought up
     to date only past CATCH_UP positions, and when they finish, by a call that writes keys and
     values alone, from the target's features gathered over steps (projected for the whole batch
-    at once). Each must end up holding what one full draft forward over the same tokens writes:
-    its blocks stay in the prefix cache, draft entries included."""
+    at once). Each one's full blocks must end up holding what one full draft forward over the same
+    tokens writes: they stay in the prefix cache, draft entries included (the partial last block
+    is freed unread)."""
     config = EngineConfig(num_kv_blocks=64, speculative={"adaptive": False, "method": "eagle3", "num_speculative_tokens": 5})
     lagging, reference = Engine(config), Engine(config)
     params = SamplingParams(max_tokens=CATCH_UP + 16, num_speculative_tokens=0, ignore_eos=True)
@@ -261,6 +262,7 @@ def test_draft_caches_left_behind_catch_up_to_what_one_forward_computes(prompts)
         # Every position whose next token is known: all but the last (never run through the target).
         tokens = seq.token_ids
         n = len(tokens) - 1
+        full = n // config.block_size * config.block_size  # the positions of its full blocks
         # The reference: one full draft forward over positions [0, n), from the target's features
         # over the same tokens (in blocks a prefill's KV handle pins).
         ref = reference.add_request(tokens, SamplingParams(max_tokens=1), prefill_only=True)
@@ -269,7 +271,8 @@ def test_draft_caches_left_behind_catch_up_to_what_one_forward_computes(prompts)
         table, runner = reference.blocks.block_table(ref), reference.runner
         aux = runner.forward([SeqChunk(tokens, 0, table, num_logits=0)], return_aux=True).aux_hidden
         runner.forward_draft([SeqChunk(tokens[1:], 0, table, num_logits=0)], runner.draft.project(aux[:n]))
-        torch.testing.assert_close(_draft_kv(lagging, tables[rid], n), _draft_kv(reference, table, n),
+        assert 0 < full < n  # a partial block left, unwritten
+        torch.testing.assert_close(_draft_kv(lagging, tables[rid], full), _draft_kv(reference, table, full),
                                    atol=1e-4, rtol=1e-4)
 
 

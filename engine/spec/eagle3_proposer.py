@@ -88,11 +88,13 @@ class Eagle3Proposer:
 
     @torch.inference_mode()
     def release(self, seq: Sequence) -> None:
-        """Write the draft KV still pending: full blocks become prefix-cacheable, and a request
-        that reuses them later reads their draft entries as well as the target's."""
+        """Write the draft KV still pending in the sequence's full blocks: they become prefix-cacheable,
+        and a request that reuses them later reads their draft entries as well as the target's. (Its
+        last, partial block is freed as it is: entries written there would never be read.)"""
         self._project()
         if seq.seq_id in self.pending and seq.status is SeqStatus.RUNNING:  # else it holds no blocks
-            self._catch_up([seq], keep_last=False)
+            block_size = self.runner.config.block_size
+            self._catch_up([seq], keep_last=False, end=seq.num_computed // block_size * block_size)
         self.pending.pop(seq.seq_id, None)
 
     def _project(self) -> None:
@@ -142,14 +144,16 @@ class Eagle3Proposer:
         trees = self._draft(drafting) if drafting and self.confidence_threshold * len(drafting) < 1.0 else {}
         return [trees.get(s.seq_id, Proposal([])) for s in seqs]
 
-    def _catch_up(self, seqs: list[Sequence], keep_last: bool = True) -> None:
-        """Write the draft cache's KV for the pending positions, in one batched call that computes
-        nothing else. keep_last: leave the last position pending (the next draft step reads it)."""
+    def _catch_up(self, seqs: list[Sequence], keep_last: bool = True, end: int | None = None) -> None:
+        """Write the draft cache's KV for the pending positions (those before `end`, if given), in one
+        batched call that computes nothing else. keep_last: leave the last position pending (the
+        next draft step reads it)."""
         chunks, hidden = [], []
         for seq in seqs:
             first, h = self.pending[seq.seq_id]
             # Position p needs token p+1: after a stop token, accepted drafts beyond it are not kept.
-            n = min(h.shape[0] - keep_last, len(seq.token_ids) - 1 - first)
+            room = h.shape[0] if end is None else end - first
+            n = min(h.shape[0] - keep_last, len(seq.token_ids) - 1 - first, room)
             if n > 0:
                 chunks.append(self._chunk(seq, first, n, num_logits=0))
                 hidden.append(h[:n])
