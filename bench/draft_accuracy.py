@@ -41,8 +41,8 @@ def load_head(draft_dir: Path, target: str | None) -> TrainableEagle3:
     model_dir = resolve_model_dir(target)
     weights = load_weights(model_dir, torch.float32, torch.device("cpu"))
     exported = load_weights(draft_dir, torch.float32, torch.device("cpu"))
-    head = TrainableEagle3(ModelConfig.from_dir(model_dir), exported_vocab(exported), weights["model.embed_tokens.weight"],
-                           exported_mlp_width(exported), exported_depth(exported))
+    head = TrainableEagle3(ModelConfig.from_dir(model_dir), exported_vocab(exported),
+                           weights["model.embed_tokens.weight"], exported_mlp_width(exported), exported_depth(exported))
     head.load_exported(exported)
     return head.eval()
 

@@ -247,7 +247,8 @@ class CpuKernels:
     def write_kv(self, model, layer, kv, skip: int, batch, x: torch.Tensor, scratch: torch.Tensor) -> None:
         """The first layer's cache entries alone, from csrc/decoder_step.c (engine/native_decoder.py
         builds the structures)."""
-        if self._lib.pd_write_kv(model, layer, kv, skip, batch, x.data_ptr(), scratch.data_ptr(), torch.get_num_threads()):
+        threads = torch.get_num_threads()
+        if self._lib.pd_write_kv(model, layer, kv, skip, batch, x.data_ptr(), scratch.data_ptr(), threads):
             raise RuntimeError("native draft KV write: the GEMM refused its shapes or found no memory")
 
     def paged_attention(self, q: torch.Tensor, layer_cache: torch.Tensor, block_tables: torch.Tensor,

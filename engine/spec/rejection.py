@@ -27,8 +27,8 @@ consecutive slots.
 
 Randomness comes in as uniforms drawn from each sampled request's own generator, two per row:
 the first of row start_b + i is draft i's accept test, the second of the row where the walk ends
-its inverse-CDF sample. So a seeded request is reproducible. (Greedy requests draw none.) The Triton kernel in
-triton_rejection.py computes the same from the same inputs on CUDA.
+its inverse-CDF sample. So a seeded request is reproducible. (Greedy requests draw none.) The
+Triton kernel in triton_rejection.py computes the same from the same inputs on CUDA.
 """
 
 from dataclasses import dataclass

@@ -35,6 +35,16 @@ def _add_block(module: nn.Module, c: ModelConfig, in_features: int, intermediate
     module.down_proj = nn.Linear(intermediate_size, h, bias=False)
 
 
+def _block_params(prefix: str, module: nn.Module) -> dict[str, torch.Tensor]:
+    """What `_add_block` made, under a decoder layer's checkpoint names after `prefix`."""
+    w = {f"{prefix}.post_attention_layernorm.weight": module.post_attention_layernorm}
+    for name in ("q", "k", "v", "o"):
+        w[f"{prefix}.self_attn.{name}_proj.weight"] = getattr(module, f"{name}_proj").weight
+    for name in ("gate", "up", "down"):
+        w[f"{prefix}.mlp.{name}_proj.weight"] = getattr(module, f"{name}_proj").weight
+    return w
+
+
 class _DeeperLayer(nn.Module):
     """A layer after the midlayer (a head deeper than EAGLE3's one): it reads the hidden state alone."""
 
@@ -148,21 +158,11 @@ class TrainableEagle3(nn.Module):
             "fc.weight": self.fc.weight,
             "midlayer.input_layernorm.weight": self.input_layernorm,
             "midlayer.hidden_norm.weight": self.hidden_norm,
-            "midlayer.post_attention_layernorm.weight": self.post_attention_layernorm,
             "norm.weight": self.norm,
             "lm_head.weight": self.lm_head.weight,
-        }
-        for name in ("q", "k", "v", "o"):
-            w[f"midlayer.self_attn.{name}_proj.weight"] = getattr(self, f"{name}_proj").weight
-        for name in ("gate", "up", "down"):
-            w[f"midlayer.mlp.{name}_proj.weight"] = getattr(self, f"{name}_proj").weight
+        } | _block_params("midlayer", self)
         for i, layer in enumerate(self.deeper, start=1):  # outside the published format (see __init__)
-            w[f"layers.{i}.input_layernorm.weight"] = layer.input_layernorm
-            w[f"layers.{i}.post_attention_layernorm.weight"] = layer.post_attention_layernorm
-            for name in ("q", "k", "v", "o"):
-                w[f"layers.{i}.self_attn.{name}_proj.weight"] = getattr(layer, f"{name}_proj").weight
-            for name in ("gate", "up", "down"):
-                w[f"layers.{i}.mlp.{name}_proj.weight"] = getattr(layer, f"{name}_proj").weight
+            w |= {f"layers.{i}.input_layernorm.weight": layer.input_layernorm} | _block_params(f"layers.{i}", layer)
         return w
 
     def export(self, out_dir: Path, dtype: torch.dtype = torch.float16) -> None:
@@ -175,7 +175,8 @@ class TrainableEagle3(nn.Module):
         tensors["t2d"] = t2d
         out_dir.mkdir(parents=True, exist_ok=True)
         save_file(tensors, str(out_dir / "model.safetensors"))
-        (out_dir / "config.json").write_text(json.dumps(eagle3_config(c, n, self.intermediate_size, 1 + len(self.deeper)), indent=2) + "\n")
+        config = eagle3_config(c, n, self.intermediate_size, 1 + len(self.deeper))
+        (out_dir / "config.json").write_text(json.dumps(config, indent=2) + "\n")
 
     def load_exported(self, weights: dict[str, torch.Tensor]) -> None:
         """Start from an exported head (same target and draft vocabulary), e.g. to train it further."""
