@@ -38,10 +38,12 @@ def _quantized(qtype: str, rows: int, cols: int, seed: int = 0, int8_dot: bool =
 def _int8_reference(x: torch.Tensor, w: QuantizedTensor, bias: torch.Tensor) -> torch.Tensor:
     """llama.cpp's arithmetic: x per 32-block to round-half-even(x * (127 / max|x|)) in fp32 as the
     kernel rounds it (in float64 a product can fall on the other side of a tie), scaled back,
-    times the dequantized weights in float64."""
+    times the dequantized weights in float64. The quotient is a tensor's: torch computes
+    `127 / amax` as `amax.reciprocal() * 127`, an ulp off now and then, which moved a product
+    across a tie (one input in a few hundred)."""
     blocks = x.float().view(x.shape[0], -1, 32)
     amax = blocks.abs().amax(-1, keepdim=True)
-    q = torch.round(blocks * torch.where(amax > 0, 127 / amax, 0)).double()
+    q = torch.round(blocks * torch.where(amax > 0, torch.full_like(amax, 127) / amax, 0)).double()
     return (q * amax.double() / 127).view_as(x) @ w.dequantize().double().T + bias.double()
 
 
