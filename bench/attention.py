@@ -10,6 +10,7 @@ the kernel's arithmetic. Read floor: torch summing the same per-layer slices of 
 bytes cold attention reads, in the same pieces). Prints one JSON object, then a table.
 
     python -m bench.attention [--batches 1 4 16] [--context 320] [--span 1] [--threads 2]
+                              [--dtypes float32 bfloat16 int8]
 """
 
 import argparse
@@ -20,6 +21,7 @@ from typing import Callable
 import torch
 
 from engine import cpu_kernels
+from engine.kv_layout import encode_rows
 
 LAYERS, HEADS, KV_HEADS, HEAD_DIM, BLOCK = 30, 9, 3, 64, 16
 
@@ -41,7 +43,7 @@ def attention_step(kernels: cpu_kernels.CpuKernels, batch: int, context: int, sp
     the same arguments read the same data), and the tensor its output lands in."""
     per_seq, rng = -(-context // BLOCK), torch.Generator().manual_seed(0)
     pool = per_seq if hot else batch * per_seq
-    cache = torch.randn(pool, 1 if hot else LAYERS, 2, BLOCK, KV_HEADS, HEAD_DIM, generator=rng).to(dtype)
+    cache = encode_rows(torch.randn(pool, 1 if hot else LAYERS, 2, BLOCK, KV_HEADS, HEAD_DIM, generator=rng), dtype)
     tables = (torch.arange(per_seq).repeat(batch, 1) if hot
               else torch.randperm(pool, generator=rng).view(batch, per_seq)).long()
     q, out = torch.randn(batch * span, HEADS, HEAD_DIM, generator=rng), torch.empty(batch * span, HEADS * HEAD_DIM)
@@ -62,7 +64,8 @@ def measure(batch: int, context: int, span: int, dtype: torch.dtype, hot: bool) 
 def read_floor(batch: int, context: int, dtype: torch.dtype) -> tuple[float, int]:
     """ms to read the KV pieces cold attention reads (whole blocks), and how many bytes they are."""
     # the same bytes summed as fp32 (torch's bf16 sum is slower than the read)
-    cache = torch.randn(batch * -(-context // BLOCK), LAYERS, 2, BLOCK, KV_HEADS, HEAD_DIM).to(dtype).view(torch.float32)
+    cache = encode_rows(torch.randn(batch * -(-context // BLOCK), LAYERS, 2, BLOCK, KV_HEADS, HEAD_DIM), dtype)
+    cache = cache.view(torch.float32)
     return _median_ms(lambda: [cache[:, layer].sum() for layer in range(LAYERS)]), cache.numel() * 4
 
 
@@ -72,14 +75,16 @@ def main() -> None:
     parser.add_argument("--context", type=int, default=320)
     parser.add_argument("--span", type=int, default=1, help="query tokens per sequence")
     parser.add_argument("--threads", type=int, default=2)
+    parser.add_argument("--dtypes", nargs="+", choices=["float32", "bfloat16", "int8"],
+                        default=["float32", "bfloat16", "int8"], help="KV cache element types")
     args = parser.parse_args()
     torch.set_num_threads(args.threads)
     rows = {}
     for batch in args.batches:
-        for dtype in (torch.float32, torch.bfloat16):
-            megabytes = batch * args.context * LAYERS * 2 * KV_HEADS * HEAD_DIM * dtype.itemsize / 1e6
+        for dtype in (getattr(torch, name) for name in args.dtypes):
+            floor, read_bytes = read_floor(batch, args.context, dtype)
+            megabytes = read_bytes * args.context / (-(-args.context // BLOCK) * BLOCK) / 1e6  # the positions' own
             cold, hot = (measure(batch, args.context, args.span, dtype, hot) for hot in (False, True))
-            floor = read_floor(batch, args.context, dtype)[0]
             rows[f"b{batch} {str(dtype).removeprefix('torch.')}"] = {
                 "megabytes": round(megabytes, 1), "cold_ms": round(cold, 2), "hot_ms": round(hot, 2),
                 "read_floor_ms": round(floor, 2), "cold_gb_s": round(megabytes / cold, 1)}

@@ -1,13 +1,15 @@
-"""Decode throughput with an fp32 and a bf16 KV cache (`engine.kv_cache_dtype`), the two engines
-taking turns on every round and batch size (in alternating order) so the machine's drift hits
-both alike. Per batch size: each cache's tokens/s per round and the median of bf16 over fp32.
+"""Decode throughput with each KV cache type (`engine.kv_cache_dtype`: fp32, bf16, int8), the
+engines taking turns on every round and batch size (in alternating order) so the machine's drift
+hits all alike. Per batch size: each cache's tokens/s per round and the median of each over the
+first type's.
 Same workload as `bench.engine`'s decode figures (128 new tokens after a 256-token prompt, EOS
 ignored). And what each cache does to greedy output: on --agreement held-out chat prompts (128
 tokens each), how many answers are identical to the exact path's (`quantization: exact`, fp32
 cache: the fp32 model's arithmetic) and where the others first differ. Prints one JSON object,
 then tables.
 
-    python -m bench.kv_dtype [--batches 1 4 16] [--rounds 3] [--quantization auto] [--agreement 40]
+    python -m bench.kv_dtype [--dtypes float32 bfloat16 int8] [--batches 1 4 16] [--rounds 3]
+                             [--quantization auto] [--agreement 40]
 """
 
 import argparse
@@ -27,11 +29,11 @@ from tools.prompts import read_prompts
 
 PROMPTS = Path(__file__).parent / "prompts" / "chat_eval.jsonl"
 
-DTYPES = ("float32", "bfloat16")
-
 
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--dtypes", nargs="+", choices=["float32", "bfloat16", "int8"],
+                    default=["float32", "bfloat16", "int8"], help="cache types; ratios are over the first")
     ap.add_argument("--batches", type=int, nargs="+", default=[1, 4, 16])
     ap.add_argument("--rounds", type=int, default=3)
     ap.add_argument("--threads", type=int, default=2)
@@ -40,22 +42,26 @@ def main() -> None:
     args = ap.parse_args()
     torch.set_num_threads(args.threads)
     engines = {kv: Engine(EngineConfig(num_kv_blocks=1024, max_num_seqs=max(args.batches), kv_cache_dtype=kv,
-                                       quantization=args.quantization)) for kv in DTYPES}
-    tok_s = {kv: {b: [] for b in args.batches} for kv in DTYPES}
+                                       quantization=args.quantization)) for kv in args.dtypes}
+    tok_s = {kv: {b: [] for b in args.batches} for kv in args.dtypes}
     for rnd in range(args.rounds):
         for b in args.batches:
-            for kv in DTYPES[:: 1 if rnd % 2 == 0 else -1]:
+            for kv in args.dtypes[:: 1 if rnd % 2 == 0 else -1]:
                 tok_s[kv][b].append(round(ours_decode(engines[kv], b)[0], 1))
-    ratio = {b: round(statistics.median(h / f for f, h in zip(tok_s["float32"][b], tok_s["bfloat16"][b])), 3)
-             for b in args.batches}
+    base = args.dtypes[0]
+    ratio = {kv: {b: round(statistics.median(t / f for f, t in zip(tok_s[base][b], tok_s[kv][b])), 3)
+                  for b in args.batches} for kv in args.dtypes[1:]}
     agreement = against_exact(engines, args.agreement) if args.agreement else {}
     for engine in engines.values():
         engine.close()
     print(json.dumps({"isa": cpu_kernels.selected_isa(), "threads": args.threads, "quantization": args.quantization,
-                      "tokens_per_s": tok_s, "bf16_over_fp32": ratio, "against_exact": agreement}))
-    print("\n| batch | fp32 KV tok/s | bf16 KV tok/s | bf16 / fp32 (median) |\n|---|---|---|---|")
+                      "tokens_per_s": tok_s, f"over_{base}": ratio, "against_exact": agreement}))
+    print(f"\n| batch | {' | '.join(f'{kv} KV tok/s' for kv in args.dtypes)} | "
+          f"{' | '.join(f'{kv} / {base} (median)' for kv in ratio)} |")
+    print("|---" * (1 + len(args.dtypes) + len(ratio)) + "|")
     for b in args.batches:
-        print(f"| {b} | {tok_s['float32'][b]} | {tok_s['bfloat16'][b]} | {ratio[b]:.3f} |")
+        print(f"| {b} | {' | '.join(str(tok_s[kv][b]) for kv in args.dtypes)} | "
+              f"{' | '.join(f'{ratio[kv][b]:.3f}' for kv in ratio)} |")
     if agreement:
         print(f"\n| cache | answers identical to the exact path's (of {args.agreement}) "
               "| first difference, median token |\n|---|---|---|")

@@ -25,6 +25,7 @@ import torch
 import torch.nn.functional as F
 
 from engine import cpu_kernels
+from engine.kv_layout import decode_rows, encode_rows
 
 # Query spans up to this length go through the padded batch; longer ones through SDPA alone.
 SHORT_QUERY = 16
@@ -159,9 +160,9 @@ def _short_group(ids, starts, query_lens, context_lens, block_tables, block_size
 
 
 def write_kv(layer_cache: torch.Tensor, meta: AttentionMetadata, k: torch.Tensor, v: torch.Tensor) -> None:
-    """layer_cache: [num_blocks, 2, block_size, kv_heads, D]; k, v: [T, kv_heads, D]."""
-    layer_cache[meta.slot_blocks, 0, meta.slot_offsets] = k.to(layer_cache.dtype)
-    layer_cache[meta.slot_blocks, 1, meta.slot_offsets] = v.to(layer_cache.dtype)
+    """layer_cache: [num_blocks, 2, block_size, kv_heads, row] (kv_layout.py); k, v: [T, kv_heads, D]."""
+    layer_cache[meta.slot_blocks, 0, meta.slot_offsets] = encode_rows(k, layer_cache.dtype)
+    layer_cache[meta.slot_blocks, 1, meta.slot_offsets] = encode_rows(v, layer_cache.dtype)
 
 
 def paged_attention(q: torch.Tensor, layer_cache: torch.Tensor, meta: AttentionMetadata, scale: float) -> torch.Tensor:
@@ -191,7 +192,7 @@ def native_paged_attention(q: torch.Tensor, layer_cache: torch.Tensor, meta: Att
 
 def _gather_kv(layer_cache: torch.Tensor, tables: torch.Tensor, dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
     """[..., blocks] tables -> keys, values [..., kv_heads, blocks*block_size, D] as dtype (the queries')."""
-    kv = layer_cache[tables].to(dtype)  # [..., blocks, 2, bs, kv_heads, D]
+    kv = decode_rows(layer_cache[tables], dtype)  # [..., blocks, 2, bs, kv_heads, D]
     *lead, blocks, _, bs, kv_heads, d = kv.shape
     kv = kv.movedim(-4, 0).reshape(2, *lead, blocks * bs, kv_heads, d).transpose(-3, -2)
     return kv[0], kv[1]

@@ -222,11 +222,12 @@ class EngineConfig(BaseModel):
         "activations quantized to int8 per 32-block (llama.cpp's arithmetic; fastest); int8: as auto, and every "
         "float matrix (an HF model's) quantized to Q8_0 at load; exact: as stored, widened to their exact fp32 "
         "values (bit-identical to none); none: dequantized to dtype at load")
-    kv_cache_dtype: Literal["auto", "float32", "bfloat16"] = Field(
+    kv_cache_dtype: Literal["auto", "float32", "bfloat16", "int8"] = Field(
         "auto", description="KV cache element type (vLLM's name). bfloat16 halves the cache's memory, attention's "
-        "reads and every KV transfer's bytes (prefill and decode workers must agree). auto: bfloat16 where the CPU "
-        "engine multiplies int8 activations (quantization auto or int8 with quantized weights: approximate "
-        "already, as llama.cpp's f16 cache is), else dtype")
+        "reads and every KV transfer's bytes (prefill and decode workers must agree); int8 (cpu) stores each "
+        "head's key and value rows as int8 with one fp32 scale a row, about a quarter of fp32 (as llama.cpp's "
+        "q8_0 cache). auto: bfloat16 where the CPU engine multiplies int8 activations (quantization auto or int8 "
+        "with quantized weights: approximate already, as llama.cpp's f16 cache is), else dtype")
     block_size: int = Field(16, ge=1, le=256, description="tokens per KV block")
     num_kv_blocks: int = Field(2048, ge=2, description="KV blocks in the pool (target and draft share block ids)")
     max_num_seqs: int = Field(16, ge=1, description="sequences in one running batch")
@@ -249,6 +250,8 @@ class EngineConfig(BaseModel):
     @model_validator(mode="after")
     def _device_defaults(self) -> "EngineConfig":
         self.speculative = self.speculative.for_device(self.device)
+        if self.device == "cuda" and self.kv_cache_dtype == "int8":  # the Triton kernels read float rows
+            raise ValueError("kv_cache_dtype: int8 runs on device cpu; on cuda use auto, float32 or bfloat16")
         spec = self.speculative
         if self.device == "cuda" and spec.method == "eagle3" and spec.draft_confidence_threshold is None:
             # priced from forward times, which CUDA's asynchronous launches do not give

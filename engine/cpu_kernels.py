@@ -27,6 +27,7 @@ from pathlib import Path
 import torch
 
 from engine.home import pdspec_home
+from engine.kv_layout import row_elements
 from engine.quant import GROUP, KERNEL_FORMAT, PANEL_BLOCK_BYTES, QBLOCK, QuantizedTensor, pack_panels
 
 ISA_ENV = "PDSPEC_CPU_ISA"
@@ -37,6 +38,7 @@ _CSRC = Path(__file__).parent / "csrc"
 _SOURCES = ("packed_gemm.c", "quant_dot.c", "paged_attention.c", "decoder_step.c")
 KERNEL_FILES = _SOURCES + ("vector_isa.h", "kernels.h")  # what a build reads from its csrc directory
 _FLAGS = ["-O3", "-fopenmp", "-shared", "-fPIC", "-std=gnu11"]
+_KV_TYPES = {torch.float32: 0, torch.bfloat16: 1, torch.int8: 2}  # csrc/kernels.h: PD_KV_F32, ...
 # Limits of paged_attention.c (checked here so callers can pick another path up front).
 ATTENTION_MAX_HEAD_DIM, ATTENTION_MAX_GROUP = 256, 64
 
@@ -256,18 +258,19 @@ class CpuKernels:
                         out: torch.Tensor, span_masks: torch.Tensor | None = None) -> None:
         """Fill out[T, heads*D] for every sequence of the batch.
 
-        q: [T, heads, D] fp32; layer_cache: [blocks, 2, block_size, kv_heads, D] fp32 or bf16 (any
-        block/kv/offset strides, heads and D contiguous); block_tables int64 [B, max_blocks]; query_start_loc and
-        context_lens int32; span_masks: int32 [T] tree masks (see engine/attention.py) or None."""
+        q: [T, heads, D] fp32; layer_cache: [blocks, 2, block_size, kv_heads, row] rows of fp32, bf16
+        or int8 (engine/kv_layout.py; any block/kv/offset strides, heads and rows contiguous);
+        block_tables int64 [B, max_blocks]; query_start_loc and context_lens int32; span_masks:
+        int32 [T] tree masks (see engine/attention.py) or None."""
         q = q.contiguous()
         _, heads, dim = q.shape
         s_block, s_kv, s_offset, s_head, s_dim = layer_cache.stride()
-        if s_dim != 1 or s_head != dim:
-            raise ValueError("paged_attention: the cache's kv-head and head-dim axes must be contiguous")
-        if layer_cache.dtype not in (torch.float32, torch.bfloat16):
-            raise ValueError(f"paged_attention: a {layer_cache.dtype} cache; the kernel reads float32 or bfloat16")
+        row = row_elements(str(layer_cache.dtype).removeprefix("torch."), dim)
+        if s_dim != 1 or s_head != row or layer_cache.shape[-1] != row:
+            raise ValueError(f"paged_attention: the cache's kv-head and row axes must be contiguous, rows of {row} "
+                             f"{layer_cache.dtype} for head size {dim} (got shape {tuple(layer_cache.shape)})")
         rc = self._lib.pd_paged_attention(
-            q.data_ptr(), layer_cache.data_ptr(), layer_cache.dtype == torch.bfloat16, s_block, s_kv, s_offset,
+            q.data_ptr(), layer_cache.data_ptr(), kv_type(layer_cache), s_block, s_kv, s_offset,
             block_tables.data_ptr(), block_tables.shape[1], query_start_loc.data_ptr(), context_lens.data_ptr(),
             context_lens.shape[0], heads, layer_cache.shape[3], dim, layer_cache.shape[2], scale,
             out.data_ptr(), span_masks.data_ptr() if span_masks is not None else None, torch.get_num_threads(),
@@ -286,6 +289,13 @@ def _kernels_for(isa: str) -> CpuKernels:
     if isa not in supported_isas():
         raise ValueError(f"CPU kernels for {isa!r}: this CPU runs {', '.join(supported_isas())}")
     return CpuKernels(isa)
+
+
+def kv_type(cache: torch.Tensor) -> int:
+    """The C kernels' code for a KV cache's element type."""
+    if cache.dtype not in _KV_TYPES:
+        raise ValueError(f"a {cache.dtype} KV cache: the C kernels read float32, bfloat16 or int8 rows")
+    return _KV_TYPES[cache.dtype]
 
 
 def unpack_rows(packed: torch.Tensor, rows: torch.Tensor) -> torch.Tensor:

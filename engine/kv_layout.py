@@ -1,10 +1,16 @@
 """The one description of a worker's KV cache, shared by the workers and kvtransfer.
 
 Memory layout (target and draft alike): a block-major tensor
-    [num_blocks, num_layers, 2 (key, value), block_size, num_kv_heads, head_dim]
+    [num_blocks, num_layers, 2 (key, value), block_size, num_kv_heads, row]
 so one block of one cache is a single contiguous run of `block_bytes` bytes: a KV transfer moves
 one region per block, and a NIXL descriptor is (base + block_id * block_bytes, block_bytes).
 The draft (EAGLE3) cache is a second tensor indexed by the same block ids.
+
+A row is one head's key or value at one position: head_dim elements of the cache's dtype, and in
+an int8 cache 4 more bytes, the row's fp32 scale s (values round-half-even(x / s), s = max|x| /
+127, as llama.cpp's q8_0 cache quantizes per 32). The scale travels inside its row, so a block
+stays one contiguous run and a transfer or a KV move copies rows whole. encode_rows and
+decode_rows are the torch side of that format; the C kernels write and read the same bytes.
 """
 
 from dataclasses import dataclass, fields
@@ -14,6 +20,33 @@ import torch
 
 class KVLayoutMismatch(ValueError):
     """Two workers' caches cannot exchange blocks; the message names the differing field."""
+
+
+SCALE_BYTES = 4  # an int8 row's trailing fp32 scale
+
+
+def row_elements(dtype: str, head_dim: int) -> int:
+    """Elements (of the cache's dtype) in one head's key or value row."""
+    return head_dim + SCALE_BYTES if dtype == "int8" else head_dim
+
+
+def encode_rows(x: torch.Tensor, cache_dtype: torch.dtype) -> torch.Tensor:
+    """[..., head_dim] floats as a cache of `cache_dtype` stores them ([..., row])."""
+    if cache_dtype != torch.int8:
+        return x.to(cache_dtype)
+    x = x.float()
+    amax = x.abs().amax(-1, keepdim=True)
+    scale = amax / 127
+    values = torch.where(scale > 0, torch.round(x / scale), 0).to(torch.int8)
+    return torch.cat([values, scale.view(torch.int8)], -1)
+
+
+def decode_rows(rows: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
+    """Cache rows [..., row] back to [..., head_dim] of `dtype`."""
+    if rows.dtype != torch.int8:
+        return rows.to(dtype)
+    scale = rows[..., -SCALE_BYTES:].contiguous().view(torch.float32)
+    return (rows[..., :-SCALE_BYTES].float() * scale).to(dtype)
 
 
 @dataclass(frozen=True)
@@ -26,13 +59,13 @@ class CacheShape:
 @dataclass(frozen=True)
 class KVLayout:
     model: str  # identity of the weights the KV was computed with
-    dtype: str  # torch dtype name, e.g. "float32"
+    dtype: str  # torch dtype name: "float32", "bfloat16" or "int8"
     block_size: int
     target: CacheShape
     draft: CacheShape | None  # None when no EAGLE3 head is loaded
 
     def block_shape(self, cache: CacheShape) -> tuple[int, ...]:
-        return (cache.num_layers, 2, self.block_size, cache.num_kv_heads, cache.head_dim)
+        return (cache.num_layers, 2, self.block_size, cache.num_kv_heads, row_elements(self.dtype, cache.head_dim))
 
     def block_bytes(self, cache: CacheShape) -> int:
         elements = 1

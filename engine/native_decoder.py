@@ -17,7 +17,7 @@ import torch
 
 from engine.attention import native_paged_attention
 from engine.batch import ForwardBatch
-from engine.cpu_kernels import CpuKernels
+from engine.cpu_kernels import CpuKernels, kv_type
 from engine.quant import KERNEL_FORMAT
 
 _FORMATS = {torch.float32: 0, torch.bfloat16: 1}  # csrc/kernels.h; quantized: KERNEL_FORMAT (4, 8), +1 for int8 dots
@@ -35,7 +35,7 @@ class _Layer(ctypes.Structure):
 class _Model(ctypes.Structure):
     _fields_ = [(name, ctypes.c_int) for name in ("hidden", "heads", "kv_heads", "head_dim", "intermediate",
                                                   "block_size")] + [
-        ("eps", ctypes.c_float), ("scale", ctypes.c_float), ("cache", ctypes.c_void_p), ("cache_bf16", ctypes.c_int),
+        ("eps", ctypes.c_float), ("scale", ctypes.c_float), ("cache", ctypes.c_void_p), ("cache_type", ctypes.c_int),
         ("s_block", ctypes.c_long), ("s_layer", ctypes.c_long), ("s_kv", ctypes.c_long), ("s_offset", ctypes.c_long),
         ("attn_embed", ctypes.c_void_p), ("embed_norm", ctypes.c_void_p)]
 
@@ -138,7 +138,7 @@ class NativeDecoder:
         s_block, s_layer, s_kv, s_offset = kv_cache.stride()[:4]
         model = _Model(c.hidden_size, c.num_heads, c.num_kv_heads, c.head_dim, c.intermediate_size,
                        kv_cache.shape[3], c.rms_norm_eps, c.head_dim**-0.5, kv_cache.data_ptr(),
-                       kv_cache.dtype == torch.bfloat16,
+                       kv_type(kv_cache),
                        s_block, s_layer, s_kv, s_offset,
                        embed.data_ptr() if embed is not None else None,
                        self.embed_norm.data_ptr() if embed is not None else None)

@@ -30,21 +30,27 @@ ENGINE = {"num_kv_blocks": 256, "max_num_seqs": 8, "speculative": {"method": "ea
 DOCUMENT = " ".join(f"Section {i}: the committee reviewed budget line {i * 7} and approved it." for i in range(24))
 
 
-def _start(**roles) -> LocalCluster:
+def _start(engine: dict = ENGINE, **roles) -> LocalCluster:
     # Internal calls get a deadline no test reaches on a slow machine: a test waits on events.
     router = {"port": 0, "heartbeat_interval_s": 0.2, "heartbeat_timeout_s": 2.0, "request_timeout_s": 900.0}
-    config = parse_config({"engine": ENGINE, "cluster_token": "pdspec-tests", "router": router, **roles})
+    config = parse_config({"engine": engine, "cluster_token": "pdspec-tests", "router": router, **roles})
     return LocalCluster(config, 0).start()
+
+
+def _answers(engine_config: dict, questions: list[str]) -> dict[str, list[int]]:
+    """The in-process engine's greedy answers (what `pdspec generate` runs)."""
+    engine = Engine(EngineConfig(**engine_config))
+    out = {}
+    for q in questions:
+        prompt = engine.tokenizer.encode_chat([{"role": "user", "content": q}])
+        out[q] = [t for o in engine.generate(prompt, SamplingParams(max_tokens=MAX_TOKENS)) for t in o.token_ids]
+    engine.close()
+    return out
 
 
 @pytest.fixture(scope="module")
 def reference() -> dict[str, list[int]]:
-    engine = Engine(EngineConfig(**ENGINE))
-    out = {}
-    for q in QUESTIONS:
-        prompt = engine.tokenizer.encode_chat([{"role": "user", "content": q}])
-        out[q] = [t for o in engine.generate(prompt, SamplingParams(max_tokens=MAX_TOKENS)) for t in o.token_ids]
-    return out
+    return _answers(ENGINE, QUESTIONS)
 
 
 @pytest.fixture(scope="module")
@@ -131,6 +137,22 @@ def test_load_against_a_cluster_accounts_for_every_token(grpc_cluster):
     assert summary["prefill_tokens_computed"] + summary["cached_prompt_tokens"] == sum(r.prompt_tokens for r in records)
     assert summary["ttft_ms_p50"] <= summary["ttft_ms_p99"] and summary["itl_ms_p50"] > 0
     assert sum(summary["prefill_workers"].values()) == 4
+
+
+def test_an_int8_kv_cache_travels_whole_and_decodes_as_the_engine_does():
+    """engine.kv_cache_dtype int8 on both sides: each row's scale travels inside its block (here
+    over NIXL), so decoding continues from exactly the cache the prefill side wrote, drafts
+    included: answers token-identical to the in-process engine's on the same cache type."""
+    engine = {**ENGINE, "kv_cache_dtype": "int8"}
+    questions = QUESTIONS[:3]
+    expected = _answers(engine, questions)
+    cluster = _start(engine, prefill={"replicas": 1, "kv_transfer": "nixl"}, decode={"replicas": 1, "kv_transfer": "nixl"})
+    try:
+        stub = _stub(cluster)
+        for q in questions:
+            assert _generate(stub, _request(q))[0] == expected[q], q
+    finally:
+        cluster.stop()
 
 
 def test_aggregated_matches_the_engine(reference):

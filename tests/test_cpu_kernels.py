@@ -11,6 +11,7 @@ import torch
 from engine import cpu_kernels
 from engine.attention import AttentionMetadata, native_paged_attention, paged_attention
 from engine.batch import tree_layout
+from engine.kv_layout import encode_rows
 from engine.layers import Linear
 
 ISAS = cpu_kernels.supported_isas()
@@ -68,13 +69,13 @@ def _explicit_attention(q, layer_cache, meta, scale, visible):
 # 48: an odd number of vectors a head with AVX-512 (a bf16 cache's last one unpaired)
 @pytest.mark.parametrize("heads, kv_heads, dim, block_size", [(9, 3, 64, 16), (4, 4, 32, 8), (8, 2, 128, 16),
                                                               (6, 2, 48, 16)])
-@pytest.mark.parametrize("cache_dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("cache_dtype", [torch.float32, torch.bfloat16, torch.int8])
 def test_native_attention_matches_torch_path(isa, heads, kv_heads, dim, block_size, cache_dtype):
     # decodes, verification spans crossing blocks, a 16-token span, and two long prefill chunks
     query_lens = [1, 6, 1, 16, 5, 40, 20]
     context_lens = [1, 37, 300, 50, 18, 40, 61]
     q, layer_cache, meta = _case(query_lens, context_lens, heads, kv_heads, dim, block_size, seed=dim)
-    layer_cache = layer_cache.to(cache_dtype)  # engine.kv_cache_dtype: both paths widen it to fp32
+    layer_cache = encode_rows(layer_cache, cache_dtype)  # engine.kv_cache_dtype: both paths widen it to fp32
     ours = native_paged_attention(q, layer_cache, meta, dim**-0.5, isa)
     ref = paged_attention(q, layer_cache, meta, dim**-0.5)
     assert (ours - ref).abs().max() < 1e-4
@@ -110,14 +111,14 @@ def test_threads_share_the_partitions_without_changing_a_bit(isa, query_lens, co
 
 
 @pytest.mark.parametrize("isa", ISAS)
-@pytest.mark.parametrize("cache_dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("cache_dtype", [torch.float32, torch.bfloat16, torch.int8])
 def test_a_row_computes_the_same_bits_alone_and_in_a_batch(isa, cache_dtype):
     """A sequence alone has few tiles, so its key partitions run as separate tasks folded after;
     in a batch of many, each tile runs its partitions in turn. Either way (and for a verification
     span as for a decode step, with contexts of several partitions) each row gets the same bits."""
     query_lens, context_lens = [1, 6, 1, 1, 6, 1, 1, 1], [300, 200, 65, 64, 130, 1, 257, 90]
     q, layer_cache, meta = _case(query_lens, context_lens, 9, 3, 64, 16, seed=3)
-    layer_cache = layer_cache.to(cache_dtype)
+    layer_cache = encode_rows(layer_cache, cache_dtype)
     batched = native_paged_attention(q, layer_cache, meta, 0.125, isa)
     query_lens_, context_lens_, tables, block_size = meta.lists
     row = 0

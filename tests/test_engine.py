@@ -2,6 +2,7 @@
 
 import pytest
 import torch
+from pydantic import ValidationError
 
 from engine.config import EngineConfig
 from engine.engine import Engine
@@ -168,5 +169,10 @@ def test_the_kv_cache_is_bf16_where_activations_are_int8_and_as_asked_elsewhere(
     assert engine.runner.cache_dtype == "bfloat16" and engine.runner.kv_cache.dtype == torch.bfloat16
     for config, int8, expected in [(EngineConfig(), True, "bfloat16"), (EngineConfig(), False, "float32"),
                                    (EngineConfig(kv_cache_dtype="float32"), True, "float32"),
-                                   (EngineConfig(kv_cache_dtype="bfloat16"), False, "bfloat16")]:
+                                   (EngineConfig(kv_cache_dtype="bfloat16"), False, "bfloat16"),
+                                   (EngineConfig(kv_cache_dtype="int8"), False, "int8")]:
         assert config.cache_dtype(int8_activations=int8) == expected
+    with pytest.raises(ValidationError, match="kv_cache_dtype: int8 runs on device cpu"):
+        EngineConfig(device="cuda", kv_cache_dtype="int8", speculative={"draft_confidence_threshold": 0.1})
+    with pytest.raises(ValidationError, match="kv_cache_dtype"):
+        EngineConfig(kv_cache_dtype="fp8")

@@ -310,7 +310,7 @@ def test_wrong_token_is_unauthenticated(backend, source, dest):
 
 
 @pytest.mark.parametrize("backend", BACKENDS)
-@pytest.mark.parametrize("field, value", [("block_size", 8), ("dtype", "float32")])
+@pytest.mark.parametrize("field, value", [("block_size", 8), ("dtype", "float32"), ("dtype", "int8")])
 def test_layout_mismatch_names_the_field_and_moves_nothing(backend, source, dest, field, value):
     """A KV cache dtype (engine.kv_cache_dtype) or block size differing between the sides: refused,
     naming the field and both values."""

@@ -195,16 +195,18 @@ def test_adaptive_speculation_measures_both_ways_and_stays_lossless(prompts, pla
     assert set(engine.governor.figures()[1]) == {"draft", "plain"} and engine.counters["draft_tokens"] > 0
 
 
-def test_a_bfloat16_kv_cache_keeps_speculation_lossless(prompts):
-    """engine.kv_cache_dtype bfloat16: target and draft caches are bf16 (the C kernels widen them
-    as they read, the KV writes round to nearest even), and tree speculation with leaf KV moves
-    reproduces plain decoding over the same bf16 cache token for token."""
+@pytest.mark.parametrize("kv_cache_dtype", ["bfloat16", "int8"])
+def test_a_low_precision_kv_cache_keeps_speculation_lossless(prompts, kv_cache_dtype):
+    """engine.kv_cache_dtype bfloat16 or int8: target and draft caches hold that type (the C
+    kernels widen it as they read; writes round bf16 to nearest even, int8 per row with its
+    scale), and tree speculation with leaf KV moves (rows moved whole, scales with them)
+    reproduces plain decoding over the same cache type token for token."""
     def engine(**spec) -> Engine:
-        return Engine(EngineConfig(num_kv_blocks=256, max_num_seqs=4, kv_cache_dtype="bfloat16", speculative=spec))
+        return Engine(EngineConfig(num_kv_blocks=256, max_num_seqs=4, kv_cache_dtype=kv_cache_dtype, speculative=spec))
 
     plain, tree = engine(), engine(method="eagle3", num_speculative_tokens=6, draft_top_k=4, adaptive=False)
-    assert plain.runner.kv_cache.dtype == tree.runner.draft_cache.dtype == torch.bfloat16
-    assert plain.runner.layout.dtype == "bfloat16"
+    assert plain.runner.kv_cache.dtype == tree.runner.draft_cache.dtype == getattr(torch, kv_cache_dtype)
+    assert plain.runner.layout.dtype == kv_cache_dtype
     params = [SamplingParams(max_tokens=32)] * 4
     expected = _run(plain, prompts[:4], params)
     assert _run(tree, prompts[:4], params) == expected

@@ -39,7 +39,7 @@ typedef struct {
     int hidden, heads, kv_heads, head_dim, intermediate, block_size;
     float eps, scale;
     void *cache;                       /* layer 0 of [blocks, layers, 2, block_size, kv_heads, D] */
-    int cache_bf16;                    /* the cache's elements: bf16, else fp32 */
+    int cache_type;                    /* the cache's rows: PD_KV_F32, PD_KV_BF16 or PD_KV_INT8 */
     long s_block, s_layer, s_kv, s_offset;
     const float *attn_embed;           /* NULL, or [T][hidden]: layer 0's attention input is then
                                           [rmsnorm(attn_embed) * embed_norm, rmsnorm(x) * w_in], 2 *
@@ -120,14 +120,28 @@ static void rope(float *r, int heads, int D, const float *cos, const float *sin)
     }
 }
 
-/* n floats into the cache at element `at`, as its element type. */
-static void cache_write(const pd_model *m, char *cache, long at, const float *x, int n) {
-    if (!m->cache_bf16) {
+/* One head's row as an int8 cache holds it: round-half-even(x / s), then s = max|x| / 127 (the
+ * bytes engine/kv_layout.py's encode_rows writes). */
+static void quantize_kv_row(const float *x, int8_t *dst, int D) {
+    float amax = 0.0f;
+    for (int i = 0; i < D; i++) amax = fabsf(x[i]) > amax ? fabsf(x[i]) : amax;
+    float s = amax / 127.0f;
+    for (int i = 0; i < D; i++) dst[i] = s > 0.0f ? (int8_t)nearbyintf(x[i] / s) : 0;
+    memcpy(dst + D, &s, sizeof s);
+}
+
+/* The kv heads' rows x[kv_heads * D] into the cache at element `at`, as its rows are stored. */
+static void cache_write(const pd_model *m, char *cache, long at, const float *x) {
+    int D = m->head_dim, n = m->kv_heads * D;
+    if (m->cache_type == PD_KV_F32) {
         memcpy(cache + at * 4, x, sizeof(float) * n);
-        return;
+    } else if (m->cache_type == PD_KV_BF16) {
+        uint16_t *dst = (uint16_t *)cache + at;
+        for (int i = 0; i < n; i++) dst[i] = to_bf16(x[i]);
+    } else {
+        for (int h = 0; h < m->kv_heads; h++)
+            quantize_kv_row(x + (size_t)h * D, (int8_t *)cache + at + (long)h * pd_kv_row(PD_KV_INT8, D), D);
     }
-    uint16_t *dst = (uint16_t *)cache + at;
-    for (int i = 0; i < n; i++) dst[i] = to_bf16(x[i]);
 }
 
 /* h = the attention input of x's T rows; returns its width (2 * hidden with embed, else hidden). */
@@ -143,11 +157,11 @@ static int attention_input(const pd_model *m, const pd_layer *L, const pd_batch 
 
 /* Row t's key (rotated here, in place) and value into the cache at its slot. */
 static void store_kv(const pd_model *m, char *cache, const pd_batch *b, int t, float *k, const float *v) {
-    int D = m->head_dim, kv_size = m->kv_heads * D;
+    int D = m->head_dim;
     rope(k, m->kv_heads, D, b->cos + (size_t)b->positions[t] * D, b->sin + (size_t)b->positions[t] * D);
     long slot = b->slot_blocks[t] * m->s_block + b->slot_offsets[t] * m->s_offset;
-    cache_write(m, cache, slot, k, kv_size);
-    cache_write(m, cache, slot + m->s_kv, v, kv_size);
+    cache_write(m, cache, slot, k);
+    cache_write(m, cache, slot + m->s_kv, v);
 }
 
 static int attention_block(const pd_model *m, const pd_layer *L, char *cache, const pd_batch *b, const float *embed,
@@ -164,7 +178,7 @@ static int attention_block(const pd_model *m, const pd_layer *L, char *cache, co
     for (int t = 0; t < T; t++)  /* q rows packed [T][heads * D] for the attention kernel */
         memmove(h + (size_t)t * q_size, qkv + (size_t)t * width, sizeof(float) * q_size);
     double start = clock_start(b);
-    int rc = pd_paged_attention(h, cache, m->cache_bf16, m->s_block, m->s_kv, m->s_offset, b->block_tables, b->max_blocks,
+    int rc = pd_paged_attention(h, cache, m->cache_type, m->s_block, m->s_kv, m->s_offset, b->block_tables, b->max_blocks,
                                 b->query_start_loc, b->context_lens, b->num_seqs, m->heads, m->kv_heads, D,
                                 m->block_size, m->scale, att, b->span_masks, threads);
     clock_add(b, TIME_ATTENTION, start);
@@ -292,7 +306,7 @@ int pd_decoder_layers(const pd_model *m, const pd_layer *layers, int num_layers,
             if (aux_layers[j] == l)
                 for (int t = 0; t < T; t++)
                     memcpy(aux + ((size_t)t * num_aux + j) * H, x + (size_t)t * H, sizeof(float) * H);
-        char *cache = (char *)m->cache + (size_t)l * m->s_layer * (m->cache_bf16 ? 2 : 4);
+        char *cache = (char *)m->cache + (size_t)l * m->s_layer * pd_kv_esize(m->cache_type);
         if (attention_block(m, &layers[l], cache, b, l == 0 ? m->attn_embed : NULL, x, h, qkv, att, tmp, threads) ||
             mlp_block(m, &layers[l], b, x, h, qkv, tmp, threads))
             return -1;

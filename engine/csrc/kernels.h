@@ -23,6 +23,12 @@ static inline long pd_qblock_bytes(int qtype) {
 }
 static inline int pd_qscale_bytes(int qtype) { return qtype == 8 ? 2 : qtype == 4 ? 4 : 8; }
 
+/* KV cache element types (engine/kv_layout.py): a row, one head's key or value, is head_dim
+ * elements; an int8 row ends with its fp32 scale s (values round-half-even(x / s), s = max|x| / 127). */
+enum { PD_KV_F32 = 0, PD_KV_BF16 = 1, PD_KV_INT8 = 2 };
+static inline int pd_kv_esize(int kv_type) { return kv_type == PD_KV_F32 ? 4 : kv_type == PD_KV_BF16 ? 2 : 1; }
+static inline int pd_kv_row(int kv_type, int dim) { return kv_type == PD_KV_INT8 ? dim + 4 : dim; }
+
 void pd_packed_gemm(const float *x, const float *packed, const float *bias, float *y, int M, int K, int N,
                     int num_threads);
 void pd_packed_gemm_bf16(const float *x, const unsigned short *packed, const float *bias, float *y, int M, int K,
@@ -31,7 +37,7 @@ int pd_quant_gemm(int qtype, const float *x, const unsigned char *packed, const 
                   int K, int N, int num_threads);
 int pd_quant_gemm_i8(int qtype, const float *x, const unsigned char *packed, const float *bias, float *y, int M,
                      int K, int N, int num_threads);
-int pd_paged_attention(const float *q, const void *cache, int kv_bf16, long s_block, long s_kv, long s_offset,
+int pd_paged_attention(const float *q, const void *cache, int kv_type, long s_block, long s_kv, long s_offset,
                        const long *block_tables, int max_blocks, const int *query_start_loc,
                        const int *context_lens, int num_seqs, int heads, int kv_heads, int dim,
                        int block_size, float scale, float *out, const int *span_masks, int num_threads);

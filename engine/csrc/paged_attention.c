@@ -8,8 +8,9 @@
  *
  * Cache addressing (one layer of the block-major cache, any strides):
  *   key(block, offset, kv_head)   = cache + block*s_block + offset*s_offset + kv_head*D
- * in elements of the cache's type: fp32, or bf16 (kv_bf16; widened to fp32 in registers as it is
- * read, see key_chunk).
+ * in elements of the cache's type (kv_type, kernels.h): fp32, bf16 or int8, widened to fp32 in
+ * registers as they are read (key_chunk); an int8 row's scale (after its D values) multiplies
+ * the key's score and the value's weight instead of its elements.
  *   value(block, offset, kv_head) = the same + s_kv
  * Query token i of sequence b sits at position ctx_b - qlen_b + i and sees keys 0..position; with
  * span_masks (a tree-shaped verification span), of the sequence's own query tokens only those
@@ -25,7 +26,7 @@
 #include <stdlib.h>
 #include <string.h>
 
-#include "vector_isa.h"
+#include "kernels.h"
 
 #define MAX_ROWS 64      /* query tokens x grouped heads handled together */
 #define MAX_DIM 256
@@ -44,10 +45,18 @@ typedef struct {
     int n;
 } part_keys;
 
-/* Key `pos` of kv head `kv_head` in a sequence's blocks (`table`), in bytes from `cache`. */
+/* Key `pos` of kv head `kv_head` in a sequence's blocks (`table`), in bytes from `cache`; `row`:
+ * a head's elements (pd_kv_row). */
 static inline const char *key_address(const char *cache, const long *table, int block_size, long s_block,
-                                      long s_offset, int kv_head, int dim, long esize, int pos) {
-    return cache + (table[pos / block_size] * s_block + (long)(pos % block_size) * s_offset + (long)kv_head * dim) * esize;
+                                      long s_offset, int kv_head, int row, long esize, int pos) {
+    return cache + (table[pos / block_size] * s_block + (long)(pos % block_size) * s_offset + (long)kv_head * row) * esize;
+}
+
+/* The fp32 scale after an int8 row's `dim` values. */
+static inline float row_scale(const char *row, int dim) {
+    float s;
+    memcpy(&s, row + dim, sizeof s);
+    return s;
 }
 
 /* `bytes` at p towards L1. */
@@ -92,15 +101,17 @@ static inline vfloat sum_lanes(vfloat *d) {
     return d[0];
 }
 
-/* Chunk c of the `dim` floats at p (a key or a value), of `chunks`. A bf16 cache's elements are
+/* Chunk c of the `dim` elements at p (a key or a value), of `chunks`, as floats (an int8 row's
+ * unscaled: its scale is applied per key, see attend_tile). A bf16 cache's elements are
  * widened in registers, two chunks per vector of 32-bit words and split by parity: chunk 2j holds
  * elements 2(jL + l), the words' low halves, chunk 2j + 1 the high halves 2(jL + l) + 1 (L =
  * LANES), a shift or a mask each, no shuffle; an odd last chunk is widened in order. The queries
  * are permuted the same way (permute_query), the weighted values put back in order
  * (store_chunks). A widening pass through memory cost more than the attention's arithmetic at
  * batch 16 (AVX-512: 3.6 against 2.2 ms over 30 layers, keys in cache). */
-static inline vfloat key_chunk(const char *p, int c, int chunks, int bf16) {
-    if (!bf16) return load_f32((const float *)p + LANES * c);
+static inline vfloat key_chunk(const char *p, int c, int chunks, int kv_type) {
+    if (kv_type == PD_KV_F32) return load_f32((const float *)p + LANES * c);
+    if (kv_type == PD_KV_INT8) return load_i8((const int8_t *)p + LANES * c);
     if (c == chunks - 1 && chunks % 2) return load_bf16((const uint16_t *)p + LANES * c);
     vword w;
     memcpy(&w, p + (size_t)(c / 2) * LANES * 4, sizeof w);
@@ -147,7 +158,7 @@ static inline int key_stride(int chunks) { return chunks >= 8 ? 1 : 2; }
 #define PAIRED_SUMS (LANES == 16 ? 16 : 8)
 
 /* Rows r .. r + rows - 1 (rows: 1 or 2) of a partition: the exps-weighted sum of the values of keys
- * 0 .. visible - 1, into part's rows, key_stride keys a step. Two rows share each value chunk's
+ * 0 .. visible - 1 (in an int8 cache, each exp times its value's scale, vscale), into part's rows, key_stride keys a step. Two rows share each value chunk's
  * load (and widening), half the loads per FMA of one row alone (a verification span's tiles have
  * 18 rows). The sums stay in registers over the whole
  * partition (summed through `part` step by step, each step paid a load and a store per chunk).
@@ -160,9 +171,10 @@ static inline int key_stride(int chunks) { return chunks >= 8 ? 1 : 2; }
  * (Spread over all rows instead, a 4 x 6-token batch gained 10-15 % and bf16 decoding on AVX2
  * lost 2-5 %.) */
 static inline __attribute__((always_inline)) void weigh_values(
-    const char *const *keys, long value_offset, const float *exps, float *part, int r, const int rows,
-    const int *pos, int nrows, int k0, int k1, const int dim, const int kv_bf16, const part_keys *next) {
-    const int chunks = dim / LANES, stride = key_stride(chunks), bytes = dim * (kv_bf16 ? 2 : 4);
+    const char *const *keys, long value_offset, const float *exps, const float *vscale, float *part, int r,
+    const int rows, const int *pos, int nrows, int k0, int k1, const int dim, const int kv_type,
+    const part_keys *next) {
+    const int chunks = dim / LANES, stride = key_stride(chunks), bytes = pd_kv_row(kv_type, dim) * pd_kv_esize(kv_type);
     const int row_exps = PART_KEYS / KEYS * KEYS;  /* floats from one row's exps to the next's */
     vfloat a[2][2][MAX_DIM / LANES];              /* [row][key parity][chunk] */
     int visible = 0;
@@ -181,14 +193,17 @@ static inline __attribute__((always_inline)) void weigh_values(
         }
         /* key o into the even sums, o + 1 into the odd (k a constant: indexed by a variable, the
          * sums lived in memory) */
+#define WEIGHT(i, k) (kv_type == PD_KV_INT8 ? exps[(size_t)(i) * row_exps + o + (k)] * vscale[o + (k)] \
+                                               : exps[(size_t)(i) * row_exps + o + (k)])
 #define WEIGH(k)                                                                              \
         for (int c = 0; c < chunks; c++) {                                                    \
-            vfloat v = key_chunk(keys[o + (k)] + value_offset, c, chunks, kv_bf16);           \
-            for (int i = 0; i < rows; i++) a[i][k][c] += exps[(size_t)i * row_exps + o + (k)] * v; \
+            vfloat v = key_chunk(keys[o + (k)] + value_offset, c, chunks, kv_type);           \
+            for (int i = 0; i < rows; i++) a[i][k][c] += WEIGHT(i, k) * v;                    \
         }
         WEIGH(0)
         if (stride == 2 && o + 1 < visible) WEIGH(1)
 #undef WEIGH
+#undef WEIGHT
     }
     for (int o = visible + (visible % stride); o < requests; o++) {
         if (ask_keys) request_lines(next->keys[o], bytes);
@@ -196,7 +211,7 @@ static inline __attribute__((always_inline)) void weigh_values(
     }
     for (int i = 0; i < rows; i++) {
         for (int c = 0; c < chunks; c++) a[i][0][c] += a[i][1][c];
-        store_chunks(part + (size_t)(r + i) * (dim + 2), a[i][0], chunks, kv_bf16);
+        store_chunks(part + (size_t)(r + i) * (dim + 2), a[i][0], chunks, kv_type == PD_KV_BF16);
     }
 }
 
@@ -209,15 +224,16 @@ static inline __attribute__((always_inline)) void weigh_values(
 static inline __attribute__((always_inline)) void attend_tile(
     const float *const *qrows, const int *pos, const int *tree, int span0, const int *span_map, int nrows,
     const char *cache, long s_block, long s_kv, long s_offset, const long *table, int block_size, int kv_head,
-    const int dim, const int kv_bf16, float scale, int k0, int k1, const part_keys *next, float *part) {
-    const long esize = kv_bf16 ? 2 : 4, value_offset = s_kv * esize;  /* bytes from a key to its value */
-    const int chunks = dim / LANES, steps = (k1 - k0 + KEYS - 1) / KEYS;
-#define KV(p, c) key_chunk(p, c, chunks, kv_bf16)
+    const int dim, const int kv_type, float scale, int k0, int k1, const part_keys *next, float *part) {
+    const long esize = pd_kv_esize(kv_type), value_offset = s_kv * esize;  /* bytes from a key to its value */
+    const int chunks = dim / LANES, steps = (k1 - k0 + KEYS - 1) / KEYS, row = pd_kv_row(kv_type, dim);
+    const int bf16 = kv_type == PD_KV_BF16, int8 = kv_type == PD_KV_INT8;
+#define KV(p, c) key_chunk(p, c, chunks, kv_type)
     static __thread float permuted[MAX_ROWS * MAX_DIM];  /* the queries in key_chunk's order (bf16) */
     const float *q[MAX_ROWS];
     for (int r = 0; r < nrows; r++) {
-        q[r] = kv_bf16 ? permuted + (size_t)r * dim : qrows[r];
-        if (kv_bf16) permute_query(qrows[r], permuted + (size_t)r * dim, chunks);
+        q[r] = bf16 ? permuted + (size_t)r * dim : qrows[r];
+        if (bf16) permute_query(qrows[r], permuted + (size_t)r * dim, chunks);
     }
     vfloat scores[MAX_ROWS][PART_KEYS / KEYS];
     const vint lane = {LANE_LIST(LANE_INDEX, 0)};
@@ -225,18 +241,25 @@ static inline __attribute__((always_inline)) void attend_tile(
     for (int o = 0; o < steps * KEYS; o++) {
         int p = k0 + o < k1 ? k0 + o : k0;  /* past k1: valid memory, masked out below */
         if (span_map && p >= span0) p = span0 + span_map[p - span0];
-        keys[o] = key_address(cache, table, block_size, s_block, s_offset, kv_head, dim, esize, p);
+        keys[o] = key_address(cache, table, block_size, s_block, s_offset, kv_head, row, esize, p);
         /* Every line of the partition's keys and values requested at once: the keys sit in
          * blocks scattered over the pool, in strided pieces (one head of each token), a pattern
          * the hardware prefetcher does not follow; read on demand, each line waited its turn. */
-        for (long l = 0; l < dim * esize; l += 64) {
+        for (long l = 0; l < row * esize; l += 64) {
             __builtin_prefetch(keys[o] + l);
             __builtin_prefetch(keys[o] + s_kv * esize + l);
         }
     }
 #define VISIBLE(r, st) (pos[r] + 1 - (k0 + (st) * KEYS) < KEYS ? pos[r] + 1 - (k0 + (st) * KEYS) : KEYS)
+    float kscale[PART_KEYS], vscale[PART_KEYS];  /* an int8 cache's row scales */
+    if (int8)
+        for (int o = 0; o < steps * KEYS; o++) {
+            kscale[o] = row_scale(keys[o], dim) * scale;
+            vscale[o] = row_scale(keys[o] + value_offset, dim);
+        }
     for (int st = 0; st < steps; st++) {
         const char *const *kv = keys + st * KEYS;
+        const vfloat key_scale = int8 ? load_f32(kscale + st * KEYS) : splat(scale);
         for (int r = 0; r < nrows; r++) {
             int visible = VISIBLE(r, st);
             if (visible <= 0) {
@@ -255,7 +278,7 @@ static inline __attribute__((always_inline)) void attend_tile(
                 vint span_key = lane + (k0 + st * KEYS - span0);
                 valid &= (span_key < 0) | (((splat_i(tree[r]) >> (span_key & 31)) & 1) != 0);
             }
-            scores[r][st] = select_lanes(valid, sum_lanes(d) * scale, splat(-INFINITY));
+            scores[r][st] = select_lanes(valid, sum_lanes(d) * key_scale, splat(-INFINITY));
         }
     }
     for (int r = 0; r < nrows; r++) {  /* scores -> exps (below -87 after the max: 0) */
@@ -279,9 +302,11 @@ static inline __attribute__((always_inline)) void attend_tile(
     const int pair = 2 * key_stride(chunks) * chunks <= PAIRED_SUMS && nrows >= 4;
     int r = 0;
     for (; pair && r + 1 < nrows; r += 2)
-        weigh_values(keys, value_offset, (const float *)scores[r], part, r, 2, pos, nrows, k0, k1, dim, kv_bf16, next);
+        weigh_values(keys, value_offset, (const float *)scores[r], vscale, part, r, 2, pos, nrows, k0, k1, dim, kv_type,
+                     next);
     for (; r < nrows; r++)
-        weigh_values(keys, value_offset, (const float *)scores[r], part, r, 1, pos, nrows, k0, k1, dim, kv_bf16, next);
+        weigh_values(keys, value_offset, (const float *)scores[r], vscale, part, r, 1, pos, nrows, k0, k1, dim, kv_type,
+                     next);
 #undef VISIBLE
 #undef KV
 }
@@ -289,15 +314,17 @@ static inline __attribute__((always_inline)) void attend_tile(
 static __attribute__((noinline)) void attend_tile_dim(
     const float *const *qrows, const int *pos, const int *tree, int span0, const int *span_map, int nrows,
     const char *cache, long s_block, long s_kv, long s_offset, const long *table, int block_size, int kv_head,
-    int dim, int kv_bf16, float scale, int k0, int k1, const part_keys *next, float *part) {
-#define ATTEND(D, B) attend_tile(qrows, pos, tree, span0, span_map, nrows, cache, s_block, s_kv, s_offset, table, \
-                                 block_size, kv_head, D, B, scale, k0, k1, next, part)
-    switch (2 * dim + !!kv_bf16) {  /* the common head sizes get fully unrolled copies, per cache type */
-        case 128: ATTEND(64, 0); break;
-        case 129: ATTEND(64, 1); break;
-        case 256: ATTEND(128, 0); break;
-        case 257: ATTEND(128, 1); break;
-        default: ATTEND(dim, kv_bf16);
+    int dim, int kv_type, float scale, int k0, int k1, const part_keys *next, float *part) {
+#define ATTEND(D, T) attend_tile(qrows, pos, tree, span0, span_map, nrows, cache, s_block, s_kv, s_offset, table, \
+                                 block_size, kv_head, D, T, scale, k0, k1, next, part)
+    switch (4 * dim + kv_type) {  /* the common head sizes get fully unrolled copies, per cache type */
+        case 4 * 64 + PD_KV_F32: ATTEND(64, PD_KV_F32); break;
+        case 4 * 64 + PD_KV_BF16: ATTEND(64, PD_KV_BF16); break;
+        case 4 * 64 + PD_KV_INT8: ATTEND(64, PD_KV_INT8); break;
+        case 4 * 128 + PD_KV_F32: ATTEND(128, PD_KV_F32); break;
+        case 4 * 128 + PD_KV_BF16: ATTEND(128, PD_KV_BF16); break;
+        case 4 * 128 + PD_KV_INT8: ATTEND(128, PD_KV_INT8); break;
+        default: ATTEND(dim, kv_type);
     }
 #undef ATTEND
 }
@@ -306,7 +333,7 @@ static __attribute__((noinline)) void attend_tile_dim(
 typedef struct {
     const float *q;
     const char *cache;
-    int kv_bf16;
+    int kv_type;
     long s_block, s_kv, s_offset;
     const long *block_tables;
     const int *query_start_loc, *context_lens, *span_masks;
@@ -359,7 +386,7 @@ static void attend_part(const attn_call *a, const tile *t, const tile_rows *r, i
     int k0 = p * PART_KEYS, k1 = k0 + PART_KEYS < t->keys ? k0 + PART_KEYS : t->keys;
     attend_tile_dim(r->q, r->pos, r->tree, r->pos0, t->mask ? r->span_map : 0, r->n, a->cache, a->s_block, a->s_kv,
                     a->s_offset, a->block_tables + (long)t->seq * a->max_blocks, a->block_size, t->kv_head, a->dim,
-                    a->kv_bf16, a->scale, k0, k1, next, part);
+                    a->kv_type, a->scale, k0, k1, next, part);
 }
 
 /* state (same layout as a partition, empty: l = 0) += the next partition, as one softmax. */
@@ -393,11 +420,11 @@ static void keys_of_part(const attn_call *a, const tile *t, int p, part_keys *ou
     out->n = 0;
     if (!t || t->mask || p >= tile_parts(t)) return;
     const long *table = a->block_tables + (long)t->seq * a->max_blocks;
-    long esize = a->kv_bf16 ? 2 : 4;
+    long esize = pd_kv_esize(a->kv_type);
     int k1 = (p + 1) * PART_KEYS < t->keys ? (p + 1) * PART_KEYS : t->keys;
     for (int k = p * PART_KEYS; k < k1; k++)
-        out->keys[out->n++] = key_address(a->cache, table, a->block_size, a->s_block, a->s_offset, t->kv_head, a->dim,
-                                          esize, k);
+        out->keys[out->n++] = key_address(a->cache, table, a->block_size, a->s_block, a->s_offset, t->kv_head,
+                                          pd_kv_row(a->kv_type, a->dim), esize, k);
 }
 
 /* A tile start to end in one task: its partitions in turn, each requesting the next one's memory
@@ -543,18 +570,18 @@ static int attend_tiles_split(const attn_call *a, const tile *tiles, int ntiles,
 
 /* q: [T, heads, dim]; out: [T, heads*dim]; block_tables: [num_seqs, max_blocks]; span_masks:
  * [T] tree masks (bit j: the row sees the span's token j; -1 = all, the causal rule alone), or
- * NULL; cache: fp32, or bf16 with kv_bf16 (strides in elements). Every sequence, prefill chunks
+ * NULL; cache: rows of kv_type (kernels.h; strides in elements). Every sequence, prefill chunks
  * as much as decode steps: a row computes the same bits however long its sequence's query is
  * and whatever else is in the batch.
  * Returns 0, or -1 if a shape is outside the kernel's limits (the caller checks these first)
  * or memory runs out. */
-int pd_paged_attention(const float *q, const void *cache, int kv_bf16, long s_block, long s_kv, long s_offset,
+int pd_paged_attention(const float *q, const void *cache, int kv_type, long s_block, long s_kv, long s_offset,
                        const long *block_tables, int max_blocks, const int *query_start_loc,
                        const int *context_lens, int num_seqs, int heads, int kv_heads, int dim,
                        int block_size, float scale, float *out, const int *span_masks, int num_threads) {
     int group = heads / kv_heads;
-    if (dim % 16 || dim > MAX_DIM || group > MAX_ROWS) return -1;
-    attn_call a = {q, cache, kv_bf16, s_block, s_kv, s_offset, block_tables, query_start_loc, context_lens, span_masks,
+    if (dim % 16 || dim > MAX_DIM || group > MAX_ROWS || kv_type < PD_KV_F32 || kv_type > PD_KV_INT8) return -1;
+    attn_call a = {q, cache, kv_type, s_block, s_kv, s_offset, block_tables, query_start_loc, context_lens, span_masks,
                    max_blocks, heads, kv_heads, group, dim, block_size, scale, out};
     tile *tiles = malloc(sizeof(tile) * (size_t)kv_heads * (query_start_loc[num_seqs] + num_seqs));
     if (!tiles) return -1;

@@ -78,6 +78,20 @@ static inline vfloat load_f16(const uint16_t *p) {
 #endif
 }
 
+/* LANES int8 values as fp32 (an int8 KV cache's rows): sign-extended and converted in two
+ * instructions on x86 (GCC 12 converts an int8 vector to floats one element at a time). */
+static inline vfloat load_i8(const int8_t *p) {
+#if defined(__AVX512F__)
+    return (vfloat)_mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(_mm_loadu_si128((const __m128i *)p)));
+#elif defined(__AVX2__)
+    return (vfloat)_mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(_mm_loadl_epi64((const __m128i *)p)));
+#else
+    float f[LANES];
+    for (int i = 0; i < LANES; i++) f[i] = (float)p[i];
+    return load_f32(f);
+#endif
+}
+
 /* Lane helpers and exp, shared by the attention kernel and the decoder step. */
 typedef int vint __attribute__((vector_size(LANES * 4)));
 
