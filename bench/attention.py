@@ -7,7 +7,8 @@ the `--context` positions), `--context` cached positions each, blocks scattered 
 a long-running server leaves them. Cold: every sequence has blocks of its own (batch x context x 1536 bytes a
 layer). Hot: every sequence reads the same blocks of one layer (they stay in L2), so the time is
 the kernel's arithmetic. Read floor: torch summing the same per-layer slices of the cache (the
-bytes cold attention reads, in the same pieces). Prints one JSON object, then a table.
+bytes cold attention reads, in the same pieces). The cache types take turns in every round (cold,
+hot and reads each), so the host's drift hits all alike. Prints one JSON object, then a table.
 
     python -m bench.attention [--batches 1 4 16] [--context 320] [--span 1] [--threads 2]
                               [--dtypes float32 bfloat16 int8]
@@ -15,26 +16,16 @@ bytes cold attention reads, in the same pieces). Prints one JSON object, then a 
 
 import argparse
 import json
-import time
 from typing import Callable
 
 import torch
 
+from bench.timing import alternated_median_ms
 from engine import cpu_kernels
 from engine.kv_layout import encode_rows
 
 LAYERS, HEADS, KV_HEADS, HEAD_DIM, BLOCK = 30, 9, 3, 64, 16
-
-
-def _median_ms(fn, reps: int = 15) -> float:
-    for _ in range(3):
-        fn()
-    times = []
-    for _ in range(reps):
-        start = time.perf_counter()
-        fn()
-        times.append(time.perf_counter() - start)
-    return sorted(times)[reps // 2] * 1e3
+REPS = 15
 
 
 def attention_step(kernels: cpu_kernels.CpuKernels, batch: int, context: int, span: int, dtype: torch.dtype,
@@ -56,17 +47,12 @@ def attention_step(kernels: cpu_kernels.CpuKernels, batch: int, context: int, sp
     return step, out
 
 
-def measure(batch: int, context: int, span: int, dtype: torch.dtype, hot: bool) -> float:
-    """ms for one decode step's attention over all layers."""
-    return _median_ms(attention_step(cpu_kernels.kernels(), batch, context, span, dtype, hot)[0])
-
-
-def read_floor(batch: int, context: int, dtype: torch.dtype) -> tuple[float, int]:
-    """ms to read the KV pieces cold attention reads (whole blocks), and how many bytes they are."""
+def read_floor(batch: int, context: int, dtype: torch.dtype) -> tuple[Callable[[], None], int]:
+    """A read of the KV pieces cold attention reads (whole blocks), and how many bytes they are."""
     # the same bytes summed as fp32 (torch's bf16 sum is slower than the read)
     cache = encode_rows(torch.randn(batch * -(-context // BLOCK), LAYERS, 2, BLOCK, KV_HEADS, HEAD_DIM), dtype)
     cache = cache.view(torch.float32)
-    return _median_ms(lambda: [cache[:, layer].sum() for layer in range(LAYERS)]), cache.numel() * 4
+    return lambda: [cache[:, layer].sum() for layer in range(LAYERS)], cache.numel() * 4
 
 
 def main() -> None:
@@ -80,14 +66,19 @@ def main() -> None:
     args = parser.parse_args()
     torch.set_num_threads(args.threads)
     rows = {}
+    kernels = cpu_kernels.kernels()
     for batch in args.batches:
-        for dtype in (getattr(torch, name) for name in args.dtypes):
-            floor, read_bytes = read_floor(batch, args.context, dtype)
-            megabytes = read_bytes * args.context / (-(-args.context // BLOCK) * BLOCK) / 1e6  # the positions' own
-            cold, hot = (measure(batch, args.context, args.span, dtype, hot) for hot in (False, True))
-            rows[f"b{batch} {str(dtype).removeprefix('torch.')}"] = {
-                "megabytes": round(megabytes, 1), "cold_ms": round(cold, 2), "hot_ms": round(hot, 2),
-                "read_floor_ms": round(floor, 2), "cold_gb_s": round(megabytes / cold, 1)}
+        dtypes = {name: getattr(torch, name) for name in args.dtypes}
+        cold, hot = ({name: attention_step(kernels, batch, args.context, args.span, dtype, is_hot)[0]
+                      for name, dtype in dtypes.items()} for is_hot in (False, True))
+        reads = {name: read_floor(batch, args.context, dtype) for name, dtype in dtypes.items()}
+        cold, hot = (alternated_median_ms(calls, REPS, warmup=3) for calls in (cold, hot))
+        floor = alternated_median_ms({name: read for name, (read, _) in reads.items()}, REPS, warmup=3)
+        for name in dtypes:
+            megabytes = reads[name][1] * args.context / (-(-args.context // BLOCK) * BLOCK) / 1e6  # the positions' own
+            rows[f"b{batch} {name}"] = {
+                "megabytes": round(megabytes, 1), "cold_ms": round(cold[name], 2), "hot_ms": round(hot[name], 2),
+                "read_floor_ms": round(floor[name], 2), "cold_gb_s": round(megabytes / cold[name], 1)}
     print(json.dumps({"isa": cpu_kernels.selected_isa(), "threads": args.threads, "context": args.context,
                       "span": args.span, "rows": rows}))
     print(f"{'':16}{'MB':>8}{'cold ms':>10}{'hot ms':>10}{'read ms':>10}{'cold GB/s':>11}")

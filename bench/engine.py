@@ -214,7 +214,7 @@ def main() -> None:
     ap.add_argument("--prefill", type=int, nargs="*", default=[], help="prompt lengths to time one prefill forward of")
     ap.add_argument("--quantization", choices=["auto", "exact", "none"], default="auto",
                     help="engine.quantization: how the GGUF's quantized weights run")
-    ap.add_argument("--kv-cache-dtype", choices=["auto", "float32", "bfloat16"], default="auto",
+    ap.add_argument("--kv-cache-dtype", choices=["auto", "float32", "bfloat16", "int8"], default="auto",
                     help="engine.kv_cache_dtype: our KV cache's element type")
     ap.add_argument("--skip-hf", action="store_true", help="ours only")
     args = ap.parse_args()

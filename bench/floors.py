@@ -33,9 +33,11 @@ from pathlib import Path
 import torch
 
 from bench.attention import read_floor
+from bench.timing import alternated_median_ms
 from engine import cpu_kernels
 from engine.config import EngineConfig
 from engine.engine import Engine
+from engine.kv_layout import row_elements
 
 
 def probe(isa: str, threads: int) -> dict[str, float]:
@@ -70,7 +72,8 @@ def model_costs(engine: Engine) -> dict[str, float]:
         "weight_bytes": sum(lin.weight.numel() * lin.weight.element_size() for lin in linears),
         "int8_macs": sum(lin.in_features * lin.out_features for lin in linears if lin.int8_dot),
         "fp32_macs": sum(lin.in_features * lin.out_features for lin in linears if not lin.int8_dot),
-        "kv_bytes_per_position": config.num_layers * 2 * config.num_kv_heads * config.head_dim * kv_dtype.itemsize,
+        "kv_bytes_per_position": config.num_layers * 2 * config.num_kv_heads
+        * row_elements(engine.runner.cache_dtype, config.head_dim) * kv_dtype.itemsize,
         "attention_fmas_per_position": config.num_layers * 2 * config.num_heads * config.head_dim,
     }
 
@@ -91,7 +94,7 @@ def main() -> None:
     ap.add_argument("--context", type=int, default=320, help="cached positions per sequence")
     ap.add_argument("--batches", type=int, nargs="+", default=[1, 4, 16])
     ap.add_argument("--spans", type=int, nargs="+", default=[6], help="query tokens of a verification forward")
-    ap.add_argument("--kv-cache-dtype", choices=["auto", "float32", "bfloat16"], default="auto",
+    ap.add_argument("--kv-cache-dtype", choices=["auto", "float32", "bfloat16", "int8"], default="auto",
                     help="engine.kv_cache_dtype (auto: the engine's default for this model and quantization)")
     args = ap.parse_args()
     if args.context < 1:
@@ -100,7 +103,8 @@ def main() -> None:
     isa = cpu_kernels.selected_isa()
     engine = Engine(EngineConfig(model=args.model, num_threads=args.threads, kv_cache_dtype=args.kv_cache_dtype))
     costs = model_costs(engine)
-    read_ms, read_bytes = read_floor(16, args.context, getattr(torch, engine.runner.cache_dtype))
+    read, read_bytes = read_floor(16, args.context, getattr(torch, engine.runner.cache_dtype))
+    read_ms = alternated_median_ms({"read": read}, reps=15, warmup=3)["read"]
     rates = {**probe(isa, args.threads), "stream_gb_s": stream_gb_s(), "kv_read_gb_s": read_bytes / read_ms / 1e6}
     one = step_floor_ms(costs, rates, args.threads, 1, 1, args.context)["floor_ms"]
     steps = {}

@@ -9,12 +9,13 @@ level this process selects (`PDSPEC_CPU_ISA`). Timed, per build, as the median o
   (a few layers' weights stay in L3 from rep to rep: the tiles' own time, without DRAM's);
 - paged attention over 30 layers, cold (every layer's cache its own), 9 heads over 3 KV heads of 64,
   `--context` cached positions, for each batch x span in `--attention` (span: query tokens per
-  sequence, as a verification span), fp32 and bf16 caches; `--hot`: one cache for all layers,
+  sequence, as a verification span), per `--kv-dtypes` cache type; `--hot`: one cache for all layers,
   staying in L2 (the kernel's own work, without DRAM's);
 and checked: both builds' outputs on the same inputs (max abs difference). Prints one JSON object,
 then a table.
 
-    python -m bench.kernel_ab --base REV [--rows 1 6 16] [--layers N] [--attention 1x1 1x6 4x1 16x1] [--hot] [--context 262]
+    python -m bench.kernel_ab --base REV [--rows 1 6 16] [--layers N] [--attention 1x1 1x6 4x1 16x1] [--hot]
+                              [--context 262] [--kv-dtypes float32 bfloat16]
 """
 
 import argparse
@@ -88,6 +89,8 @@ def main() -> None:
     ap.add_argument("--attention", nargs="*", type=batch_by_span, default=[(1, 1), (1, 6), (4, 1), (16, 1)],
                     help="BATCHxSPAN cases: sequences, query tokens each")
     ap.add_argument("--context", type=int, default=262)
+    ap.add_argument("--kv-dtypes", nargs="+", choices=["float32", "bfloat16", "int8"], default=["float32", "bfloat16"],
+                    help="attention's cache types (int8: a base from e7ae72d on)")
     ap.add_argument("--hot", action="store_true", help="attention over one cache for all layers, kept in cache")
     ap.add_argument("--reps", type=int, default=22, help="timed rounds (after two to warm up)")
     ap.add_argument("--threads", type=int, default=2)
@@ -109,7 +112,7 @@ def main() -> None:
         cases[name] = ({b: gemm_call(k, linears, inputs, outputs[b]) for b, k in builds.items()},
                        lambda o=outputs: max((x - y).abs().max().item() for x, y in zip(o["A"], o["B"])))
     for batch, span in args.attention:
-        for dtype in (torch.float32, torch.bfloat16):
+        for dtype in (getattr(torch, name) for name in args.kv_dtypes):
             steps = {b: attention_step(k, batch, args.context, span, dtype, args.hot) for b, k in builds.items()}
             cases[f"attention b{batch} span{span} {str(dtype).removeprefix('torch.')}"] = (
                 {b: step for b, (step, _) in steps.items()},

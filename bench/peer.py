@@ -8,6 +8,7 @@ token's time) / (tokens - 1): decode only, prefill excluded. Then pdspec at batc
 (aggregate). Prints one JSON object, then a table; `speedup` is llama.cpp's ms/token over ours.
 
     python -m bench.peer [--threads 2] [--prompts 8] [--new-tokens 128] [--gguf FILE [--draft DIR]]
+                         [--kv-cache-dtype auto]
 
 --gguf: another llama-architecture GGUF (default: the embedded model's); EAGLE3 runs with the
 shipped head on the embedded model, with --draft's head on another, and is skipped otherwise.
@@ -109,6 +110,8 @@ def main() -> None:
     ap.add_argument("--batches", type=int, nargs="*", default=[4, 16])
     ap.add_argument("--gguf", type=Path, default=None, help="the GGUF both run (default: the embedded model's)")
     ap.add_argument("--draft", default=None, help="EAGLE3 head directory for --gguf's model")
+    ap.add_argument("--kv-cache-dtype", choices=["auto", "float32", "bfloat16", "int8"], default="auto",
+                    help="pdspec's KV cache (llama.cpp keeps its default f16 cache)")
     args = ap.parse_args()
     try:
         import llama_cpp  # noqa: F401
@@ -118,9 +121,10 @@ def main() -> None:
     gguf = args.gguf or embedded_gguf_path()
     model = str(args.gguf) if args.gguf else None
     spec = SpeculativeConfig(**yaml.safe_load(CONFIG.read_text())["engine"]["speculative"] | {"model": args.draft})
-    plain = Engine(EngineConfig(model=model, num_threads=args.threads, max_num_seqs=max(args.batches + [1])))
+    common = {"model": model, "num_threads": args.threads, "kv_cache_dtype": args.kv_cache_dtype}
+    plain = Engine(EngineConfig(**common, max_num_seqs=max(args.batches + [1])))
     with_eagle = model is None or args.draft is not None
-    eagle = Engine(EngineConfig(model=model, num_threads=args.threads, speculative=spec)) if with_eagle else None
+    eagle = Engine(EngineConfig(**common, speculative=spec)) if with_eagle else None
     questions = [json.loads(line)["prompt"] for line in PROMPTS.read_text().splitlines()[: args.prompts]]
     prompts = [plain.tokenizer.encode_chat([{"role": "user", "content": q}]) for q in questions]
     peer = LlamaCpp(gguf, args.threads)
