@@ -95,11 +95,13 @@ def test_a_row_computes_the_same_bits_however_it_is_batched(engine):
 def test_the_native_draft_midlayer_matches_its_torch_layer():
     """The EAGLE3 head's midlayer (its attention input given, 2H wide) through the native step:
     the same hidden states, logits and draft-cache entries as the torch layer, for a multi-row
-    first forward and the one-row chain steps after it."""
+    first forward and the one-row chain steps after it. On the exact engine, as the target's test:
+    with int8 activations the two paths' ~1e-7 norm differences turn into a rounding step of an
+    activation now and then."""
     from engine.config import EngineConfig
     from engine.engine import Engine
 
-    engine = Engine(EngineConfig(speculative={"method": "eagle3"}, num_kv_blocks=64))
+    engine = Engine(EngineConfig(speculative={"method": "eagle3"}, num_kv_blocks=64, quantization="exact"))
     runner, draft, blocks = engine.runner, engine.runner.draft, engine.blocks
     assert draft.native is not None
     rng = random.Random(0)
@@ -107,8 +109,9 @@ def test_the_native_draft_midlayer_matches_its_torch_layer():
     blocks.allocate("s", prompt)
     assert blocks.reserve("s", 3)
     table = blocks.block_table("s")
-    steps = [(SeqChunk(prompt[1:] + [7], 0, table, 3), torch.randn(21, draft.config.layer.hidden_size)),
-             (SeqChunk([9], 21, table, 1), torch.randn(1, draft.config.layer.hidden_size))]
+    g = torch.Generator().manual_seed(0)
+    steps = [(SeqChunk(prompt[1:] + [7], 0, table, 3), torch.randn(21, draft.config.layer.hidden_size, generator=g)),
+             (SeqChunk([9], 21, table, 1), torch.randn(1, draft.config.layer.hidden_size, generator=g))]
     results = {}
     for path in ("native", "torch"):
         saved = draft.native
@@ -137,7 +140,8 @@ def test_the_native_draft_kv_write_is_what_a_draft_forward_writes(kv_cache_dtype
     from engine.config import EngineConfig
     from engine.engine import Engine
 
-    engine = Engine(EngineConfig(speculative={"method": "eagle3"}, num_kv_blocks=64, kv_cache_dtype=kv_cache_dtype))
+    engine = Engine(EngineConfig(speculative={"method": "eagle3"}, num_kv_blocks=64, kv_cache_dtype=kv_cache_dtype,
+                                 quantization="exact"))
     runner, draft, blocks = engine.runner, engine.runner.draft, engine.blocks
     prompt = _tokens(random.Random(1), 37)  # past two blocks' boundaries
     blocks.allocate("s", prompt)
