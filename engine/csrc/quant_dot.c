@@ -32,13 +32,6 @@
  * over a step's layer GEMMs with AVX-512 VNNI, 8.1 -> 3.7 ms with AVX2, on Machine C). */
 #define QPREFETCH 16
 
-/* With AVX-512, the second vector's pass over a panel (from L2) also requests the next panel,
- * block by block: from ~6 rows on a pass's arithmetic is as long as a panel's DRAM time, and the
- * memory had idled through it (a step's layer GEMMs at 1 and 6 rows 1-7 % faster, 16 rows -4 to
- * +2 %, in three comparisons on Machine C). The AVX2 tiles are bound by their arithmetic from 2
- * rows on: there the requests only took load slots (1-3 % slower). */
-#define PREFETCH_NEXT_PANEL (LANES == 16)
-
 /* The activation rows, quantized. Without VNNI every 4 bytes of q_x are repeated across a
  * vector: the tiles read a row's next 4 activations for all LANES columns with one plain load
  * (which the multiply takes as its memory operand) instead of a broadcast, which costs a
@@ -282,37 +275,39 @@ typedef __m256i vi;
     }
 #endif
 
-/* MM rows of y = bias + the sum over blocks of d_w d_x dot (+ m_w d_x sum(q_x)), one vector of
- * columns at a time (v outer, blocks inner) so each row's running sum stays in a register: summed
- * through memory (out[m] loaded, updated and stored every block) each block's update waited for
- * the previous one's store, a chain of ~15 cycles per block that no row count could hide (AVX-512,
- * a step's layer GEMMs at 6 / 16 rows: 3.6 / 7.8 -> 2.4-2.8 / 4.5 ms). With AVX2's 16 registers
- * GCC keeps the sums in memory, as before. The panel streams from DRAM in the first vector's pass
- * (prefetched); the second finds it in L2. Fused multiply-adds only where written (FMA;
- * contraction is off in this file): a row must compute the same bits in any batch, whatever the
- * compiler would fuse in each tile height's copy. */
+/* MM rows of y = bias + the sum over blocks of d_w d_x dot (+ m_w d_x sum(q_x)), in one pass over
+ * the panel's blocks: each block is read once, for both vectors of columns, and each row's running
+ * sums stay in registers. (Summed through memory, out[m] loaded, updated and stored every block,
+ * each block's update waited for the previous one's store: a chain of ~15 cycles per block that no
+ * row count could hide, AVX-512 6 / 16 rows 3.6 / 7.8 -> 2.4-2.8 / 4.5 ms on Machine C. A pass per
+ * vector of columns, the second finding the panel in L2, cost 10-28 % more on Machine D, AVX-512
+ * and AVX2 builds alike, at 1 to 16 rows.) With AVX2's 16 registers GCC keeps the sums in memory.
+ * Fused multiply-adds only where written (FMA; contraction is off in this file): a row must
+ * compute the same bits in any batch, whatever the compiler would fuse in each tile height's
+ * copy. */
 #define DEFINE_QI_TILE(NAME, QTYPE, DOTS, EMIT, BLOCK_BYTES, MM)                                \
     static void NAME##_##MM(const qrows *xr, const uint8_t *panel, const float *bias, float *y, \
                             int ldy, int ncols) {                                              \
         const int K = xr->K, nb = K / QBLOCK, has_min = QTYPE == 4 || QTYPE == 6;              \
-        float out[MM][PACK];                                                                   \
+        vfloat sums[GEMM_VECS][MM];                                                            \
         for (int v = 0; v < GEMM_VECS; v++) {                                                  \
             float init[LANES];                                                                 \
             for (int c = 0; c < LANES; c++) init[c] = bias && v * LANES + c < ncols ? bias[v * LANES + c] : 0.0f; \
-            vfloat ysum[MM];                                                                    \
-            for (int m = 0; m < MM; m++) ysum[m] = load_f32(init);                              \
-            for (int b = 0; b < nb; b++) {                                                     \
-                const uint8_t *blk = panel + (size_t)b * BLOCK_BYTES;                          \
-                if (v == 0)                                                                    \
-                    for (int l = 0; l < BLOCK_BYTES; l += 64) __builtin_prefetch(blk + QPREFETCH * BLOCK_BYTES + l); \
-                else if (PREFETCH_NEXT_PANEL && v == GEMM_VECS - 1)                            \
-                    for (int l = 0; l < BLOCK_BYTES; l += 64) __builtin_prefetch(blk + (size_t)nb * BLOCK_BYTES + l); \
-                const uint8_t *q = blk + pd_qscale_bytes(QTYPE) * PACK;                        \
+            for (int m = 0; m < MM; m++) sums[v][m] = load_f32(init);                          \
+        }                                                                                      \
+        for (int b = 0; b < nb; b++) {                                                         \
+            const uint8_t *blk = panel + (size_t)b * BLOCK_BYTES;                              \
+            for (int l = 0; l < BLOCK_BYTES; l += 64) __builtin_prefetch(blk + QPREFETCH * BLOCK_BYTES + l); \
+            const uint8_t *q = blk + pd_qscale_bytes(QTYPE) * PACK;                            \
+            for (int v = 0; v < GEMM_VECS; v++) {                                              \
+                vfloat *ysum = sums[v];                                                        \
                 vfloat dw = SCALE(QTYPE, 0), mw = QTYPE == 8 ? (vfloat){0} : SCALE(QTYPE, 1);   \
                 DOTS(MM, EMIT)                                                                 \
             }                                                                                  \
-            for (int m = 0; m < MM; m++) store_f32(out[m] + v * LANES, ysum[m]);                \
         }                                                                                      \
+        float out[MM][PACK];                                                                   \
+        for (int v = 0; v < GEMM_VECS; v++)                                                    \
+            for (int m = 0; m < MM; m++) store_f32(out[m] + v * LANES, sums[v][m]);           \
         for (int m = 0; m < MM; m++) memcpy(y + (size_t)m * ldy, out[m], sizeof(float) * ncols); \
     }
 /* Scale field f (0, 1) of the block's vector v of columns: fp16 in Q4 and Q8, fp32 in Q4F and Q8H. */
