@@ -146,7 +146,8 @@ def test_an_int8_kv_cache_travels_whole_and_decodes_as_the_engine_does():
     engine = {**ENGINE, "kv_cache_dtype": "int8"}
     questions = QUESTIONS[:3]
     expected = _answers(engine, questions)
-    cluster = _start(engine, prefill={"replicas": 1, "kv_transfer": "nixl"}, decode={"replicas": 1, "kv_transfer": "nixl"})
+    nixl = {"replicas": 1, "kv_transfer": "nixl"}
+    cluster = _start(engine, prefill=nixl, decode=nixl)
     try:
         stub = _stub(cluster)
         for q in questions:

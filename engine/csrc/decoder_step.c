@@ -178,9 +178,9 @@ static int attention_block(const pd_model *m, const pd_layer *L, char *cache, co
     for (int t = 0; t < T; t++)  /* q rows packed [T][heads * D] for the attention kernel */
         memmove(h + (size_t)t * q_size, qkv + (size_t)t * width, sizeof(float) * q_size);
     double start = clock_start(b);
-    int rc = pd_paged_attention(h, cache, m->cache_type, m->s_block, m->s_kv, m->s_offset, b->block_tables, b->max_blocks,
-                                b->query_start_loc, b->context_lens, b->num_seqs, m->heads, m->kv_heads, D,
-                                m->block_size, m->scale, att, b->span_masks, threads);
+    int rc = pd_paged_attention(h, cache, m->cache_type, m->s_block, m->s_kv, m->s_offset, b->block_tables,
+                                b->max_blocks, b->query_start_loc, b->context_lens, b->num_seqs, m->heads,
+                                m->kv_heads, D, m->block_size, m->scale, att, b->span_masks, threads);
     clock_add(b, TIME_ATTENTION, start);
     if (rc) return -1;
     if (matmul(b, &L->o, att, tmp, T, q_size, H, threads)) return -1;

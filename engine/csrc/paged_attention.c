@@ -49,7 +49,8 @@ typedef struct {
  * a head's elements (pd_kv_row). */
 static inline const char *key_address(const char *cache, const long *table, int block_size, long s_block,
                                       long s_offset, int kv_head, int row, long esize, int pos) {
-    return cache + (table[pos / block_size] * s_block + (long)(pos % block_size) * s_offset + (long)kv_head * row) * esize;
+    long element = table[pos / block_size] * s_block + (long)(pos % block_size) * s_offset + (long)kv_head * row;
+    return cache + element * esize;
 }
 
 /* The fp32 scale after an int8 row's `dim` values. */
@@ -158,10 +159,11 @@ static inline int key_stride(int chunks) { return chunks >= 8 ? 1 : 2; }
 #define PAIRED_SUMS (LANES == 16 ? 16 : 8)
 
 /* Rows r .. r + rows - 1 (rows: 1 or 2) of a partition: the exps-weighted sum of the values of keys
- * 0 .. visible - 1 (in an int8 cache, each exp times its value's scale, vscale), into part's rows, key_stride keys a step. Two rows share each value chunk's
- * load (and widening), half the loads per FMA of one row alone (a verification span's tiles have
- * 18 rows). The sums stay in registers over the whole
- * partition (summed through `part` step by step, each step paid a load and a store per chunk).
+ * 0 .. visible - 1 (in an int8 cache, each exp times its value's scale, vscale), into part's
+ * rows, key_stride keys a step. Two rows share each value chunk's load (and widening), half the
+ * loads per FMA of one row alone (a verification span's tiles have 18 rows). The sums stay in
+ * registers over the whole partition (summed through `part` step by step, each step paid a load
+ * and a store per chunk).
  *
  * The next partition's lines are requested here, a key at a time, so DRAM streams them while this
  * partition computes: row 0 requests its keys, row 1 its values (a tile's only row both).
