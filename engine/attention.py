@@ -167,6 +167,8 @@ def write_kv(layer_cache: torch.Tensor, meta: AttentionMetadata, k: torch.Tensor
 
 def paged_attention(q: torch.Tensor, layer_cache: torch.Tensor, meta: AttentionMetadata, scale: float) -> torch.Tensor:
     """q: [T, heads, D] -> [T, heads * D], attending over each sequence's cached keys/values."""
+    if layer_cache.dtype == torch.int8:  # as the C kernel: the queries quantized per row like the keys
+        q = decode_rows(encode_rows(q, torch.int8), q.dtype)
     t, heads, d = q.shape
     out = q.new_empty(t, heads * d)
     if meta.short is not None:

@@ -120,16 +120,6 @@ static void rope(float *r, int heads, int D, const float *cos, const float *sin)
     }
 }
 
-/* One head's row as an int8 cache holds it: round-half-even(x / s), then s = max|x| / 127 (the
- * bytes engine/kv_layout.py's encode_rows writes). */
-static void quantize_kv_row(const float *x, int8_t *dst, int D) {
-    float amax = 0.0f;
-    for (int i = 0; i < D; i++) amax = fabsf(x[i]) > amax ? fabsf(x[i]) : amax;
-    float s = amax / 127.0f;
-    for (int i = 0; i < D; i++) dst[i] = s > 0.0f ? (int8_t)nearbyintf(x[i] / s) : 0;
-    memcpy(dst + D, &s, sizeof s);
-}
-
 /* The kv heads' rows x[kv_heads * D] into the cache at element `at`, as its rows are stored. */
 static void cache_write(const pd_model *m, char *cache, long at, const float *x) {
     int D = m->head_dim, n = m->kv_heads * D;
@@ -139,8 +129,11 @@ static void cache_write(const pd_model *m, char *cache, long at, const float *x)
         uint16_t *dst = (uint16_t *)cache + at;
         for (int i = 0; i < n; i++) dst[i] = to_bf16(x[i]);
     } else {
-        for (int h = 0; h < m->kv_heads; h++)
-            quantize_kv_row(x + (size_t)h * D, (int8_t *)cache + at + (long)h * pd_kv_row(PD_KV_INT8, D), D);
+        for (int h = 0; h < m->kv_heads; h++) {  /* a row: its values, then their scale */
+            int8_t *row = (int8_t *)cache + at + (long)h * pd_kv_row(PD_KV_INT8, D);
+            float s = pd_quantize_i8(x + (size_t)h * D, D, row);
+            memcpy(row + D, &s, sizeof s);
+        }
     }
 }
 

@@ -10,7 +10,9 @@
  *   key(block, offset, kv_head)   = cache + block*s_block + offset*s_offset + kv_head*D
  * in elements of the cache's type (kv_type, kernels.h): fp32, bf16 or int8, widened to fp32 in
  * registers as they are read (key_chunk); an int8 row's scale (after its D values) multiplies
- * the key's score and the value's weight instead of its elements.
+ * the key's score and the value's weight instead of its elements. With an int8 cache the queries
+ * are quantized per row the same way (as llama.cpp's q8_0 cache does), and a score is the exact
+ * integer dot product of the two rows (dot_i8) times both scales.
  *   value(block, offset, kv_head) = the same + s_kv
  * Query token i of sequence b sits at position ctx_b - qlen_b + i and sees keys 0..position; with
  * span_masks (a tree-shaped verification span), of the sequence's own query tokens only those
@@ -224,7 +226,8 @@ static inline __attribute__((always_inline)) void weigh_values(
  * values. `dim` is a compile-time constant in each inlined copy (see attend_tile_dim), so the
  * loops over it unroll and the accumulators stay in registers. */
 static inline __attribute__((always_inline)) void attend_tile(
-    const float *const *qrows, const int *pos, const int *tree, int span0, const int *span_map, int nrows,
+    const float *const *qrows, const int8_t *const *q8rows, const float *qscales, const int *pos, const int *tree,
+    int span0, const int *span_map, int nrows,
     const char *cache, long s_block, long s_kv, long s_offset, const long *table, int block_size, int kv_head,
     const int dim, const int kv_type, float scale, int k0, int k1, const part_keys *next, float *part) {
     const long esize = pd_kv_esize(kv_type), value_offset = s_kv * esize;  /* bytes from a key to its value */
@@ -268,19 +271,30 @@ static inline __attribute__((always_inline)) void attend_tile(
                 scores[r][st] = splat(-INFINITY);
                 continue;
             }
-            /* each chunk of the query loaded once, against that chunk of every key */
-            vfloat d[KEYS], qc = load_f32(q[r]);
-            for (int o = 0; o < KEYS; o++) d[o] = qc * KV(kv[o], 0);
-            for (int c = 1; c < chunks; c++) {
-                qc = load_f32(q[r] + LANES * c);
-                for (int o = 0; o < KEYS; o++) d[o] += qc * KV(kv[o], c);
+            vfloat d[KEYS];
+            if (int8 && dim % I8_CHUNK == 0) {  /* integer dot products, converted exactly */
+                for (int o = 0; o < KEYS; o++) {
+                    vint acc = splat_i(0);
+                    for (int c = 0; c < dim / I8_CHUNK; c++)
+                        acc = dot_i8(acc, (const int8_t *)kv[o] + I8_CHUNK * c, q8rows[r] + I8_CHUNK * c);
+                    d[o] = __builtin_convertvector(acc, vfloat);
+                }
+            } else {  /* each chunk of the query loaded once, against that chunk of every key (an int8
+                       * cache's here too, for other head sizes: its integer products sum exactly) */
+                vfloat qc = load_f32(q[r]);
+                for (int o = 0; o < KEYS; o++) d[o] = qc * KV(kv[o], 0);
+                for (int c = 1; c < chunks; c++) {
+                    qc = load_f32(q[r] + LANES * c);
+                    for (int o = 0; o < KEYS; o++) d[o] += qc * KV(kv[o], c);
+                }
             }
             vint valid = lane < visible;
             if (tree[r] != -1) {  /* keys in the span: only the row's ancestors (and itself) */
                 vint span_key = lane + (k0 + st * KEYS - span0);
                 valid &= (span_key < 0) | (((splat_i(tree[r]) >> (span_key & 31)) & 1) != 0);
             }
-            scores[r][st] = select_lanes(valid, sum_lanes(d) * key_scale, splat(-INFINITY));
+            vfloat row_scale = int8 ? key_scale * qscales[r] : key_scale;
+            scores[r][st] = select_lanes(valid, sum_lanes(d) * row_scale, splat(-INFINITY));
         }
     }
     for (int r = 0; r < nrows; r++) {  /* scores -> exps (below -87 after the max: 0) */
@@ -314,11 +328,12 @@ static inline __attribute__((always_inline)) void attend_tile(
 }
 
 static __attribute__((noinline)) void attend_tile_dim(
-    const float *const *qrows, const int *pos, const int *tree, int span0, const int *span_map, int nrows,
+    const float *const *qrows, const int8_t *const *q8rows, const float *qscales, const int *pos, const int *tree,
+    int span0, const int *span_map, int nrows,
     const char *cache, long s_block, long s_kv, long s_offset, const long *table, int block_size, int kv_head,
     int dim, int kv_type, float scale, int k0, int k1, const part_keys *next, float *part) {
-#define ATTEND(D, T) attend_tile(qrows, pos, tree, span0, span_map, nrows, cache, s_block, s_kv, s_offset, table, \
-                                 block_size, kv_head, D, T, scale, k0, k1, next, part)
+#define ATTEND(D, T) attend_tile(qrows, q8rows, qscales, pos, tree, span0, span_map, nrows, cache, s_block, s_kv,    \
+                                 s_offset, table, block_size, kv_head, D, T, scale, k0, k1, next, part)
     switch (4 * dim + kv_type) {  /* the common head sizes get fully unrolled copies, per cache type */
         case 4 * 64 + PD_KV_F32: ATTEND(64, PD_KV_F32); break;
         case 4 * 64 + PD_KV_BF16: ATTEND(64, PD_KV_BF16); break;
@@ -333,7 +348,9 @@ static __attribute__((noinline)) void attend_tile_dim(
 
 /* Shapes and pointers of one call. */
 typedef struct {
-    const float *q;
+    const float *q;      /* with an int8 cache: the quantized queries' values, as floats */
+    const int8_t *q8;    /* with an int8 cache: the queries quantized per row, and their scales */
+    const float *qs;
     const char *cache;
     int kv_type;
     long s_block, s_kv, s_offset;
@@ -360,6 +377,8 @@ static int tile_parts(const tile *t) { return (t->keys + PART_KEYS - 1) / PART_K
 
 typedef struct {
     const float *q[MAX_ROWS];
+    const int8_t *q8[MAX_ROWS];
+    float qs[MAX_ROWS];
     float *out[MAX_ROWS];
     int pos[MAX_ROWS], tree[MAX_ROWS], span_map[32], n, pos0;
 } tile_rows;
@@ -376,6 +395,8 @@ static void rows_of(const attn_call *a, const tile *t, tile_rows *r) {
         for (int g = 0; g < a->group; g++, r->n++) {
             long row = (long)(first + i) * a->heads + t->kv_head * a->group + g;
             r->q[r->n] = a->q + row * a->dim;
+            r->q8[r->n] = a->q8 ? a->q8 + row * a->dim : NULL;
+            r->qs[r->n] = a->qs ? a->qs[row] : 1.0f;
             r->out[r->n] = a->out + row * a->dim;
             r->pos[r->n] = t->mask ? r->pos0 + visible - 1 : r->pos0 + i;  /* the last key it sees, in the run it reads */
             r->tree[r->n] = a->span_masks && !t->mask ? a->span_masks[first + i] : -1;
@@ -386,7 +407,7 @@ static void rows_of(const attn_call *a, const tile *t, tile_rows *r) {
 static void attend_part(const attn_call *a, const tile *t, const tile_rows *r, int p, const part_keys *next,
                         float *part) {
     int k0 = p * PART_KEYS, k1 = k0 + PART_KEYS < t->keys ? k0 + PART_KEYS : t->keys;
-    attend_tile_dim(r->q, r->pos, r->tree, r->pos0, t->mask ? r->span_map : 0, r->n, a->cache, a->s_block, a->s_kv,
+    attend_tile_dim(r->q, r->q8, r->qs, r->pos, r->tree, r->pos0, t->mask ? r->span_map : 0, r->n, a->cache, a->s_block, a->s_kv,
                     a->s_offset, a->block_tables + (long)t->seq * a->max_blocks, a->block_size, t->kv_head, a->dim,
                     a->kv_type, a->scale, k0, k1, next, part);
 }
@@ -583,13 +604,30 @@ int pd_paged_attention(const float *q, const void *cache, int kv_type, long s_bl
                        int block_size, float scale, float *out, const int *span_masks, int num_threads) {
     int group = heads / kv_heads;
     if (dim % 16 || dim > MAX_DIM || group > MAX_ROWS || kv_type < PD_KV_F32 || kv_type > PD_KV_INT8) return -1;
-    attn_call a = {q, cache, kv_type, s_block, s_kv, s_offset, block_tables, query_start_loc, context_lens, span_masks,
-                   max_blocks, heads, kv_heads, group, dim, block_size, scale, out};
+    attn_call a = {q, NULL, NULL, cache, kv_type, s_block, s_kv, s_offset, block_tables, query_start_loc, context_lens,
+                   span_masks, max_blocks, heads, kv_heads, group, dim, block_size, scale, out};
+    long rows = (long)query_start_loc[num_seqs] * heads;
     tile *tiles = malloc(sizeof(tile) * (size_t)kv_heads * (query_start_loc[num_seqs] + num_seqs));
-    if (!tiles) return -1;
+    /* an int8 cache's queries, quantized once for every tile and partition: bytes, scales, values */
+    char *quantized = kv_type == PD_KV_INT8 ? malloc((size_t)rows * (dim + 4 + 4 * dim)) : NULL;
+    if (!tiles || (kv_type == PD_KV_INT8 && !quantized)) {
+        free(tiles);
+        free(quantized);
+        return -1;
+    }
+    if (quantized) {
+        int8_t *q8 = (int8_t *)quantized;
+        float *qs = (float *)(quantized + rows * dim), *values = qs + rows;
+        for (long i = 0; i < rows * dim; i += dim) qs[i / dim] = pd_quantize_i8(q + i, dim, q8 + i);
+        for (long i = 0; i < rows * dim; i++) values[i] = q8[i];
+        a.q = values;
+        a.q8 = q8;
+        a.qs = qs;
+    }
     int parts, ntiles = make_tiles(&a, num_seqs, tiles, &parts);
     int rc = ntiles >= 4 * num_threads ? attend_tiles_whole(&a, tiles, ntiles, num_threads)
                                        : attend_tiles_split(&a, tiles, ntiles, parts, num_threads);
     free(tiles);
+    free(quantized);
     return rc;
 }

@@ -95,6 +95,41 @@ static inline vfloat load_i8(const int8_t *p) {
 /* Lane helpers and exp, shared by the attention kernel and the decoder step. */
 typedef int vint __attribute__((vector_size(LANES * 4)));
 
+/* acc + the products of I8_CHUNK signed bytes k[] and q[] (|k|, |q| <= 127), summed by fours into
+ * acc's int32 lanes (lane l: bytes 4l .. 4l + 3), exactly: an int8 KV cache's scores. The signed
+ * products take |q| as the unsigned operand and k with q's sign: one vpdpbusd with VNNI, else
+ * maddubs (pairs stay below 2 x 127 x 127 < 2^15) then madd. Inlined in a loop over keys, q's
+ * loads and sign are hoisted out of it. */
+#if defined(__AVX512BW__)
+#define I8_CHUNK 64
+static inline vint dot_i8(vint acc, const int8_t *k, const int8_t *q) {
+    __m512i kv = _mm512_loadu_si512((const void *)k), qv = _mm512_loadu_si512((const void *)q);
+    __m512i signed_k = _mm512_mask_sub_epi8(kv, _mm512_movepi8_mask(qv), _mm512_setzero_si512(), kv);
+#if defined(__AVX512VNNI__)
+    return (vint)_mm512_dpbusd_epi32((__m512i)acc, _mm512_abs_epi8(qv), signed_k);
+#else
+    __m512i pairs = _mm512_maddubs_epi16(_mm512_abs_epi8(qv), signed_k);
+    return (vint)_mm512_add_epi32((__m512i)acc, _mm512_madd_epi16(pairs, _mm512_set1_epi16(1)));
+#endif
+}
+#elif defined(__AVX2__) && !defined(__AVX512F__)
+#define I8_CHUNK 32
+static inline vint dot_i8(vint acc, const int8_t *k, const int8_t *q) {
+    __m256i kv = _mm256_loadu_si256((const __m256i *)k), qv = _mm256_loadu_si256((const __m256i *)q);
+    __m256i pairs = _mm256_maddubs_epi16(_mm256_sign_epi8(qv, qv), _mm256_sign_epi8(kv, qv));
+    return (vint)_mm256_add_epi32((__m256i)acc, _mm256_madd_epi16(pairs, _mm256_set1_epi16(1)));
+}
+#else
+#define I8_CHUNK (4 * LANES)
+static inline vint dot_i8(vint acc, const int8_t *k, const int8_t *q) {
+    int s[LANES];
+    memcpy(s, &acc, sizeof s);
+    for (int i = 0; i < I8_CHUNK; i++) s[i / 4] += k[i] * q[i];
+    memcpy(&acc, s, sizeof s);
+    return acc;
+}
+#endif
+
 static inline vfloat splat(float x) { return (vfloat){0} + x; }
 static inline vint splat_i(int x) { return (vint){0} + x; }
 
