@@ -4,8 +4,8 @@ DRAM (cold) or all in cache (hot), against the time a plain read of the same byt
 The embedded model's attention shape (30 layers, 9 heads over 3 KV heads of 64), `--span` query
 tokens per sequence (1: a decode step; more: a speculative verification span, the last `span` of
 the `--context` positions), `--context` cached positions each, blocks scattered over the pool as
-a long-running server leaves them. Cold: every sequence has blocks of its own (batch x context x 1536 bytes a
-layer). Hot: every sequence reads the same blocks of one layer (they stay in L2), so the time is
+a long-running server leaves them. Cold: every sequence has blocks of its own (batch x context x
+1536 bytes a layer with an fp32 cache, 768 bf16, 408 int8). Hot: every sequence reads the same blocks of one layer (they stay in L2), so the time is
 the kernel's arithmetic. Read floor: torch summing the same per-layer slices of the cache (the
 bytes cold attention reads, in the same pieces). The cache types take turns in every round (cold,
 hot and reads each), so the host's drift hits all alike. Prints one JSON object, then a table.

@@ -56,12 +56,11 @@ def main() -> None:
         engine.close()
     print(json.dumps({"isa": cpu_kernels.selected_isa(), "threads": args.threads, "quantization": args.quantization,
                       "tokens_per_s": tok_s, f"over_{base}": ratio, "against_exact": agreement}))
-    print(f"\n| batch | {' | '.join(f'{kv} KV tok/s' for kv in args.dtypes)} | "
-          f"{' | '.join(f'{kv} / {base} (median)' for kv in ratio)} |")
-    print("|---" * (1 + len(args.dtypes) + len(ratio)) + "|")
+    header = ["batch", *(f"{kv} KV tok/s" for kv in args.dtypes), *(f"{kv} / {base} (median)" for kv in ratio)]
+    print("\n| " + " | ".join(header) + " |\n" + "|---" * len(header) + "|")
     for b in args.batches:
-        print(f"| {b} | {' | '.join(str(tok_s[kv][b]) for kv in args.dtypes)} | "
-              f"{' | '.join(f'{ratio[kv][b]:.3f}' for kv in ratio)} |")
+        cells = [str(b), *(str(tok_s[kv][b]) for kv in args.dtypes), *(f"{ratio[kv][b]:.3f}" for kv in ratio)]
+        print("| " + " | ".join(cells) + " |")
     if agreement:
         print(f"\n| cache | answers identical to the exact path's (of {args.agreement}) "
               "| first difference, median token |\n|---|---|---|")

@@ -276,7 +276,8 @@ class CpuKernels:
             out.data_ptr(), span_masks.data_ptr() if span_masks is not None else None, torch.get_num_threads(),
         )
         if rc != 0:
-            raise ValueError(f"paged_attention: shapes outside the kernel's limits (heads={heads}, head_dim={dim})")
+            raise ValueError(f"paged_attention: shapes outside the kernel's limits (heads={heads}, head_dim={dim}), "
+                             "or no memory")
 
 
 def kernels(isa: str | None = None) -> CpuKernels:

@@ -7,10 +7,11 @@ one region per block, and a NIXL descriptor is (base + block_id * block_bytes, b
 The draft (EAGLE3) cache is a second tensor indexed by the same block ids.
 
 A row is one head's key or value at one position: head_dim elements of the cache's dtype, and in
-an int8 cache 4 more bytes, the row's fp32 scale s (values round-half-even(x / s), s = max|x| /
-127, as llama.cpp's q8_0 cache quantizes per 32). The scale travels inside its row, so a block
-stays one contiguous run and a transfer or a KV move copies rows whole. encode_rows and
-decode_rows are the torch side of that format; the C kernels write and read the same bytes.
+an int8 cache 4 more bytes, the row's fp32 scale s (values round-half-even(x / s) within +-127,
+s = max|x| / 127: one scale per row, where llama.cpp's q8_0 cache has an fp16 scale per 32). The
+scale travels inside its row, so a block stays one contiguous run and a transfer or a KV move
+copies rows whole. encode_rows and decode_rows are the torch side of that format; the C kernels
+write and read the same bytes.
 """
 
 from dataclasses import dataclass, fields
@@ -37,7 +38,7 @@ def encode_rows(x: torch.Tensor, cache_dtype: torch.dtype) -> torch.Tensor:
     x = x.float()
     amax = x.abs().amax(-1, keepdim=True)
     scale = amax / 127
-    values = torch.where(scale > 0, torch.round(x / scale), 0).to(torch.int8)
+    values = torch.where(scale > 0, torch.round(x / scale), 0).clamp(-127, 127).to(torch.int8)
     return torch.cat([values, scale.view(torch.int8)], -1)
 
 

@@ -138,7 +138,7 @@ class CausalLM:
         return self.embed[ids]
 
     def forward(self, batch: ForwardBatch, kv_cache: torch.Tensor) -> ForwardOutput:
-        """kv_cache: [num_blocks, num_layers, 2, block_size, kv_heads, head_dim]."""
+        """kv_cache: [num_blocks, num_layers, 2, block_size, kv_heads, row] (engine/kv_layout.py)."""
         x = self.embed_tokens(batch.input_ids)
         wanted = sorted(i for i in self.aux_layer_ids if i < len(self.layers)) if batch.return_aux else []
         if self.native is not None:

@@ -82,6 +82,22 @@ def test_native_attention_matches_torch_path(isa, heads, kv_heads, dim, block_si
 
 
 @pytest.mark.parametrize("isa", ISAS)
+def test_an_int8_cache_quantizes_and_multiplies_as_the_torch_path_does(isa):
+    """With an int8 cache the C kernel quantizes the queries as encode_rows does: rows of exact
+    rounding ties (s = 1, so x / s = k + 0.5) round half to even in both (half away from zero
+    would move the scores ~1e-2). And rows at the extremes (every query and key value +-127, the
+    integer dots' largest pair sums) multiply exactly."""
+    q, layer_cache, meta = _case([1, 6, 1], [40, 37, 300], 9, 3, 64, 16, seed=7)
+    g = torch.Generator().manual_seed(7)
+    ties = torch.randint(-126, 126, q.shape, generator=g).float() + 0.5
+    ties[..., 0] = 127.0
+    for queries, keys, scale in ((ties, layer_cache, 1 / 512), (q.sign(), layer_cache.sign(), 0.125)):
+        cache = encode_rows(keys, torch.int8)
+        ref = paged_attention(queries, cache, meta, scale)
+        assert (native_paged_attention(queries, cache, meta, scale, isa) - ref).abs().max() < 1e-4
+
+
+@pytest.mark.parametrize("isa", ISAS)
 def test_native_attention_dense_decode_batch(isa):
     q, layer_cache, meta = _case([1] * 8, [5 + 13 * i for i in range(8)], 9, 3, 64, 16, seed=1)
     ours = native_paged_attention(q, layer_cache, meta, 0.125, isa)

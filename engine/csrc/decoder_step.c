@@ -38,7 +38,7 @@ typedef struct {
 typedef struct {
     int hidden, heads, kv_heads, head_dim, intermediate, block_size;
     float eps, scale;
-    void *cache;                       /* layer 0 of [blocks, layers, 2, block_size, kv_heads, D] */
+    void *cache;                       /* layer 0 of [blocks, layers, 2, block_size, kv_heads, row] */
     int cache_type;                    /* the cache's rows: PD_KV_F32, PD_KV_BF16 or PD_KV_INT8 */
     long s_block, s_layer, s_kv, s_offset;
     const float *attn_embed;           /* NULL, or [T][hidden]: layer 0's attention input is then

@@ -7,7 +7,8 @@
  * (sequence, kv head), for all query tokens and all query heads sharing that kv head.
  *
  * Cache addressing (one layer of the block-major cache, any strides):
- *   key(block, offset, kv_head)   = cache + block*s_block + offset*s_offset + kv_head*D
+ *   key(block, offset, kv_head)   = cache + block*s_block + offset*s_offset + kv_head*row
+ * (row: a head's elements, D, or D + 4 in an int8 cache: pd_kv_row)
  * in elements of the cache's type (kv_type, kernels.h): fp32, bf16 or int8, widened to fp32 in
  * registers as they are read (key_chunk); an int8 row's scale (after its D values) multiplies
  * the key's score and the value's weight instead of its elements. With an int8 cache the queries
@@ -293,8 +294,8 @@ static inline __attribute__((always_inline)) void attend_tile(
                 vint span_key = lane + (k0 + st * KEYS - span0);
                 valid &= (span_key < 0) | (((splat_i(tree[r]) >> (span_key & 31)) & 1) != 0);
             }
-            vfloat row_scale = int8 ? key_scale * qscales[r] : key_scale;
-            scores[r][st] = select_lanes(valid, sum_lanes(d) * row_scale, splat(-INFINITY));
+            vfloat score_scale = int8 ? key_scale * qscales[r] : key_scale;
+            scores[r][st] = select_lanes(valid, sum_lanes(d) * score_scale, splat(-INFINITY));
         }
     }
     for (int r = 0; r < nrows; r++) {  /* scores -> exps (below -87 after the max: 0) */
@@ -608,8 +609,10 @@ int pd_paged_attention(const float *q, const void *cache, int kv_type, long s_bl
                    span_masks, max_blocks, heads, kv_heads, group, dim, block_size, scale, out};
     long rows = (long)query_start_loc[num_seqs] * heads;
     tile *tiles = malloc(sizeof(tile) * (size_t)kv_heads * (query_start_loc[num_seqs] + num_seqs));
-    /* an int8 cache's queries, quantized once for every tile and partition: bytes, scales, values */
-    char *quantized = kv_type == PD_KV_INT8 ? malloc((size_t)rows * (dim + 4 + 4 * dim)) : NULL;
+    /* an int8 cache's queries, quantized once for every tile and partition: bytes, scales, and
+     * for head sizes the integer dots do not take, their values as floats */
+    int float_copy = dim % I8_CHUNK != 0;
+    char *quantized = kv_type == PD_KV_INT8 ? malloc((size_t)rows * (dim + 4 + (float_copy ? 4 * dim : 0))) : NULL;
     if (!tiles || (kv_type == PD_KV_INT8 && !quantized)) {
         free(tiles);
         free(quantized);
@@ -619,8 +622,8 @@ int pd_paged_attention(const float *q, const void *cache, int kv_type, long s_bl
         int8_t *q8 = (int8_t *)quantized;
         float *qs = (float *)(quantized + rows * dim), *values = qs + rows;
         for (long i = 0; i < rows * dim; i += dim) qs[i / dim] = pd_quantize_i8(q + i, dim, q8 + i);
-        for (long i = 0; i < rows * dim; i++) values[i] = q8[i];
-        a.q = values;
+        for (long i = 0; float_copy && i < rows * dim; i++) values[i] = q8[i];
+        a.q = float_copy ? values : q;  /* (the integer dots read q8) */
         a.q8 = q8;
         a.qs = qs;
     }

@@ -114,7 +114,7 @@ class Eagle3Draft:
     def forward(self, batch: ForwardBatch, hidden: torch.Tensor, kv_cache: torch.Tensor) -> DraftOutput:
         """batch.input_ids hold the token *after* each position; hidden: [T, H] inputs (see project).
 
-        kv_cache: the draft cache [num_blocks, 1, 2, block_size, kv_heads, head_dim]."""
+        kv_cache: the draft cache [num_blocks, 1, 2, block_size, kv_heads, row] (engine/kv_layout.py)."""
         if self.native is not None:  # the midlayer as one native call, as the target's layers run
             h = hidden.clone(memory_format=torch.contiguous_format)  # updated in place
             self.native.layers(h, batch, kv_cache, [], self.embed(batch.input_ids).contiguous())
