@@ -54,16 +54,21 @@ def _after_a_kv_move(engine: Engine, prompt: list[int]) -> list[int]:
     return tokens
 
 
-def test_two_ranks_match_one(tiny_llama):
-    one = Engine(EngineConfig(model=tiny_llama, num_kv_blocks=64, enable_prefix_caching=False))
+@pytest.mark.parametrize("kv_cache_dtype", ["float32", "int8"])
+def test_two_ranks_match_one(tiny_llama, kv_cache_dtype):
+    """Each rank holds its kv heads' cache (an int8 cache's rows with their scales: written by the
+    torch path, read by the C kernel) and the same greedy tokens come out."""
+    config = {"model": tiny_llama, "num_kv_blocks": 64, "enable_prefix_caching": False, "kv_cache_dtype": kv_cache_dtype}
+    one = Engine(EngineConfig(**config))
     prompts = [one.tokenizer.encode(t) for t in ("The weather today is", "Once upon a time", "1, 2, 3,")]
     expected = _greedy(one, prompts)
     moved = _after_a_kv_move(one, prompts[1])
     assert moved != expected[1]  # the move matters
-    two = Engine(EngineConfig(model=tiny_llama, num_kv_blocks=64, tensor_parallel_size=2, enable_prefix_caching=False))
+    two = Engine(EngineConfig(**config, tensor_parallel_size=2))
     try:
         assert _greedy(two, prompts) == expected
         assert two.runner.layout.target.num_kv_heads == 2  # each rank caches its own kv heads
+        assert two.runner.layout.dtype == kv_cache_dtype
         assert _after_a_kv_move(two, prompts[1]) == moved  # KV moves reach every rank
     finally:
         two.runner.close()
