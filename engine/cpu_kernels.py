@@ -264,13 +264,10 @@ class CpuKernels:
         int32 [T] tree masks (see engine/attention.py) or None."""
         q = q.contiguous()
         _, heads, dim = q.shape
-        s_block, s_kv, s_offset, s_head, s_dim = layer_cache.stride()
-        row = row_elements(str(layer_cache.dtype).removeprefix("torch."), dim)
-        if s_dim != 1 or s_head != row or layer_cache.shape[-1] != row:
-            raise ValueError(f"paged_attention: the cache's kv-head and row axes must be contiguous, rows of {row} "
-                             f"{layer_cache.dtype} for head size {dim} (got shape {tuple(layer_cache.shape)})")
+        s_block, s_kv, s_offset = layer_cache.stride()[:3]
         rc = self._lib.pd_paged_attention(
-            q.data_ptr(), layer_cache.data_ptr(), kv_type(layer_cache), s_block, s_kv, s_offset,
+            q.data_ptr(), layer_cache.data_ptr(), kv_type(layer_cache, dim, layer_cache.shape[3]), s_block, s_kv,
+            s_offset,
             block_tables.data_ptr(), block_tables.shape[1], query_start_loc.data_ptr(), context_lens.data_ptr(),
             context_lens.shape[0], heads, layer_cache.shape[3], dim, layer_cache.shape[2], scale,
             out.data_ptr(), span_masks.data_ptr() if span_masks is not None else None, torch.get_num_threads(),
@@ -292,10 +289,15 @@ def _kernels_for(isa: str) -> CpuKernels:
     return CpuKernels(isa)
 
 
-def kv_type(cache: torch.Tensor) -> int:
-    """The C kernels' code for a KV cache's element type."""
+def kv_type(cache: torch.Tensor, head_dim: int, kv_heads: int) -> int:
+    """The C kernels' code for a KV cache's element type, once its last axes are checked to be
+    contiguous [kv_heads, row] rows (engine/kv_layout.py), where the kernels read and write them."""
     if cache.dtype not in _KV_TYPES:
         raise ValueError(f"a {cache.dtype} KV cache: the C kernels read float32, bfloat16 or int8 rows")
+    row = row_elements(str(cache.dtype).removeprefix("torch."), head_dim)
+    if cache.shape[-2:] != (kv_heads, row) or cache.stride()[-2:] != (row, 1):
+        raise ValueError(f"the KV cache's last axes must be contiguous [{kv_heads}, {row}] {cache.dtype} rows for "
+                         f"head size {head_dim}, not {tuple(cache.shape)} with strides {cache.stride()}")
     return _KV_TYPES[cache.dtype]
 
 

@@ -18,7 +18,6 @@ import torch
 from engine.attention import native_paged_attention
 from engine.batch import ForwardBatch
 from engine.cpu_kernels import CpuKernels, kv_type
-from engine.kv_layout import row_elements
 from engine.quant import KERNEL_FORMAT
 
 _FORMATS = {torch.float32: 0, torch.bfloat16: 1}  # csrc/kernels.h; quantized: KERNEL_FORMAT (4, 8), +1 for int8 dots
@@ -136,14 +135,11 @@ class NativeDecoder:
             raise ValueError(f"NativeDecoder: x has {x.shape[0]} rows, the embeddings "
                              f"{None if embed is None else tuple(embed.shape)} (fp32, contiguous), for {t} positions")
         c, meta = self.config, batch.attention
-        row = row_elements(str(kv_cache.dtype).removeprefix("torch."), c.head_dim)
-        if kv_cache.shape[-2:] != (c.num_kv_heads, row) or kv_cache.stride()[-2:] != (row, 1):  # C writes rows there
-            raise ValueError(f"NativeDecoder: the cache's last axes must be contiguous [{c.num_kv_heads}, {row}] "
-                             f"{kv_cache.dtype} rows, not {tuple(kv_cache.shape)} with strides {kv_cache.stride()}")
+        cache_type = kv_type(kv_cache, c.head_dim, c.num_kv_heads)  # checks the rows C writes into
         s_block, s_layer, s_kv, s_offset = kv_cache.stride()[:4]
         model = _Model(c.hidden_size, c.num_heads, c.num_kv_heads, c.head_dim, c.intermediate_size,
                        kv_cache.shape[3], c.rms_norm_eps, c.head_dim**-0.5, kv_cache.data_ptr(),
-                       kv_type(kv_cache),
+                       cache_type,
                        s_block, s_layer, s_kv, s_offset,
                        embed.data_ptr() if embed is not None else None,
                        self.embed_norm.data_ptr() if embed is not None else None)
