@@ -63,9 +63,14 @@ static inline float row_scale(const char *row, int dim) {
     return s;
 }
 
-/* `bytes` at p towards L1. */
+/* `bytes` at p towards L2 (prefetcht1; AMD's t2 is the same): requested into L1, a core's few
+ * outstanding L1 misses (Zen 4: ~24) capped the cold stream of scattered rows, and a partition's
+ * arithmetic and its successor's DRAM time added up instead of overlapping. Into L2, which tracks
+ * more misses, cold attention at batch 16 took 0.54-0.70x the time, batch 4 0.57-0.77x (fp32,
+ * bf16; int8 0.84-0.94x), batch 1 the same (bench.kernel_ab, Machine D); the rows still reach L1
+ * on use, from L2. */
 static inline void request_lines(const char *p, int bytes) {
-    for (int l = 0; l < bytes; l += 64) __builtin_prefetch(p + l);
+    for (int l = 0; l < bytes; l += 64) __builtin_prefetch(p + l, 0, 2);
 }
 
 /* F(0, h), ..., F(LANES - 1, h): the lanes of a vector constant. */
@@ -251,10 +256,8 @@ static inline __attribute__((always_inline)) void attend_tile(
         /* Every line of the partition's keys and values requested at once: the keys sit in
          * blocks scattered over the pool, in strided pieces (one head of each token), a pattern
          * the hardware prefetcher does not follow; read on demand, each line waited its turn. */
-        for (long l = 0; l < row * esize; l += 64) {
-            __builtin_prefetch(keys[o] + l);
-            __builtin_prefetch(keys[o] + s_kv * esize + l);
-        }
+        request_lines(keys[o], row * esize);
+        request_lines(keys[o] + s_kv * esize, row * esize);
     }
 #define VISIBLE(r, st) (pos[r] + 1 - (k0 + (st) * KEYS) < KEYS ? pos[r] + 1 - (k0 + (st) * KEYS) : KEYS)
     float kscale[PART_KEYS], vscale[PART_KEYS];  /* an int8 cache's row scales */
