@@ -29,7 +29,10 @@
 /* The tiles prefetch the panel this many blocks ahead (~5-10 KB): at 4 rows and more their
  * arithmetic per cache line is long enough that the hardware prefetcher alone falls behind and
  * the weights' DRAM time adds to the arithmetic instead of hiding under it (6 rows: 5.1 -> 3.5 ms
- * over a step's layer GEMMs with AVX-512 VNNI, 8.1 -> 3.7 ms with AVX2, on Machine C). */
+ * over a step's layer GEMMs with AVX-512 VNNI, 8.1 -> 3.7 ms with AVX2, on Machine C). Into L2
+ * (prefetcht1), as paged attention's requests: into L1 they held a few of the core's ~24 L1
+ * misses each block; the layer GEMMs and lm_head at 1-2 rows took 0.89-0.98x the time, 6-16 rows
+ * with the lm_head 0.94-0.96x (Machine D; 32 blocks ahead: no better). */
 #define QPREFETCH 16
 
 /* The activation rows, quantized. Without VNNI every 4 bytes of q_x are repeated across a
@@ -297,7 +300,7 @@ typedef __m256i vi;
         }                                                                                      \
         for (int b = 0; b < nb; b++) {                                                         \
             const uint8_t *blk = panel + (size_t)b * BLOCK_BYTES;                              \
-            for (int l = 0; l < BLOCK_BYTES; l += 64) __builtin_prefetch(blk + QPREFETCH * BLOCK_BYTES + l); \
+            for (int l = 0; l < BLOCK_BYTES; l += 64) __builtin_prefetch(blk + QPREFETCH * BLOCK_BYTES + l, 0, 2); \
             const uint8_t *q = blk + pd_qscale_bytes(QTYPE) * PACK;                            \
             for (int v = 0; v < GEMM_VECS; v++) {                                              \
                 vfloat *ysum = sums[v];                                                        \
