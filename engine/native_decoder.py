@@ -87,8 +87,8 @@ class NativeDecoder:
                    norm.data_ptr(), layer.post_norm.data_ptr())
             for layer, norm in zip(layers, input_norms)])
         q_size, width = c.num_heads * c.head_dim, (c.num_heads + 2 * c.num_kv_heads) * c.head_dim
-        self._scratch_per_row = (max(q_size, 2 * c.hidden_size) + max(width, 2 * c.intermediate_size) + q_size
-                                 + c.hidden_size)
+        self._scratch_per_row = (max(q_size, 2 * c.hidden_size, c.intermediate_size)
+                                 + max(width, 2 * c.intermediate_size) + q_size + c.hidden_size)
         self._first_qkv = first.qkv  # write_kv reads its key and value features
         # Set to float64 zeros(3) to add up seconds spent in the layers' GEMMs, their attention
         # and the whole layer loop (benchmarks read it; None costs nothing).
