@@ -41,7 +41,7 @@ from engine.params import SamplingParams
 PROMPT_LEN, NEW_TOKENS = 256, 128
 
 
-def _prompts(n: int, vocab: int) -> list[list[int]]:
+def prompts(n: int, vocab: int) -> list[list[int]]:
     rng = random.Random(0)
     return [[rng.randrange(100, vocab) for _ in range(PROMPT_LEN)] for _ in range(n)]
 
@@ -90,7 +90,7 @@ def ours_decode(engine: Engine, batch: int) -> tuple[float, dict[str, float]]:
     attention, the rest of the layer loop, the lm_head, and everything else (embedding, sampling,
     scheduling, Python)."""
     params = SamplingParams(max_tokens=NEW_TOKENS, ignore_eos=True)
-    for p in _prompts(batch, 40000):
+    for p in prompts(batch, 40000):
         engine.add_request(p, params)
     generated = 0
     while generated < batch:  # prefill steps: until every request has its first token
@@ -115,9 +115,9 @@ def ours_decode(engine: Engine, batch: int) -> tuple[float, dict[str, float]]:
 
 
 @contextmanager
-def _after_context(engine: Engine, spans: list[int]):
+def after_context(engine: Engine, spans: list[int]):
     """{n: a chunk of n new tokens} after a 256-token cached context (rolled back after)."""
-    prompt = _prompts(1, 40000)[0]
+    prompt = prompts(1, 40000)[0]
     blocks = engine.blocks
     cached = blocks.allocate("span", prompt)
     engine.runner.forward([SeqChunk(prompt[cached:], cached, blocks.block_table("span"), 1)])
@@ -131,7 +131,7 @@ def _after_context(engine: Engine, spans: list[int]):
 
 def ours_span_costs(engine: Engine, spans: list[int], reps: int) -> dict[int, float]:
     """Median ms of a forward over n new tokens after a 256-token cached context."""
-    with _after_context(engine, spans) as chunks:
+    with after_context(engine, spans) as chunks:
         return alternated_median_ms({n: (lambda c=c: engine.runner.forward([c])) for n, c in chunks.items()}, reps)
 
 
@@ -144,7 +144,7 @@ def ours_breakdown(engine: Engine, spans: list[int], reps: int) -> dict[int, dic
     if model.native is None:
         return {}
     out = {}
-    with _after_context(engine, spans) as chunks:
+    with after_context(engine, spans) as chunks:
         for n, chunk in chunks.items():
             engine.runner.forward([chunk])  # warm
             with _timed_layers(model) as head:
@@ -175,7 +175,7 @@ def ours_prefill_ms(engine: Engine, n: int) -> float:
 
 
 def hf_decode(model, batch: int) -> float:
-    ids = torch.tensor(_prompts(batch, 40000))
+    ids = torch.tensor(prompts(batch, 40000))
     kwargs = dict(do_sample=False, pad_token_id=0, eos_token_id=None)
     with torch.no_grad():
         start = time.perf_counter()
@@ -190,7 +190,7 @@ def hf_decode(model, batch: int) -> float:
 def hf_span_costs(model, spans: list[int], reps: int) -> dict[int, float]:
     from transformers import DynamicCache
 
-    ids = torch.tensor(_prompts(1, 40000))
+    ids = torch.tensor(prompts(1, 40000))
     cache = DynamicCache()
     with torch.no_grad():
         model(ids, past_key_values=cache, use_cache=True)

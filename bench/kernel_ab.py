@@ -11,11 +11,15 @@ level this process selects (`PDSPEC_CPU_ISA`). Timed, per build, as the median o
   `--context` cached positions, for each batch x span in `--attention` (span: query tokens per
   sequence, as a verification span), per `--kv-dtypes` cache type; `--hot`: one cache for all layers,
   staying in L2 (the kernel's own work, without DRAM's);
+- whole forwards through the engine (the native layer loop with either build's kernels, everything
+  else shared): a decode step of each batch size in `--steps` (256-token prompts, the builds taking
+  turns step by step on the same running batch), and a forward over each `--spans` count of new
+  tokens after a 256-token context (bench.engine's verification-span cost);
 and checked: both builds' outputs on the same inputs (max abs difference). Prints one JSON object,
 then a table.
 
     python -m bench.kernel_ab --base REV [--rows 1 6 16] [--layers N] [--attention 1x1 1x6 4x1 16x1] [--hot]
-                              [--context 262] [--kv-dtypes float32 bfloat16]
+                              [--context 262] [--kv-dtypes float32 bfloat16] [--steps 4 16] [--spans 1 6]
 """
 
 import argparse
@@ -28,10 +32,12 @@ import torch
 from tqdm import tqdm
 
 from bench.attention import attention_step
+from bench.engine import after_context, prompts
 from bench.timing import alternated_median_ms
 from engine import cpu_kernels
 from engine.config import EngineConfig
 from engine.engine import Engine
+from engine.params import SamplingParams
 
 
 def revision_kernels(rev: str, isa: str) -> cpu_kernels.CpuKernels:
@@ -70,6 +76,48 @@ def gemm_call(kernels: cpu_kernels.CpuKernels, linears: list, inputs: dict, outp
     return run
 
 
+def with_kernels(engine: Engine, kernels: cpu_kernels.CpuKernels, run):
+    """run, the engine's native layer loop on `kernels` (both builds pack weights alike)."""
+    def call() -> None:
+        engine.runner.model.native.kernels = kernels
+        run()
+    return call
+
+
+def running_batch(engine: Engine, batch: int, steps: int) -> list[str]:
+    """`batch` requests of 256-token prompts, prefilled, each with room for `steps` more tokens."""
+    params = SamplingParams(max_tokens=steps + 8, ignore_eos=True)
+    ids = [engine.add_request(p, params) for p in prompts(batch, 40000)]
+    started = 0
+    while started < batch:  # prefill steps: until every request has its first token
+        started += len(engine.step())
+    return ids
+
+
+def engine_rows(engine: Engine, builds: dict, batches: list[int], spans: list[int], reps: int) -> dict[str, dict]:
+    """Whole decode steps and span forwards, the builds taking turns (their outputs are the same
+    tokens: the step cases decode one batch together)."""
+    timed = {}
+    for batch in tqdm(batches, desc="kernel_ab steps", unit="batch"):
+        ids = running_batch(engine, batch, 2 * (reps + 2))
+        timed[f"step batch {batch}"] = alternated_median_ms(
+            {b: with_kernels(engine, k, engine.step) for b, k in builds.items()}, reps, warmup=2)
+        for i in ids:
+            engine.abort(i)
+    if spans:
+        with after_context(engine, spans) as chunks:
+            for n in spans:
+                timed[f"forward {n} tokens"] = alternated_median_ms(
+                    {b: with_kernels(engine, k, lambda c=chunks[n]: engine.runner.forward([c])) for b, k in builds.items()},
+                    reps, warmup=2)
+    return {name: result_row(ms, None) for name, ms in timed.items()}
+
+
+def result_row(ms: dict[str, float], max_abs_diff: float | None) -> dict:
+    return {"a_ms": round(ms["A"], 3), "b_ms": round(ms["B"], 3), "b_over_a": round(ms["B"] / ms["A"], 3),
+            "max_abs_diff": max_abs_diff}
+
+
 def batch_by_span(text: str) -> tuple[int, int]:
     """'4x1' -> (4, 1): sequences, query tokens each."""
     try:
@@ -92,6 +140,8 @@ def main() -> None:
     ap.add_argument("--kv-dtypes", nargs="+", choices=["float32", "bfloat16", "int8"], default=["float32", "bfloat16"],
                     help="attention's cache types (int8: a base from e7ae72d on)")
     ap.add_argument("--hot", action="store_true", help="attention over one cache for all layers, kept in cache")
+    ap.add_argument("--steps", type=int, nargs="*", default=[], help="decode steps at these batch sizes")
+    ap.add_argument("--spans", type=int, nargs="*", default=[], help="forwards over this many new tokens")
     ap.add_argument("--reps", type=int, default=22, help="timed rounds (after two to warm up)")
     ap.add_argument("--threads", type=int, default=2)
     args = ap.parse_args()
@@ -103,6 +153,8 @@ def main() -> None:
     if len({k.pack_width for k in builds.values()}) != 1:
         raise SystemExit("the two builds pack weights differently; their GEMMs cannot share one model's panels")
     engine = Engine(EngineConfig())
+    if (args.steps or args.spans) and engine.runner.model.native is None:
+        ap.error("--steps/--spans time the native layer loop, which this engine does not run")
     if args.layers is not None and args.layers > len(engine.runner.model.layers):
         ap.error(f"--layers: the model has {len(engine.runner.model.layers)} layers, not {args.layers}")
     cases = {}
@@ -119,14 +171,14 @@ def main() -> None:
                 lambda s=steps: (s["A"][1] - s["B"][1]).abs().max().item())
     rows = {}
     for name, (calls, difference) in tqdm(cases.items(), desc="kernel_ab", unit="case"):
-        ms = alternated_median_ms(calls, args.reps, warmup=2)
-        rows[name] = {"a_ms": round(ms["A"], 3), "b_ms": round(ms["B"], 3), "b_over_a": round(ms["B"] / ms["A"], 3),
-                      "max_abs_diff": difference()}
+        rows[name] = result_row(alternated_median_ms(calls, args.reps, warmup=2), difference())
+    rows |= engine_rows(engine, builds, args.steps, args.spans, args.reps)
     print(json.dumps({"isa": isa, "threads": args.threads, "base": args.base, "context": args.context, "hot": args.hot,
                       "layers": args.layers or len(engine.runner.model.layers), "rows": rows}))
     print(f"{'':34}{'A ms':>9}{'B ms':>9}{'B/A':>7}{'max |A-B|':>11}")
     for name, r in rows.items():
-        print(f"{name:34}{r['a_ms']:>9}{r['b_ms']:>9}{r['b_over_a']:>7}{r['max_abs_diff']:>11.2e}")
+        diff = "-" if r["max_abs_diff"] is None else f"{r['max_abs_diff']:.2e}"
+        print(f"{name:34}{r['a_ms']:>9}{r['b_ms']:>9}{r['b_over_a']:>7}{diff:>11}")
 
 
 if __name__ == "__main__":
