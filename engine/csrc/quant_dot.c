@@ -105,8 +105,13 @@ static inline int32_t load_i32(const uint8_t *p) { int32_t v; memcpy(&v, p, 4); 
 #define XV(m, j) LOAD(XROW(m) + (j) * VBYTES)
 #endif
 
-/* Per block and vector v of columns: each row's integer dots with the block's quants, as a
- * vector of int32 (one lane per column), handed to EMIT(m, dots) which scales and sums them. */
+/* Per block, for each vector v of columns: each row's integer dots with the block's quants, as
+ * a vector of int32 (one lane per column), handed to EMIT(m, v, dots) which scales and sums them
+ * with the vector's scales dw and mw in scope (SCALES). */
+/* Scale field f (0, 1) of the block's vector v of columns: fp16 in Q4 and Q8, fp32 in Q4F and Q8H. */
+#define SCALE(f, v) (qtype == 4 || qtype == 8 ? load_f16((const uint16_t *)blk + (f) * PACK + (v) * LANES) \
+                                              : load_f32((const float *)blk + (f) * PACK + (v) * LANES))
+#define SCALES(v) const vfloat dw = SCALE(0, v), mw = qtype == 8 ? (vfloat){0} : SCALE(1, v)
 #if defined(__AVX512BW__) || defined(__AVX2__)
 #if defined(__AVX512BW__)
 typedef __m512i vi;
@@ -153,21 +158,38 @@ typedef __m256i vi;
 
 /* Q4: the block's 4 weight vectors are unpacked once into 8 registers of nibbles, then each
  * row runs its 8 multiplies against them (row after row, so one row's accumulators are live). */
+#define Q4_UNPACK(lo, hi, v)                                                                    \
+    for (int g = 0; g < 4; g++) {                                                              \
+        vi w = LOAD(q + ((size_t)g * PACK + (v) * LANES) * 4);                                  \
+        lo[g] = AND(w, SET1_8(0x0F));                                                          \
+        hi[g] = AND(SRL16(w, 4), SET1_8(0x0F));                                                \
+    }
 #if defined(__AVX512VNNI__)
-/* Two chains per row (low and high nibbles): one chain of 8 dependent vpdpbusd would run at the
- * instruction's latency instead of its throughput. */
-#define Q4_ROW(acc, m)                                                                          \
-    do {                                                                                       \
-        vi acc_hi = ZERO();                                                                    \
-        acc = ZERO();                                                                          \
+/* With VNNI a row takes the block's vectors together: each of its activation groups is
+ * broadcast once for all of them (a pass per vector broadcast each twice: on Zen 4 the layer
+ * GEMMs took 0.91x the time at 4 rows, 0.94-0.98x at 6-16 rows this way, Machine D). Two chains
+ * per vector (low and high nibbles): one chain of 8 dependent vpdpbusd would run at the
+ * instruction's latency instead of its throughput. 16 registers of nibbles, 4 chains. */
+#define Q4_DOTS(MM, EMIT)                                                                       \
+    vi lo[GEMM_VECS][4], hi[GEMM_VECS][4];                                                     \
+    for (int v = 0; v < GEMM_VECS; v++) Q4_UNPACK(lo[v], hi[v], v)                             \
+    for (int m = 0; m < MM; m++) {                                                             \
+        vi acc[GEMM_VECS], acc_hi[GEMM_VECS];                                                  \
+        for (int v = 0; v < GEMM_VECS; v++) acc[v] = acc_hi[v] = ZERO();                       \
         for (int g = 0; g < 4; g++) {                                                          \
-            acc = DOT4(acc, lo[g], XV(m, g));                                                  \
-            acc_hi = DOT4(acc_hi, hi[g], XV(m, 4 + g));                                        \
-            KEEP(acc);                                                                         \
-            KEEP(acc_hi);                                                                      \
+            vi x_lo = XV(m, g), x_hi = XV(m, 4 + g);                                           \
+            for (int v = 0; v < GEMM_VECS; v++) {                                              \
+                acc[v] = DOT4(acc[v], lo[v][g], x_lo);                                         \
+                acc_hi[v] = DOT4(acc_hi[v], hi[v][g], x_hi);                                   \
+                KEEP(acc[v]);                                                                  \
+                KEEP(acc_hi[v]);                                                               \
+            }                                                                                  \
         }                                                                                      \
-        acc = _mm512_add_epi32(acc, acc_hi);                                                   \
-    } while (0)
+        for (int v = 0; v < GEMM_VECS; v++) {                                                  \
+            SCALES(v);                                                                         \
+            EMIT(m, v, TO_FLOAT(_mm512_add_epi32(acc[v], acc_hi[v])));                         \
+        }                                                                                      \
+    }
 #else
 /* Without VNNI the pair sums stay 16-bit through the block (|sum| <= 16 * 15 * 127 = 30480),
  * widened to 32 bits once per block: two instructions per group and row fewer. */
@@ -180,19 +202,19 @@ typedef __m256i vi;
         }                                                                                      \
         acc = WIDEN16(acc);                                                                    \
     } while (0)
-#endif
+/* A vector at a time: two vectors' nibbles would take all 16 registers. */
 #define Q4_DOTS(MM, EMIT)                                                                       \
-    vi lo[4], hi[4];                                                                           \
-    for (int g = 0; g < 4; g++) {                                                              \
-        vi w = LOAD(q + ((size_t)g * PACK + v * LANES) * 4);                                    \
-        lo[g] = AND(w, SET1_8(0x0F));                                                          \
-        hi[g] = AND(SRL16(w, 4), SET1_8(0x0F));                                                \
-    }                                                                                          \
-    for (int m = 0; m < MM; m++) {                                                             \
-        vi acc;                                                                                \
-        Q4_ROW(acc, m);                                                                        \
-        EMIT(m, TO_FLOAT(acc));                                                                \
+    for (int v = 0; v < GEMM_VECS; v++) {                                                      \
+        SCALES(v);                                                                             \
+        vi lo[4], hi[4];                                                                       \
+        Q4_UNPACK(lo, hi, v)                                                                   \
+        for (int m = 0; m < MM; m++) {                                                         \
+            vi acc;                                                                            \
+            Q4_ROW(acc, m);                                                                    \
+            EMIT(m, v, TO_FLOAT(acc));                                                         \
+        }                                                                                      \
     }
+#endif
 /* Q8: 8 weight vectors would need 16 registers, so the groups are the outer loop and every
  * row's accumulator stays live. Multiplies take an unsigned and a signed operand. With VNNI the
  * weights are made unsigned (w + 128: one xor per weight vector, for all rows) so that x, the
@@ -206,16 +228,19 @@ typedef __m256i vi;
 #define Q8_DOT(acc, w, m, g) DOT4(acc, ABS8(w), SIGN_OF(XV(m, g), w))
 #endif
 #define Q8_DOTS(MM, EMIT)                                                                       \
-    vi acc[MM];                                                                                 \
-    for (int m = 0; m < MM; m++) acc[m] = Q8_START(m);                                         \
-    for (int g = 0; g < 8; g++) {                                                              \
-        vi w = LOAD(q + ((size_t)g * PACK + v * LANES) * 4);                                    \
-        for (int m = 0; m < MM; m++) {                                                         \
-            acc[m] = Q8_DOT(acc[m], w, m, g);                                                  \
-            KEEP(acc[m]);                                                                      \
+    for (int v = 0; v < GEMM_VECS; v++) {                                                      \
+        SCALES(v);                                                                             \
+        vi acc[MM];                                                                            \
+        for (int m = 0; m < MM; m++) acc[m] = Q8_START(m);                                     \
+        for (int g = 0; g < 8; g++) {                                                          \
+            vi w = LOAD(q + ((size_t)g * PACK + v * LANES) * 4);                                \
+            for (int m = 0; m < MM; m++) {                                                     \
+                acc[m] = Q8_DOT(acc[m], w, m, g);                                              \
+                KEEP(acc[m]);                                                                  \
+            }                                                                                  \
         }                                                                                      \
-    }                                                                                          \
-    for (int m = 0; m < MM; m++) EMIT(m, TO_FLOAT(acc[m]));
+        for (int m = 0; m < MM; m++) EMIT(m, v, TO_FLOAT(acc[m]));                             \
+    }
 /* Q8H: as Q8, one accumulator per half (groups 0-3: k 0-15, 4-7: k 16-31), each with its scale. */
 #if defined(__AVX512VNNI__)
 #define Q8H_START(m, h) _mm512_set1_epi32(-128 * xr->s16[(size_t)(m) * 2 * nb + 2 * b + (h)])
@@ -223,19 +248,22 @@ typedef __m256i vi;
 #define Q8H_START(m, h) ZERO()
 #endif
 #define Q8H_DOTS(MM, EMIT)                                                                      \
-    vi acc[MM][2];                                                                              \
-    for (int m = 0; m < MM; m++) {                                                             \
-        acc[m][0] = Q8H_START(m, 0);                                                           \
-        acc[m][1] = Q8H_START(m, 1);                                                           \
-    }                                                                                          \
-    for (int g = 0; g < 8; g++) {                                                              \
-        vi w = LOAD(q + ((size_t)g * PACK + v * LANES) * 4);                                    \
+    for (int v = 0; v < GEMM_VECS; v++) {                                                      \
+        SCALES(v);                                                                             \
+        vi acc[MM][2];                                                                         \
         for (int m = 0; m < MM; m++) {                                                         \
-            acc[m][g / 4] = Q8_DOT(acc[m][g / 4], w, m, g);                                    \
-            KEEP(acc[m][g / 4]);                                                               \
+            acc[m][0] = Q8H_START(m, 0);                                                       \
+            acc[m][1] = Q8H_START(m, 1);                                                       \
         }                                                                                      \
-    }                                                                                          \
-    for (int m = 0; m < MM; m++) EMIT(m, TO_FLOAT(acc[m][0]), TO_FLOAT(acc[m][1]));
+        for (int g = 0; g < 8; g++) {                                                          \
+            vi w = LOAD(q + ((size_t)g * PACK + v * LANES) * 4);                                \
+            for (int m = 0; m < MM; m++) {                                                     \
+                acc[m][g / 4] = Q8_DOT(acc[m][g / 4], w, m, g);                                \
+                KEEP(acc[m][g / 4]);                                                           \
+            }                                                                                  \
+        }                                                                                      \
+        for (int m = 0; m < MM; m++) EMIT(m, v, TO_FLOAT(acc[m][0]), TO_FLOAT(acc[m][1]));     \
+    }
 #else
 #define FMA(a, b, c) ((a) * (b) + (c))
 #define SPLAT(s) ((s) - (vfloat){0})
@@ -244,14 +272,17 @@ typedef __m256i vi;
 /* Each row's int32 dot per column of the vector, one column at a time (COLUMN(m, c) adds its
  * products into s). */
 #define SCALAR_DOTS(MM, EMIT, COLUMN)                                                           \
-    for (int m = 0; m < MM; m++) {                                                             \
-        float f[LANES];                                                                        \
-        for (int c = 0; c < LANES; c++) {                                                      \
-            int32_t s = 0;                                                                     \
-            COLUMN(m, c)                                                                       \
-            f[c] = (float)s;                                                                   \
+    for (int v = 0; v < GEMM_VECS; v++) {                                                      \
+        SCALES(v);                                                                             \
+        for (int m = 0; m < MM; m++) {                                                         \
+            float f[LANES];                                                                    \
+            for (int c = 0; c < LANES; c++) {                                                  \
+                int32_t s = 0;                                                                 \
+                COLUMN(m, c)                                                                   \
+                f[c] = (float)s;                                                               \
+            }                                                                                  \
+            EMIT(m, v, load_f32(f));                                                           \
         }                                                                                      \
-        EMIT(m, load_f32(f));                                                                  \
     }
 #define Q4_COLUMN(m, c)                                                                         \
     for (int g = 0; g < 4; g++)                                                                \
@@ -266,15 +297,18 @@ typedef __m256i vi;
 #define Q4_DOTS(MM, EMIT) SCALAR_DOTS(MM, EMIT, Q4_COLUMN)
 #define Q8_DOTS(MM, EMIT) SCALAR_DOTS(MM, EMIT, Q8_COLUMN)
 #define Q8H_DOTS(MM, EMIT)                                                                      \
-    for (int m = 0; m < MM; m++) {                                                             \
-        float f[2][LANES];                                                                     \
-        for (int c = 0; c < LANES; c++)                                                        \
-            for (int h = 0; h < 2; h++) {                                                      \
-                int32_t s = 0;                                                                 \
-                Q8_GROUPS(m, c, 4 * h, 4 * h + 4)                                              \
-                f[h][c] = (float)s;                                                            \
-            }                                                                                  \
-        EMIT(m, load_f32(f[0]), load_f32(f[1]));                                               \
+    for (int v = 0; v < GEMM_VECS; v++) {                                                      \
+        SCALES(v);                                                                             \
+        for (int m = 0; m < MM; m++) {                                                         \
+            float f[2][LANES];                                                                 \
+            for (int c = 0; c < LANES; c++)                                                    \
+                for (int h = 0; h < 2; h++) {                                                  \
+                    int32_t s = 0;                                                             \
+                    Q8_GROUPS(m, c, 4 * h, 4 * h + 4)                                          \
+                    f[h][c] = (float)s;                                                        \
+                }                                                                              \
+            EMIT(m, v, load_f32(f[0]), load_f32(f[1]));                                        \
+        }                                                                                      \
     }
 #endif
 
@@ -291,7 +325,7 @@ typedef __m256i vi;
 #define DEFINE_QI_TILE(NAME, QTYPE, DOTS, EMIT, BLOCK_BYTES, MM)                                \
     static void NAME##_##MM(const qrows *xr, const uint8_t *panel, const float *bias, float *y, \
                             int ldy, int ncols) {                                              \
-        const int K = xr->K, nb = K / QBLOCK, has_min = QTYPE == 4 || QTYPE == 6;              \
+        const int K = xr->K, nb = K / QBLOCK, qtype = QTYPE, has_min = QTYPE == 4 || QTYPE == 6; \
         vfloat sums[GEMM_VECS][MM];                                                            \
         for (int v = 0; v < GEMM_VECS; v++) {                                                  \
             float init[LANES];                                                                 \
@@ -302,28 +336,21 @@ typedef __m256i vi;
             const uint8_t *blk = panel + (size_t)b * BLOCK_BYTES;                              \
             for (int l = 0; l < BLOCK_BYTES; l += 64) __builtin_prefetch(blk + QPREFETCH * BLOCK_BYTES + l, 0, 2); \
             const uint8_t *q = blk + pd_qscale_bytes(QTYPE) * PACK;                            \
-            for (int v = 0; v < GEMM_VECS; v++) {                                              \
-                vfloat *ysum = sums[v];                                                        \
-                vfloat dw = SCALE(QTYPE, 0), mw = QTYPE == 8 ? (vfloat){0} : SCALE(QTYPE, 1);   \
-                DOTS(MM, EMIT)                                                                 \
-            }                                                                                  \
+            DOTS(MM, EMIT)                                                                     \
         }                                                                                      \
         float out[MM][PACK];                                                                   \
         for (int v = 0; v < GEMM_VECS; v++)                                                    \
             for (int m = 0; m < MM; m++) store_f32(out[m] + v * LANES, sums[v][m]);           \
         for (int m = 0; m < MM; m++) memcpy(y + (size_t)m * ldy, out[m], sizeof(float) * ncols); \
     }
-/* Scale field f (0, 1) of the block's vector v of columns: fp16 in Q4 and Q8, fp32 in Q4F and Q8H. */
-#define SCALE(QTYPE, f) ((QTYPE) == 4 || (QTYPE) == 8 ? load_f16((const uint16_t *)blk + (f) * PACK + v * LANES) \
-                                                      : load_f32((const float *)blk + (f) * PACK + v * LANES))
-#define EMIT_BLOCK(m, dots)                                                                     \
+#define EMIT_BLOCK(m, v, dots)                                                                  \
     do {                                                                                       \
-        ysum[m] = FMA(dots, dw * xr->d[(size_t)(m) * nb + b], ysum[m]);                          \
-        if (has_min) ysum[m] = FMA(mw, SPLAT(xr->ds[(size_t)(m) * nb + b]), ysum[m]);            \
+        sums[v][m] = FMA(dots, dw * xr->d[(size_t)(m) * nb + b], sums[v][m]);                    \
+        if (has_min) sums[v][m] = FMA(mw, SPLAT(xr->ds[(size_t)(m) * nb + b]), sums[v][m]);      \
     } while (0)
 /* Q8H: mw is k 16-31's scale. */
-#define EMIT_HALVES(m, dots0, dots1) \
-    ysum[m] = FMA(FMA(dots1, mw, dots0 * dw), SPLAT(xr->d[(size_t)(m) * nb + b]), ysum[m])
+#define EMIT_HALVES(m, v, dots0, dots1) \
+    sums[v][m] = FMA(FMA(dots1, mw, dots0 * dw), SPLAT(xr->d[(size_t)(m) * nb + b]), sums[v][m])
 
 #define Q8I_TILE(MM) DEFINE_QI_TILE(q8i_tile, 8, Q8_DOTS, EMIT_BLOCK, Q8_BYTES, MM)
 #define Q4I_TILE(MM) DEFINE_QI_TILE(q4i_tile, 4, Q4_DOTS, EMIT_BLOCK, Q4_BYTES, MM)
