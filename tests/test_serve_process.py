@@ -18,10 +18,15 @@ def _serve(tmp_path: Path, ignore_sigint: bool = False) -> tuple[subprocess.Pope
     """Start serve and wait until it is ready; returns it and the processes it started."""
     config = tmp_path / "config.yaml"
     config.write_text(yaml.safe_dump(CONFIG))
-    # A shell's background job starts with SIGINT ignored; a signal disposition survives exec.
-    setup = (lambda: signal.signal(signal.SIGINT, signal.SIG_IGN)) if ignore_sigint else None
-    serve = subprocess.Popen([sys.executable, "-m", "deploy.cli", "serve", "--config", str(config), "--launcher",
-                              "local"], stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, preexec_fn=setup)
+    args = [sys.executable, "-m", "deploy.cli", "serve", "--config", str(config), "--launcher", "local"]
+    if ignore_sigint:
+        # A shell's background job starts with SIGINT ignored; a signal disposition survives exec. Set
+        # in a process of its own, not by a preexec_fn: with one, Python forks instead of vforking,
+        # and gRPC's fork handlers (this test process has run gRPC) aborted the child now and then
+        # ("epoll_wait error: Bad file descriptor", grpc/grpc#43055).
+        args = [sys.executable, "-c", "import os, signal, sys; signal.signal(signal.SIGINT, signal.SIG_IGN); "
+                "os.execv(sys.argv[1], sys.argv[1:])", *args]
+    serve = subprocess.Popen(args, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
     output = []
     for line in serve.stdout:
         if "router ready" in line:
