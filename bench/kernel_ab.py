@@ -11,10 +11,11 @@ level this process selects (`PDSPEC_CPU_ISA`). Timed, per build, as the median o
   `--context` cached positions, for each batch x span in `--attention` (span: query tokens per
   sequence, as a verification span), per `--kv-dtypes` cache type; `--hot`: one cache for all layers,
   staying in L2 (the kernel's own work, without DRAM's);
-- whole forwards through the engine (the native layer loop with either build's kernels, everything
-  else shared): a decode step of each batch size in `--steps` (256-token prompts, the builds taking
-  turns step by step on the same running batch), and a forward over each `--spans` count of new
-  tokens after a 256-token context (bench.engine's verification-span cost);
+- whole forwards through the engine (the native layer loop, lm_head and embedding on either build's
+  kernels, the Python around them the same; the base must declare the layer loop's structures as
+  this checkout does): a decode step of each batch size in `--steps` (256-token prompts, the builds
+  taking turns step by step on the same running batch), and a forward over each `--spans` count of
+  new tokens after a 256-token context (bench.engine's verification-span cost);
 and checked: both builds' outputs on the same inputs (max abs difference). Prints one JSON object,
 then a table.
 
@@ -77,26 +78,41 @@ def gemm_call(kernels: cpu_kernels.CpuKernels, linears: list, inputs: dict, outp
 
 
 def with_kernels(engine: Engine, kernels: cpu_kernels.CpuKernels, run):
-    """run, the engine's native layer loop on `kernels` (both builds pack weights alike)."""
+    """run, the model's native layer loop, lm_head and embedding on `kernels` (both builds pack
+    weights alike); the rest of a step (Python, sampling's argmax) is the same code for both."""
+    model = engine.runner.model
+
     def call() -> None:
-        engine.runner.model.native.kernels = kernels
+        model.native.kernels = model.lm_head.kernels = kernels
         run()
     return call
+
+
+def same_layer_loop_structures(base: str) -> bool:
+    """Whether `base`'s decoder_step.c declares the structures this checkout's native decoder fills
+    (engine/native_decoder.py): --steps and --spans hand them to the base's layer loop."""
+    root = Path(__file__).resolve().parent.parent
+    def structures(text: str) -> str:
+        return text[text.index("typedef struct"):text.index("enum { TIME_GEMM")]
+    shown = subprocess.run(["git", "-C", str(root), "show", f"{base}:engine/csrc/decoder_step.c"], capture_output=True,
+                           text=True)
+    tree = (root / "engine" / "csrc" / "decoder_step.c").read_text()
+    return shown.returncode == 0 and structures(shown.stdout) == structures(tree)
 
 
 def running_batch(engine: Engine, batch: int, steps: int) -> list[str]:
     """`batch` requests of 256-token prompts, prefilled, each with room for `steps` more tokens."""
     params = SamplingParams(max_tokens=steps + 8, ignore_eos=True)
     ids = [engine.add_request(p, params) for p in prompts(batch, 40000)]
-    started = 0
-    while started < batch:  # prefill steps: until every request has its first token
-        started += len(engine.step())
+    waiting = set(ids)
+    while waiting:  # prefill steps: until every request has its first token
+        waiting -= {out.request_id for out in engine.step()}
     return ids
 
 
 def engine_rows(engine: Engine, builds: dict, batches: list[int], spans: list[int], reps: int) -> dict[str, dict]:
-    """Whole decode steps and span forwards, the builds taking turns (their outputs are the same
-    tokens: the step cases decode one batch together)."""
+    """Whole decode steps and span forwards, the builds taking turns (a step case's builds decode
+    one running batch together, step by step)."""
     timed = {}
     for batch in tqdm(batches, desc="kernel_ab steps", unit="batch"):
         ids = running_batch(engine, batch, 2 * (reps + 2))
@@ -155,6 +171,11 @@ def main() -> None:
     engine = Engine(EngineConfig())
     if (args.steps or args.spans) and engine.runner.model.native is None:
         ap.error("--steps/--spans time the native layer loop, which this engine does not run")
+    if (args.steps or args.spans) and not same_layer_loop_structures(args.base):
+        ap.error(f"--steps/--spans: {args.base}'s decoder_step.c declares other structures than this checkout "
+                 "fills; compare whole steps against a revision with the same layer-loop structures")
+    if any(b > engine.config.max_num_seqs for b in args.steps):
+        ap.error(f"--steps: at most max_num_seqs ({engine.config.max_num_seqs}) sequences run in a step")
     if args.layers is not None and args.layers > len(engine.runner.model.layers):
         ap.error(f"--layers: the model has {len(engine.runner.model.layers)} layers, not {args.layers}")
     cases = {}

@@ -156,8 +156,9 @@ typedef __m256i vi;
  * regroups a tile's products into one sum tree at the end, spilling every product. */
 #define KEEP(v) __asm__("" : "+x"(v))
 
-/* Q4: the block's 4 weight vectors are unpacked once into 8 registers of nibbles, then each
- * row runs its 8 multiplies against them (row after row, so one row's accumulators are live). */
+/* Q4: a vector's 4 weight vectors of the block are unpacked once into 8 registers of nibbles,
+ * then each row runs its multiplies against them (row after row, so one row's accumulators are
+ * live). */
 #define Q4_UNPACK(lo, hi, v)                                                                    \
     for (int g = 0; g < 4; g++) {                                                              \
         vi w = LOAD(q + ((size_t)g * PACK + (v) * LANES) * 4);                                  \
@@ -167,7 +168,7 @@ typedef __m256i vi;
 #if defined(__AVX512VNNI__)
 /* With VNNI a row takes the block's vectors together: each of its activation groups is
  * broadcast once for all of them (a pass per vector broadcast each twice: on Zen 4 the layer
- * GEMMs took 0.91x the time at 4 rows, 0.94-0.98x at 6-16 rows this way, Machine D). Two chains
+ * GEMMs took 0.92-0.93x the time at 4 rows, 0.97-1.00x at 6-16 rows this way, Machine D). Two chains
  * per vector (low and high nibbles): one chain of 8 dependent vpdpbusd would run at the
  * instruction's latency instead of its throughput. 16 registers of nibbles, 4 chains. */
 #define Q4_DOTS(MM, EMIT)                                                                       \
@@ -202,7 +203,8 @@ typedef __m256i vi;
         }                                                                                      \
         acc = WIDEN16(acc);                                                                    \
     } while (0)
-/* A vector at a time: two vectors' nibbles would take all 16 registers. */
+/* A vector at a time (AVX-512 without VNNI too): two vectors' nibbles would take all of AVX2's 16
+ * registers. */
 #define Q4_DOTS(MM, EMIT)                                                                       \
     for (int v = 0; v < GEMM_VECS; v++) {                                                      \
         SCALES(v);                                                                             \
