@@ -5,10 +5,12 @@ in its own process so the two OpenMP runtimes never share a core), pdspec plain 
 EAGLE3 at the shipped config's settings, each decoding NEW_TOKENS greedy tokens (end-of-turn
 ignored, so every run decodes the same count). A run's ms/token is (last token's time - first
 token's time) / (tokens - 1): decode only, prefill excluded. Then pdspec at batch 4 and 16
-(aggregate). Prints one JSON object, then a table; `speedup` is llama.cpp's ms/token over ours.
+(aggregate), each `--batch-reps` times in turn (a single pass swung 30-50 % on a shared host): the
+median, and the range in the JSON. Prints one JSON object, then a table; `x llama.cpp` is
+llama.cpp's batch-1 ms/token over the row's, `x batch 1` pdspec plain's.
 
-    python -m bench.peer [--threads 2] [--prompts 8] [--new-tokens 128] [--gguf FILE [--draft DIR]]
-                         [--kv-cache-dtype auto]
+    python -m bench.peer [--threads 2] [--prompts 8] [--new-tokens 128] [--batch-reps 3]
+                         [--gguf FILE [--draft DIR]] [--kv-cache-dtype auto]
 
 --gguf: another llama-architecture GGUF (default: the embedded model's); EAGLE3 runs with the
 shipped head on the embedded model, with --draft's head on another, and is skipped otherwise.
@@ -91,11 +93,9 @@ def _batch_ms_per_token(engine: Engine, prompts: list[list[int]], n: int) -> flo
     """Aggregate: wall time per generated token with all prompts in one running batch, from the
     step where every request has its first token."""
     params = SamplingParams(max_tokens=n, ignore_eos=True)
-    for p in prompts:
-        engine.add_request(p, params)
-    started = 0
-    while started < len(prompts):
-        started += sum(1 for o in engine.step() if o.token_ids)
+    waiting = {engine.add_request(p, params) for p in prompts}
+    while waiting:
+        waiting -= {o.request_id for o in engine.step() if o.token_ids}
     start, decoded = time.perf_counter(), 0
     while engine.has_unfinished():
         decoded += sum(len(o.token_ids) for o in engine.step())
@@ -108,11 +108,14 @@ def main() -> None:
     ap.add_argument("--prompts", type=int, default=8)
     ap.add_argument("--new-tokens", type=int, default=128)
     ap.add_argument("--batches", type=int, nargs="*", default=[4, 16])
+    ap.add_argument("--batch-reps", type=int, default=3, help="passes over the batch sizes (median reported)")
     ap.add_argument("--gguf", type=Path, default=None, help="the GGUF both run (default: the embedded model's)")
     ap.add_argument("--draft", default=None, help="EAGLE3 head directory for --gguf's model")
     ap.add_argument("--kv-cache-dtype", choices=["auto", "float32", "bfloat16", "int8"], default="auto",
                     help="pdspec's KV cache (llama.cpp keeps its default f16 cache)")
     args = ap.parse_args()
+    if args.batch_reps < 1:
+        ap.error(f"--batch-reps: at least 1 pass over the batch sizes (got {args.batch_reps})")
     try:
         import llama_cpp  # noqa: F401
     except ImportError:
@@ -142,7 +145,11 @@ def main() -> None:
             ms[name].append(_ms_per_token(runs[name](tokens)))
     peer.close()
     median = {name: statistics.median(v) for name, v in ms.items()}
-    batched = {b: _batch_ms_per_token(plain, (prompts * b)[:b], args.new_tokens) for b in args.batches}
+    passes = {b: [] for b in args.batches}
+    for _ in tqdm(range(args.batch_reps), desc="batches", unit="pass"):
+        for b in args.batches:
+            passes[b].append(_batch_ms_per_token(plain, (prompts * b)[:b], args.new_tokens))
+    batched = {b: statistics.median(v) for b, v in passes.items()}
     result = {
         "machine": {"isa": cpu_kernels.selected_isa(), "threads": args.threads, "cpu": _cpu_name()},
         "gguf": gguf.name, "prompts": len(prompts), "new_tokens": args.new_tokens,
@@ -154,14 +161,16 @@ def main() -> None:
         "per_prompt_ms": {name: [round(x, 2) for x in v] for name, v in ms.items()},
         "speedup_vs_llama_cpp": {name: round(median["llama.cpp"] / v, 2) for name, v in median.items()},
         "batch_ms_per_token": {str(b): round(v, 3) for b, v in batched.items()},
+        "batch_ms_per_token_range": {str(b): [round(min(v), 3), round(max(v), 3)] for b, v in passes.items()},
         "batch_speedup_vs_llama_cpp_batch1": {str(b): round(median["llama.cpp"] / v, 2) for b, v in batched.items()},
+        "batch_speedup_vs_pdspec_batch1": {str(b): round(median["pdspec"] / v, 2) for b, v in batched.items()},
     }
     print(json.dumps(result))
-    print(f"\n{'run':<22}{'ms/token':>10}{'x llama.cpp':>13}")
+    print(f"\n{'run':<22}{'ms/token':>10}{'x llama.cpp':>13}{'x batch 1':>11}")
     for name, v in median.items():
         print(f"{name:<22}{v:>10.2f}{median['llama.cpp'] / v:>13.2f}")
     for b, v in batched.items():
-        print(f"{'pdspec batch ' + str(b):<22}{v:>10.3f}{median['llama.cpp'] / v:>13.2f}")
+        print(f"{'pdspec batch ' + str(b):<22}{v:>10.3f}{median['llama.cpp'] / v:>13.2f}{median['pdspec'] / v:>11.2f}")
 
 
 def _cpu_name() -> str:
