@@ -92,6 +92,37 @@ def test_a_row_computes_the_same_bits_however_it_is_batched(engine):
         assert torch.equal(a, b)
 
 
+def test_the_layer_loop_computes_the_same_bits_on_one_or_two_threads(engine):
+    """From 4 rows on, the per-row work between the GEMMs (norms, RoPE, cache writes, SiLU,
+    residual adds) is split between the threads (decoder_step.c, FOR_ROWS); with the GEMMs and
+    attention (thread-invariant already), a forward gives the same logits, features and KV on one
+    thread as on two."""
+    rng = random.Random(5)
+    blocks, prompts = engine.blocks, {"a": _tokens(rng, 40), "b": _tokens(rng, 23)}
+    blocks.clear_prefix_cache()
+    threads = torch.get_num_threads()
+    try:
+        for s, prompt in prompts.items():
+            blocks.allocate(s, prompt)
+            engine.runner.forward([SeqChunk(prompt, 0, blocks.block_table(s), 1)])
+            blocks.commit(s, prompt)
+            assert blocks.reserve(s, 5)
+        step = [SeqChunk(_tokens(rng, 1), 40, blocks.block_table("a"), 1),
+                SeqChunk(_tokens(rng, 5), 23, blocks.block_table("b"), 5)]  # 6 rows
+        runs = []
+        for n in (1, 2):
+            torch.set_num_threads(n)
+            out = engine.runner.forward(step, return_aux=True)
+            runs.append((out.logits, out.aux_hidden, engine.runner.kv_cache.clone()))
+    finally:
+        torch.set_num_threads(threads)
+        for s in prompts:
+            blocks.rollback(s)
+            blocks.free(s)
+    for a, b in zip(*runs):
+        assert torch.equal(a, b)
+
+
 def test_the_native_draft_midlayer_matches_its_torch_layer():
     """The EAGLE3 head's midlayer (its attention input given, 2H wide) through the native step:
     the same hidden states, logits and draft-cache entries as the torch layer, for a multi-row
