@@ -109,7 +109,7 @@ def running_batch(engine: Engine, batch: int, steps: int) -> list[str]:
     params = SamplingParams(max_tokens=steps + 8, ignore_eos=True)
     ids = [engine.add_request(p, params) for p in prompts(batch, 40000)]
     waiting = set(ids)
-    while waiting:  # prefill steps: until every request has its first token
+    while waiting and engine.has_unfinished():  # prefill steps: until every request has its first token
         waiting -= {out.request_id for out in engine.step()}
     return ids
 

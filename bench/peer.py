@@ -94,7 +94,7 @@ def _batch_ms_per_token(engine: Engine, prompts: list[list[int]], n: int) -> flo
     step where every request has its first token."""
     params = SamplingParams(max_tokens=n, ignore_eos=True)
     waiting = {engine.add_request(p, params) for p in prompts}
-    while waiting:
+    while waiting and engine.has_unfinished():
         waiting -= {o.request_id for o in engine.step() if o.token_ids}
     start, decoded = time.perf_counter(), 0
     while engine.has_unfinished():

@@ -100,10 +100,11 @@ def test_the_layer_loop_computes_the_same_bits_on_one_or_two_threads(engine):
     rng = random.Random(5)
     blocks, prompts = engine.blocks, {"a": _tokens(rng, 40), "b": _tokens(rng, 23)}
     blocks.clear_prefix_cache()
-    threads = torch.get_num_threads()
+    threads, allocated = torch.get_num_threads(), []
     try:
         for s, prompt in prompts.items():
             blocks.allocate(s, prompt)
+            allocated.append(s)
             engine.runner.forward([SeqChunk(prompt, 0, blocks.block_table(s), 1)])
             blocks.commit(s, prompt)
             assert blocks.reserve(s, 5)
@@ -116,9 +117,10 @@ def test_the_layer_loop_computes_the_same_bits_on_one_or_two_threads(engine):
             runs.append((out.logits, out.aux_hidden, engine.runner.kv_cache.clone()))
     finally:
         torch.set_num_threads(threads)
-        for s in prompts:
+        for s in allocated:
             blocks.rollback(s)
             blocks.free(s)
+        blocks.clear_prefix_cache()
     for a, b in zip(*runs):
         assert torch.equal(a, b)
 
