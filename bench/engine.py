@@ -84,17 +84,23 @@ def _layer_ms(model, head: _Timed, count: int) -> tuple[dict[str, float], float]
             "lm_head": head.seconds * 1e3 / count}, layers
 
 
+def start_batch(engine: Engine, batch: list[list[int]], params: SamplingParams) -> list[str]:
+    """Add the prompts as requests and step until every one has its first token (counted by
+    request: a prompt found in the prefix cache may start decoding while others still prefill);
+    returns their ids."""
+    ids = [engine.add_request(p, params) for p in batch]
+    waiting = set(ids)
+    while waiting and engine.has_unfinished():
+        waiting -= {out.request_id for out in engine.step() if out.token_ids}
+    return ids
+
+
 def ours_decode(engine: Engine, batch: int) -> tuple[float, dict[str, float]]:
     """Decode tokens/s (time from every request's first token to the last token), and a decode
     step's mean ms: whole, and with the native decoder step, in the layers' GEMMs, their
     attention, the rest of the layer loop, the lm_head, and everything else (embedding, sampling,
     scheduling, Python)."""
-    params = SamplingParams(max_tokens=NEW_TOKENS, ignore_eos=True)
-    for p in prompts(batch, 40000):
-        engine.add_request(p, params)
-    generated = 0
-    while generated < batch:  # prefill steps: until every request has its first token
-        generated += len(engine.step())
+    start_batch(engine, prompts(batch, 40000), SamplingParams(max_tokens=NEW_TOKENS, ignore_eos=True))
     model = engine.runner.model
 
     def decode() -> tuple[int, int, float]:

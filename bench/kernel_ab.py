@@ -33,7 +33,7 @@ import torch
 from tqdm import tqdm
 
 from bench.attention import attention_step
-from bench.engine import after_context, prompts
+from bench.engine import after_context, prompts, start_batch
 from bench.timing import alternated_median_ms
 from engine import cpu_kernels
 from engine.config import EngineConfig
@@ -106,12 +106,7 @@ def same_layer_loop_structures(base: str) -> bool:
 
 def running_batch(engine: Engine, batch: int, steps: int) -> list[str]:
     """`batch` requests of 256-token prompts, prefilled, each with room for `steps` more tokens."""
-    params = SamplingParams(max_tokens=steps + 8, ignore_eos=True)
-    ids = [engine.add_request(p, params) for p in prompts(batch, 40000)]
-    waiting = set(ids)
-    while waiting and engine.has_unfinished():  # prefill steps: until every request has its first token
-        waiting -= {out.request_id for out in engine.step()}
-    return ids
+    return start_batch(engine, prompts(batch, 40000), SamplingParams(max_tokens=steps + 8, ignore_eos=True))
 
 
 def engine_rows(engine: Engine, builds: dict, batches: list[int], spans: list[int], reps: int) -> dict[str, dict]:

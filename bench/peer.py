@@ -31,6 +31,7 @@ from pathlib import Path
 import yaml
 from tqdm import tqdm
 
+from bench.engine import start_batch
 from engine import cpu_kernels
 from engine.config import EngineConfig, SpeculativeConfig
 from engine.engine import Engine
@@ -92,10 +93,7 @@ def _ms_per_token(stamps: list[float]) -> float:
 def _batch_ms_per_token(engine: Engine, prompts: list[list[int]], n: int) -> float:
     """Aggregate: wall time per generated token with all prompts in one running batch, from the
     step where every request has its first token."""
-    params = SamplingParams(max_tokens=n, ignore_eos=True)
-    waiting = {engine.add_request(p, params) for p in prompts}
-    while waiting and engine.has_unfinished():
-        waiting -= {o.request_id for o in engine.step() if o.token_ids}
+    start_batch(engine, prompts, SamplingParams(max_tokens=n, ignore_eos=True))
     start, decoded = time.perf_counter(), 0
     while engine.has_unfinished():
         decoded += sum(len(o.token_ids) for o in engine.step())
