@@ -5,6 +5,7 @@ On the exact engine: the two loops round their norms differently (~1e-7), and th
 engine's int8 activation quantization would turn that into a rounding step now and then."""
 
 import random
+from contextlib import contextmanager
 
 import pytest
 import torch
@@ -15,6 +16,27 @@ from engine.kv_layout import SCALE_BYTES, decode_rows
 
 def _tokens(rng: random.Random, n: int) -> list[int]:
     return [rng.randrange(100, 40000) for _ in range(n)]
+
+
+@contextmanager
+def _prefilled(engine, prefixes: dict[str, list[int]], room: dict[str, int]):
+    """Each prefix computed into the cache (none found cached by an earlier test), with room for
+    room[seq] more tokens; everything rolled back and freed after."""
+    blocks, allocated = engine.blocks, []
+    blocks.clear_prefix_cache()
+    try:
+        for s, prefix in prefixes.items():
+            blocks.allocate(s, prefix)
+            allocated.append(s)
+            engine.runner.forward([SeqChunk(prefix, 0, blocks.block_table(s), 1)])
+            blocks.commit(s, prefix)
+            assert blocks.reserve(s, room[s])
+        yield
+    finally:
+        for s in allocated:
+            blocks.rollback(s)
+            blocks.free(s)
+        blocks.clear_prefix_cache()
 
 
 @pytest.mark.parametrize("seed", [0, 1])
@@ -28,15 +50,7 @@ def test_native_step_matches_the_torch_layers(exact_engine, seed):
     prefixes = {"a": _tokens(rng, 20), "b": _tokens(rng, 2 * bs - 2), "c": _tokens(rng, 9), "d": _tokens(rng, 33)}
     spans = {"a": (_tokens(rng, 1), None), "b": (_tokens(rng, 5), None), "c": (_tokens(rng, 1), None),
              "d": (_tokens(rng, 4), [-1, -1, 0])}  # the root, two children of it, a grandchild
-    blocks.clear_prefix_cache()  # every prefix computed here, not found cached by an earlier test
-    allocated = []
-    try:
-        for s, prefix in prefixes.items():
-            blocks.allocate(s, prefix)
-            allocated.append(s)
-            engine.runner.forward([SeqChunk(prefix, 0, blocks.block_table(s), 1)])
-            blocks.commit(s, prefix)
-            assert blocks.reserve(s, len(spans[s][0]))
+    with _prefilled(engine, prefixes, {s: len(tokens) for s, (tokens, _) in spans.items()}):
         chunks = [SeqChunk(tokens, len(prefixes[s]), blocks.block_table(s), len(tokens), parents)
                   for s, (tokens, parents) in spans.items()]
         native = engine.runner.forward(chunks, return_aux=True)
@@ -50,10 +64,6 @@ def test_native_step_matches_the_torch_layers(exact_engine, seed):
         assert torch.equal(native.logits.argmax(-1), torch_path.logits.argmax(-1))
         assert torch.allclose(native.aux_hidden, torch_path.aux_hidden, rtol=1e-4, atol=1e-4)
         assert torch.allclose(written, engine.runner.kv_cache, rtol=1e-4, atol=1e-4)
-    finally:
-        for s in allocated:
-            blocks.rollback(s)
-            blocks.free(s)
 
 
 def test_a_row_computes_the_same_bits_however_it_is_batched(engine):
@@ -99,28 +109,18 @@ def test_the_layer_loop_computes_the_same_bits_on_one_or_two_threads(engine):
     thread as on two."""
     rng = random.Random(5)
     blocks, prompts = engine.blocks, {"a": _tokens(rng, 40), "b": _tokens(rng, 23)}
-    blocks.clear_prefix_cache()
-    threads, allocated = torch.get_num_threads(), []
-    try:
-        for s, prompt in prompts.items():
-            blocks.allocate(s, prompt)
-            allocated.append(s)
-            engine.runner.forward([SeqChunk(prompt, 0, blocks.block_table(s), 1)])
-            blocks.commit(s, prompt)
-            assert blocks.reserve(s, 5)
+    threads = torch.get_num_threads()
+    with _prefilled(engine, prompts, {"a": 5, "b": 5}):
         step = [SeqChunk(_tokens(rng, 1), 40, blocks.block_table("a"), 1),
                 SeqChunk(_tokens(rng, 5), 23, blocks.block_table("b"), 5)]  # 6 rows
         runs = []
-        for n in (1, 2):
-            torch.set_num_threads(n)
-            out = engine.runner.forward(step, return_aux=True)
-            runs.append((out.logits, out.aux_hidden, engine.runner.kv_cache.clone()))
-    finally:
-        torch.set_num_threads(threads)
-        for s in allocated:
-            blocks.rollback(s)
-            blocks.free(s)
-        blocks.clear_prefix_cache()
+        try:
+            for n in (1, 2):
+                torch.set_num_threads(n)
+                out = engine.runner.forward(step, return_aux=True)
+                runs.append((out.logits, out.aux_hidden, engine.runner.kv_cache.clone()))
+        finally:
+            torch.set_num_threads(threads)
     for a, b in zip(*runs):
         assert torch.equal(a, b)
 
