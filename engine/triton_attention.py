@@ -43,6 +43,15 @@ def _find_sequence(query_start_loc, tile, num_seqs, BLOCK_Q: tl.constexpr):
 
 
 @triton.jit
+def _round_to_bf16(x):
+    """fp32 -> the nearest bf16 (ties to even), kept as fp32; by its bits, as `.to(tl.bfloat16)` in
+    the interpreter truncates."""
+    u = x.to(tl.uint32, bitcast=True)
+    u = (u + 0x7FFF + ((u >> 16) & 1)) & 0xFFFF0000
+    return u.to(tl.float32, bitcast=True)
+
+
+@triton.jit
 def _paged_attention_kernel(
     q, cache, out, query_start_loc, context_lens, block_tables, span_masks,
     num_seqs, qk_scale,
@@ -52,6 +61,7 @@ def _paged_attention_kernel(
     NUM_HEADS: tl.constexpr, GROUP: tl.constexpr, GROUP_PAD: tl.constexpr,
     HEAD_DIM: tl.constexpr, BLOCK_SIZE: tl.constexpr,
     BLOCK_Q: tl.constexpr, BLOCK_N: tl.constexpr, IEEE: tl.constexpr, HAS_TREE: tl.constexpr,
+    ROUND_Q: tl.constexpr,
 ):
     BLOCK_M: tl.constexpr = BLOCK_Q * GROUP_PAD
     tile = tl.program_id(0)
@@ -76,6 +86,8 @@ def _paged_attention_kernel(
 
     q_ptrs = q + (q_start + token)[:, None] * stride_qt + head[:, None] * stride_qh + dims[None, :] * stride_qd
     q_tile = tl.load(q_ptrs, mask=row_valid[:, None], other=0.0)
+    if ROUND_Q:  # fp32 queries on a bf16 cache: rounded like the keys, as the CPU kernel and the torch path do
+        q_tile = _round_to_bf16(q_tile)
     if HAS_TREE:
         row_tree = tl.load(span_masks + q_start + token, mask=row_valid, other=-1)
 
@@ -158,5 +170,6 @@ def triton_paged_attention(
         *q.stride(), *layer_cache.stride(), meta.block_tables.stride(0),
         NUM_HEADS=heads, GROUP=group, GROUP_PAD=group_pad, HEAD_DIM=d, BLOCK_SIZE=block_size,
         BLOCK_Q=block_q, BLOCK_N=BLOCK_N, IEEE=q.dtype == torch.float32, HAS_TREE=meta.span_masks is not None,
+        ROUND_Q=q.dtype == torch.float32 and layer_cache.dtype == torch.bfloat16,
     )
     return out

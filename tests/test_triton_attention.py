@@ -75,8 +75,9 @@ def _run_case(heads: int, kv_heads: int, head_dim: int, block_size: int, dtype: 
     q = torch.randn(sum(query_lens), heads, head_dim).to(getattr(torch, dtype))
     scale = head_dim ** -0.5
 
-    # Reference in fp32 on the same (possibly fp16-rounded) inputs.
-    expected = paged_attention(q.float(), layer_cache.float(), meta, scale)
+    # Reference in fp32 on the same (possibly fp16-rounded) inputs; a bf16 cache as the engine holds
+    # it (fp32 queries on it are rounded to bf16 too).
+    expected = paged_attention(q.float(), layer_cache if cache_dtype == "bfloat16" else layer_cache.float(), meta, scale)
     got = triton_paged_attention(q, layer_cache, meta, scale)
     assert got.shape == expected.shape and got.dtype == q.dtype
     return (got.float() - expected).abs().max().item()
