@@ -108,12 +108,10 @@ static inline vfloat key_chunk(const char *p, int c, int chunks, int kv_type) {
  * took 0.82x the time, decode 0.90x (Machine D, bench.kernel_ab). Other builds round the queries
  * the same way and multiply in fp32 (permute_query), the torch and Triton paths too. */
 static inline vfloat round_to_bf16(vfloat x) {
-    vword u;
-    memcpy(&u, &x, sizeof u);
-    u = (u + 0x7fffu + ((u >> 16) & 1)) & 0xffff0000u;
+    vword w = round_bf16_words(x);
     vfloat r;
-    memcpy(&r, &u, sizeof r);
-    return select_lanes(x != x, x, r);  /* NaN stays NaN */
+    memcpy(&r, &w, sizeof r);
+    return r;
 }
 
 #if defined(__AVX512BF16__) && LANES == 16

@@ -63,6 +63,16 @@ static inline uint16_t to_bf16(float x) {
     return (uint16_t)((u + 0x7fffu + ((u >> 16) & 1)) >> 16);
 }
 
+/* to_bf16 of each lane, as the bf16 bits in the upper half of its 32-bit word and zeros below
+ * (read as fp32: the rounded value). */
+static inline vword round_bf16_words(vfloat x) {
+    vword u;
+    memcpy(&u, &x, sizeof u);
+    vword nan = (vword)((u & 0x7fffffffu) > 0x7f800000u);  /* all ones where NaN */
+    vword rounded = (u + 0x7fffu + ((u >> 16) & 1)) & 0xffff0000u;
+    return (nan & ((u | 0x400000u) & 0xffff0000u)) | (~nan & rounded);
+}
+
 /* LANES fp16 values (GGUF block scales) as fp32: F16C on x86-64-v3 and up, else one by one. */
 static inline vfloat load_f16(const uint16_t *p) {
 #if defined(__AVX512F__)
