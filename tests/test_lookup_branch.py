@@ -55,7 +55,7 @@ def test_the_branch_is_accepted_where_the_head_fails_and_output_stays_lossless(e
     def run(branch: bool, batch: int) -> int:
         spec = Engine(EngineConfig(num_kv_blocks=128, speculative={
             "adaptive": False, "method": "eagle3", "num_speculative_tokens": 5, "draft_top_k": 4, "prompt_lookup_branch": branch,
-            "prompt_lookup_min": 2}))
+            "prompt_lookup_min": 2, "disable_by_batch_size": None}))  # drafting at batch 3 too (the CPU default stops at 2)
         ids = [spec.add_request(p, params) for p in prompts[:batch]]
         out = {i: [] for i in ids}
         while spec.has_unfinished():
