@@ -122,7 +122,7 @@ class Engine:
         verdict = self.verify(make_verify_input([s.params for s in seqs], [s.generator for s in seqs],
                                                 [proposals[i].token_ids for i in sampling], out.logits,
                                                 [proposals[i].parents for i in sampling]))
-        paths = dict(zip(sampling, (p[:a] for p, a in zip(verdict.path.tolist(), verdict.num_accepted.tolist()))))
+        paths = dict(zip(sampling, verdict.paths))
         row = 0
         for i, (s, chunk) in enumerate(zip(scheduled, chunks)):
             # KV stays for the chunk's real tokens and the accepted drafts; the rest rolls back.
@@ -141,9 +141,9 @@ class Engine:
                 self.counters["draft_tokens"] += len(proposals[i].token_ids)
                 self.counters["accepted_tokens"] += a
                 self.counters["verify_steps"] += 1
-            tokens = verdict.tokens[j, : a + 1].tolist()
+            tokens = verdict.tokens[j]
             outputs.append(self._prefilled_handle(seq, tokens[0]) if seq.prefill_only else self._append(seq, tokens))
-        self._note_time(batch, scheduled, [proposals[i] for i in sampling], int(verdict.num_accepted.sum()),
+        self._note_time(batch, scheduled, [proposals[i] for i in sampling], sum(map(len, verdict.paths)),
                         sum(len(c.token_ids) for c in chunks),
                         (start, scheduled_at, drafted_at, verified_at, time.perf_counter()))
         return outputs

@@ -12,7 +12,7 @@ from engine.spec.rejection import make_verify_input, verify
 def sample(logits: torch.Tensor, params: list[SamplingParams], generators: list[torch.Generator]) -> list[int]:
     """One token per row: verification with no drafts is the engine's sampling path."""
     out = verify(make_verify_input(params, generators, [[] for _ in params], logits))
-    return out.tokens[:, 0].tolist()
+    return [t[0] for t in out.tokens]
 
 
 def _draw(logits: torch.Tensor, params: SamplingParams, n: int) -> torch.Tensor:

@@ -229,10 +229,8 @@ def test_tree_verification_walks_down_from_the_root():
     drafts, parents, argmax = [5, 6, 7, 8, 9], [-1, 0, -1, 2, 2], [7, 1, 1, 9, 1, 3]
     logits = torch.zeros(len(argmax), vocab)
     logits[torch.arange(len(argmax)), torch.tensor(argmax)] = 1.0
-    out = verify(VerifyInput(torch.tensor(drafts), torch.tensor([5]), logits, None, torch.tensor([True]),
-                             torch.zeros(6, 2), draft_parents=torch.tensor(parents)))
-    assert out.num_accepted.tolist() == [2] and out.path[0, :2].tolist() == [2, 4]
-    assert out.tokens[0, :3].tolist() == [7, 9, 3]
+    out = verify(VerifyInput([drafts], logits, None, [True], torch.zeros(6, 2), parents=[parents]))
+    assert out.paths == [[2, 4]] and out.tokens == [[7, 9, 3]]
 
 
 def test_draft_caches_left_behind_catch_up_to_what_one_forward_computes(prompts):
@@ -351,14 +349,13 @@ def test_rejection_sampling_reproduces_the_target_distribution():
     n = 20000
     drafts = torch.randint(0, 5, (n,), generator=gen)
     out = verify(VerifyInput(
-        draft_ids=drafts, num_drafts=torch.ones(n, dtype=torch.long),
-        target_logits=torch.zeros(2 * n, 5), target_probs=p.repeat(2 * n, 1),
-        greedy=torch.zeros(n, dtype=torch.bool), uniforms=torch.rand(2 * n, 2, generator=gen),
+        drafts=[[d] for d in drafts.tolist()], target_logits=torch.zeros(2 * n, 5), target_probs=p.repeat(2 * n, 1),
+        greedy=[False] * n, uniforms=torch.rand(2 * n, 2, generator=gen),
     ))
-    first = out.tokens[:, 0]
+    first = torch.tensor([t[0] for t in out.tokens])
     freq = torch.bincount(first, minlength=5).float() / n
     assert (freq - p).abs().max() < 0.015
-    accept_rate = out.num_accepted.float().mean()
+    accept_rate = sum(map(len, out.paths)) / n
     assert abs(accept_rate - p[drafts].mean()) < 0.015  # P(accept d) = p(d)
 
 
@@ -372,16 +369,15 @@ def test_tree_rejection_sampling_reproduces_the_target_distribution():
                       [0.2, 0.2, 0.2, 0.2, 0.2]])  # after 1, 3
     n = 20000
     out = verify(VerifyInput(
-        draft_ids=torch.tensor([1, 2, 3]).repeat(n), num_drafts=torch.full((n,), 3), target_logits=torch.zeros(4 * n, 5),
-        target_probs=p.repeat(n, 1), greedy=torch.zeros(n, dtype=torch.bool),
-        uniforms=torch.rand(4 * n, 2, generator=gen), draft_parents=torch.tensor([-1, -1, 0]).repeat(n),
+        drafts=[[1, 2, 3]] * n, target_logits=torch.zeros(4 * n, 5), target_probs=p.repeat(n, 1), greedy=[False] * n,
+        uniforms=torch.rand(4 * n, 2, generator=gen), parents=[[-1, -1, 0]] * n,
     ))
-    first, second = out.tokens[:, 0], out.tokens[:, 1]
+    first, second = (torch.tensor([t[k] if len(t) > k else -1 for t in out.tokens]) for k in (0, 1))
     assert (torch.bincount(first, minlength=5).float() / n - p[0]).abs().max() < 0.015
     for token, row in ((1, 1), (2, 2)):
         after = second[first == token]
         assert (torch.bincount(after, minlength=5).float() / len(after) - p[row]).abs().max() < 0.025
-    assert ((first == 2) & (out.path[:, 0] == 1)).any()  # a sibling was accepted
+    assert any(path[:1] == [1] for path in out.paths)  # a sibling was accepted
 
 
 @pytest.fixture(scope="module")

@@ -22,7 +22,7 @@ node's children in proposal order:
   are rejected, the emitted token is a sample of p without them. Each token then comes out with
   probability p exactly: p(c1), (1 - p(c1)) p(c2) / (1 - p(c1)) = p(c2), ..., and for the others
   (1 - sum p(ci)) p(x) / (1 - sum p(ci)) (the one-hot case of SpecInfer's multi-candidate rule).
-A chain is the tree whose parents are i - 1, and the walk is then the rules above. The output names the accepted drafts' indices (`path`): their KV must move to
+A chain is the tree whose parents are i - 1, and the walk is then the rules above. The output names the accepted drafts' indices (`paths`): their KV must move to
 consecutive slots.
 
 Randomness comes in as uniforms drawn from each sampled request's own generator, two per row:
@@ -42,20 +42,22 @@ from engine.sampling import probabilities
 
 @dataclass
 class VerifyInput:
-    draft_ids: torch.Tensor  # [D] int64 target-vocabulary ids, all sequences' drafts concatenated
-    num_drafts: torch.Tensor  # [B] int64
+    """The ragged per-sequence facts as host lists (a few per sequence: tensors of them cost more to
+    build and read back than the walk itself on CPU; the Triton path copies them to its device), the
+    per-row ones as tensors."""
+
+    drafts: list[list[int]]  # per sequence, its draft tokens (target-vocabulary ids)
     target_logits: torch.Tensor  # [D + B, V]
     target_probs: torch.Tensor | None  # [D + B, V] sampling distribution p (rows of greedy sequences unused)
-    greedy: torch.Tensor  # [B] bool
+    greedy: list[bool]  # per sequence
     uniforms: torch.Tensor  # [D + B, 2] fp32 in [0, 1)
-    draft_parents: torch.Tensor | None = None  # [D] int64, each draft's parent in its sequence; None = chains
+    parents: list[list[int]] | None = None  # per sequence, each draft's parent (-1: the root); None: chains
 
 
 @dataclass
 class VerifyOutput:
-    tokens: torch.Tensor  # [B, max_drafts + 1]: accepted drafts then one more token, padded with -1
-    num_accepted: torch.Tensor  # [B] int64; sequence b emits num_accepted[b] + 1 tokens
-    path: torch.Tensor  # [B, max(max_drafts, 1)] int64: index of each accepted draft in its sequence, -1 padded
+    tokens: list[list[int]]  # per sequence: its accepted drafts, then one more token
+    paths: list[list[int]]  # per sequence: the accepted drafts' indices among its drafts
 
 
 def make_verify_input(params: list[SamplingParams], generators: list[torch.Generator], drafts: list[list[int]],
@@ -64,8 +66,7 @@ def make_verify_input(params: list[SamplingParams], generators: list[torch.Gener
     parents: per sequence, its drafts' parents for a tree, or None for a chain."""
     tree = None
     if parents is not None and any(t is not None for t in parents):
-        tree = torch.tensor([i for d, t in zip(drafts, parents) for i in (t if t is not None else range(-1, len(d) - 1))],
-                            dtype=torch.long)
+        tree = [t if t is not None else list(range(-1, len(d) - 1)) for d, t in zip(drafts, parents)]
     # Sampled sequences' rows: p, and two uniforms a row from the request's own generator. Greedy
     # rows read neither (their uniforms stay zero: one tensor, not a draw per sequence and step).
     probs, uniforms = None, torch.zeros(sum(len(d) + 1 for d in drafts), 2)
@@ -77,44 +78,25 @@ def make_verify_input(params: list[SamplingParams], generators: list[torch.Gener
                 probs[row : row + len(d) + 1] = probabilities(logits[row : row + len(d) + 1], p)
                 uniforms[row : row + len(d) + 1] = torch.rand(len(d) + 1, 2, generator=g)
             row += len(d) + 1
-    return VerifyInput(
-        draft_ids=torch.tensor([t for d in drafts for t in d], dtype=torch.long),
-        num_drafts=torch.tensor([len(d) for d in drafts], dtype=torch.long),
-        target_logits=logits,
-        target_probs=probs,
-        greedy=torch.tensor([p.greedy for p in params], dtype=torch.bool),
-        uniforms=uniforms,
-        draft_parents=tree,
-    )
+    return VerifyInput(drafts, logits, probs, [p.greedy for p in params], uniforms, tree)
 
 
 def verify(inp: VerifyInput) -> VerifyOutput:
-    b = inp.num_drafts.shape[0]
-    width = int(inp.num_drafts.max()) + 1 if b else 1
     argmax = _argmax_rows(inp.target_logits)
-    drafts = inp.draft_ids.tolist()
-    parents = inp.draft_parents.tolist() if inp.draft_parents is not None else None
-    tokens, paths, num_accepted = [], [], []  # lists, one tensor each at the end: few torch calls per step
-    row = draft = 0
-    for s, (n, greedy) in enumerate(zip(inp.num_drafts.tolist(), inp.greedy.tolist())):
-        seq_drafts = drafts[draft : draft + n]
-        seq_parents = parents[draft : draft + n] if parents else list(range(-1, n - 1))
+    tokens, paths = [], []
+    row = 0
+    for s, (drafts, greedy) in enumerate(zip(inp.drafts, inp.greedy)):
+        n = len(drafts)
+        parents = inp.parents[s] if inp.parents else range(-1, n - 1)
         if greedy:
-            accepted = _greedy_path(seq_drafts, seq_parents, argmax[row:])
+            accepted = _greedy_path(drafts, parents, argmax[row:])
             last = argmax[row + 1 + accepted[-1]] if accepted else argmax[row]
         else:
-            accepted, last = _stochastic(inp, row, seq_drafts, seq_parents)
-        a = len(accepted)
-        tokens.append([seq_drafts[i] for i in accepted] + [last] + [-1] * (width - a - 1))
-        paths.append(accepted + [-1] * (max(width - 1, 1) - a))
-        num_accepted.append(a)
+            accepted, last = _stochastic(inp, row, drafts, parents)
+        tokens.append([drafts[i] for i in accepted] + [last])
+        paths.append(accepted)
         row += n + 1
-        draft += n
-    if not b:
-        return VerifyOutput(torch.full((0, width), -1, dtype=torch.long), torch.zeros(0, dtype=torch.long),
-                            torch.full((0, 1), -1, dtype=torch.long))
-    return VerifyOutput(torch.tensor(tokens, dtype=torch.long), torch.tensor(num_accepted, dtype=torch.long),
-                        torch.tensor(paths, dtype=torch.long))
+    return VerifyOutput(tokens, paths)
 
 
 def _argmax_rows(logits: torch.Tensor) -> list[int]:

@@ -131,36 +131,34 @@ def _verify_kernel(
 
 
 def triton_verify(inp: VerifyInput) -> VerifyOutput:
-    """`rejection.verify` on the logits' device (CUDA, or CPU under TRITON_INTERPRET=1).
-
-    The small per-sequence inputs may live on the CPU (as `make_verify_input` builds them); they
-    are copied to the logits' device. The output width needs max(num_drafts) on the host, the
-    only sync (none when num_drafts is already on the CPU).
-    """
+    """`rejection.verify` on the logits' device (CUDA, or CPU under TRITON_INTERPRET=1): the per-sequence
+    lists are copied to the device, the outputs read back (the step's one sync)."""
     device = inp.target_logits.device
-    b = inp.num_drafts.shape[0]
-    width = int(inp.num_drafts.max()) + 1 if b else 1
+    b = len(inp.drafts)
+    if b == 0:
+        return VerifyOutput([], [])
+    assert inp.target_probs is not None or all(inp.greedy), "sampled sequences need target_probs"
+    width = max(len(d) for d in inp.drafts) + 1
     tokens = torch.full((b, width), -1, dtype=torch.long, device=device)
     num_accepted = torch.zeros(b, dtype=torch.long, device=device)
     path = torch.full((b, max(width - 1, 1)), -1, dtype=torch.long, device=device)
-    if b == 0:
-        return VerifyOutput(tokens, num_accepted, path)
-    assert inp.target_probs is not None or bool(inp.greedy.all()), "sampled sequences need target_probs"
-
-    num_drafts = inp.num_drafts.to(device, torch.long)
-    draft_ids = inp.draft_ids.to(device, torch.long)
-    greedy = inp.greedy.to(device, torch.int8)
+    num_drafts = torch.tensor([len(d) for d in inp.drafts], dtype=torch.long, device=device)
+    draft_ids = torch.tensor([t for d in inp.drafts for t in d], dtype=torch.long, device=device)
+    greedy = torch.tensor(inp.greedy, dtype=torch.int8, device=device)
     uniforms = inp.uniforms.to(device)
     argmax = inp.target_logits.argmax(dim=-1)
     # Unused pointers still need a tensor: greedy-only batches never read p.
     probs = inp.target_probs if inp.target_probs is not None else inp.target_logits
     vocab = inp.target_logits.shape[-1]
-    parents = inp.draft_parents.to(device, torch.long) if inp.draft_parents is not None else draft_ids  # unread
+    parents = (torch.tensor([p for ps in inp.parents for p in ps], dtype=torch.long, device=device)
+               if inp.parents is not None else draft_ids)  # unread without a tree
     _verify_kernel[(b,)](
         draft_ids, parents, num_drafts, torch.cumsum(num_drafts, 0) - num_drafts, greedy, argmax, probs, uniforms,
         tokens, num_accepted, path,
         vocab, width, path.shape[1],
-        *probs.stride(), *uniforms.stride(), HAS_TREE=inp.draft_parents is not None,
+        *probs.stride(), *uniforms.stride(), HAS_TREE=inp.parents is not None,
         BLOCK_V=min(BLOCK_V, triton.next_power_of_2(vocab)),
     )
-    return VerifyOutput(tokens, num_accepted, path)
+    counts = num_accepted.tolist()
+    return VerifyOutput([row[: a + 1] for row, a in zip(tokens.tolist(), counts)],
+                        [row[:a] for row, a in zip(path.tolist(), counts)])
