@@ -42,7 +42,7 @@ from engine.params import SamplingParams
 
 
 # Kernel files split off from another: a revision before the split has their code in that one.
-SPLIT_OFF = {"attention_tile.c", "attention_tile.h"}
+SPLIT_OFF = {"attention_tile.c", "attention_tile.h", "quant_dot_portable.h"}
 
 
 def revision_kernels(rev: str, isa: str) -> cpu_kernels.CpuKernels:

@@ -36,7 +36,7 @@ _ISA_FLAGS = {"avx512": ["-march=native"], "avx2": ["-march=x86-64-v3", "-mtune=
 _ISA_CPU_FLAGS = {"avx512": {"avx512f"}, "avx2": {"avx2", "fma", "f16c"}, "portable": set()}
 _CSRC = Path(__file__).parent / "csrc"
 _SOURCES = ("packed_gemm.c", "quant_dot.c", "attention_tile.c", "paged_attention.c", "decoder_step.c")
-KERNEL_FILES = _SOURCES + ("vector_isa.h", "kernels.h", "attention_tile.h")  # what a build reads from its csrc directory
+KERNEL_FILES = _SOURCES + ("vector_isa.h", "kernels.h", "attention_tile.h", "quant_dot_portable.h")  # what a build reads from its csrc directory
 _FLAGS = ["-O3", "-fopenmp", "-shared", "-fPIC", "-std=gnu11"]
 _KV_TYPES = {torch.float32: 0, torch.bfloat16: 1, torch.int8: 2}  # csrc/kernels.h: PD_KV_F32, ...
 # Limits of paged_attention.c and attention_tile.c (checked here so callers can pick another path up front).
