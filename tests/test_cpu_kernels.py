@@ -98,6 +98,22 @@ def test_an_int8_cache_quantizes_and_multiplies_as_the_torch_path_does(isa):
 
 
 @pytest.mark.parametrize("isa", ISAS)
+def test_a_bf16_cache_rounds_the_queries_half_to_even(isa):
+    """On a bf16 cache the queries are rounded to bf16 too (to nearest, ties to even, as torch rounds)
+    before their products with the keys, in C as in the torch path: here every query element sits at
+    an exact tie between two bf16 values (rounded away from even, or truncated, the outputs would move
+    by ~1e-2), and the unrounded queries give other outputs."""
+    q, layer_cache, meta = _case([1, 6, 1], [40, 37, 300], 9, 3, 64, 16, seed=11)
+    g = torch.Generator().manual_seed(11)
+    signs = torch.randint(0, 2, q.shape, generator=g) * 2 - 1
+    ties = (torch.randint(128, 256, q.shape, generator=g) + 0.5) / 32 * signs  # halfway between bf16 steps of 1/32
+    cache = encode_rows(layer_cache, torch.bfloat16)
+    ref = paged_attention(ties, cache, meta, 0.125)
+    assert (native_paged_attention(ties, cache, meta, 0.125, isa) - ref).abs().max() < 1e-4
+    assert (paged_attention(ties, cache.float(), meta, 0.125) - ref).abs().max() > 1e-3
+
+
+@pytest.mark.parametrize("isa", ISAS)
 def test_native_attention_dense_decode_batch(isa):
     q, layer_cache, meta = _case([1] * 8, [5 + 13 * i for i in range(8)], 9, 3, 64, 16, seed=1)
     ours = native_paged_attention(q, layer_cache, meta, 0.125, isa)
