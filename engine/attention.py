@@ -169,8 +169,8 @@ def paged_attention(q: torch.Tensor, layer_cache: torch.Tensor, meta: AttentionM
     """q: [T, heads, D] -> [T, heads * D], attending over each sequence's cached keys/values."""
     if layer_cache.dtype == torch.int8:  # as the C kernel: the queries quantized per row like the keys
         q = decode_rows(encode_rows(q, torch.int8), q.dtype)
-    elif layer_cache.dtype == torch.bfloat16:  # as the C and Triton kernels: the queries rounded like the keys
-        q = q.to(torch.bfloat16).to(q.dtype)
+    elif layer_cache.dtype == torch.bfloat16 and q.dtype == torch.float32:  # as the C and Triton kernels
+        q = q.to(torch.bfloat16).float()  # fp32 queries rounded like the keys
     t, heads, d = q.shape
     out = q.new_empty(t, heads * d)
     if meta.short is not None:

@@ -47,8 +47,9 @@ def _round_to_bf16(x):
     """fp32 -> the nearest bf16 (ties to even), kept as fp32; by its bits, as `.to(tl.bfloat16)` in
     the interpreter truncates."""
     u = x.to(tl.uint32, bitcast=True)
-    u = (u + 0x7FFF + ((u >> 16) & 1)) & 0xFFFF0000
-    return u.to(tl.float32, bitcast=True)
+    rounded = (u + 0x7FFF + ((u >> 16) & 1)) & 0xFFFF0000
+    nan = (u & 0x7FFFFFFF) > 0x7F800000  # stays NaN (rounded, one with a full mantissa would carry into zero)
+    return tl.where(nan, (u | 0x400000) & 0xFFFF0000, rounded).to(tl.float32, bitcast=True)
 
 
 @triton.jit

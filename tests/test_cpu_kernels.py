@@ -125,11 +125,13 @@ def test_native_attention_dense_decode_batch(isa):
     ([6, 1], [200, 700]),  # 6 tiles: whole on 1 thread, each partition a task on 2 and 3
     ([1] * 3 + [16] + [1] * 6, [90, 700, 5, 80] + [64 * i + 1 for i in range(6)]),  # 30 tiles, run whole
 ])
-def test_threads_share_the_partitions_without_changing_a_bit(isa, query_lens, context_lens):
+@pytest.mark.parametrize("cache_dtype", [torch.float32, torch.bfloat16])
+def test_threads_share_the_partitions_without_changing_a_bit(isa, query_lens, context_lens, cache_dtype):
     """Each thread takes a contiguous share of the partitions, balanced by their rows (so that it
     knows the next one to request ahead): tiles of 3 to 48 rows and contexts of 1 to 11 partitions,
     on 1, 2 and 3 threads, compute the same bits."""
     q, layer_cache, meta = _case(query_lens, context_lens, 9, 3, 64, 16, seed=5)
+    layer_cache = encode_rows(layer_cache, cache_dtype)
     threads = torch.get_num_threads()
     try:
         outs = []
@@ -245,7 +247,8 @@ def test_linear_first_output_computes_a_tail_of_the_outputs(packed_dtype, first)
 # boundary, one of a pair seeing no key of the last partition); head size 16 pairs rows on 8-lane
 # builds too.
 @pytest.mark.parametrize("prefix, dim", [(37, 64), (125, 64), (125, 16)])
-def test_a_tree_row_computes_the_bits_of_its_path_decoded_plainly(isa, prefix, dim):
+@pytest.mark.parametrize("cache_dtype", [torch.float32, torch.bfloat16])
+def test_a_tree_row_computes_the_bits_of_its_path_decoded_plainly(isa, prefix, dim, cache_dtype):
     """Each row of a tree span (chain rows and leaves off it) gets exactly the output the same
     query gets as a plain one-token decode over the prefix plus its ancestors laid out
     contiguously: lossless verification must not hinge on rounding (nor on which rows share a
@@ -255,7 +258,7 @@ def test_a_tree_row_computes_the_bits_of_its_path_decoded_plainly(isa, prefix, d
     depth, masks = tree_layout(parents)
     n = len(parents) + 1
     torch.manual_seed(0)
-    cache = torch.randn(24, 2, bs, kv_heads, dim)
+    cache = encode_rows(torch.randn(24, 2, bs, kv_heads, dim), cache_dtype)
     tree_table = [3, 7, 1, 9, 17, 12, 20, 15, 22]
     q = torch.randn(n, heads, dim)
     slots = torch.tensor([tree_table[p // bs] * bs + p % bs for p in range(prefix, prefix + n)])

@@ -34,13 +34,16 @@ CASES = [
     ("gqa-d32-bs8-fp16", 6, 2, 32, 8, "float16", MIXED),
     ("gqa-d64-bs16-fp16", 6, 2, 64, 16, "float16", MIXED),
     ("trees-gqa-d64-bs16-fp32-bf16-cache", 6, 2, 64, 16, "float32:bfloat16", TREES),  # engine.kv_cache_dtype
+    # A NaN query whose bf16 rounding would carry into zero unless caught (the NaN a GPU's fp32 ops give)
+    ("nan-query-gqa-d64-bs16-fp32-bf16-cache", 6, 2, 64, 16, "float32:bfloat16", DECODE, True),
 ]
 # fp16: outputs (|x| < 8, half an ulp <= 2e-3) and the probabilities fed to P @ V are rounded to fp16.
 TOLERANCE = {"float32": 1e-4, "float16": 5e-3}
 
 
 def _run_case(heads: int, kv_heads: int, head_dim: int, block_size: int, dtype: str,
-              batch: list[tuple[int, int]], seed: int) -> float:
+              batch: list[tuple[int, int]], nan_query: bool = False, *, seed: int) -> float:
+    """The largest difference from the torch reference (inf where their NaN outputs differ)."""
     import torch
 
     from engine.attention import AttentionMetadata, paged_attention
@@ -73,6 +76,8 @@ def _run_case(heads: int, kv_heads: int, head_dim: int, block_size: int, dtype: 
     meta = AttentionMetadata.build(query_lens, context_lens, tables, torch.tensor(slots), block_size,
                                    torch.device("cpu"), masks if any(len(b) == 3 for b in batch) else None)
     q = torch.randn(sum(query_lens), heads, head_dim).to(getattr(torch, dtype))
+    if nan_query:
+        q[0, 0, 0] = torch.tensor(0x7FFFFFFF, dtype=torch.int32).view(torch.float32)
     scale = head_dim ** -0.5
 
     # Reference in fp32 on the same (possibly fp16-rounded) inputs; a bf16 cache as the engine holds
@@ -80,7 +85,9 @@ def _run_case(heads: int, kv_heads: int, head_dim: int, block_size: int, dtype: 
     expected = paged_attention(q.float(), layer_cache if cache_dtype == "bfloat16" else layer_cache.float(), meta, scale)
     got = triton_paged_attention(q, layer_cache, meta, scale)
     assert got.shape == expected.shape and got.dtype == q.dtype
-    return (got.float() - expected).abs().max().item()
+    if not torch.equal(got.isnan(), expected.isnan()):
+        return float("inf")
+    return (got.float() - expected).nan_to_num(0.0).abs().max().item()
 
 
 def _main() -> None:

@@ -8,7 +8,9 @@
  * registers as they are read (key_chunk); an int8 row's scale (after its D values) multiplies
  * the key's score and the value's weight instead of its elements. With an int8 cache the queries
  * are quantized per row the same way (as llama.cpp's q8_0 cache does), and a score is the exact
- * integer dot product of the two rows (dot_i8) times both scales.
+ * integer dot product of the two rows (dot_i8) times both scales. With a bf16 cache the queries
+ * are rounded to bf16, and with AVX-512 BF16 (head sizes a multiple of 32) a score's products
+ * come from vdpbf16ps on the cache's keys as stored (dot_bf16).
  *   value(block, offset, kv_head) = the same + s_kv
  * Within a partition the scores, their max and exps are computed whole, with a vectorised exp;
  * the vector width follows the ISA build (vector_isa.h).
@@ -105,7 +107,7 @@ static inline vfloat key_chunk(const char *p, int c, int chunks, int kv_type) {
  * is then exact in fp32, and with AVX-512 BF16 one vdpbf16ps multiplies 32 of them straight from
  * the cache, without widening the key, where the fp32 path took a load, a shift or mask and an
  * FMA per 16 (dot_bf16). Scores move by ~1e-3 (the queries' rounding); a 6-token span's attention
- * took 0.82x the time, decode 0.90x (Machine D, bench.kernel_ab). Other builds round the queries
+ * took 0.81x the time, decode 0.88-0.94x (Machine D, bench.kernel_ab). Other builds round the queries
  * the same way and multiply in fp32 (permute_query), the torch and Triton paths too. */
 static inline vfloat round_to_bf16(vfloat x) {
     vword w = round_bf16_words(x);
@@ -115,7 +117,8 @@ static inline vfloat round_to_bf16(vfloat x) {
 }
 
 #if defined(__AVX512BF16__) && LANES == 16
-#define BF16_DOTS(dim) ((dim) % 32 == 0)
+#define HAVE_BF16_DOTS 1
+#define BF16_DOTS(dim) ((dim) % 32 == 0)  /* the head sizes dot_bf16 takes */
 /* The query's `dim` floats as bf16, in order. */
 static inline void query_bf16(const float *q, uint16_t *out, int dim) {
     for (int c = 0; c < dim; c += 32)  /* the second operand's floats go to the lower half */
@@ -130,7 +133,7 @@ static inline vfloat dot_bf16(const char *key, const uint16_t *q, int dim) {
     return (vfloat)acc;
 }
 #else
-#define BF16_DOTS(dim) 0
+#define HAVE_BF16_DOTS 0
 #endif
 
 /* The query's `dim` floats in key_chunk's order for a bf16 cache, rounded to bf16. */
@@ -242,12 +245,12 @@ static inline __attribute__((always_inline)) void attend_tile(
 #define KV(p, c) key_chunk(p, c, chunks, kv_type)
     static __thread float permuted[MAX_ROWS * MAX_DIM];  /* the queries in key_chunk's order (bf16) */
     const float *q[MAX_ROWS];
-#if BF16_DOTS(64)
+#if HAVE_BF16_DOTS
     static __thread uint16_t qb[MAX_ROWS * MAX_DIM];  /* the queries as bf16 (dot_bf16) */
 #endif
     for (int r = 0; r < nrows; r++) {
         q[r] = bf16 ? permuted + (size_t)r * dim : qrows[r];
-#if BF16_DOTS(64)
+#if HAVE_BF16_DOTS
         if (bf16 && BF16_DOTS(dim)) {
             query_bf16(qrows[r], qb + (size_t)r * dim, dim);
             continue;
@@ -293,7 +296,7 @@ static inline __attribute__((always_inline)) void attend_tile(
                     d[o] = __builtin_convertvector(acc, vfloat);
                 }
             }
-#if BF16_DOTS(64)
+#if HAVE_BF16_DOTS
             else if (bf16 && BF16_DOTS(dim)) {
                 for (int o = 0; o < KEYS; o++) d[o] = dot_bf16(kv[o], qb + (size_t)r * dim, dim);
             }

@@ -1,7 +1,7 @@
 /* quant_dot.c's tiles without x86 vector integer dot products (the portable build: SSE2 on
  * x86, NEON on arm64): each row's dot per column of a vector, one column at a time, in plain C
- * the compiler vectorises as it can. Included by quant_dot.c; the macros read its definitions (XROW,
- * VBYTES, PACK) and the tiles' locals (q, v, blk). */
+ * the compiler vectorises as it can. Included by quant_dot.c, whose definitions (XROW, VBYTES, PACK,
+ * SCALES, ...) and tile locals (q, b, xr, K, qtype) these macros use. */
 #define FMA(a, b, c) ((a) * (b) + (c))
 #define SPLAT(s) ((s) - (vfloat){0})
 /* Byte i of row m's 4-byte group j (every lane holds the same 4). */

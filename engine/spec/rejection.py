@@ -1,8 +1,8 @@
 """Verification: which draft tokens the target accepts, and the token that follows them.
 
-Inputs are ragged: sequence b owns rows [start_b, start_b + num_drafts_b + 1) of the target's
+Inputs are ragged: sequence b owns rows [start_b, start_b + len(drafts[b]) + 1) of the target's
 logits (one row per draft position plus the bonus position), with start_b the running sum of
-num_drafts + 1. Per sequence:
+the earlier sequences' len(drafts) + 1. Per sequence:
 - greedy: accept the longest prefix where draft == target argmax, then emit the target's argmax
   at the first mismatch (or the bonus token after a full acceptance) -- token-identical to plain
   greedy decoding;
@@ -12,7 +12,7 @@ num_drafts + 1. Per sequence:
   acceptance a bonus sample of p. This reproduces the target distribution p exactly.
 With no drafts this is plain sampling, so the engine has one sampling path.
 
-A proposal may be a tree (`draft_parents`: draft i continues draft parents[i], -1 the last real
+A proposal may be a tree (`parents`: draft i continues draft parents[i], -1 the last real
 token; parents come first, siblings are distinct tokens). Its row i + 1 holds the target's
 logits after draft i's path, and acceptance walks down from the root, testing the current
 node's children in proposal order:

@@ -159,6 +159,5 @@ def triton_verify(inp: VerifyInput) -> VerifyOutput:
         *probs.stride(), *uniforms.stride(), HAS_TREE=inp.parents is not None,
         BLOCK_V=min(BLOCK_V, triton.next_power_of_2(vocab)),
     )
-    counts = num_accepted.tolist()
-    return VerifyOutput([row[: a + 1] for row, a in zip(tokens.tolist(), counts)],
-                        [row[:a] for row, a in zip(path.tolist(), counts)])
+    rows = torch.cat([num_accepted[:, None], tokens, path], 1).tolist()  # one read back
+    return VerifyOutput([row[1 : row[0] + 2] for row in rows], [row[1 + width : 1 + width + row[0]] for row in rows])
