@@ -1,5 +1,6 @@
 """Speculative decoding end to end: lossless greedy output, block accounting, degradation when
-the pool is short, and stochastic acceptance that reproduces the target's distribution."""
+the pool is short, and sampled speculation that reproduces plain sampling's frequencies
+(test_rejection.py: verification's rules; test_row_price.py: the governor)."""
 
 import functools
 
@@ -13,8 +14,6 @@ from engine.engine import Engine
 from engine.loader import load_weights
 from engine.params import SamplingParams
 from engine.spec.eagle3_proposer import CATCH_UP
-from engine.spec.governor import PROBE_EVERY, PROBE_STEPS, SpeculationGovernor
-from engine.spec.rejection import VerifyInput, verify
 from tools.eagle3_training.model import TrainableEagle3
 from engine.stats import AcceptanceStats
 
@@ -154,39 +153,6 @@ def test_tree_drafts_are_lossless_and_return_every_block(prompts, plain_outputs)
     assert tight.blocks.num_used_blocks == 0
 
 
-def test_the_governor_takes_the_cheaper_way_and_re_measures_the_other():
-    """Per batch size: draft first, then measure plain decoding; afterwards the cheaper way, the
-    other re-measured for PROBE_STEPS steps PROBE_EVERY steps later, then twice as long after
-    each probe that kept the choice; the first step after a switch is not counted (it pays for
-    the switch); a change in costs flips the choice."""
-    g = SpeculationGovernor()
-    cost = {True: (0.030, 2), False: (0.010, 1)}  # 15 ms per token drafting, 10 ms plain
-    choices = []
-    for _ in range(4 + 3 * PROBE_EVERY + 2 * PROBE_STEPS):
-        choices.append(g.should_draft(1))
-        g.record(1, choices[-1], *cost[choices[-1]])
-    assert choices[:4] == [True, True, False, False]  # each way measured once past its switch
-    first_probe = 4 + PROBE_EVERY
-    probes = [first_probe + j for j in range(PROBE_STEPS)]
-    assert [i for i, c in enumerate(choices) if c and i >= 4] == probes + [p + 2 * PROBE_EVERY + PROBE_STEPS for p in probes]
-    assert g.should_draft(4)  # another batch size is measured on its own
-    for _ in range(PROBE_EVERY):  # drafting gets cheap: 5 ms per token, and wins
-        g.record(1, True, 0.010, 2)
-    assert g.should_draft(1) and g.figures()[1]["draft"] < g.figures()[1]["plain"]
-
-
-def test_the_governor_compares_time_per_token_over_steps_not_per_step():
-    """Drafting steps of 5 ms emitting 1, 2 or 3 tokens (2 on average: 2.5 ms a token) beat plain
-    steps of 3 ms a token, though the mean of their own times per token (3.06 ms) does not."""
-    g = SpeculationGovernor()
-    for tokens in [3, 2, 1] * 6:
-        g.record(1, True, 0.005, tokens)
-    for _ in range(4):
-        g.record(1, False, 0.003, 1)
-    assert g.should_draft(1)
-    assert g.figures()[1]["draft"] < g.figures()[1]["plain"]
-
-
 def test_adaptive_speculation_measures_both_ways_and_stays_lossless(prompts, plain_outputs):
     engine = Engine(EngineConfig(num_kv_blocks=256, speculative={"method": "eagle3", "num_speculative_tokens": 5}))
     assert engine.config.speculative.adaptive  # the default
@@ -218,19 +184,6 @@ def test_a_low_precision_kv_cache_keeps_speculation_lossless(prompts, kv_cache_d
 def test_bad_draft_top_k_names_the_field(spec, message):
     with pytest.raises(ValidationError, match=message):
         SpeculativeConfig(**spec)
-
-
-def test_tree_verification_walks_down_from_the_root():
-    """Greedy tree acceptance: a child is accepted when it is the argmax at its parent's row; the
-    walk ends at the first node none of whose children match, and the argmax there follows."""
-    vocab = 10
-    # drafts (parent): 0:5(-1) 1:6(0) 2:7(-1) 3:8(2) 4:9(2)   target argmax per row: root 7, after
-    # draft 0: 1, after 1: 1, after 2: 9, after 3: 1, after 4: 3
-    drafts, parents, argmax = [5, 6, 7, 8, 9], [-1, 0, -1, 2, 2], [7, 1, 1, 9, 1, 3]
-    logits = torch.zeros(len(argmax), vocab)
-    logits[torch.arange(len(argmax)), torch.tensor(argmax)] = 1.0
-    out = verify(VerifyInput([drafts], logits, None, [True], torch.zeros(6, 2), parents=[parents]))
-    assert out.paths == [[2, 4]] and out.tokens == [[7, 9, 3]]
 
 
 def test_draft_caches_left_behind_catch_up_to_what_one_forward_computes(prompts):
@@ -339,45 +292,6 @@ def test_short_pool_degrades_to_plain_decoding(random_head, prompts, plain_outpu
     params = [SamplingParams(max_tokens=32)] * 4
     assert _run(tight, prompts[:4], params) == plain_outputs[:4]
     assert tight.blocks.num_used_blocks == 0
-
-
-def test_rejection_sampling_reproduces_the_target_distribution():
-    """Small vocabulary, known p, one greedy-style draft per sequence (the proposal is one-hot):
-    the emitted token follows p, and a draft is accepted with probability p(draft)."""
-    gen = torch.Generator().manual_seed(0)
-    p = torch.tensor([0.05, 0.4, 0.25, 0.2, 0.1])
-    n = 20000
-    drafts = torch.randint(0, 5, (n,), generator=gen)
-    out = verify(VerifyInput(
-        drafts=[[d] for d in drafts.tolist()], target_logits=torch.zeros(2 * n, 5), target_probs=p.repeat(2 * n, 1),
-        greedy=[False] * n, uniforms=torch.rand(2 * n, 2, generator=gen),
-    ))
-    first = torch.tensor([t[0] for t in out.tokens])
-    freq = torch.bincount(first, minlength=5).float() / n
-    assert (freq - p).abs().max() < 0.015
-    accept_rate = sum(map(len, out.paths)) / n
-    assert abs(accept_rate - p[drafts].mean()) < 0.015  # P(accept d) = p(d)
-
-
-def test_tree_rejection_sampling_reproduces_the_target_distribution():
-    """One-hot candidates in a tree: tokens 1 and 2 as the root's children, token 3 under 1. The
-    first token follows the root's p, the second the p after whichever token came first."""
-    gen = torch.Generator().manual_seed(0)
-    p = torch.tensor([[0.05, 0.4, 0.25, 0.2, 0.1],  # after the root
-                      [0.3, 0.1, 0.2, 0.3, 0.1],  # after token 1
-                      [0.1, 0.1, 0.1, 0.1, 0.6],  # after token 2
-                      [0.2, 0.2, 0.2, 0.2, 0.2]])  # after 1, 3
-    n = 20000
-    out = verify(VerifyInput(
-        drafts=[[1, 2, 3]] * n, target_logits=torch.zeros(4 * n, 5), target_probs=p.repeat(n, 1), greedy=[False] * n,
-        uniforms=torch.rand(4 * n, 2, generator=gen), parents=[[-1, -1, 0]] * n,
-    ))
-    first, second = (torch.tensor([t[k] if len(t) > k else -1 for t in out.tokens]) for k in (0, 1))
-    assert (torch.bincount(first, minlength=5).float() / n - p[0]).abs().max() < 0.015
-    for token, row in ((1, 1), (2, 2)):
-        after = second[first == token]
-        assert (torch.bincount(after, minlength=5).float() / len(after) - p[row]).abs().max() < 0.025
-    assert any(path[:1] == [1] for path in out.paths)  # a sibling was accepted
 
 
 @pytest.fixture(scope="module")
