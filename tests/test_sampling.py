@@ -59,6 +59,25 @@ def test_top_p_keeps_the_nucleus_only():
     assert set(draws.tolist()) == {0, 1}
 
 
+@pytest.mark.parametrize("scale, top_p", [(3.0, 0.9), (0.05, 0.9), (0.05, 0.999), (1.0, 0.5)])
+def test_the_nucleus_is_the_sorted_distributions_prefix(scale, top_p):
+    """Top-p searches its nucleus among the likeliest tokens first, widening while a row's nucleus
+    fills them (here up to the whole vocabulary, for flat rows): the same probabilities as the
+    definition's full sort, row by row."""
+    logits = torch.randn(3, 5000, generator=torch.Generator().manual_seed(3)) * scale
+    got = probabilities(logits, SamplingParams(temperature=1.0, top_p=top_p))
+    probs = torch.softmax(logits, dim=-1)
+    sorted_probs, order = probs.sort(dim=-1, descending=True)
+    kept = sorted_probs.masked_fill(sorted_probs.cumsum(dim=-1) - sorted_probs >= top_p, 0.0)
+    expected = torch.zeros_like(probs).scatter_(-1, order, kept)
+    assert torch.equal(got, expected / expected.sum(dim=-1, keepdim=True))
+
+
+def test_the_nucleus_keeps_every_token_tied_with_its_last():
+    p = probabilities(torch.tensor([0.4, 0.2, 0.2, 0.2]).log(), SamplingParams(temperature=1.0, top_p=0.5))
+    assert torch.allclose(p, torch.tensor([0.4, 0.2, 0.2, 0.2]))
+
+
 def test_top_k_keeps_k_tokens():
     logits = torch.tensor([3.0, 2.0, 1.0, 0.0, -1.0])
     p = probabilities(logits, SamplingParams(temperature=1.0, top_k=2))
