@@ -3,12 +3,16 @@ the same rules the engine applies (field names in the errors match the API's).""
 
 from pydantic import BaseModel, ConfigDict, Field, field_validator
 
+# Temperatures below this decode greedily (vLLM's threshold): logits divided by one far smaller
+# overflow to inf, and a distribution that sharp is the argmax anyway.
+GREEDY_BELOW = 1e-5
+
 
 class SamplingParams(BaseModel):
     model_config = ConfigDict(extra="forbid", frozen=True)
 
     max_tokens: int = Field(256, ge=1, description="new tokens to generate at most")
-    temperature: float = Field(0.0, ge=0.0, le=2.0, allow_inf_nan=False, description="0 = greedy; at most 2")
+    temperature: float = Field(0.0, ge=0.0, le=2.0, allow_inf_nan=False, description="0 (or below 1e-5) = greedy; at most 2")
     top_k: int = Field(0, ge=0, description="0 = no top-k filtering")
     top_p: float = Field(1.0, gt=0.0, le=1.0, allow_inf_nan=False)
     seed: int | None = Field(None, ge=0, lt=2**63)
@@ -26,4 +30,4 @@ class SamplingParams(BaseModel):
 
     @property
     def greedy(self) -> bool:
-        return self.temperature == 0.0
+        return self.temperature < GREEDY_BELOW

@@ -22,7 +22,7 @@ def make_generator(params: SamplingParams) -> torch.Generator:
 
 
 # Candidates searched for a top-p nucleus first (16x more while a row's nucleus fills them):
-# chat nuclei are far smaller, and sorting a whole 49K vocabulary took ~4 ms a row on CPU, more than
+# chat nuclei are far smaller, and sorting a whole 49K vocabulary took ~3.5 ms a row on CPU, about
 # a decode step (top-p requests decoded at half the speed of greedy ones).
 NUCLEUS_CANDIDATES = 256
 
@@ -47,12 +47,15 @@ def probabilities(logits: torch.Tensor, params: SamplingParams) -> torch.Tensor:
 
 def _nucleus(probs: torch.Tensor, top_p: float) -> torch.Tensor:
     """probs outside each row's nucleus zeroed: found among its most likely tokens, as many as
-    needed for every row's nucleus to end inside them."""
+    needed for every row's nucleus to end inside them. The same nucleus as a full sort's but for
+    ties with its last token: on CPU the cumulative sum of a row's first k values is the first k
+    of the whole row's (a sequential scan; CUDA's blocked scan may round one boundary token
+    differently). A row of NaN (from a NaN logit) stays NaN, as the sort left it."""
     vocab = probs.shape[-1]
     k = min(NUCLEUS_CANDIDATES, vocab)
     while True:
         top = probs.topk(k, dim=-1).values  # most likely first; ties are equal values, in any order
-        size = (top.cumsum(dim=-1) - top < top_p).sum(dim=-1, keepdim=True)  # mass before < top_p: >= 1
+        size = (top.cumsum(dim=-1) - top < top_p).sum(dim=-1, keepdim=True).clamp_min(1)  # mass before < top_p
         if k == vocab or bool((size < k).all()):
             return probs.masked_fill(probs < top.gather(-1, size - 1), 0.0)
         k = min(16 * k, vocab)

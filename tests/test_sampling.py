@@ -59,13 +59,16 @@ def test_top_p_keeps_the_nucleus_only():
     assert set(draws.tolist()) == {0, 1}
 
 
-@pytest.mark.parametrize("scale, top_p", [(3.0, 0.9), (0.05, 0.9), (0.05, 0.999), (1.0, 0.5)])
-def test_the_nucleus_is_the_sorted_distributions_prefix(scale, top_p):
+@pytest.mark.parametrize("scale, top_p, top_k", [(3.0, 0.9, 0), (0.05, 0.9, 0), (0.05, 0.999, 0), (1.0, 0.5, 0),
+                                                 ([[3.0], [0.05], [1.0]], 0.9, 0), (0.05, 0.9, 300)])
+def test_the_nucleus_is_the_sorted_distributions_prefix(scale, top_p, top_k):
     """Top-p searches its nucleus among the likeliest tokens first, widening while a row's nucleus
-    fills them (here up to the whole vocabulary, for flat rows): the same probabilities as the
-    definition's full sort, row by row."""
-    logits = torch.randn(3, 5000, generator=torch.Generator().manual_seed(3)) * scale
-    got = probabilities(logits, SamplingParams(temperature=1.0, top_p=top_p))
+    fills them (here up to the whole vocabulary, for flat rows; one case mixes a peaked and flat
+    rows, one filters by top-k first): the same probabilities as the definition's full sort."""
+    logits = torch.randn(3, 5000, generator=torch.Generator().manual_seed(3)) * torch.tensor(scale)
+    got = probabilities(logits, SamplingParams(temperature=1.0, top_p=top_p, top_k=top_k))
+    if top_k:
+        logits = logits.masked_fill(logits < logits.topk(top_k, dim=-1).values[:, -1:], float("-inf"))
     probs = torch.softmax(logits, dim=-1)
     sorted_probs, order = probs.sort(dim=-1, descending=True)
     kept = sorted_probs.masked_fill(sorted_probs.cumsum(dim=-1) - sorted_probs >= top_p, 0.0)
@@ -74,8 +77,27 @@ def test_the_nucleus_is_the_sorted_distributions_prefix(scale, top_p):
 
 
 def test_the_nucleus_keeps_every_token_tied_with_its_last():
-    p = probabilities(torch.tensor([0.4, 0.2, 0.2, 0.2]).log(), SamplingParams(temperature=1.0, top_p=0.5))
-    assert torch.allclose(p, torch.tensor([0.4, 0.2, 0.2, 0.2]))
+    p = probabilities(torch.tensor([0.4, 0.2, 0.2, 0.15, 0.05]).log(), SamplingParams(temperature=1.0, top_p=0.5))
+    assert torch.allclose(p, torch.tensor([0.4, 0.2, 0.2, 0.0, 0.0]) / 0.8)
+
+
+def test_a_row_of_nan_logits_samples_without_stopping_the_batch():
+    """A NaN logit (a model fault) leaves its row's distribution NaN, as the full sort did; the
+    other rows, and the step, go on."""
+    logits = torch.randn(2, 1000)
+    logits[0, 3] = float("nan")
+    params = SamplingParams(temperature=0.7, top_p=0.9, seed=1)
+    p = probabilities(logits, params)
+    assert p[0].isnan().all() and torch.isclose(p[1].sum(), torch.tensor(1.0))
+    assert len(sample(logits, [params, params], [make_generator(params), make_generator(params)])) == 2
+
+
+def test_a_temperature_below_1e_5_is_greedy():
+    """Logits divided by a temperature far smaller overflow; that sharp a distribution is the argmax."""
+    logits = torch.randn(3, 1000)
+    assert SamplingParams(temperature=1e-40, top_p=0.9).greedy
+    assert sample(logits, [SamplingParams(temperature=1e-40, top_p=0.9)] * 3, [torch.Generator()] * 3) == \
+        logits.argmax(-1).tolist()
 
 
 def test_top_k_keeps_k_tokens():
