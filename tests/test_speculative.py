@@ -1,6 +1,6 @@
 """Speculative decoding end to end: lossless greedy output, block accounting, degradation when
 the pool is short, and sampled speculation that reproduces plain sampling's frequencies
-(test_rejection.py: verification's rules; test_row_price.py: the governor)."""
+(test_rejection.py: verification's rules; test_governor.py: the governor)."""
 
 import functools
 
