@@ -1,7 +1,5 @@
 """The committed protobuf stubs are exactly what regenerating them produces."""
 
-from pathlib import Path
-
 from proto.generate import PROTOS, ROOT, generate
 
 
