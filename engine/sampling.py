@@ -41,7 +41,9 @@ def probabilities(logits: torch.Tensor, params: SamplingParams) -> torch.Tensor:
     probs = torch.softmax(logits, dim=-1)
     if params.top_p < 1.0:
         probs = _nucleus(probs, params.top_p)
-        probs = probs / probs.sum(dim=-1, keepdim=True)
+        # Each row's sum by a sequential scan: torch's sum splits a lone row between threads, so a
+        # row would sum otherwise alone than in a batch (a seeded request's draws must not depend on it).
+        probs = probs / probs.double().cumsum(dim=-1)[..., -1:].to(probs.dtype)
     return probs
 
 

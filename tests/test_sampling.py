@@ -64,7 +64,8 @@ def test_top_p_keeps_the_nucleus_only():
 def test_the_nucleus_is_the_sorted_distributions_prefix(scale, top_p, top_k):
     """Top-p searches its nucleus among the likeliest tokens first, widening while a row's nucleus
     fills them (here up to the whole vocabulary, for flat rows; one case mixes a peaked and flat
-    rows, one filters by top-k first): the same probabilities as the definition's full sort."""
+    rows, one filters by top-k first): the nucleus of the definition's full sort, and its
+    probabilities (normalised by another summation order)."""
     logits = torch.randn(3, 5000, generator=torch.Generator().manual_seed(3)) * torch.tensor(scale)
     got = probabilities(logits, SamplingParams(temperature=1.0, top_p=top_p, top_k=top_k))
     if top_k:
@@ -73,7 +74,18 @@ def test_the_nucleus_is_the_sorted_distributions_prefix(scale, top_p, top_k):
     sorted_probs, order = probs.sort(dim=-1, descending=True)
     kept = sorted_probs.masked_fill(sorted_probs.cumsum(dim=-1) - sorted_probs >= top_p, 0.0)
     expected = torch.zeros_like(probs).scatter_(-1, order, kept)
-    assert torch.equal(got, expected / expected.sum(dim=-1, keepdim=True))
+    assert torch.equal(got > 0, expected > 0)  # the same nucleus, token for token
+    assert torch.allclose(got, expected / expected.sum(dim=-1, keepdim=True), rtol=1e-5, atol=0)
+
+
+def test_a_rows_distribution_is_the_same_alone_and_among_rows_that_sample_alike():
+    """The rows of requests that sample alike are computed together; each row gets the bits it gets
+    alone (so a seeded request's draws do not depend on its batch), at the real vocabulary's size,
+    where torch's sum splits a lone row between threads."""
+    logits = torch.randn(16, 49152, generator=torch.Generator().manual_seed(4)) * 3
+    for params in (SamplingParams(temperature=0.7, top_p=0.9), SamplingParams(temperature=1.0, top_k=40)):
+        together = probabilities(logits, params)
+        assert all(torch.equal(probabilities(logits[i : i + 1], params), together[i : i + 1]) for i in range(16))
 
 
 def test_the_nucleus_keeps_every_token_tied_with_its_last():
