@@ -76,7 +76,7 @@ def _add_generate(sub: argparse._SubParsersAction) -> None:
     p.add_argument("--system", default=None, help="system message (default: the model's own template default)")
     p.add_argument("--raw", action="store_true", help="feed --prompt as plain text, without the chat template")
     p.add_argument("--max-tokens", type=int, default=256)
-    p.add_argument("--temperature", type=float, default=0.0, help="0 = greedy")
+    p.add_argument("--temperature", type=float, default=0.0, help="0 (or below 1e-5) = greedy")
     p.add_argument("--top-k", type=int, default=0)
     p.add_argument("--top-p", type=float, default=1.0)
     p.add_argument("--seed", type=int, default=None)

@@ -1,11 +1,14 @@
 """Per-request sampling parameters: pydantic, no torch, so the router validates requests with
 the same rules the engine applies (field names in the errors match the API's)."""
 
+import struct
+
 from pydantic import BaseModel, ConfigDict, Field, field_validator
 
-# Temperatures below this decode greedily (vLLM's threshold): logits divided by one far smaller
-# overflow to inf, and a distribution that sharp is the argmax anyway.
-GREEDY_BELOW = 1e-5
+# Temperatures below 1e-5 decode greedily (vLLM's threshold): logits divided by one far smaller
+# overflow to inf, and a distribution that sharp is the argmax anyway. The bound is 1e-5 as fp32,
+# the type the gRPC API carries it in, so a temperature means the same through every entry point.
+GREEDY_BELOW = struct.unpack("f", struct.pack("f", 1e-5))[0]
 
 
 class SamplingParams(BaseModel):

@@ -43,7 +43,7 @@ def probabilities(logits: torch.Tensor, params: SamplingParams) -> torch.Tensor:
         probs = _nucleus(probs, params.top_p)
         # Each row's sum by a sequential scan: torch's sum splits a lone row between threads, so a
         # row would sum otherwise alone than in a batch (a seeded request's draws must not depend on it).
-        probs = probs / probs.double().cumsum(dim=-1)[..., -1:].to(probs.dtype)
+        probs = probs / torch.cumsum(probs, dim=-1, dtype=torch.float64)[..., -1:].to(probs.dtype)
     return probs
 
 
@@ -54,11 +54,15 @@ def _nucleus(probs: torch.Tensor, top_p: float) -> torch.Tensor:
     of the whole row's (a sequential scan; CUDA's blocked scan may round one boundary token
     differently). A row of NaN (from a NaN logit) stays NaN, as the sort left it."""
     vocab = probs.shape[-1]
+    rows = probs.reshape(-1, vocab)
+    threshold = torch.empty(rows.shape[0], 1, dtype=probs.dtype)  # each row's least kept probability
+    todo = torch.arange(rows.shape[0])  # rows whose nucleus may reach past the candidates: searched wider
     k = min(NUCLEUS_CANDIDATES, vocab)
-    while True:
-        top = probs.topk(k, dim=-1).values  # most likely first; ties are equal values, in any order
+    while len(todo):
+        top = (rows if len(todo) == rows.shape[0] else rows[todo]).topk(k, dim=-1).values  # ties in any order
         size = (top.cumsum(dim=-1) - top < top_p).sum(dim=-1, keepdim=True).clamp_min(1)  # mass before < top_p
-        if k == vocab or bool((size < k).all()):
-            return probs.masked_fill(probs < top.gather(-1, size - 1), 0.0)
-        k = min(16 * k, vocab)
+        done = (size < k).flatten() | (k == vocab)
+        threshold[todo[done]] = top[done].gather(-1, size[done] - 1)
+        todo, k = todo[~done], min(16 * k, vocab)
+    return probs.masked_fill(probs < threshold.view(*probs.shape[:-1], 1), 0.0)
 

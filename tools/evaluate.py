@@ -66,7 +66,7 @@ def evaluate(base: Engine, spec: Engine, prompts: list[list[int]], max_tokens: i
         "speedup_ci95": _bootstrap_speedup(per_batch),
         "tokens_per_s_spec": round(spec_tps, 2),
         "tokens_per_s_base": round(base_tps, 2),
-        "lossless": identical if temperature == 0 else None,
+        "lossless": identical if params.greedy else None,
         "per_position_acceptance_rate": summary["per_position_acceptance_rate"],
         "drafted": summary["drafted"],
         "accepted": summary["accepted"],
