@@ -55,8 +55,8 @@ def _nucleus(probs: torch.Tensor, top_p: float) -> torch.Tensor:
     differently). A row of NaN (from a NaN logit) stays NaN, as the sort left it."""
     vocab = probs.shape[-1]
     rows = probs.reshape(-1, vocab)
-    threshold = torch.empty(rows.shape[0], 1, dtype=probs.dtype)  # each row's least kept probability
-    todo = torch.arange(rows.shape[0])  # rows whose nucleus may reach past the candidates: searched wider
+    threshold = torch.empty(rows.shape[0], 1, dtype=probs.dtype, device=probs.device)  # each row's least kept probability
+    todo = torch.arange(rows.shape[0], device=probs.device)  # rows whose nucleus may reach past the candidates
     k = min(NUCLEUS_CANDIDATES, vocab)
     while len(todo):
         top = (rows if len(todo) == rows.shape[0] else rows[todo]).topk(k, dim=-1).values  # ties in any order

@@ -90,7 +90,7 @@ def make_verify_input(params: list[SamplingParams], generators: list[torch.Gener
 
 def verify(inp: VerifyInput) -> VerifyOutput:
     argmax = _argmax_rows(inp.target_logits)
-    tokens, paths, walks = [], [], []  # walks: (sequence, the row its walk ended at, drafts rejected there)
+    tokens, paths, sampled, ends = [], [], [], []  # ends: a sampled walk's last row, the drafts rejected there
     row = 0
     for s, (drafts, greedy) in enumerate(zip(inp.drafts, inp.greedy)):
         n = len(drafts)
@@ -99,14 +99,15 @@ def verify(inp: VerifyInput) -> VerifyOutput:
             accepted = _greedy_path(drafts, parents, argmax[row:])
             last = argmax[row + 1 + accepted[-1]] if accepted else argmax[row]
         else:
-            accepted, at_row, rejected = _stochastic_walk(inp, row, drafts, parents)
-            walks.append((s, at_row, rejected))
+            accepted, end = _stochastic_walk(inp, row, drafts, parents)
+            sampled.append(s)
+            ends.append(end)
             last = -1  # sampled below, with every sampled sequence's
         tokens.append([drafts[i] for i in accepted] + [last])
         paths.append(accepted)
         row += n + 1
-    if walks:
-        for (s, _, _), token in zip(walks, _sample_ends(inp, [(r, rejected) for _, r, rejected in walks])):
+    if ends:
+        for s, token in zip(sampled, _sample_ends(inp, ends)):
             tokens[s][-1] = token
     return VerifyOutput(tokens, paths)
 
@@ -130,9 +131,10 @@ def _greedy_path(drafts: list[int], parents, argmax: list[int]) -> list[int]:
     return accepted
 
 
-def _stochastic_walk(inp: VerifyInput, row: int, drafts: list[int], parents: list[int]) -> tuple[list[int], int, list[int]]:
-    """The accepted drafts (walking down as the module doc says), the row where the walk ended and
-    the drafts rejected there (the token that follows is sampled from that row without them)."""
+def _stochastic_walk(inp: VerifyInput, row: int, drafts: list[int], parents: list[int],
+                     ) -> tuple[list[int], tuple[int, list[int]]]:
+    """The accepted drafts (walking down as the module doc says), and where the walk ended: the row
+    and the drafts rejected there (the token that follows is sampled from that row without them)."""
     p, u = inp.target_probs, inp.uniforms
     accepted, at, rejected = [], -1, []
     for i, (d, parent) in enumerate(zip(drafts, parents)):
@@ -145,7 +147,7 @@ def _stochastic_walk(inp: VerifyInput, row: int, drafts: list[int], parents: lis
             at, rejected = i, []
         else:
             rejected.append(d)
-    return accepted, row + 1 + at, rejected
+    return accepted, (row + 1 + at, rejected)
 
 
 def _sample_ends(inp: VerifyInput, ends: list[tuple[int, list[int]]]) -> list[int]:
@@ -162,6 +164,6 @@ def inverse_cdf(weights: torch.Tensor, u: torch.Tensor) -> list[int]:
     """Per row of weights [n, V] (need not sum to 1): the first index where the cumulative weight
     exceeds u * the row's total (u: [n]). A row's cumulative sum is a sequential scan, the same bits
     alone or among others."""
-    cdf = weights.double().cumsum(dim=-1)
+    cdf = torch.cumsum(weights, dim=-1, dtype=torch.float64)
     target = u.double()[:, None] * cdf[:, -1:]
     return torch.searchsorted(cdf, target, right=True).clamp(max=weights.shape[-1] - 1).flatten().tolist()
