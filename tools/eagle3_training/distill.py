@@ -81,28 +81,46 @@ def distill(prompts: list[str | list[str]], out_dir: Path, target: str | None, m
     params = SamplingParams(max_tokens=max_new_tokens)
     shard = len(list(out_dir.glob("shard-*.safetensors")))
     progress = tqdm(total=len(todo), desc="distilling", unit="prompt")
-    for start in range(0, len(todo), shard_size):
-        indices = todo[start : start + shard_size]
-        chats = {i: [] for i in indices}  # the messages so far
-        turns = {i: [prompts[i]] if isinstance(prompts[i], str) else list(prompts[i]) for i in indices}
-        for turn in range(max(map(len, turns.values()))):
-            for i in indices:
-                if turn < len(turns[i]):
-                    chats[i].append({"role": "user", "content": turns[i][turn]})
-                    engine.add_request(engine.tokenizer.encode_chat(chats[i]), params, request_id=f"{i}.{turn}")
-            first = len(recorder.finished)
-            while engine.has_unfinished():
-                engine.step()
-            for seq, _ in recorder.finished[first:]:
-                i = int(seq.seq_id.split(".")[0])
-                answer = engine.tokenizer.decode(seq.token_ids[seq.num_prompt_tokens :], skip_special_tokens=True)
-                chats[i].append({"role": "assistant", "content": answer})
-        _write_shard(out_dir / f"shard-{shard:05d}.safetensors", recorder.finished, engine.runner.model_config.hidden_size)
-        shard += 1
+    waiting = iter(todo)
+    asking: dict[int, list[str]] = {}  # conversation -> its user turns not asked yet
+    chats: dict[int, list[dict]] = {}  # conversation -> its messages so far
+    answered: dict[int, list[tuple[Sequence, torch.Tensor | None]]] = {}  # conversation -> its samples
+    complete: list[int] = []  # conversations answered in full, not in a shard yet
+    ready: list[tuple[Sequence, torch.Tensor | None]] = []  # their samples
+
+    def ask(i: int) -> None:
+        chats[i].append({"role": "user", "content": asking[i].pop(0)})
+        engine.add_request(engine.tokenizer.encode_chat(chats[i]), params, request_id=f"{i}.{len(chats[i]) // 2}")
+
+    while True:
+        # Conversations, not turns, are admitted: each next turn is asked as soon as the one before
+        # is answered, and twice the batch is kept in flight, so the batch stays full (a wave of
+        # turns idled it at each wave's tail, while its longest answers finished).
+        while len(asking) < 2 * batch_size and (i := next(waiting, None)) is not None:
+            asking[i], chats[i], answered[i] = [prompts[i]] if isinstance(prompts[i], str) else list(prompts[i]), [], []
+            ask(i)
+        if not asking:
+            break
+        engine.step()
+        for seq, features in recorder.finished:
+            i = int(seq.seq_id.split(".")[0])
+            answered[i].append((seq, features))
+            answer = engine.tokenizer.decode(seq.token_ids[seq.num_prompt_tokens :], skip_special_tokens=True)
+            chats[i].append({"role": "assistant", "content": answer})
+            if asking[i]:
+                ask(i)
+            else:
+                del asking[i], chats[i]
+                ready += answered.pop(i)
+                complete.append(i)
         recorder.finished.clear()
-        done.update(indices)
-        done_file.write_text(json.dumps(sorted(done)))
-        progress.update(len(indices))
+        if len(complete) >= shard_size or (complete and not asking):
+            _write_shard(out_dir / f"shard-{shard:05d}.safetensors", ready, engine.runner.model_config.hidden_size)
+            shard += 1
+            done.update(complete)
+            done_file.write_text(json.dumps(sorted(done)))
+            progress.update(len(complete))
+            complete, ready = [], []
     progress.close()
 
 
