@@ -28,8 +28,10 @@ from engine.config import ModelConfig
 from engine.loader import load_weights
 from engine.model_dir import resolve_model_dir
 from engine.runner import EMBEDDED_DRAFT_DIR
+from engine.spec.eagle3_model import Eagle3Config
 from tools.prompts import read_prompts
 from tools.eagle3_training.distill import distill
+from tools.eagle3_training.features import TargetFeatures
 from tools.eagle3_training.model import TrainableEagle3, exported_depth, exported_mlp_width, exported_vocab
 from tools.eagle3_training.trainer import collate, load_shard, shard_paths
 
@@ -42,7 +44,8 @@ def load_head(draft_dir: Path, target: str | None) -> TrainableEagle3:
     weights = load_weights(model_dir, torch.float32, torch.device("cpu"))
     exported = load_weights(draft_dir, torch.float32, torch.device("cpu"))
     head = TrainableEagle3(ModelConfig.from_dir(model_dir), exported_vocab(exported),
-                           weights["model.embed_tokens.weight"], exported_mlp_width(exported), exported_depth(exported))
+                           weights["model.embed_tokens.weight"], exported_mlp_width(exported), exported_depth(exported),
+                           Eagle3Config.from_dir(draft_dir).aux_layer_ids)
     head.load_exported(exported)
     return head.eval()
 
@@ -53,7 +56,10 @@ def _shifted(mask: torch.Tensor, by: int) -> torch.Tensor:
 
 
 @torch.no_grad()
-def measure(head: TrainableEagle3, data_dir: Path) -> dict:
+def measure(head: TrainableEagle3, data_dir: Path, target: str | None = None) -> dict:
+    """target: recomputes the features of a head that reads other layers than distillation stores."""
+    recompute = None if head.aux_layer_ids == head.target.aux_layer_ids else TargetFeatures(target, 1 << 12,
+                                                                                          head.aux_layer_ids)
     hits1 = {k: 0 for k in TOP_K}
     hits1_with_2 = {k: 0 for k in TOP_K}  # position 1 right where position 2 is an answer token too
     hits12 = {k: 0 for k in TOP_K}
@@ -62,7 +68,7 @@ def measure(head: TrainableEagle3, data_dir: Path) -> dict:
     for path in shard_paths(data_dir):
         shard = load_shard(path)
         for i in range(shard["prompt_lens"].numel()):
-            features, _, tokens, valid, answer = collate(shard, [i], max_len=1 << 16)
+            features, _, tokens, valid, answer = collate(shard, [i], max_len=1 << 12, target_features=recompute)
             logits = head.unroll(features, tokens, valid, steps=2)
             at1, at2 = _shifted(answer, 2), _shifted(answer, 3)  # positions whose draft tokens are answer tokens
             label1, label2 = head.labels(tokens, answer, 0), head.labels(tokens, answer, 1)
@@ -115,7 +121,7 @@ def main() -> None:
         _check_work_dir(work, {"prompts": str(args.prompts.resolve()), "target": args.target,
                                "max_new_tokens": args.max_new_tokens})
         distill(read_prompts(args.prompts), work, args.target, max_new_tokens=args.max_new_tokens)
-        result = {"draft": str(args.draft), "prompts": str(args.prompts), **measure(load_head(args.draft, args.target), work)}
+        result = {"draft": str(args.draft), "prompts": str(args.prompts), **measure(load_head(args.draft, args.target), work, args.target)}
     print(json.dumps(result))
     _table(result)
 

@@ -167,6 +167,7 @@ def _train_eagle3(args: argparse.Namespace) -> int:
 
         train(TrainConfig(target=args.target, data_dir=out / "data", out_dir=out, draft_vocab_size=args.draft_vocab,
                           intermediate_size=args.draft_intermediate_size, num_layers=args.draft_layers,
+                          aux_layer_ids=tuple(args.aux_layers) if args.aux_layers else None,
                           epochs=args.epochs, ttt_steps=args.ttt_steps, lr=args.lr, max_hours=args.max_hours,
                           init_from=Path(args.init_from) if args.init_from else None,
                           snapshot_tokens=tuple(int(t) for t in args.snapshot_tokens)))
@@ -193,6 +194,9 @@ def _add_train_eagle3(sub: argparse._SubParsersAction) -> None:
                         "draft row)")
     p.add_argument("--draft-layers", type=int, default=None,
                    help="the head's layers (default 1, EAGLE3's; more: a capacity experiment the engine does not serve)")
+    p.add_argument("--aux-layers", type=int, nargs=3, default=None, metavar="LAYER",
+                   help="the three target layers whose inputs the head reads (default: EAGLE3's 2, L/2, L-3; "
+                        "L: the last layer's output)")
     p.add_argument("--epochs", type=float, default=2.0)
     p.add_argument("--ttt-steps", type=int, default=3, help="training-time-test unroll depth")
     p.add_argument("--lr", type=float, default=5e-4)

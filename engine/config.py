@@ -44,6 +44,13 @@ class ModelConfig:
         """Layers whose *input* hidden states are EAGLE3's auxiliary features (low, mid, high)."""
         return (2, self.num_layers // 2, self.num_layers - 3)
 
+    def check_aux_layer_ids(self, ids: tuple[int, ...]) -> tuple[int, ...]:
+        """Auxiliary layers as a head may name them instead: three rising ids in 0..num_layers."""
+        if len(ids) != 3 or list(ids) != sorted(set(ids)) or ids[0] < 0 or ids[-1] > self.num_layers:
+            raise ValueError(f"auxiliary layers {list(ids)}: EAGLE3 reads three rising layer ids in "
+                             f"0..{self.num_layers} (the input of each layer; {self.num_layers}: the last layer's output)")
+        return ids
+
     @classmethod
     def from_dir(cls, model_dir: Path) -> "ModelConfig":
         path = Path(model_dir) / "config.json"

@@ -146,8 +146,8 @@ class CausalLM:
             aux = [aux] if wanted else []
         else:
             x, aux = self._layers(x, batch, kv_cache, wanted)
-        if batch.return_aux and len(self.layers) in self.aux_layer_ids:
-            aux.append(x)  # "entering layer L" is the last layer's output (self-distillation reads it)
+        if batch.return_aux:  # "entering layer L" is the last layer's output (self-distillation reads it,
+            aux += [x] * self.aux_layer_ids.count(len(self.layers))  # after a head's own features)
         if self.native is not None:
             h = self.native.final_norm(x, batch.logits_indices)
         else:

@@ -141,7 +141,10 @@ class ModelRunner:
                 f"{draft_config.target_hidden_size}, the target has {mc.hidden_size}"
             )
         if draft_config.aux_layer_ids is not None:
-            self.model.aux_layer_ids = draft_config.aux_layer_ids
+            try:
+                self.model.aux_layer_ids = mc.check_aux_layer_ids(draft_config.aux_layer_ids)
+            except ValueError as e:
+                raise ModelConfigError(f"speculative.model: draft {draft_dir}: {e}") from None
         weights = load_weights(draft_dir, self.dtype, self.device)
         int8 = self.config.quantization in ("auto", "int8") and self.device.type == "cpu" and self.dtype == torch.float32
         return Eagle3Draft(draft_config, weights, self.model.embed_tokens, self.max_model_len, self.config.block_size,

@@ -177,3 +177,44 @@ def test_a_resumed_or_continued_head_keeps_its_shape(tmp_path):
         _head_shape(replace(cfg, intermediate_size=1536), state, None)
     with pytest.raises(ValueError, match="--draft-layers 1: the head to continue from .* has 2"):
         _head_shape(replace(cfg, num_layers=1), None, init)
+
+
+def test_a_head_reading_other_layers_trains_on_them_and_drafts_from_them_losslessly(run_dir, engine, tmp_path):
+    """--aux-layers: the features are recomputed from those layers (the shards hold the default's),
+    the export names them, a resumed run keeps them, and the engine feeds the head from them; the
+    last layer's output (id 30) is the row of the teacher's logits."""
+    from bench.draft_accuracy import load_head, measure
+
+    layers = (4, 12, 30)
+    features, final_hidden = TargetFeatures(None, 64, layers)([engine.tokenizer.encode(QUESTIONS[0])])[0]
+    assert torch.equal(features[:-1, -final_hidden.shape[1]:], final_hidden[:-1])
+    cfg = TrainConfig(target=None, data_dir=run_dir / "data", out_dir=tmp_path, draft_vocab_size=1024,
+                      epochs=1.0, ttt_steps=2, batch_tokens=256, warmup_steps=1, aux_layer_ids=layers)
+    train(cfg)
+    assert json.loads((tmp_path / "config.json").read_text())["eagle_config"] == {
+        "eagle_aux_hidden_state_layer_ids": list(layers)}
+    with pytest.raises(ValueError, match=r"--aux-layers 2 15 27: the run in .* was started with 4 12 30"):
+        train(replace(cfg, epochs=2.0, aux_layer_ids=(2, 15, 27)))
+    assert measure(load_head(tmp_path, None), run_dir / "data")["positions"] > 0
+
+    spec = Engine(EngineConfig(num_kv_blocks=128, speculative={"method": "eagle3", "model": str(tmp_path),
+                                                               "num_speculative_tokens": 3, "adaptive": False}))
+    assert spec.runner.model.aux_layer_ids == layers
+    prompt = engine.tokenizer.encode_chat([{"role": "user", "content": QUESTIONS[2]}])
+    params = SamplingParams(max_tokens=24)
+    outs = list(spec.generate(prompt, params))
+    assert [t for o in outs for t in o.token_ids] == [t for o in engine.generate(prompt, params) for t in o.token_ids]
+    assert outs[-1].acceptance.drafted > 0
+
+
+@pytest.mark.parametrize("layers", [[2, 15, 31], [15, 2, 27], [2, 15], [-1, 15, 27]])
+def test_the_engine_refuses_a_head_naming_layers_the_target_lacks(tmp_path, layers):
+    from engine.config import ModelConfigError
+    from engine.runner import EMBEDDED_DRAFT_DIR
+
+    (tmp_path / "model.safetensors").symlink_to(EMBEDDED_DRAFT_DIR / "model.safetensors")
+    config = json.loads((EMBEDDED_DRAFT_DIR / "config.json").read_text())
+    config["eagle_config"]["eagle_aux_hidden_state_layer_ids"] = layers
+    (tmp_path / "config.json").write_text(json.dumps(config))
+    with pytest.raises(ModelConfigError, match=r"auxiliary layers .*three rising layer ids in 0\.\.30"):
+        Engine(EngineConfig(num_kv_blocks=64, speculative={"method": "eagle3", "model": str(tmp_path)}))

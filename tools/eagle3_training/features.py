@@ -18,21 +18,22 @@ from engine.engine import Engine
 FEATURE_DTYPE = torch.float16  # as distill.py stores them
 
 
-def with_last_layer(engine: Engine) -> None:
-    """Make the target's auxiliary outputs end with its last layer's output (the teacher's logits
-    are recomputed from it)."""
+def with_last_layer(engine: Engine, aux_layer_ids: tuple[int, ...] | None = None) -> None:
+    """Make the target's auxiliary outputs a head's features (aux_layer_ids; None: EAGLE3's default)
+    followed by its last layer's output (the teacher's logits are recomputed from it)."""
     model = engine.runner.model
-    model.aux_layer_ids = (*model.aux_layer_ids, engine.runner.model_config.num_layers)
+    model.aux_layer_ids = (*(aux_layer_ids or model.aux_layer_ids), engine.runner.model_config.num_layers)
 
 
 class TargetFeatures:
-    def __init__(self, target: str | None, max_tokens: int):
-        """max_tokens: the most tokens one call computes (a training batch's)."""
+    def __init__(self, target: str | None, max_tokens: int, aux_layer_ids: tuple[int, ...] | None = None):
+        """max_tokens: the most tokens one call computes (a training batch's); aux_layer_ids: the
+        layers whose inputs are the features (None: EAGLE3's default, as distillation stores)."""
         block_size = 16
         self.engine = Engine(EngineConfig(model=target, num_kv_blocks=max_tokens // block_size + 64,
                                           block_size=block_size, max_num_batched_tokens=max_tokens,
                                           enable_prefix_caching=False))
-        with_last_layer(self.engine)
+        with_last_layer(self.engine, aux_layer_ids)
         self.hidden_size = self.engine.runner.model_config.hidden_size
 
     @torch.inference_mode()

@@ -56,17 +56,20 @@ class _DeeperLayer(nn.Module):
 
 class TrainableEagle3(nn.Module):
     def __init__(self, target: ModelConfig, draft_vocab: torch.Tensor, target_embed: torch.Tensor,
-                 intermediate_size: int | None = None, num_layers: int = 1):
+                 intermediate_size: int | None = None, num_layers: int = 1,
+                 aux_layer_ids: tuple[int, ...] | None = None):
         """draft_vocab: [N] target token ids the head predicts (sorted); target_embed: [V, H], frozen;
         intermediate_size: the MLP width (default: the target's; wider is more capacity at a few
         more multiply-adds a draft row); num_layers: the midlayer, then plain decoder layers (more
-        than one is outside the published format: for capacity experiments, not served)."""
+        than one is outside the published format: for capacity experiments, not served);
+        aux_layer_ids: the target layers whose inputs are the features (None: EAGLE3's default)."""
         super().__init__()
         h, c = target.hidden_size, target
         self.target = target
         if intermediate_size is not None and intermediate_size < 1 or num_layers < 1:
             raise ValueError(f"the head's MLP width and layers must be positive (got {intermediate_size}, {num_layers})")
         self.intermediate_size = c.intermediate_size if intermediate_size is None else intermediate_size
+        self.aux_layer_ids = target.check_aux_layer_ids(tuple(aux_layer_ids)) if aux_layer_ids else target.aux_layer_ids
         self.fc = nn.Linear(3 * h, h, bias=False)
         self.input_layernorm = nn.Parameter(torch.ones(h))
         self.hidden_norm = nn.Parameter(torch.ones(h))
@@ -175,7 +178,7 @@ class TrainableEagle3(nn.Module):
         tensors["t2d"] = t2d
         out_dir.mkdir(parents=True, exist_ok=True)
         save_file(tensors, str(out_dir / "model.safetensors"))
-        config = eagle3_config(c, n, self.intermediate_size, 1 + len(self.deeper))
+        config = eagle3_config(c, n, self.intermediate_size, 1 + len(self.deeper), self.aux_layer_ids)
         (out_dir / "config.json").write_text(json.dumps(config, indent=2) + "\n")
 
     def load_exported(self, weights: dict[str, torch.Tensor]) -> None:
@@ -205,7 +208,8 @@ def exported_depth(weights: dict[str, torch.Tensor]) -> int:
     return 1 + sum(name.startswith("layers.") and name.endswith(".input_layernorm.weight") for name in weights)
 
 
-def eagle3_config(c: ModelConfig, draft_vocab_size: int, intermediate_size: int, num_layers: int = 1) -> dict:
+def eagle3_config(c: ModelConfig, draft_vocab_size: int, intermediate_size: int, num_layers: int,
+                  aux_layer_ids: tuple[int, ...]) -> dict:
     return {
         "architectures": ["LlamaForCausalLMEagle3"],
         "model_type": "llama",
@@ -225,5 +229,5 @@ def eagle3_config(c: ModelConfig, draft_vocab_size: int, intermediate_size: int,
         "target_hidden_size": c.hidden_size,
         "tie_word_embeddings": False,
         "torch_dtype": "float16",
-        "eagle_config": {"eagle_aux_hidden_state_layer_ids": list(c.aux_layer_ids)},
+        "eagle_config": {"eagle_aux_hidden_state_layer_ids": list(aux_layer_ids)},
     }

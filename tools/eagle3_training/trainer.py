@@ -25,6 +25,7 @@ from engine.config import ModelConfig
 from engine.layers import rms_norm
 from engine.loader import load_weights
 from engine.model_dir import resolve_model_dir
+from engine.spec.eagle3_model import Eagle3Config
 from tools.eagle3_training.features import TargetFeatures
 from tools.eagle3_training.model import TrainableEagle3, exported_depth, exported_mlp_width, exported_vocab
 
@@ -37,6 +38,7 @@ class TrainConfig:
     draft_vocab_size: int = 8192
     intermediate_size: int | None = None  # the head's MLP width (None: the target's)
     num_layers: int | None = None  # the head's layers (None: 1, EAGLE3's; more is for capacity experiments)
+    aux_layer_ids: tuple[int, ...] | None = None  # the target layers the head reads (None: EAGLE3's default)
     epochs: float = 2.0
     ttt_steps: int = 3
     lr: float = 5e-4
@@ -120,17 +122,18 @@ def _batches(shard: dict[str, torch.Tensor], cfg: TrainConfig, rng: random.Rando
 def collate(shard: dict[str, torch.Tensor], indices: list[int], max_len: int,
             target_features: TargetFeatures | None = None) -> tuple[torch.Tensor, ...]:
     """Samples padded into [B, T] tensors: features, final_hidden, tokens, valid, loss_mask (the
-    answer). A tokens-only shard's features come from `target_features`."""
+    answer). The features come from `target_features` when given (a tokens-only shard needs it),
+    else from the shard."""
     offsets, prompt_lens = shard["offsets"], shard["prompt_lens"]
     lengths = [min(int(offsets[i + 1] - offsets[i]), max_len) for i in indices]
     samples = [shard["tokens"][int(offsets[i]) : int(offsets[i]) + n].long() for i, n in zip(indices, lengths)]
-    if "features" in shard:
+    if target_features is not None:
+        stored = target_features([s.tolist() for s in samples])
+    elif "features" in shard:
         stored = [(shard["features"][int(offsets[i]) :][:n], shard["final_hidden"][int(offsets[i]) :][:n])
                   for i, n in zip(indices, lengths)]
-    elif target_features is None:
-        raise ValueError("a shard without features (distilled tokens only) needs the target to recompute them")
     else:
-        stored = target_features([s.tolist() for s in samples])
+        raise ValueError("a shard without features (distilled tokens only) needs the target to recompute them")
     t = max(lengths)
     tokens = torch.zeros(len(indices), t, dtype=torch.long)
     features = torch.zeros(len(indices), t, stored[0][0].shape[1])
@@ -161,7 +164,8 @@ def train(cfg: TrainConfig) -> Path:
     else:
         vocab, coverage = state["draft_vocab"], state["coverage"]
     embed = weights["model.embed_tokens.weight"]
-    model = TrainableEagle3(target, vocab, embed, *_head_shape(cfg, state, init))
+    aux = _aux_layers(cfg, state, target)
+    model = TrainableEagle3(target, vocab, embed, *_head_shape(cfg, state, init), aux_layer_ids=aux)
     teacher = TargetDistribution(weights["model.norm.weight"], weights.get("lm_head.weight", embed)[vocab],
                                  target.rms_norm_eps)
     if init is not None:
@@ -179,8 +183,10 @@ def train(cfg: TrainConfig) -> Path:
         optim.load_state_dict(state["optim"])
         progress = state["progress"]
     schedule = lambda step: min(1.0, (step + 1) / cfg.warmup_steps) * 0.5 * (1 + math.cos(math.pi * min(step / total_steps, 1.0)))
-    # Shards distilled without features: the target recomputes them, one forward per batch.
-    recompute = None if all(has_features(p) for p in shards) else TargetFeatures(cfg.target, max(cfg.batch_tokens, cfg.max_len))
+    # Shards distilled without features, or with other layers': the target recomputes them, one
+    # forward per batch.
+    stored = aux == target.aux_layer_ids and all(has_features(p) for p in shards)
+    recompute = None if stored else TargetFeatures(cfg.target, max(cfg.batch_tokens, cfg.max_len), aux)
     _run(model, teacher, optim, schedule, shards, cfg, progress, total_steps, ckpt_dir, vocab, coverage, recompute)
     model.export(cfg.out_dir)
     (cfg.out_dir / "training.json").write_text(json.dumps(
@@ -205,6 +211,22 @@ def _head_shape(cfg: TrainConfig, state: dict | None, init: dict[str, torch.Tens
                               ("--draft-layers", cfg.num_layers, found[1])):
         if asked not in (None, have):
             raise ValueError(f"{flag} {asked}: {source} {have}; give that (or train from scratch into a new --out)")
+    return found
+
+
+def _aux_layers(cfg: TrainConfig, state: dict | None, target: ModelConfig) -> tuple[int, ...]:
+    """The target layers the head reads: a resumed run's or a continued head's own (the flag may be
+    left out, not changed), else the config's, else EAGLE3's default."""
+    if state is not None:  # (runs started before the flag existed read the default)
+        found, source = tuple(state.get("aux_layer_ids", target.aux_layer_ids)), f"the run in {cfg.out_dir} was started with"
+    elif cfg.init_from is not None:
+        found = Eagle3Config.from_dir(cfg.init_from).aux_layer_ids or target.aux_layer_ids
+        source = f"the head to continue from ({cfg.init_from}) reads"
+    else:
+        return cfg.aux_layer_ids or target.aux_layer_ids
+    if cfg.aux_layer_ids not in (None, found):
+        raise ValueError(f"--aux-layers {' '.join(map(str, cfg.aux_layer_ids))}: {source} "
+                         f"{' '.join(map(str, found))}; give those (or train from scratch into a new --out)")
     return found
 
 
@@ -312,5 +334,5 @@ def _target_probs(teacher: TargetDistribution, final_hidden: torch.Tensor,
 def _checkpoint(ckpt_dir: Path, model, optim, progress, vocab, coverage) -> None:
     tmp = ckpt_dir / "latest.pt.tmp"
     torch.save({"model": model.state_dict(), "optim": optim.state_dict(), "progress": dict(progress),
-                "draft_vocab": vocab, "coverage": coverage}, tmp)
+                "draft_vocab": vocab, "coverage": coverage, "aux_layer_ids": model.aux_layer_ids}, tmp)
     tmp.replace(ckpt_dir / "latest.pt")
