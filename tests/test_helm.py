@@ -15,7 +15,6 @@ import yaml
 
 from deploy.config import parse_config
 from tools import helm_schema
-from tools.helm_bin import helm_path
 
 ROOT = Path(__file__).resolve().parents[1]
 CHART = ROOT / "deploy" / "helm" / "pdspec"
@@ -23,11 +22,6 @@ VALUE_SETS = {"default": None, "multi-gpu": CHART / "values-multi-gpu.yaml"}
 WORKER_ROLES = ("prefill", "decode", "aggregated")
 # The oldest Kubernetes the chart declares (gRPC probes are GA there) and the newest schemas known.
 K8S_VERSIONS = ("1.27", kubernetes_validate.latest_version())
-
-
-@pytest.fixture(scope="module")
-def helm() -> Path:
-    return helm_path()
 
 
 def run_helm(helm: Path, *args: str, values: dict | None = None, tmp_path: Path | None = None

@@ -10,7 +10,7 @@ from engine.stats import EngineStats
 from proto.pdspec.v1 import common_pb2, router_pb2
 from router.metrics import RouterMetrics
 from serving.metrics import EngineCollector, HandoffMetrics
-from tests.test_helm import CHART, by_kind, helm, merged_values, render  # noqa: F401 (helm: the fixture)
+from tests.test_helm import CHART, by_kind, merged_values, render
 
 def exported_samples() -> dict[str, set[str]]:
     """Every sample pdspec's code exports, name -> label names: the router's request metrics after

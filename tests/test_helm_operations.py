@@ -4,7 +4,7 @@ router.api_key_file; and each worker pod's grace period, its drain time before S
 
 import yaml
 
-from tests.test_helm import by_kind, helm, render  # noqa: F401 (helm: the fixture)
+from tests.test_helm import by_kind, render
 
 
 def test_api_keys_come_from_a_secret_mounted_in_the_router_only(helm, tmp_path):
