@@ -299,3 +299,28 @@ def test_argmax_rows_picks_what_torch_picks(isa, n):
     tail_nan = torch.randn(1, n)
     tail_nan[0, n - 1] = float("nan")
     assert cpu_kernels.kernels(isa).argmax_rows(tail_nan) == [n - 1]
+
+
+@pytest.mark.parametrize("isa", ISAS)
+@pytest.mark.parametrize("n,k", [(1, 1), (7, 4), (33, 8), (8192, 4), (8192 + 5, 16)])
+def test_top_probs_are_torchs_topk_of_the_softmax(isa, n, k):
+    """The draft's candidates, natively: the k largest (the first of equal values first, as a
+    stable sort orders them), their softmax probabilities to fp32 rounding; NaN probabilities for a
+    row holding a NaN."""
+    torch.manual_seed(n)
+    rows = torch.randn(5, n) * 4
+    rows[1] = rows[1].round()  # many ties
+    rows[2, n - 1] = 50.0  # the largest in the tail past the last vector
+    rows[3, :] = float("-inf")
+    rows[3, n // 2] = 0.0  # one finite logit: probability 1
+    ids, probs = cpu_kernels.kernels(isa).top_probs(rows, k)
+    for r in (0, 1, 2, 3):
+        order = torch.sort(rows[r], descending=True, stable=True).indices[:k]
+        expected = torch.softmax(rows[r], -1)[order]
+        assert ids[r][: 1 if r == 3 else k] == order.tolist()[: 1 if r == 3 else k], r
+        assert torch.allclose(torch.tensor(probs[r]), expected, rtol=1e-5, atol=1e-7), r
+    nan_row = torch.randn(1, n)
+    nan_row[0, n - 1] = float("nan")
+    assert all(p != p for p in cpu_kernels.kernels(isa).top_probs(nan_row, k)[1][0])
+    with pytest.raises(ValueError, match="k must be in 1"):
+        cpu_kernels.kernels(isa).top_probs(rows, n + 1 if n < 64 else 65)

@@ -251,51 +251,6 @@ int pd_write_kv(const pd_model *m, const pd_layer *L, const pd_matrix *kv, int s
     return 0;
 }
 
-/* The index of the largest of p's n floats as torch.argmax picks it: the first of equal maxima,
- * or the first NaN if there is one. LANES running maxima (each lane keeps its first), then the
- * smallest index among the lanes holding the largest. */
-static long argmax_row(const float *p, int n) {
-    int i = 0;
-    long at = 0;
-    float best = p[0];
-    if (best != best) return 0;
-    if (n >= 2 * LANES) {
-        vint lane, index, nan = splat_i(0);
-        for (int k = 0; k < LANES; k++) lane[k] = k;
-        vfloat m = load_f32(p);
-        index = lane;
-        nan |= m != m;
-        for (i = LANES; i + LANES <= n; i += LANES) {
-            vfloat v = load_f32(p + i);
-            vint greater = v > m;  /* false for NaN: found below, after the loop */
-            nan |= v != v;
-            m = select_lanes(greater, v, m);
-            index = (greater & (lane + i)) | (~greater & index);
-        }
-        for (int k = 0; k < LANES; k++)
-            if (nan[k])
-                for (int j = 0; j < i; j++)
-                    if (p[j] != p[j]) return j;
-        best = hmax(m);
-        at = n;
-        for (int k = 0; k < LANES; k++)
-            if (m[k] == best && index[k] < at) at = index[k];
-    } else {
-        i = 1;
-    }
-    for (; i < n; i++) {
-        if (p[i] != p[i]) return i;
-        if (p[i] > best) best = p[i], at = i;
-    }
-    return at;
-}
-
-/* out[r] = the index of row r's largest logit (greedy sampling), rows [rows][n] split between threads. */
-void pd_argmax_rows(const float *x, int rows, int n, long *out, int num_threads) {
-    #pragma omp parallel for schedule(static) num_threads(num_threads) if (rows > 1)
-    for (int r = 0; r < rows; r++) out[r] = argmax_row(x + (size_t)r * n, n);
-}
-
 /* out[i] = rmsnorm(x[rows[i]]) * w, i < n: the final norm of the rows whose logits are wanted. */
 void pd_norm_rows(const float *x, const long *rows, int n, int hidden, const float *w, float eps, float *out) {
     for (int i = 0; i < n; i++) rms_norm(x + (size_t)rows[i] * hidden, w, out + (size_t)i * hidden, 1, hidden, eps);

@@ -97,7 +97,7 @@ class Eagle3Draft:
         self.midlayer = DecoderLayer(c, mid, attention_for(c, device, dtype, block_size), packed_dtype=packed)
         self.lm_head = Linear(w["lm_head.weight"], packed_dtype=packed)
         # Target id of each draft id: one lookup per drafted level.
-        self.draft_to_target = draft_vocab_ids(w["d2t"]) if "d2t" in w else None
+        self.draft_to_target = draft_vocab_ids(w["d2t"]).tolist() if "d2t" in w else None
         own_embed = w.get("embed_tokens.weight")
         self.embed = (lambda ids: own_embed[ids]) if own_embed is not None else target_embed
         self.rotary = Rotary(c, max_positions, device, dtype)
@@ -108,8 +108,10 @@ class Eagle3Draft:
         """Target auxiliary features [T, 3*H_target] -> draft hidden inputs [T, H]."""
         return self.fc(aux_hidden)
 
-    def to_target_ids(self, draft_ids: torch.Tensor) -> torch.Tensor:
-        return draft_ids if self.draft_to_target is None else self.draft_to_target[draft_ids]
+    def to_target_ids(self, draft_ids: list[list[int]]) -> list[list[int]]:
+        if self.draft_to_target is None:
+            return draft_ids
+        return [[self.draft_to_target[i] for i in row] for row in draft_ids]
 
     def forward(self, batch: ForwardBatch, hidden: torch.Tensor, kv_cache: torch.Tensor) -> DraftOutput:
         """batch.input_ids hold the token *after* each position; hidden: [T, H] inputs (see project).
