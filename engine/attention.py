@@ -68,23 +68,32 @@ class AttentionMetadata:
         query_lens: list[int],
         context_lens: list[int],
         block_tables: list[list[int]],
-        slot_mapping: torch.Tensor,
+        slot_mapping: list[int],
         block_size: int,
         device: torch.device,
         span_masks: list[int] | None = None,
     ) -> "AttentionMetadata":
-        """span_masks: one per query row (trees must be short queries); None when no span is a tree."""
+        """slot_mapping: each new token's cache slot (block * block_size + offset); span_masks: one
+        per query row (trees must be short queries), None when no span is a tree."""
+        t, b = len(slot_mapping), len(query_lens)
+        width = max((len(table) for table in block_tables), default=0) or 1
         starts = [0]
         for n in query_lens:
             starts.append(starts[-1] + n)
+        # Two tensors, sliced into the fields: making a tensor from a list costs ~4 us whatever
+        # its size (seven took ~40 us of a decode step's Python, the draft's levels' too).
+        longs = torch.tensor([s // block_size for s in slot_mapping] + [s % block_size for s in slot_mapping]
+                             + [i for table in block_tables for i in table + [0] * (width - len(table))],
+                             dtype=torch.long, device=device)
+        ints = torch.tensor(starts + list(context_lens) + list(span_masks or []), dtype=torch.int32, device=device)
         return cls(
-            slot_blocks=torch.div(slot_mapping, block_size, rounding_mode="floor"),
-            slot_offsets=slot_mapping % block_size,
-            query_start_loc=torch.tensor(starts, dtype=torch.int32, device=device),
-            context_lens=torch.tensor(context_lens, dtype=torch.int32, device=device),
-            block_tables=_pad_tables(block_tables, device),
+            slot_blocks=longs[:t],
+            slot_offsets=longs[t : 2 * t],
+            query_start_loc=ints[: b + 1],
+            context_lens=ints[b + 1 : 2 * b + 1],
+            block_tables=longs[2 * t :].view(b, width),
             lists=(query_lens, context_lens, block_tables, block_size),
-            span_masks=torch.tensor(span_masks, dtype=torch.int32, device=device) if span_masks else None,
+            span_masks=ints[2 * b + 1 :] if span_masks else None,
         )
 
     @functools.cached_property
@@ -106,11 +115,6 @@ class AttentionMetadata:
         starts = self.query_start_loc.tolist()
         return _short_group(ids, starts, query_lens, context_lens, tables, block_size, self.block_tables.device,
                             self.span_masks)
-
-
-def _pad_tables(tables: list[list[int]], device: torch.device) -> torch.Tensor:
-    width = max((len(t) for t in tables), default=0) or 1
-    return torch.tensor([t + [0] * (width - len(t)) for t in tables], dtype=torch.long, device=device)
 
 
 def _table(table: list[int], context_len: int, block_size: int, device: torch.device) -> torch.Tensor:

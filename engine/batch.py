@@ -72,15 +72,11 @@ def build_batch(chunks: list[SeqChunk], block_size: int, device: torch.device, r
         query_lens=[len(c.token_ids) for c in chunks],
         context_lens=[c.end for c in chunks],
         block_tables=[c.block_table for c in chunks],
-        slot_mapping=torch.tensor(slots, dtype=torch.long, device=device),
+        slot_mapping=slots,
         block_size=block_size,
         device=device,
         span_masks=span_masks if any(c.draft_parents is not None for c in chunks) else None,
     )
-    return ForwardBatch(
-        input_ids=torch.tensor(ids, dtype=torch.long, device=device),
-        positions=torch.tensor(positions, dtype=torch.long, device=device),
-        attention=meta,
-        logits_indices=torch.tensor(logits_rows, dtype=torch.long, device=device),
-        return_aux=return_aux,
-    )
+    longs, t = torch.tensor(ids + positions + logits_rows, dtype=torch.long, device=device), len(ids)  # one tensor
+    return ForwardBatch(input_ids=longs[:t], positions=longs[t : 2 * t], attention=meta, logits_indices=longs[2 * t :],
+                        return_aux=return_aux)

@@ -42,7 +42,7 @@ def _case(query_lens, context_lens, heads, kv_heads, dim, block_size, seed, span
         n = -(-c // block_size)
         tables.append([ids.pop() for _ in range(n)])
         slots += [tables[-1][p // block_size] * block_size + p % block_size for p in range(c - q, c)]
-    meta = AttentionMetadata.build(query_lens, context_lens, tables, torch.tensor(slots), block_size,
+    meta = AttentionMetadata.build(query_lens, context_lens, tables, slots, block_size,
                                    torch.device("cpu"), span_masks)
     q = torch.randn(sum(query_lens), heads, dim)
     return q, cache[:, 2], meta
@@ -157,7 +157,7 @@ def test_a_row_computes_the_same_bits_alone_and_in_a_batch(isa, cache_dtype):
     query_lens_, context_lens_, tables, block_size = meta.lists
     row = 0
     for n, ctx, table in zip(query_lens, context_lens, tables):
-        slots = torch.tensor([table[p // block_size] * block_size + p % block_size for p in range(ctx - n, ctx)])
+        slots = [table[p // block_size] * block_size + p % block_size for p in range(ctx - n, ctx)]
         alone = AttentionMetadata.build([n], [ctx], [table], slots, block_size, torch.device("cpu"))
         assert torch.equal(native_paged_attention(q[row : row + n], layer_cache, alone, 0.125, isa),
                            batched[row : row + n]), (n, ctx)
@@ -188,7 +188,7 @@ def test_tree_spans_see_the_prefix_and_their_ancestors_only(isa, heads, kv_heads
     ref = paged_attention(q, layer_cache, meta, dim**-0.5)
     assert (ref - _explicit_attention(q, layer_cache, meta, dim**-0.5, visible)).abs().max() < 1e-4
     assert (native_paged_attention(q, layer_cache, meta, dim**-0.5, isa) - ref).abs().max() < 1e-4
-    slots = meta.slot_blocks * block_size + meta.slot_offsets
+    slots = (meta.slot_blocks * block_size + meta.slot_offsets).tolist()
     causal = AttentionMetadata.build(*meta.lists[:3], slots, block_size, torch.device("cpu"))
     assert (paged_attention(q, layer_cache, causal, dim**-0.5) - ref).abs().max() > 1e-2  # the masks matter
 
@@ -261,7 +261,7 @@ def test_a_tree_row_computes_the_bits_of_its_path_decoded_plainly(isa, prefix, d
     cache = encode_rows(torch.randn(24, 2, bs, kv_heads, dim), cache_dtype)
     tree_table = [3, 7, 1, 9, 17, 12, 20, 15, 22]
     q = torch.randn(n, heads, dim)
-    slots = torch.tensor([tree_table[p // bs] * bs + p % bs for p in range(prefix, prefix + n)])
+    slots = [tree_table[p // bs] * bs + p % bs for p in range(prefix, prefix + n)]
     meta = AttentionMetadata.build([n], [prefix + n], [tree_table], slots, bs, torch.device("cpu"), masks)
     tree_out = native_paged_attention(q, cache, meta, dim**-0.5, isa)
     plain_table = [11, 5, 14, 2, 16, 23, 0, 19, 18]
@@ -271,7 +271,7 @@ def test_a_tree_row_computes_the_bits_of_its_path_decoded_plainly(isa, prefix, d
         for dst, src in enumerate(visible):  # the visible keys and values, contiguous in other blocks
             plain[plain_table[dst // bs], :, dst % bs] = cache[tree_table[src // bs], :, src % bs]
         last = len(visible) - 1
-        one = AttentionMetadata.build([1], [len(visible)], [plain_table], torch.tensor([plain_table[last // bs] * bs + last % bs]),
+        one = AttentionMetadata.build([1], [len(visible)], [plain_table], [plain_table[last // bs] * bs + last % bs],
                                       bs, torch.device("cpu"))
         assert len(visible) == prefix + depth[i] + 1
         assert torch.equal(native_paged_attention(q[i : i + 1], plain, one, dim**-0.5, isa)[0], tree_out[i]), i

@@ -73,7 +73,7 @@ def _run_case(heads: int, kv_heads: int, head_dim: int, block_size: int, dtype: 
     slots = [tables[b][pos // block_size] * block_size + pos % block_size
              for b, (n, ctx, *_) in enumerate(batch) for pos in range(ctx - n, ctx)]
     masks = [m for n, _, *tree in batch for m in (tree_layout(tree[0])[1] if tree else [-1] * n)]
-    meta = AttentionMetadata.build(query_lens, context_lens, tables, torch.tensor(slots), block_size,
+    meta = AttentionMetadata.build(query_lens, context_lens, tables, slots, block_size,
                                    torch.device("cpu"), masks if any(len(b) == 3 for b in batch) else None)
     q = torch.randn(sum(query_lens), heads, head_dim).to(getattr(torch, dtype))
     if nan_query:
