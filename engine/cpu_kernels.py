@@ -134,6 +134,11 @@ class CpuKernels:
         lib.pd_argmax_rows.argtypes = [ctypes.c_void_p, ctypes.c_int, ctypes.c_int, ctypes.c_void_p, ctypes.c_int]
         lib.pd_top_probs.restype = None
         lib.pd_top_probs.argtypes = [ctypes.c_void_p] + [ctypes.c_int] * 3 + [ctypes.c_void_p] * 2
+        lib.pd_probabilities.restype = None
+        lib.pd_probabilities.argtypes = ([ctypes.c_void_p] + [ctypes.c_int] * 2 + [ctypes.c_float, ctypes.c_int, ctypes.c_float]
+                                         + [ctypes.c_void_p] * 2 + [ctypes.c_int])
+        lib.pd_inverse_cdf.restype = None
+        lib.pd_inverse_cdf.argtypes = [ctypes.c_void_p, ctypes.c_int, ctypes.c_void_p, ctypes.c_int] + [ctypes.c_void_p] * 5
         lib.pd_paged_attention.restype = ctypes.c_int
         lib.pd_paged_attention.argtypes = (
             [ctypes.c_void_p] * 2 + [ctypes.c_int] + [ctypes.c_long] * 3 + [ctypes.c_void_p, ctypes.c_int]
@@ -240,6 +245,36 @@ class CpuKernels:
         probs = torch.empty(logits.shape[0], k)
         self._lib.pd_top_probs(logits.data_ptr(), logits.shape[0], logits.shape[1], k, ids.data_ptr(), probs.data_ptr())
         return ids.tolist(), probs.tolist()
+
+    def probabilities(self, logits: torch.Tensor, temperature: float, top_k: int, top_p: float) -> torch.Tensor:
+        """engine/sampling.py's sampling distribution of each row of logits [rows, V] fp32 (its
+        torch definition took ~0.2-0.3 ms a row: a quarter of a batch-16 step at top-p)."""
+        _check_logits(logits, "probabilities")
+        logits = logits.contiguous()
+        out = torch.empty_like(logits)
+        threads = torch.get_num_threads()
+        scratch = torch.empty(threads, logits.shape[1])
+        self._lib.pd_probabilities(logits.data_ptr(), logits.shape[0], logits.shape[1], temperature, top_k, top_p,
+                                   out.data_ptr(), scratch.data_ptr(), threads)
+        return out
+
+    def inverse_cdf(self, weights: torch.Tensor, rows: list[int], u: torch.Tensor, rejected: list[list[int]]) -> list[int]:
+        """Per draw e: the first index of row rows[e] of weights [n, V] fp32 (>= 0; the tokens
+        rejected[e] counted as 0) where the running sum exceeds u[e] times the row's total
+        (engine/spec/rejection.py's inverse_cdf, to rounding: sums by spans of 64 in vectors, then
+        fp64, where torch's fp64 scan of a 49K row took ~100 us), without copying the rows."""
+        _check_logits(weights, "inverse_cdf")
+        weights, u = weights.contiguous(), u.to(torch.float32).contiguous()
+        at = [0]
+        for r in rejected:
+            at.append(at[-1] + len(r))
+        index = torch.tensor(rows + [t for r in rejected for t in r] + at, dtype=torch.long)
+        out = torch.empty(len(rows), dtype=torch.long)
+        n = len(rows)
+        spans = torch.empty(-(-weights.shape[1] // 64))
+        self._lib.pd_inverse_cdf(weights.data_ptr(), weights.shape[1], index.data_ptr(), n, u.data_ptr(),
+                                 index[n:].data_ptr(), index[n + at[-1] :].data_ptr(), out.data_ptr(), spans.data_ptr())
+        return out.tolist()
 
     def norm_rows(self, x: torch.Tensor, rows: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
         """rms_norm(x[rows]) * weight for x [T, hidden] fp32 contiguous, rows int64 (in range: the

@@ -1,8 +1,11 @@
 /* Choosing tokens from rows of logits, the few hundred microseconds torch ops took per step:
- * verification's greedy argmax, and the draft's likeliest tokens with their probabilities.
+ * verification's greedy argmax, the draft's likeliest tokens with their probabilities, and the
+ * distribution a sampled request draws from (engine/sampling.py's definition) with its draw.
  */
 #include <math.h>
 #include <stddef.h>
+#include <stdlib.h>
+#include <string.h>
 
 #include <omp.h>
 
@@ -57,15 +60,12 @@ void pd_argmax_rows(const float *x, int rows, int n, long *out, int num_threads)
 
 #define SPAN (4 * LANES)  /* logits per span whose maximum the search for the k largest skips by */
 
-/* Row p's k largest logits (k <= n), largest first (the first of equal values first), and their
- * softmax probabilities over all n, into ids[k] and probs[k]. Three passes: each span's maximum
- * (and the row's), the sum of exps (vexp: a relative error of ~2e-7 against torch.softmax's), then
- * the k largest from the spans whose maximum beats the current k-th (a few, once it has risen).
- * A row with a NaN gets NaN probabilities (ids 0..k-1): no draft path passes a threshold through it. */
-static void top_probs_row(const float *p, int n, int k, long *ids, float *probs) {
+/* Each whole SPAN's maximum of p's n floats into span_max[n / SPAN]; returns the row's maximum
+ * (the tail included) and sets *has_nan when p holds a NaN. */
+static float span_maxima(const float *p, int n, float *span_max, int *has_nan) {
     int spans = n / SPAN;
-    float span_max[spans > 0 ? spans : 1], best[PD_TOP_K_MAX], top = -INFINITY;
-    int has_nan = 0;
+    float top = -INFINITY;
+    *has_nan = 0;
     for (int s = 0; s < spans; s++) {
         const float *q = p + (size_t)s * SPAN;
         vfloat a = load_f32(q), b = load_f32(q + LANES), c = load_f32(q + 2 * LANES), d = load_f32(q + 3 * LANES);
@@ -74,23 +74,22 @@ static void top_probs_row(const float *p, int n, int k, long *ids, float *probs)
         c = select_lanes(d > c, d, c);
         span_max[s] = hmax(select_lanes(c > a, c, a));
         top = span_max[s] > top ? span_max[s] : top;
-        has_nan |= hmax(__builtin_convertvector(nan, vfloat)) != 0.0f;
+        *has_nan |= hmax(__builtin_convertvector(nan, vfloat)) != 0.0f;
     }
     for (int i = spans * SPAN; i < n; i++) {
-        has_nan |= p[i] != p[i];
+        *has_nan |= p[i] != p[i];
         top = p[i] > top ? p[i] : top;
     }
+    return top;
+}
+
+/* The k largest of p's n floats (k <= PD_TOP_K_MAX, no NaN), largest first (the first of equal
+ * values first), into best[k] and ids[k]: only the spans whose maximum beats the current k-th
+ * are read element by element (a few, once it has risen). */
+static void k_largest(const float *p, int n, int k, const float *span_max, float *best, long *ids) {
+    int spans = n / SPAN;
     for (int j = 0; j < k; j++) best[j] = -INFINITY, ids[j] = j;
-    if (has_nan) {
-        for (int j = 0; j < k; j++) probs[j] = NAN;
-        return;
-    }
-    vfloat sums = splat(0.0f);
-    int i = 0;
-    for (; i + LANES <= n; i += LANES) sums += vexp(load_f32(p + i) - top);
-    float sum = hsum(sums);
-    for (; i < n; i++) sum += expf(p[i] - top);
-    for (i = 0; i < n; i++) {
+    for (int i = 0; i < n; i++) {
         if (i % SPAN == 0 && i / SPAN < spans && !(span_max[i / SPAN] > best[k - 1])) {
             i += SPAN - 1;
             continue;
@@ -100,10 +99,225 @@ static void top_probs_row(const float *p, int n, int k, long *ids, float *probs)
         for (; j > 0 && p[i] > best[j - 1]; j--) best[j] = best[j - 1], ids[j] = ids[j - 1];
         best[j] = p[i], ids[j] = i;
     }
+}
+
+/* Row p's k largest logits (k <= n), largest first (the first of equal values first), and their
+ * softmax probabilities over all n, into ids[k] and probs[k]: span maxima, the sum of exps (vexp:
+ * a relative error of ~2e-7 against torch.softmax's), then k_largest. A row with a NaN gets NaN
+ * probabilities (ids 0..k-1): no draft path passes a threshold through it. */
+static void top_probs_row(const float *p, int n, int k, long *ids, float *probs) {
+    float span_max[n / SPAN > 0 ? n / SPAN : 1], best[PD_TOP_K_MAX];
+    int has_nan;
+    float top = span_maxima(p, n, span_max, &has_nan);
+    if (has_nan) {
+        for (int j = 0; j < k; j++) ids[j] = j, probs[j] = NAN;
+        return;
+    }
+    vfloat sums = splat(0.0f);
+    int i = 0;
+    for (; i + LANES <= n; i += LANES) sums += vexp(load_f32(p + i) - top);
+    float sum = hsum(sums);
+    for (; i < n; i++) sum += expf(p[i] - top);
+    k_largest(p, n, k, span_max, best, ids);
     for (int j = 0; j < k; j++) probs[j] = expf(best[j] - top) / sum;
 }
 
 /* Each of x's rows [rows][n]: top_probs_row into ids[rows][k] and probs[rows][k]. */
 void pd_top_probs(const float *x, int rows, int n, int k, long *ids, float *probs) {
     for (int r = 0; r < rows; r++) top_probs_row(x + (size_t)r * n, n, k, ids + (size_t)r * k, probs + (size_t)r * k);
+}
+
+/* The k-th largest of v's n floats (1 <= k <= n, no NaN), reordering v: Hoare's selection. */
+static float kth_largest(float *v, int n, int k) {
+    int lo = 0, hi = n - 1, want = k - 1;  /* v[want] once v[lo..hi] is ordered descending around it */
+    while (lo < hi) {
+        float pivot = v[lo + (hi - lo) / 2];
+        int i = lo, j = hi;
+        while (i <= j) {
+            while (v[i] > pivot) i++;
+            while (v[j] < pivot) j--;
+            if (i <= j) {
+                float t = v[i];
+                v[i++] = v[j], v[j--] = t;
+            }
+        }
+        if (want <= j) hi = j;
+        else if (want >= i) lo = i;
+        else return v[want];
+    }
+    return v[want];
+}
+
+static int descending(const void *a, const void *b) {
+    float x = *(const float *)a, y = *(const float *)b;
+    return (x < y) - (x > y);
+}
+
+/* Whether any of the `len` floats at p is >= c (len: a whole number of vectors). */
+static inline int any_at_least(const float *p, int len, float c) {
+    vfloat m = load_f32(p);
+    for (int i = LANES; i < len; i += LANES) m = select_lanes(load_f32(p + i) > m, load_f32(p + i), m);
+    return hmax(m) >= c;
+}
+
+/* The least probability a top-p nucleus keeps: sorted descending, the nucleus is the shortest
+ * prefix whose mass reaches top_p (at least one token), with the prefix sums engine/sampling.py
+ * takes (fp64 running sums rounded to fp32, torch's CPU cumsum). Only the tokens at or above a
+ * cut are sorted: largest / 2^10, then / 2^20, then all, the first cut whose tokens hold top_p
+ * (the nucleus lies among them). scratch: n floats. */
+static float nucleus_threshold(const float *p, int n, float largest, float top_p, float *scratch) {
+    int m = 0;
+    for (float cut = largest * 0x1p-10f;; cut = cut > largest * 0x1p-15f ? largest * 0x1p-20f : 0.0f) {
+        double mass = 0.0;
+        m = 0;
+        for (int i = 0; i < n; i++) {
+            if (i % SPAN == 0 && i + SPAN <= n && !any_at_least(p + i, SPAN, cut)) {
+                i += SPAN - 1;
+                continue;
+            }
+            if (p[i] >= cut) scratch[m++] = p[i], mass += p[i];
+        }
+        if (mass >= top_p || cut == 0.0f) break;
+    }
+    qsort(scratch, m, sizeof(float), descending);
+    double sum = 0.0;
+    int size = 0;
+    for (int i = 0; i < m && (float)sum < top_p; i++) {  /* mass before token i < top_p: it is kept */
+        sum += scratch[i];
+        size++;
+    }
+    return scratch[(size > 1 ? size : 1) - 1];
+}
+
+/* engine/sampling.py's `probabilities` for one row x[n] into p[n]: softmax(x / T) after top-k
+ * (ties at the k-th kept), then the top-p nucleus (ties with its last kept), renormalised by an
+ * fp64 running sum. A row's bits are its own, alone or in a batch; exp by vexp (relative error
+ * ~2e-7 against torch's), so a token at the nucleus' very edge may go the other way. A row with a
+ * NaN is NaN throughout. scratch: n floats. */
+static void probabilities_row(const float *x, int n, float temperature, int top_k, float top_p, float *p,
+                              float *scratch) {
+    const int whole = n / LANES * LANES;
+    vfloat vmax = splat(-INFINITY);
+    vint nan = splat_i(0);
+    for (int i = 0; i < whole; i += LANES) {
+        vfloat v = load_f32(x + i) / temperature;
+        store_f32(p + i, v);
+        nan |= v != v;
+        vmax = select_lanes(v > vmax, v, vmax);
+    }
+    float top = hmax(vmax);
+    int has_nan = hmax(__builtin_convertvector(nan, vfloat)) != 0.0f;
+    for (int i = whole; i < n; i++) {
+        p[i] = x[i] / temperature;
+        has_nan |= p[i] != p[i];
+        top = p[i] > top ? p[i] : top;
+    }
+    if (has_nan) {
+        for (int i = 0; i < n; i++) p[i] = NAN;
+        return;
+    }
+    if (top_k > 0 && top_k < n) {  /* the k-th value: by spans for small k (torch's topk's case), else selection */
+        float kth, best[PD_TOP_K_MAX];
+        long ids[PD_TOP_K_MAX];
+        if (top_k <= PD_TOP_K_MAX) {
+            span_maxima(p, n, scratch, &has_nan);
+            k_largest(p, n, top_k, scratch, best, ids);
+            kth = best[top_k - 1];
+        } else {
+            memcpy(scratch, p, sizeof(float) * n);
+            kth = kth_largest(scratch, n, top_k);
+        }
+        for (int i = 0; i < n; i++) p[i] = p[i] < kth ? -INFINITY : p[i];
+    }
+    vfloat sums = splat(0.0f);
+    for (int i = 0; i < whole; i += LANES) {
+        vfloat e = vexp(load_f32(p + i) - top);
+        store_f32(p + i, e);
+        sums += e;
+    }
+    float sum = hsum(sums);
+    for (int i = whole; i < n; i++) sum += p[i] = expf(p[i] - top);
+    for (int i = 0; i < whole; i += LANES) store_f32(p + i, load_f32(p + i) / sum);
+    for (int i = whole; i < n; i++) p[i] /= sum;
+    if (top_p >= 1.0f) return;
+    float least = nucleus_threshold(p, n, 1.0f / sum, top_p, scratch);
+    double kept = 0.0;  /* in index order over the kept tokens: adding the zeros would change no bit */
+    for (int i = 0; i < n; i++) {
+        if (i % SPAN == 0 && i + SPAN <= n && !any_at_least(p + i, SPAN, least)) {
+            i += SPAN - 1;
+            continue;
+        }
+        if (p[i] >= least) kept += p[i];
+    }
+    vfloat scale = splat((float)kept), floor = splat(least);
+    for (int i = 0; i < whole; i += LANES) {
+        vfloat v = load_f32(p + i);
+        store_f32(p + i, select_lanes(v < floor, splat(0.0f), v / scale));
+    }
+    for (int i = whole; i < n; i++) p[i] = p[i] < least ? 0.0f : p[i] / (float)kept;
+}
+
+/* probabilities_row for each of x's rows [rows][n], rows split between threads; scratch: n floats a thread. */
+void pd_probabilities(const float *x, int rows, int n, float temperature, int top_k, float top_p, float *p,
+                      float *scratch, int num_threads) {
+    #pragma omp parallel for schedule(static) num_threads(num_threads) if (rows > 1)
+    for (int r = 0; r < rows; r++)
+        probabilities_row(x + (size_t)r * n, n, temperature, top_k, top_p, p + (size_t)r * n,
+                          scratch + (size_t)omp_get_thread_num() * n);
+}
+
+static inline int is_rejected(long i, const long *rejected, int num_rejected) {
+    for (int j = 0; j < num_rejected; j++)
+        if (rejected[j] == i) return 1;
+    return 0;
+}
+
+/* The sum of w[a, b) without the rejected tokens: in vectors, one order for a row whatever its batch. */
+static float span_sum(const float *w, int a, int b, const long *rejected, int num_rejected) {
+    int clean = b - a == SPAN;
+    for (int j = 0; j < num_rejected; j++) clean &= rejected[j] < a || rejected[j] >= b;
+    if (clean) {
+        vfloat s = load_f32(w + a) + load_f32(w + a + LANES);
+        for (int i = a + 2 * LANES; i < b; i += LANES) s += load_f32(w + i);
+        return hsum(s);
+    }
+    float s = 0.0f;
+    for (int i = a; i < b; i++) s += is_rejected(i, rejected, num_rejected) ? 0.0f : w[i];
+    return s;
+}
+
+/* An inverse-CDF draw from w[n] (>= 0; the rejected tokens counted as 0): the first index where the
+ * running sum exceeds u times the total. Spans' sums first (vectors; fp64 between spans), then the
+ * running sum inside the span where it crosses: ~2 passes of vector adds instead of a sequential fp64
+ * sum over the whole vocabulary (latency-bound: ~100 us a 49K row, twice). */
+static long inverse_cdf_row(const float *w, int n, const long *rejected, int num_rejected, float u,
+                            float *spans) {
+    int count = (n + SPAN - 1) / SPAN;
+    double total = 0.0;
+    for (int s = 0; s < count; s++) {
+        spans[s] = span_sum(w, s * SPAN, s + 1 < count ? (s + 1) * SPAN : n, rejected, num_rejected);
+        total += spans[s];
+    }
+    double target = (double)u * total, sum = 0.0;
+    for (int s = 0; s < count; s++) {
+        if (sum + spans[s] <= target && s + 1 < count) {
+            sum += spans[s];
+            continue;
+        }
+        for (int i = s * SPAN; i < n; i++)  /* past the span only if rounding put the crossing there */
+            if (!is_rejected(i, rejected, num_rejected) && (sum += w[i]) > target && w[i] > 0.0f) return i;
+        break;
+    }
+    for (int i = n - 1; i > 0; i--)  /* u * total at the very top (rounding): the last token with weight */
+        if (w[i] > 0.0f && !is_rejected(i, rejected, num_rejected)) return i;
+    return 0;
+}
+
+/* out[e] = inverse_cdf_row of row rows[e] of w [*][n] by u[e], without the tokens
+ * rejected[rejected_at[e] .. rejected_at[e + 1]). spans: (n + SPAN - 1) / SPAN floats. */
+void pd_inverse_cdf(const float *w, int n, const long *rows, int num, const float *u, const long *rejected,
+                    const long *rejected_at, long *out, float *spans) {
+    for (int e = 0; e < num; e++)
+        out[e] = inverse_cdf_row(w + (size_t)rows[e] * n, n, rejected + rejected_at[e],
+                                 (int)(rejected_at[e + 1] - rejected_at[e]), u[e], spans);
 }

@@ -154,6 +154,9 @@ def _sample_ends(inp: VerifyInput, ends: list[tuple[int, list[int]]]) -> list[in
     """Per walk's end (row, drafts rejected there): a sample of p at that row without them, by the
     row's second uniform; all in one pass over the rows."""
     rows = [row for row, _ in ends]
+    if inp.target_probs.device.type == "cpu" and inp.target_probs.dtype == torch.float32:  # natively, the same
+        # bits, without copying the rows
+        return cpu_kernels.kernels().inverse_cdf(inp.target_probs, rows, inp.uniforms[rows, 1], [r for _, r in ends])
     residual = inp.target_probs[rows]  # a copy
     for i, (_, rejected) in enumerate(ends):
         residual[i, rejected] = 0.0
