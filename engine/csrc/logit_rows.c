@@ -74,7 +74,7 @@ static float span_maxima(const float *p, int n, float *span_max, int *has_nan) {
         c = select_lanes(d > c, d, c);
         span_max[s] = hmax(select_lanes(c > a, c, a));
         top = span_max[s] > top ? span_max[s] : top;
-        *has_nan |= hmax(__builtin_convertvector(nan, vfloat)) != 0.0f;
+        *has_nan |= hsum_i(nan) != 0;  /* a set lane is -1 */
     }
     for (int i = spans * SPAN; i < n; i++) {
         *has_nan |= p[i] != p[i];
@@ -206,7 +206,7 @@ static void probabilities_row(const float *x, int n, float temperature, int top_
         vmax = select_lanes(v > vmax, v, vmax);
     }
     float top = hmax(vmax);
-    int has_nan = hmax(__builtin_convertvector(nan, vfloat)) != 0.0f;
+    int has_nan = hsum_i(nan) != 0;  /* a set lane is -1 */
     for (int i = whole; i < n; i++) {
         p[i] = x[i] / temperature;
         has_nan |= p[i] != p[i];
