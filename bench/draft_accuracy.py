@@ -28,7 +28,7 @@ from engine.config import ModelConfig
 from engine.loader import load_weights
 from engine.model_dir import resolve_model_dir
 from engine.runner import EMBEDDED_DRAFT_DIR
-from engine.spec.eagle3_model import Eagle3Config
+from engine.spec.eagle3_model import head_aux_layer_ids
 from tools.prompts import read_prompts
 from tools.eagle3_training.distill import distill
 from tools.eagle3_training.features import TargetFeatures
@@ -45,7 +45,7 @@ def load_head(draft_dir: Path, target: str | None) -> TrainableEagle3:
     exported = load_weights(draft_dir, torch.float32, torch.device("cpu"))
     head = TrainableEagle3(ModelConfig.from_dir(model_dir), exported_vocab(exported),
                            weights["model.embed_tokens.weight"], exported_mlp_width(exported), exported_depth(exported),
-                           Eagle3Config.from_dir(draft_dir).aux_layer_ids)
+                           head_aux_layer_ids(draft_dir))
     head.load_exported(exported)
     return head.eval()
 
@@ -60,6 +60,7 @@ def measure(head: TrainableEagle3, data_dir: Path, target: str | None = None) ->
     """target: recomputes the features of a head that reads other layers than distillation stores."""
     recompute = None if head.aux_layer_ids == head.target.aux_layer_ids else TargetFeatures(target, 1 << 12,
                                                                                           head.aux_layer_ids)
+    max_len = 1 << 16 if recompute is None else 1 << 12  # recomputed: as many tokens as one forward takes
     hits1 = {k: 0 for k in TOP_K}
     hits1_with_2 = {k: 0 for k in TOP_K}  # position 1 right where position 2 is an answer token too
     hits12 = {k: 0 for k in TOP_K}
@@ -68,7 +69,7 @@ def measure(head: TrainableEagle3, data_dir: Path, target: str | None = None) ->
     for path in shard_paths(data_dir):
         shard = load_shard(path)
         for i in range(shard["prompt_lens"].numel()):
-            features, _, tokens, valid, answer = collate(shard, [i], max_len=1 << 12, target_features=recompute)
+            features, _, tokens, valid, answer = collate(shard, [i], max_len=max_len, target_features=recompute)
             logits = head.unroll(features, tokens, valid, steps=2)
             at1, at2 = _shifted(answer, 2), _shifted(answer, 3)  # positions whose draft tokens are answer tokens
             label1, label2 = head.labels(tokens, answer, 0), head.labels(tokens, answer, 1)

@@ -28,16 +28,8 @@ SETTINGS = {"greedy": {}, "temperature 1.0": {"temperature": 1.0}, "top-p 0.9, T
             "top-k 40, T 0.8": {"temperature": 0.8, "top_k": 40}}
 
 
-def _torch_ends(inp: rejection.VerifyInput, ends: list[tuple[int, list[int]]]) -> list[int]:
-    """The draws as the torch path makes them: each row copied, its rejected tokens zeroed, torch's inverse CDF."""
-    rows = [row for row, _ in ends]
-    residual = inp.target_probs[rows]
-    for i, (_, rejected) in enumerate(ends):
-        residual[i, rejected] = 0.0
-    return rejection.inverse_cdf(residual, inp.uniforms[rows, 1])
-
-
-PATHS = {"native": (probabilities, rejection._sample_ends), "torch": (reference_probabilities, _torch_ends)}
+PATHS = {"native": (probabilities, rejection._sample_ends),
+         "torch": (reference_probabilities, rejection.reference_sample_ends)}
 
 
 def step_times(engine: Engine, prompts: list[list[int]], params: SamplingParams) -> dict[str, list[float]]:

@@ -38,6 +38,7 @@ _CSRC = Path(__file__).parent / "csrc"
 _SOURCES = ("packed_gemm.c", "quant_dot.c", "attention_tile.c", "paged_attention.c", "decoder_step.c", "logit_rows.c")
 KERNEL_FILES = _SOURCES + ("vector_isa.h", "kernels.h", "attention_tile.h", "quant_dot_portable.h")  # what a build reads from its csrc directory
 _FLAGS = ["-O3", "-fopenmp", "-shared", "-fPIC", "-std=gnu11"]
+TOP_K_MAX = 64  # the most candidates top_probs keeps a row (csrc/logit_rows.c: PD_TOP_K_MAX)
 _KV_TYPES = {torch.float32: 0, torch.bfloat16: 1, torch.int8: 2}  # csrc/kernels.h: PD_KV_F32, ...
 # Limits of paged_attention.c and attention_tile.c (checked here so callers can pick another path up front).
 ATTENTION_MAX_HEAD_DIM, ATTENTION_MAX_GROUP = 256, 64
@@ -138,7 +139,7 @@ class CpuKernels:
         lib.pd_probabilities.argtypes = ([ctypes.c_void_p] + [ctypes.c_int] * 2 + [ctypes.c_float, ctypes.c_int, ctypes.c_float]
                                          + [ctypes.c_void_p] * 2 + [ctypes.c_int])
         lib.pd_inverse_cdf.restype = None
-        lib.pd_inverse_cdf.argtypes = [ctypes.c_void_p, ctypes.c_int, ctypes.c_void_p, ctypes.c_int] + [ctypes.c_void_p] * 5
+        lib.pd_inverse_cdf.argtypes = [ctypes.c_void_p, ctypes.c_int, ctypes.c_void_p, ctypes.c_int] + [ctypes.c_void_p] * 4
         lib.pd_paged_attention.restype = ctypes.c_int
         lib.pd_paged_attention.argtypes = (
             [ctypes.c_void_p] * 2 + [ctypes.c_int] + [ctypes.c_long] * 3 + [ctypes.c_void_p, ctypes.c_int]
@@ -238,8 +239,8 @@ class CpuKernels:
         (torch's softmax and topk took ~35 us a row, ~85 us four). A row with a NaN gets NaN
         probabilities."""
         _check_logits(logits, "top_probs")
-        if not 1 <= k <= min(64, logits.shape[1]):
-            raise ValueError(f"top_probs: k must be in 1..{min(64, logits.shape[1])} (got {k})")
+        if not 1 <= k <= min(TOP_K_MAX, logits.shape[1]):
+            raise ValueError(f"top_probs: k must be in 1..{min(TOP_K_MAX, logits.shape[1])} (got {k})")
         logits = logits.contiguous()
         ids = torch.empty(logits.shape[0], k, dtype=torch.long)
         probs = torch.empty(logits.shape[0], k)
@@ -254,6 +255,7 @@ class CpuKernels:
         out = torch.empty_like(logits)
         threads = torch.get_num_threads()
         scratch = torch.empty(threads, logits.shape[1])
+        top_k = top_k if 0 < top_k < logits.shape[1] else 0  # at or past the vocabulary: no filter
         self._lib.pd_probabilities(logits.data_ptr(), logits.shape[0], logits.shape[1], temperature, top_k, top_p,
                                    out.data_ptr(), scratch.data_ptr(), threads)
         return out
@@ -261,7 +263,7 @@ class CpuKernels:
     def inverse_cdf(self, weights: torch.Tensor, rows: list[int], u: torch.Tensor, rejected: list[list[int]]) -> list[int]:
         """Per draw e: the first index of row rows[e] of weights [n, V] fp32 (>= 0; the tokens
         rejected[e] counted as 0) where the running sum exceeds u[e] times the row's total
-        (engine/spec/rejection.py's inverse_cdf, to rounding: sums by spans of 64 in vectors, then
+        (engine/spec/rejection.py's inverse_cdf, to rounding: sums by spans of four vectors, then
         fp64, where torch's fp64 scan of a 49K row took ~100 us), without copying the rows."""
         _check_logits(weights, "inverse_cdf")
         weights, u = weights.contiguous(), u.to(torch.float32).contiguous()
@@ -271,9 +273,8 @@ class CpuKernels:
         index = torch.tensor(rows + [t for r in rejected for t in r] + at, dtype=torch.long)
         out = torch.empty(len(rows), dtype=torch.long)
         n = len(rows)
-        spans = torch.empty(-(-weights.shape[1] // 64))
         self._lib.pd_inverse_cdf(weights.data_ptr(), weights.shape[1], index.data_ptr(), n, u.data_ptr(),
-                                 index[n:].data_ptr(), index[n + at[-1] :].data_ptr(), out.data_ptr(), spans.data_ptr())
+                                 index[n:].data_ptr(), index[n + at[-1] :].data_ptr(), out.data_ptr())
         return out.tolist()
 
     def norm_rows(self, x: torch.Tensor, rows: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:

@@ -31,9 +31,10 @@ NUCLEUS_CANDIDATES = 256
 
 
 def probabilities(logits: torch.Tensor, params: SamplingParams) -> torch.Tensor:
-    """The distribution to sample from for non-greedy params (reference_probabilities'): on CPU fp32
-    natively (torch's calls took ~0.2-0.3 ms a row, a quarter of a batch-16 step at top-p), exp
-    rounded otherwise; a row's bits are its own, alone or among others."""
+    """The distribution to sample from for non-greedy params, reference_probabilities' definition:
+    on CPU fp32 natively (torch's calls took ~0.2-0.3 ms a row, a quarter of a batch-16 step at
+    top-p; the native exp rounds differently, so a token at the nucleus' very edge may go the other
+    way); a row's bits are its own, alone or among others."""
     if logits.device.type == "cpu" and logits.dtype == torch.float32:
         rows = logits.reshape(-1, logits.shape[-1])
         native = cpu_kernels.kernels().probabilities(rows, params.temperature, params.top_k, params.top_p)

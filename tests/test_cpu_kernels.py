@@ -314,6 +314,7 @@ def test_top_probs_are_torchs_topk_of_the_softmax(isa, n, k):
     rows[3, :] = float("-inf")
     rows[3, n // 2] = 0.0  # one finite logit: probability 1
     ids, probs = cpu_kernels.kernels(isa).top_probs(rows, k)
+    assert all(len(set(row)) == k for row in ids)  # distinct, also where fewer than k are above -inf (row 3)
     for r in (0, 1, 2, 3):
         order = torch.sort(rows[r], descending=True, stable=True).indices[:k]
         expected = torch.softmax(rows[r], -1)[order]

@@ -7,7 +7,7 @@ import pytest
 import torch
 
 from engine.config import ModelConfig
-from engine.spec.eagle3_model import Eagle3Config, Eagle3Draft
+from engine.spec.eagle3_model import Eagle3Config, Eagle3Draft, head_aux_layer_ids
 from engine.kv_layout import CacheShape, KVLayout, allocate_cache
 from engine.batch import SeqChunk, build_batch
 from engine.loader import load_weights
@@ -167,3 +167,4 @@ def test_a_deeper_head_round_trips_for_experiments_and_the_engine_refuses_it(tmp
         TrainableEagle3(TARGET, vocab, model.embed).load_exported(weights)
     with pytest.raises(ModelConfigError, match="num_hidden_layers 2"):
         Eagle3Config.from_dir(tmp_path)
+    assert head_aux_layer_ids(tmp_path) == TARGET.aux_layer_ids  # measured and continued all the same

@@ -4,6 +4,7 @@ import pytest
 import torch
 from pydantic import ValidationError
 
+from engine import cpu_kernels
 from engine.params import SamplingParams
 from engine.sampling import make_generator, probabilities
 from engine.spec.rejection import make_verify_input, verify
@@ -132,42 +133,48 @@ def test_bad_params_name_the_field(field, value):
     assert e.value.errors()[0]["loc"] == (field,)
 
 
+@pytest.mark.parametrize("isa", cpu_kernels.supported_isas())
 @pytest.mark.parametrize("temperature, top_k, top_p", [(0.7, 0, 0.9), (1.0, 0, 1.0), (1.3, 40, 1.0), (0.5, 300, 0.95),
-                                                       (1.0, 0, 0.999)])
-def test_the_native_distribution_is_the_reference_definitions(temperature, top_k, top_p):
-    """CPU rows take the torch definition's steps natively: the same tokens kept, the same
-    probabilities to the exp's rounding, at the real vocabulary's size (peaked, flat, tied rows)."""
+                                                       (1.0, 0, 0.999), (0.9, 2**32 + 5, 0.9)])
+def test_the_native_distribution_is_the_reference_definitions(isa, temperature, top_k, top_p):
+    """CPU rows take the torch definition's steps natively, on every vector width: the same tokens
+    kept, the same probabilities to the exp's rounding, at about the real vocabulary's size (not a
+    whole number of vectors; peaked, flat, tied rows; a top-k past the vocabulary is no filter)."""
     from engine.sampling import reference_probabilities
 
-    logits = torch.randn(4, 49152, generator=torch.Generator().manual_seed(5)) * torch.tensor([[4.0], [0.02], [1.0], [1.0]])
+    logits = torch.randn(4, 49157, generator=torch.Generator().manual_seed(5)) * torch.tensor([[4.0], [0.02], [1.0], [1.0]])
     logits[3] = logits[3].round()  # ties everywhere, at the k-th value and the nucleus' last
     params = SamplingParams(temperature=temperature, top_k=top_k, top_p=top_p)
-    native, reference = probabilities(logits, params), reference_probabilities(logits, params)
+    native = cpu_kernels.kernels(isa).probabilities(logits, temperature, top_k, top_p)
+    reference = reference_probabilities(logits, params)
     differ = (native > 0) != (reference > 0)
-    assert differ.sum() <= 2  # only where the two exps' rounding decides a token at the nucleus' edge
+    # Only where the two exps' rounding decides a token at the nucleus' edge (a whole tie group in the tied row).
+    assert differ.sum() <= 0.01 * (reference > 0).sum()
     for row, token in differ.nonzero().tolist():
         kept = native[row] if native[row, token] > 0 else reference[row]
         assert kept[token] <= kept[kept > 0].min() * 1.01
-    assert torch.allclose(native[~differ], reference[~differ], rtol=1e-5, atol=1e-12)
+    for row in range(len(logits)):  # the tokens both keep, against their mass (an edge token shifts the norm)
+        a, b = native[row][~differ[row]], reference[row][~differ[row]]
+        assert torch.allclose(a / a.sum(), b / b.sum(), rtol=1e-5, atol=1e-12), row
 
 
-def test_the_native_draw_is_the_reference_inverse_cdf():
-    """The rows' draws natively: a token with weight whose CDF interval holds u times the total (to
-    rounding), rejected tokens never, on nucleus rows (mostly zeros) and full ones; the torch
-    inverse CDF's token wherever u is not at a boundary."""
-    from engine import cpu_kernels
+@pytest.mark.parametrize("isa", cpu_kernels.supported_isas())
+def test_the_native_draw_is_the_reference_inverse_cdf(isa):
+    """The rows' draws natively, on every vector width: a token with weight whose CDF interval holds
+    u times the total (to rounding), rejected tokens never, on nucleus rows (mostly zeros) and full
+    ones; the torch inverse CDF's token wherever u is not at a boundary."""
     from engine.spec.rejection import inverse_cdf
 
     gen = torch.Generator().manual_seed(6)
-    weights = torch.softmax(torch.randn(6, 49152, generator=gen) * 3, -1)
-    weights[:3] = probabilities(torch.randn(3, 49152, generator=gen) * 3, SamplingParams(temperature=1.0, top_p=0.8))
+    weights = torch.softmax(torch.randn(6, 49157, generator=gen) * 3, -1)
+    weights[:3] = probabilities(torch.randn(3, 49157, generator=gen) * 3, SamplingParams(temperature=1.0, top_p=0.8))
     rows, u = [0, 2, 3, 5, 5, 1], torch.rand(6, generator=gen)
     u[5] = 0.0  # the first weight above zero
     rejected = [[], [int(weights[2].argmax())], [7, 11], [], [int(weights[5].argmax())], []]
     residual = weights[rows].clone()
     for i, r in enumerate(rejected):
         residual[i, r] = 0.0
-    drawn = cpu_kernels.kernels().inverse_cdf(weights, rows, u, rejected)
+    drawn = cpu_kernels.kernels(isa).inverse_cdf(weights, rows, u, rejected)
     cdf = residual.double().cumsum(-1)
     for i, token in enumerate(drawn):
         at = float(u[i]) * float(cdf[i, -1])

@@ -99,6 +99,15 @@ static void k_largest(const float *p, int n, int k, const float *span_max, float
         for (; j > 0 && p[i] > best[j - 1]; j--) best[j] = best[j - 1], ids[j] = ids[j - 1];
         best[j] = p[i], ids[j] = i;
     }
+    for (int j = 0, next = 0; j < k; j++) {  /* slots no value above -inf filled: the first ids not picked */
+        if (best[j] > -INFINITY) continue;
+        for (int taken = 1; taken; next++) {
+            taken = 0;
+            for (int t = 0; t < j; t++) taken |= ids[t] == next;
+            if (!taken) break;
+        }
+        ids[j] = next++;
+    }
 }
 
 /* Row p's k largest logits (k <= n), largest first (the first of equal values first), and their
@@ -161,32 +170,30 @@ static inline int any_at_least(const float *p, int len, float c) {
 }
 
 /* The least probability a top-p nucleus keeps: sorted descending, the nucleus is the shortest
- * prefix whose mass reaches top_p (at least one token), with the prefix sums engine/sampling.py
- * takes (fp64 running sums rounded to fp32, torch's CPU cumsum). Only the tokens at or above a
- * cut are sorted: largest / 2^10, then / 2^20, then all, the first cut whose tokens hold top_p
- * (the nucleus lies among them). scratch: n floats. */
+ * prefix whose mass reaches top_p (at least one token), token i kept while fp32(its running sum)
+ * minus it is below top_p (the running sum in fp64: torch's CPU cumsum, as engine/sampling.py
+ * compares). Only the tokens at or above a cut are sorted: largest / 2^10, then / 2^20, then all,
+ * the first cut whose tokens hold the nucleus. A row with an infinite logit is NaN (the caller
+ * returns it as such). scratch: n floats. */
 static float nucleus_threshold(const float *p, int n, float largest, float top_p, float *scratch) {
-    int m = 0;
     for (float cut = largest * 0x1p-10f;; cut = cut > largest * 0x1p-15f ? largest * 0x1p-20f : 0.0f) {
-        double mass = 0.0;
-        m = 0;
+        int m = 0, size = 0;
         for (int i = 0; i < n; i++) {
             if (i % SPAN == 0 && i + SPAN <= n && !any_at_least(p + i, SPAN, cut)) {
                 i += SPAN - 1;
                 continue;
             }
-            if (p[i] >= cut) scratch[m++] = p[i], mass += p[i];
+            if (p[i] >= cut) scratch[m++] = p[i];
         }
-        if (mass >= top_p || cut == 0.0f) break;
+        qsort(scratch, m, sizeof(float), descending);
+        double sum = 0.0;
+        for (; size < m; size++) {
+            sum += scratch[size];
+            if (!((float)sum - scratch[size] < top_p)) break;
+        }
+        if (size < m || cut == 0.0f)  /* else the nucleus may reach below the cut */
+            return m ? scratch[(size > 1 ? size : 1) - 1] : NAN;
     }
-    qsort(scratch, m, sizeof(float), descending);
-    double sum = 0.0;
-    int size = 0;
-    for (int i = 0; i < m && (float)sum < top_p; i++) {  /* mass before token i < top_p: it is kept */
-        sum += scratch[i];
-        size++;
-    }
-    return scratch[(size > 1 ? size : 1) - 1];
 }
 
 /* engine/sampling.py's `probabilities` for one row x[n] into p[n]: softmax(x / T) after top-k
@@ -220,7 +227,8 @@ static void probabilities_row(const float *x, int n, float temperature, int top_
         float kth, best[PD_TOP_K_MAX];
         long ids[PD_TOP_K_MAX];
         if (top_k <= PD_TOP_K_MAX) {
-            span_maxima(p, n, scratch, &has_nan);
+            int unused;  /* no NaN here: checked above */
+            span_maxima(p, n, scratch, &unused);
             k_largest(p, n, top_k, scratch, best, ids);
             kth = best[top_k - 1];
         } else {
@@ -310,13 +318,14 @@ static long inverse_cdf_row(const float *w, int n, const long *rejected, int num
     }
     for (int i = n - 1; i > 0; i--)  /* u * total at the very top (rounding): the last token with weight */
         if (w[i] > 0.0f && !is_rejected(i, rejected, num_rejected)) return i;
-    return 0;
+    return n - 1;  /* no weight at all (torch's inverse CDF clamps to the last index too) */
 }
 
 /* out[e] = inverse_cdf_row of row rows[e] of w [*][n] by u[e], without the tokens
- * rejected[rejected_at[e] .. rejected_at[e + 1]). spans: (n + SPAN - 1) / SPAN floats. */
+ * rejected[rejected_at[e] .. rejected_at[e + 1]). */
 void pd_inverse_cdf(const float *w, int n, const long *rows, int num, const float *u, const long *rejected,
-                    const long *rejected_at, long *out, float *spans) {
+                    const long *rejected_at, long *out) {
+    float spans[(n + SPAN - 1) / SPAN];
     for (int e = 0; e < num; e++)
         out[e] = inverse_cdf_row(w + (size_t)rows[e] * n, n, rejected + rejected_at[e],
                                  (int)(rejected_at[e + 1] - rejected_at[e]), u[e], spans);

@@ -54,14 +54,21 @@ class Eagle3Config:
             raise ModelConfigError(f"EAGLE3 draft {path}: num_hidden_layers {raw['num_hidden_layers']}; the engine "
                                    "serves EAGLE3 heads of one layer (the published format)")
         layer = ModelConfig.from_dict({**raw, "architectures": ["LlamaForCausalLM"], "num_hidden_layers": 1})
-        aux = raw.get("eagle_aux_hidden_state_layer_ids") or (raw.get("eagle_config") or {}).get(
-            "eagle_aux_hidden_state_layer_ids")
         return cls(
             layer=layer,
             draft_vocab_size=raw.get("draft_vocab_size") or raw["vocab_size"],
             target_hidden_size=raw.get("target_hidden_size") or raw["hidden_size"],
-            aux_layer_ids=tuple(aux) if aux else None,
+            aux_layer_ids=head_aux_layer_ids(raw),
         )
+
+
+def head_aux_layer_ids(config: dict | Path) -> tuple[int, ...] | None:
+    """The target layers an EAGLE3 head's config.json (or its parsed dict) names as its features, at the
+    top level or under eagle_config (None: the target's default); read for heads of any shape."""
+    raw = json.loads((Path(config) / "config.json").read_text()) if not isinstance(config, dict) else config
+    aux = raw.get("eagle_aux_hidden_state_layer_ids") or (raw.get("eagle_config") or {}).get(
+        "eagle_aux_hidden_state_layer_ids")
+    return tuple(aux) if aux else None
 
 
 def draft_vocab_ids(d2t: torch.Tensor) -> torch.Tensor:

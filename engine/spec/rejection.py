@@ -153,10 +153,16 @@ def _stochastic_walk(inp: VerifyInput, row: int, drafts: list[int], parents: lis
 def _sample_ends(inp: VerifyInput, ends: list[tuple[int, list[int]]]) -> list[int]:
     """Per walk's end (row, drafts rejected there): a sample of p at that row without them, by the
     row's second uniform; all in one pass over the rows."""
-    rows = [row for row, _ in ends]
-    if inp.target_probs.device.type == "cpu" and inp.target_probs.dtype == torch.float32:  # natively, the same
-        # bits, without copying the rows
+    if inp.target_probs.device.type == "cpu" and inp.target_probs.dtype == torch.float32:
+        # natively, without copying the rows (the same draws to rounding: sums by spans in vectors)
+        rows = [row for row, _ in ends]
         return cpu_kernels.kernels().inverse_cdf(inp.target_probs, rows, inp.uniforms[rows, 1], [r for _, r in ends])
+    return reference_sample_ends(inp, ends)
+
+
+def reference_sample_ends(inp: VerifyInput, ends: list[tuple[int, list[int]]]) -> list[int]:
+    """_sample_ends by torch: the rows copied, their rejected drafts zeroed, then inverse_cdf."""
+    rows = [row for row, _ in ends]
     residual = inp.target_probs[rows]  # a copy
     for i, (_, rejected) in enumerate(ends):
         residual[i, rejected] = 0.0

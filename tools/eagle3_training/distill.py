@@ -98,6 +98,8 @@ def distill(prompts: list[str | list[str]], out_dir: Path, target: str | None, m
         # turns idled it at each wave's tail, while its longest answers finished).
         while len(asking) < 2 * batch_size and (i := next(waiting, None)) is not None:
             asking[i], chats[i], answered[i] = [prompts[i]] if isinstance(prompts[i], str) else list(prompts[i]), [], []
+            if not asking[i]:
+                raise ValueError(f"prompt {i}: a conversation needs at least one user turn")
             ask(i)
         if not asking:
             break

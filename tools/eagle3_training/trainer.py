@@ -25,7 +25,7 @@ from engine.config import ModelConfig
 from engine.layers import rms_norm
 from engine.loader import load_weights
 from engine.model_dir import resolve_model_dir
-from engine.spec.eagle3_model import Eagle3Config
+from engine.spec.eagle3_model import head_aux_layer_ids
 from tools.eagle3_training.features import TargetFeatures
 from tools.eagle3_training.model import TrainableEagle3, exported_depth, exported_mlp_width, exported_vocab
 
@@ -217,15 +217,16 @@ def _head_shape(cfg: TrainConfig, state: dict | None, init: dict[str, torch.Tens
 def _aux_layers(cfg: TrainConfig, state: dict | None, target: ModelConfig) -> tuple[int, ...]:
     """The target layers the head reads: a resumed run's or a continued head's own (the flag may be
     left out, not changed), else the config's, else EAGLE3's default."""
+    asked = None if cfg.aux_layer_ids is None else target.check_aux_layer_ids(tuple(cfg.aux_layer_ids))
     if state is not None:  # (runs started before the flag existed read the default)
         found, source = tuple(state.get("aux_layer_ids", target.aux_layer_ids)), f"the run in {cfg.out_dir} was started with"
     elif cfg.init_from is not None:
-        found = Eagle3Config.from_dir(cfg.init_from).aux_layer_ids or target.aux_layer_ids
+        found = head_aux_layer_ids(cfg.init_from) or target.aux_layer_ids
         source = f"the head to continue from ({cfg.init_from}) reads"
     else:
-        return cfg.aux_layer_ids or target.aux_layer_ids
-    if cfg.aux_layer_ids not in (None, found):
-        raise ValueError(f"--aux-layers {' '.join(map(str, cfg.aux_layer_ids))}: {source} "
+        return asked or target.aux_layer_ids
+    if asked not in (None, found):
+        raise ValueError(f"--aux-layers {' '.join(map(str, asked))}: {source} "
                          f"{' '.join(map(str, found))}; give those (or train from scratch into a new --out)")
     return found
 
