@@ -167,9 +167,8 @@ def _train_eagle3(args: argparse.Namespace) -> int:
 
         train(TrainConfig(target=args.target, data_dir=out / "data", out_dir=out, draft_vocab_size=args.draft_vocab,
                           intermediate_size=args.draft_intermediate_size, num_layers=args.draft_layers,
-                          aux_layer_ids=tuple(args.aux_layers) if args.aux_layers else None,
-                          epochs=args.epochs, ttt_steps=args.ttt_steps, lr=args.lr, max_hours=args.max_hours,
-                          init_from=Path(args.init_from) if args.init_from else None,
+                          aux_layer_ids=args.aux_layers, epochs=args.epochs, ttt_steps=args.ttt_steps, lr=args.lr,
+                          max_hours=args.max_hours, init_from=Path(args.init_from) if args.init_from else None,
                           snapshot_tokens=tuple(int(t) for t in args.snapshot_tokens)))
     return 0
 
@@ -190,8 +189,7 @@ def _add_train_eagle3(sub: argparse._SubParsersAction) -> None:
                         "training recomputes the features with the target, one forward per batch")
     p.add_argument("--draft-vocab", type=int, default=8192, help="draft vocabulary: the most frequent target tokens")
     p.add_argument("--draft-intermediate-size", type=int, default=None,
-                   help="the head's MLP width (default: the target's; wider: more capacity, a little more per "
-                        "draft row)")
+                   help="the head's MLP width (default: the target's; wider: more capacity, more work a draft row)")
     p.add_argument("--draft-layers", type=int, default=None,
                    help="the head's layers (default 1, EAGLE3's; more: a capacity experiment the engine does not serve)")
     p.add_argument("--aux-layers", type=int, nargs=3, default=None, metavar="LAYER",
