@@ -86,7 +86,6 @@ def distill(prompts: list[str | list[str]], out_dir: Path, target: str | None, m
     chats: dict[int, list[dict]] = {}  # conversation -> its messages so far
     answered: dict[int, list[tuple[Sequence, torch.Tensor | None]]] = {}  # conversation -> its samples
     complete: list[int] = []  # conversations answered in full, not in a shard yet
-    ready: list[tuple[Sequence, torch.Tensor | None]] = []  # their samples
 
     def ask(i: int) -> None:
         chats[i].append({"role": "user", "content": asking[i].pop(0)})
@@ -113,16 +112,16 @@ def distill(prompts: list[str | list[str]], out_dir: Path, target: str | None, m
                 ask(i)
             else:
                 del asking[i], chats[i]
-                ready += answered.pop(i)
                 complete.append(i)
         recorder.finished.clear()
         if len(complete) >= shard_size or (complete and not asking):
-            _write_shard(out_dir / f"shard-{shard:05d}.safetensors", ready, engine.runner.model_config.hidden_size)
+            samples = [sample for i in complete for sample in answered.pop(i)]
+            _write_shard(out_dir / f"shard-{shard:05d}.safetensors", samples, engine.runner.model_config.hidden_size)
             shard += 1
             done.update(complete)
             done_file.write_text(json.dumps(sorted(done)))
             progress.update(len(complete))
-            complete, ready = [], []
+            complete = []
     progress.close()
 
 
