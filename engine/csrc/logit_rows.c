@@ -60,25 +60,34 @@ void pd_argmax_rows(const float *x, int rows, int n, long *out, int num_threads)
 
 #define SPAN (4 * LANES)  /* logits per span whose maximum the search for the k largest skips by */
 
-/* Each whole SPAN's maximum of p's n floats into span_max[n / SPAN]; returns the row's maximum
- * (the tail included) and sets *has_nan when p holds a NaN. */
-static float span_maxima(const float *p, int n, float *span_max, int *has_nan) {
+/* Each whole SPAN's maximum of x's n floats divided by `divisor` into span_max[n / SPAN] (NULL: not
+ * wanted); returns the row's maximum (the tail included) and sets *has_nan when it holds a NaN.
+ * out: where the divided values go, in the same pass (NULL: nowhere, and divisor 1: x as it is). */
+static float span_maxima(const float *x, int n, float divisor, float *out, float *span_max, int *has_nan) {
     int spans = n / SPAN;
-    float top = -INFINITY;
-    *has_nan = 0;
+    vfloat most = splat(-INFINITY);
+    vint nan = splat_i(0);
     for (int s = 0; s < spans; s++) {
-        const float *q = p + (size_t)s * SPAN;
+        const float *q = x + (size_t)s * SPAN;
         vfloat a = load_f32(q), b = load_f32(q + LANES), c = load_f32(q + 2 * LANES), d = load_f32(q + 3 * LANES);
-        vint nan = (a != a) | (b != b) | (c != c) | (d != d);
+        if (out) {
+            float *o = out + (size_t)s * SPAN;
+            a /= divisor, b /= divisor, c /= divisor, d /= divisor;
+            store_f32(o, a), store_f32(o + LANES, b), store_f32(o + 2 * LANES, c), store_f32(o + 3 * LANES, d);
+        }
+        nan |= (a != a) | (b != b) | (c != c) | (d != d);
         a = select_lanes(b > a, b, a);
         c = select_lanes(d > c, d, c);
-        span_max[s] = hmax(select_lanes(c > a, c, a));
-        top = span_max[s] > top ? span_max[s] : top;
-        *has_nan |= hsum_i(nan) != 0;  /* a set lane is -1 */
+        a = select_lanes(c > a, c, a);
+        most = select_lanes(a > most, a, most);
+        if (span_max) span_max[s] = hmax(a);
     }
+    float top = hmax(most);
+    *has_nan = hsum_i(nan) != 0;  /* a set lane is -1 */
     for (int i = spans * SPAN; i < n; i++) {
-        *has_nan |= p[i] != p[i];
-        top = p[i] > top ? p[i] : top;
+        float v = out ? (out[i] = x[i] / divisor) : x[i];
+        *has_nan |= v != v;
+        top = v > top ? v : top;
     }
     return top;
 }
@@ -117,7 +126,7 @@ static void k_largest(const float *p, int n, int k, const float *span_max, float
 static void top_probs_row(const float *p, int n, int k, long *ids, float *probs) {
     float span_max[n / SPAN > 0 ? n / SPAN : 1], best[PD_TOP_K_MAX];
     int has_nan;
-    float top = span_maxima(p, n, span_max, &has_nan);
+    float top = span_maxima(p, n, 1.0f, NULL, span_max, &has_nan);
     if (has_nan) {
         for (int j = 0; j < k; j++) ids[j] = j, probs[j] = NAN;
         return;
@@ -169,6 +178,19 @@ static inline int any_at_least(const float *p, int len, float c) {
     return hmax(m) >= c;
 }
 
+/* p's floats >= c, in index order, into out; returns how many (spans with none are skipped whole). */
+static int gather_at_least(const float *p, int n, float c, float *out) {
+    int m = 0;
+    for (int i = 0; i < n; i++) {
+        if (i % SPAN == 0 && i + SPAN <= n && !any_at_least(p + i, SPAN, c)) {
+            i += SPAN - 1;
+            continue;
+        }
+        if (p[i] >= c) out[m++] = p[i];
+    }
+    return m;
+}
+
 /* The least probability a top-p nucleus keeps: sorted descending, the nucleus is the shortest
  * prefix whose mass reaches top_p (at least one token), token i kept while fp32(its running sum)
  * minus it is below top_p (the running sum in fp64: torch's CPU cumsum, as engine/sampling.py
@@ -177,14 +199,7 @@ static inline int any_at_least(const float *p, int len, float c) {
  * returns it as such). scratch: n floats. */
 static float nucleus_threshold(const float *p, int n, float largest, float top_p, float *scratch) {
     for (float cut = largest * 0x1p-10f;; cut = cut > largest * 0x1p-15f ? largest * 0x1p-20f : 0.0f) {
-        int m = 0, size = 0;
-        for (int i = 0; i < n; i++) {
-            if (i % SPAN == 0 && i + SPAN <= n && !any_at_least(p + i, SPAN, cut)) {
-                i += SPAN - 1;
-                continue;
-            }
-            if (p[i] >= cut) scratch[m++] = p[i];
-        }
+        int m = gather_at_least(p, n, cut, scratch), size = 0;
         qsort(scratch, m, sizeof(float), descending);
         double sum = 0.0;
         for (; size < m; size++) {
@@ -204,21 +219,9 @@ static float nucleus_threshold(const float *p, int n, float largest, float top_p
 static void probabilities_row(const float *x, int n, float temperature, int top_k, float top_p, float *p,
                               float *scratch) {
     const int whole = n / LANES * LANES;
-    vfloat vmax = splat(-INFINITY);
-    vint nan = splat_i(0);
-    for (int i = 0; i < whole; i += LANES) {
-        vfloat v = load_f32(x + i) / temperature;
-        store_f32(p + i, v);
-        nan |= v != v;
-        vmax = select_lanes(v > vmax, v, vmax);
-    }
-    float top = hmax(vmax);
-    int has_nan = hsum_i(nan) != 0;  /* a set lane is -1 */
-    for (int i = whole; i < n; i++) {
-        p[i] = x[i] / temperature;
-        has_nan |= p[i] != p[i];
-        top = p[i] > top ? p[i] : top;
-    }
+    int has_nan;
+    int small_k = top_k > 0 && top_k < n && top_k <= PD_TOP_K_MAX;  /* then scratch holds the span maxima */
+    float top = span_maxima(x, n, temperature, p, small_k ? scratch : NULL, &has_nan);
     if (has_nan) {
         for (int i = 0; i < n; i++) p[i] = NAN;
         return;
@@ -226,9 +229,7 @@ static void probabilities_row(const float *x, int n, float temperature, int top_
     if (top_k > 0 && top_k < n) {  /* the k-th value: by spans for small k (torch's topk's case), else selection */
         float kth, best[PD_TOP_K_MAX];
         long ids[PD_TOP_K_MAX];
-        if (top_k <= PD_TOP_K_MAX) {
-            int unused;  /* no NaN here: checked above */
-            span_maxima(p, n, scratch, &unused);
+        if (small_k) {
             k_largest(p, n, top_k, scratch, best, ids);
             kth = best[top_k - 1];
         } else {
@@ -250,13 +251,7 @@ static void probabilities_row(const float *x, int n, float temperature, int top_
     if (top_p >= 1.0f) return;
     float least = nucleus_threshold(p, n, 1.0f / sum, top_p, scratch);
     double kept = 0.0;  /* in index order over the kept tokens: adding the zeros would change no bit */
-    for (int i = 0; i < n; i++) {
-        if (i % SPAN == 0 && i + SPAN <= n && !any_at_least(p + i, SPAN, least)) {
-            i += SPAN - 1;
-            continue;
-        }
-        if (p[i] >= least) kept += p[i];
-    }
+    for (int i = 0, m = gather_at_least(p, n, least, scratch); i < m; i++) kept += scratch[i];
     vfloat scale = splat((float)kept), floor = splat(least);
     for (int i = 0; i < whole; i += LANES) {
         vfloat v = load_f32(p + i);
