@@ -42,7 +42,7 @@ class DecodeServicer(worker_pb2_grpc.DecodeWorkerServicer):
             params = sampling_params(request.sampling, request.speculation)
         except ValidationError as e:
             context.abort(grpc.StatusCode.INVALID_ARGUMENT, str(e))
-        context.add_callback(lambda: self.loop.abort(rid))  # client gone: free the blocks (no-op once finished)
+        context.add_callback(lambda: self.loop.abort_later(rid))  # client gone: free the blocks (no-op once finished)
         try:
             if request.HasField("prefilled"):
                 outputs = self._take_over(request, params, context)
@@ -54,11 +54,17 @@ class DecodeServicer(worker_pb2_grpc.DecodeWorkerServicer):
             context.abort(grpc.StatusCode.INVALID_ARGUMENT, str(e))
         except CapacityExceeded as e:
             context.abort(grpc.StatusCode.RESOURCE_EXHAUSTED, str(e))
-        while True:
-            out: RequestOutput = outputs.get()
-            yield _response(out)
-            if out.finished:
-                return
+        if not context.is_active():  # it ended before the request existed here, so its callback found nothing
+            self.loop.abort(rid)
+        finished = False
+        try:
+            while not finished:
+                out: RequestOutput = outputs.get()
+                finished = out.finished
+                yield _response(out)
+        finally:  # the stream closed before the request finished (its client left): stop it
+            if not finished:
+                self.loop.abort_later(rid)
 
     def Abort(self, request, context) -> common_pb2.AbortResponse:
         return common_pb2.AbortResponse(found=self.loop.abort(request.request_id))
@@ -73,7 +79,7 @@ class DecodeServicer(worker_pb2_grpc.DecodeWorkerServicer):
         try:
             self.connector.pull(handle, list(handle.block_ids[first:end]), table[first:end], self.transfer_timeout_s)
         except KVTransferError as e:
-            self.loop.abort(rid)
+            self.loop.call(self.loop.engine.drop_incoming, rid)
             code = grpc.StatusCode.UNAVAILABLE if e.retryable else grpc.StatusCode.FAILED_PRECONDITION
             if e.retryable:
                 context.set_trailing_metadata([(FAILED_KV_SOURCE_METADATA_KEY, handle.source_worker_id)])

@@ -92,8 +92,9 @@ class Engine:
 
     def abort(self, request_id: str) -> RequestOutput | None:
         if request_id in self.incoming:
-            self.blocks.free(request_id)
-            del self.incoming[request_id]
+            # Its KV may be arriving right now, written into its blocks by a handler thread: they
+            # are freed when the transfer has ended (admit_prefilled, drop_incoming), never under it.
+            self.incoming[request_id].finish_reason = "abort"
             return RequestOutput(request_id, [], "", finished=True, finish_reason="abort")
         seq = self.seqs.get(request_id)
         return self._finish(seq, "abort", [], "") if seq else None
@@ -239,8 +240,18 @@ class Engine:
         self.incoming[request_id] = seq
         return cached, self.blocks.block_table(request_id)
 
+    def drop_incoming(self, request_id: str) -> None:
+        """Free a request's blocks from `reserve_prefilled` once its transfer has ended without
+        `admit_prefilled` (it failed): nothing writes into them any more."""
+        if self.incoming.pop(request_id, None) is not None:
+            self.blocks.free(request_id)
+
     def admit_prefilled(self, request_id: str, handle: KVHandle) -> RequestOutput:
-        """The prompt's KV is in place: join the running batch; returns the first token's output."""
+        """The prompt's KV is in place: join the running batch; returns the first token's output
+        (a finished "abort" one if the request was aborted while its KV arrived)."""
+        if self.incoming[request_id].finish_reason == "abort":
+            self.drop_incoming(request_id)
+            return RequestOutput(request_id, [], "", finished=True, finish_reason="abort")
         seq = self.incoming.pop(request_id)
         self.blocks.commit(request_id, seq.token_ids[seq.num_cached_prompt :])
         seq.num_computed = len(seq.token_ids)

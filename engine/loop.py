@@ -67,13 +67,19 @@ class EngineLoop:
         return self.call(admit)
 
     def abort(self, request_id: str) -> bool:
-        def abort():
-            out = self.engine.abort(request_id)
-            if out is not None:
-                self._dispatch([out])
-            return out is not None
+        """Abort a request (its stream gets a finished "abort" output); whether it was found."""
+        return self.call(self._abort, request_id)
 
-        return self.call(abort)
+    def abort_later(self, request_id: str) -> None:
+        """`abort` without waiting for it, for gRPC callbacks: they run on the server's one polling
+        thread, and waiting out an engine step there would stall every RPC the server handles."""
+        self.post(self._abort, request_id)
+
+    def _abort(self, request_id: str) -> bool:
+        out = self.engine.abort(request_id)
+        if out is not None:
+            self._dispatch([out])
+        return out is not None
 
     def drain_events(self) -> list[KVEvent]:
         events = []
@@ -132,6 +138,9 @@ class EngineLoop:
             log.exception("engine step failed; aborting its requests")
             for request_id in list(self.engine.seqs):
                 self._dispatch([self.engine.abort(request_id)])
+            # Requests the failed step finished or handed off: their outputs were lost with it.
+            lost = [r for r in self.outputs if r not in self.engine.incoming]
+            self._dispatch([RequestOutput(r, [], "", finished=True, finish_reason="abort") for r in lost])
         with self.stepped:
             self.stepped.notify_all()
 

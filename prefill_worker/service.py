@@ -45,7 +45,7 @@ class PrefillServicer(worker_pb2_grpc.PrefillWorkerServicer):
 
         def stop_if_abandoned() -> None:  # the RPC ended: cancelled mid-prefill, stop at the next chunk
             if not computed.is_set():
-                self.loop.abort(rid)
+                self.loop.abort_later(rid)
 
         if not context.add_callback(stop_if_abandoned):  # it had ended already
             stop_if_abandoned()
@@ -53,7 +53,8 @@ class PrefillServicer(worker_pb2_grpc.PrefillWorkerServicer):
             out = outputs.get(timeout=context.time_remaining())
             computed.set()
         except queue.Empty:
-            self.loop.abort(rid)
+            if not self.loop.abort(rid):  # handed off meanwhile, and nothing will pin its blocks: free them
+                self._free(rid)
             context.abort(grpc.StatusCode.DEADLINE_EXCEEDED, f"prefill of {rid} did not finish before the deadline")
         if out.finish_reason != "prefilled":
             context.abort(grpc.StatusCode.UNAVAILABLE, f"prefill of {rid} ended: {out.finish_reason}")

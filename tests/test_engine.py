@@ -7,6 +7,8 @@ from pydantic import ValidationError
 from engine.config import EngineConfig
 from engine.engine import Engine
 from engine.errors import CapacityExceeded, InvalidRequest
+from engine.loop import EngineLoop
+from engine.output import KVHandle
 from engine.params import SamplingParams
 
 
@@ -176,3 +178,45 @@ def test_the_kv_cache_is_bf16_where_activations_are_int8_and_as_asked_elsewhere(
         EngineConfig(device="cuda", kv_cache_dtype="int8", speculative={"draft_confidence_threshold": 0.1})
     with pytest.raises(ValidationError, match="kv_cache_dtype"):
         EngineConfig(kv_cache_dtype="fp8")
+
+
+def test_an_incoming_request_aborted_mid_transfer_keeps_its_blocks_until_the_transfer_ends(engine, prompts):
+    """A decode worker's handler thread writes a prefilled prompt's KV into its reserved blocks;
+    an abort meanwhile (the client left) must not free them under the transfer, where the next
+    step could hand them to another request."""
+    params = SamplingParams(max_tokens=8)
+    free_before = engine.blocks.num_free_blocks
+    _, table = engine.reserve_prefilled("moving", prompts[0], params)
+    reserved = engine.blocks.num_free_blocks
+    assert reserved < free_before
+    out = engine.abort("moving")
+    assert out.finished and out.finish_reason == "abort"
+    assert engine.blocks.num_free_blocks == reserved  # still the transfer's
+    handle = KVHandle(table, 0, torch.Generator().get_state(), None, 0, 0.0)
+    admitted = engine.admit_prefilled("moving", handle)  # the transfer ended: now they go
+    assert admitted.finished and admitted.finish_reason == "abort"
+    assert engine.blocks.num_free_blocks == free_before and not engine.has_unfinished()
+
+    engine.reserve_prefilled("failed", prompts[0], params)
+    engine.drop_incoming("failed")  # a failed transfer frees them at once
+    assert engine.blocks.num_free_blocks == free_before
+
+
+def test_a_failed_step_ends_every_stream_even_those_it_finished(engine, prompts, monkeypatch):
+    """Outputs of requests that finished inside a failing step are lost with it: their handlers
+    must still get an end, not wait forever."""
+    step = engine.step
+
+    def finish_then_fail():
+        step()
+        raise RuntimeError("injected fault after the step finished its requests")
+
+    monkeypatch.setattr(engine, "step", finish_then_fail)
+    loop = EngineLoop(engine)
+    try:
+        outputs = loop.submit("lost", prompts[0], SamplingParams(max_tokens=1))
+        out = outputs.get(timeout=60)
+        assert out.finished and out.finish_reason == "abort"
+    finally:
+        loop.stop()
+    assert not engine.has_unfinished() and "lost" not in loop.outputs
