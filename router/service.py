@@ -6,7 +6,8 @@ choose workers -> Prefill (disaggregated only) -> Decode(prefilled=handle)
 -> relay the decode stream. An attempt that fails before the decode stream's first response
 releases the prefill worker's pin and is retried on other workers (the failed one is skipped for
 this request), up to router.max_retries times. Once output has reached the client nothing is
-retried: the stream ends with UNAVAILABLE (DEADLINE_EXCEEDED for a deadline) naming the worker.
+retried: the stream ends with UNAVAILABLE (DEADLINE_EXCEEDED for a deadline, RESOURCE_EXHAUSTED
+for full workers) naming the worker.
 """
 
 import logging
@@ -196,8 +197,11 @@ class RouterServicer(router_pb2_grpc.RouterServicer):
             except _WorkerFailed as e:
                 if e.code == grpc.StatusCode.INVALID_ARGUMENT:  # the request itself: no worker will take it
                     context.abort(e.code, str(e))
+                if e.code == grpc.StatusCode.DEADLINE_EXCEEDED and context.time_remaining() <= 0:
+                    context.abort(e.code, f"{e}: the client's deadline passed")  # no time left to retry in
                 log.warning("request %s: %s; retrying on another worker", req.request_id, e)
-                self._probe(e.worker)
+                if e.code != grpc.StatusCode.RESOURCE_EXHAUSTED:  # a full worker is a healthy one
+                    self._probe(e.worker)
                 suspects.add(e.worker.worker_id)
                 failure = e
                 continue
@@ -373,7 +377,10 @@ def _status_name(context) -> str:
 
 
 def _client_code(code: grpc.StatusCode) -> grpc.StatusCode:
-    return grpc.StatusCode.DEADLINE_EXCEEDED if code == grpc.StatusCode.DEADLINE_EXCEEDED else grpc.StatusCode.UNAVAILABLE
+    """What the client is told of a worker's failure: a deadline or a full worker as they are (the
+    client may wait, or retry later), anything else as the cluster being unavailable."""
+    kept = (grpc.StatusCode.DEADLINE_EXCEEDED, grpc.StatusCode.RESOURCE_EXHAUSTED)
+    return code if code in kept else grpc.StatusCode.UNAVAILABLE
 
 
 def _culprit(e: grpc.RpcError, plan: _Plan) -> WorkerView:

@@ -4,6 +4,7 @@ import socket
 import subprocess
 import sys
 import time
+from concurrent import futures
 from pathlib import Path
 
 import grpc
@@ -190,3 +191,33 @@ def test_a_taken_http_port_fails_the_start_loudly(model_dir):
         rc = RouterConfig(http_port=taken.getsockname()[1])
         with pytest.raises(RuntimeError, match="router.http_port: cannot listen on 127.0.0.1"):
             run_router(rc, TOKEN, model_dir, "smollm2", port=0, internal_port=0)
+
+
+class _FullDecodeWorker(worker_pb2_grpc.DecodeWorkerServicer):
+    """An injected fault: a worker whose KV pool is full (and that serves no health checks)."""
+
+    def Decode(self, request, context):
+        context.abort(grpc.StatusCode.RESOURCE_EXHAUSTED, "decode worker KV pool stayed full for 15s; retry later")
+
+
+def test_a_full_worker_is_resource_exhausted_for_the_client_and_stays_routed(model_dir):
+    """A full worker is healthy: the client hears RESOURCE_EXHAUSTED (it may retry later), not
+    UNAVAILABLE, and the worker is not health-probed out of routing."""
+    worker = grpc.server(futures.ThreadPoolExecutor(max_workers=2))
+    worker_pb2_grpc.add_DecodeWorkerServicer_to_server(_FullDecodeWorker(), worker)
+    worker_address = f"127.0.0.1:{worker.add_insecure_port('127.0.0.1:0')}"
+    worker.start()
+    config = RouterConfig(heartbeat_interval_s=30.0, heartbeat_timeout_s=60.0, max_retries=1)
+    router = run_router(config, TOKEN, model_dir, "smollm2", port=0, internal_port=0)
+    try:
+        with channel(f"127.0.0.1:{router.port}", TOKEN) as internal, \
+                channel(f"127.0.0.1:{router.internal_port}", TOKEN) as registry:
+            worker_pb2_grpc.RegistryStub(registry).Register(registration("agg", worker_address), timeout=10)
+            stub = router_pb2_grpc.RouterStub(internal)
+            e = rpc_error(lambda: list(stub.Generate(HELLO, timeout=10)))
+            assert e.code() == grpc.StatusCode.RESOURCE_EXHAUSTED and "KV pool stayed full" in e.details()
+            time.sleep(2 * 1.0)  # a health probe (1 s timeout) would have dropped it by now
+            assert [w.worker_id for w in stub.ListWorkers(router_pb2.ListWorkersRequest(), timeout=10).workers] == ["agg"]
+    finally:
+        router.stop(0)
+        worker.stop(0)
