@@ -31,4 +31,8 @@ def start_worker(config: DeploymentConfig, role: str, router_address: str, host:
     if role == "prefill":
         return start_prefill_worker(spec, role_config.kv_transfer, config.pin_timeout_s)
     kv_transfer = role_config.kv_transfer if role == "decode" else None
-    return start_decode_worker(spec, kv_transfer, admission_timeout_s=config.router.request_timeout_s)
+    # A prefilled request's blocks stay pinned pin_timeout_s from its prefill: its wait for room on
+    # a decode worker ends with half of that left for the pull (a pull finding them unpinned would
+    # blame a healthy prefill worker); RESOURCE_EXHAUSTED then, and the router tries another one.
+    admission_timeout_s = min(config.router.request_timeout_s, config.pin_timeout_s / 2)
+    return start_decode_worker(spec, kv_transfer, admission_timeout_s=admission_timeout_s)
