@@ -19,6 +19,7 @@ from fastapi import FastAPI, Request
 from fastapi.exceptions import RequestValidationError
 from fastapi.responses import JSONResponse, Response, StreamingResponse
 from prometheus_client import CONTENT_TYPE_LATEST, CollectorRegistry, generate_latest
+from starlette.background import BackgroundTask
 
 from proto import rpc
 from proto.pdspec.v1 import router_pb2
@@ -103,17 +104,20 @@ def create_app(generate: Callable, model_name: str, registry: CollectorRegistry,
         shape = Shape(chat, request_id, model_name)
         metadata = ((AUTHORIZATION_METADATA_KEY, header),) if header else ()
         call = LocalCall(generate, body.generate_request(request_id), metadata, body.timeout)
-        if body.stream:
-            first = await _next(call)  # a request refused before its first token gets its own HTTP status
-            include_usage = body.stream_options is not None and body.stream_options.include_usage
-            return StreamingResponse(_events(call, first, shape, include_usage), media_type="text/event-stream")
         async with _cancel_on_disconnect(request, call) as left:
             try:
-                return JSONResponse(await _whole(call, shape))
+                if not body.stream:
+                    return JSONResponse(await _whole(call, shape))
+                first = await _next(call)  # a request refused before its first token gets its own HTTP status
             except asyncio.CancelledError:
                 if not left():
                     raise
                 return Response(status_code=499)  # nobody reads it: the client closed the connection
+        include_usage = body.stream_options is not None and body.stream_options.include_usage
+        # The call is cancelled however the response ends (a no-op once it finished), also when the
+        # client leaves before the stream's generator has started (its own `finally` never runs then).
+        return StreamingResponse(_events(call, first, shape, include_usage), media_type="text/event-stream",
+                                 background=BackgroundTask(call.cancel))
 
     return app
 

@@ -212,17 +212,39 @@ def test_a_streaming_client_that_leaves_frees_every_block(cluster):
     assert metric(f"{_root(cluster)}/metrics", "pdspec_requests_total", status="CANCELLED") == cancelled + 1
 
 
+def _post_raw(cluster: LocalCluster, fields: dict) -> socket.socket:
+    """A chat completion request sent on a raw connection, left to the caller to close when it likes."""
+    body = json.dumps(fields).encode()
+    host, port = cluster.http_url.removeprefix("http://").removesuffix("/v1").split(":")
+    conn = socket.create_connection((host, int(port)))
+    conn.sendall(b"POST /v1/chat/completions HTTP/1.1\r\nHost: x\r\nContent-Type: application/json\r\n"
+                 b"Content-Length: %d\r\n\r\n%s" % (len(body), body))
+    return conn
+
+
 def test_a_client_that_leaves_before_a_whole_answer_frees_every_block(cluster):
     """The answer comes only at the end: the client sends, waits until it is being decoded, hangs up."""
-    url, body = _decode_metrics_url(cluster), json.dumps(LONG).encode()
-    host, port = cluster.http_url.removeprefix("http://").removesuffix("/v1").split(":")
-    with socket.create_connection((host, int(port))) as conn:
-        conn.sendall(b"POST /v1/chat/completions HTTP/1.1\r\nHost: x\r\nContent-Type: application/json\r\n"
-                     b"Content-Length: %d\r\n\r\n%s" % (len(body), body))
+    url = _decode_metrics_url(cluster)
+    with _post_raw(cluster, LONG):
         deadline = time.monotonic() + 60
         while not metric(url, "pdspec_kv_blocks_used") and time.monotonic() < deadline:
             time.sleep(0.05)
         assert metric(url, "pdspec_kv_blocks_used") > 0
+    assert _wait_blocks_free(cluster) == 0
+
+
+def test_a_streaming_client_that_leaves_before_its_first_token_stops_the_request(cluster):
+    """Gone while its long prompt is still prefilled, before the stream's status line: the
+    request is cancelled all the same, not decoded to its end for nobody. (Also with the stream
+    opened after it left, its generator never started: the response's own end cancels it.)"""
+    root = f"{_root(cluster)}/metrics"
+    cancelled = metric(root, "pdspec_requests_total", status="CANCELLED")
+    long_prompt = [{"role": "user", "content": "Repeat after me: " + "apple pie and " * 600}]
+    _post_raw(cluster, LONG | {"messages": long_prompt, "max_tokens": 1000, "stream": True}).close()
+    deadline = time.monotonic() + 30  # decoding all 1,000 tokens would take longer
+    while metric(root, "pdspec_requests_total", status="CANCELLED") == cancelled:
+        assert time.monotonic() < deadline, "the request was not cancelled"
+        time.sleep(0.1)
     assert _wait_blocks_free(cluster) == 0
 
 
