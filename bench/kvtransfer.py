@@ -49,7 +49,7 @@ def _caches(num_blocks: int) -> dict[str, torch.Tensor]:
 
 def _serve_source(conn, num_blocks: int, threads: int) -> None:
     torch.set_num_threads(threads)
-    source = KVSource(LAYOUT, _caches(num_blocks), pin_timeout_s=600, nixl=True)
+    source = KVSource(LAYOUT, _caches(num_blocks), pin_timeout_s=600, nixl=True, token=TOKEN)
     server, port = serve([(kv_pb2_grpc.add_KVTransferServicer_to_server, source.servicer, SERVICE_NAME)],
                          "127.0.0.1:0", TOKEN, internal=[SERVICE_NAME])
     conn.send(port)

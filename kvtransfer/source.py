@@ -20,6 +20,7 @@ import xxhash
 from engine.kv_layout import KVLayout, KVLayoutMismatch
 from kvtransfer.layout import check_caches, layout_from_proto, read_block
 from proto.pdspec.v1 import kv_pb2, kv_pb2_grpc
+from proto.rpc import NIXL_NONCE_BYTES
 
 if TYPE_CHECKING:
     from kvtransfer.nixl_backend import NixlMemory
@@ -41,10 +42,12 @@ class KVSource:
     cluster token, on the worker's internal gRPC server). With `nixl`, the caches are registered
     with a NIXL agent once, here, so destinations can READ them directly."""
 
-    def __init__(self, layout: KVLayout, caches: dict[str, torch.Tensor], pin_timeout_s: float, nixl: bool):
+    def __init__(self, layout: KVLayout, caches: dict[str, torch.Tensor], pin_timeout_s: float, nixl: bool,
+                 token: str | None = None):
+        """token: the cluster token, which NIXL needs (its answers prove they come from a holder)."""
         check_caches(layout, caches)
         self.layout, self.caches, self.pin_timeout_s = layout, caches, pin_timeout_s
-        self.nixl = _nixl_memory(layout, caches) if nixl else None
+        self.nixl = _nixl_memory(layout, caches, token) if nixl else None
         self.servicer = KVTransferServicer(self)
         # Insertion order is deadline order: every pin gets the same timeout on a monotonic clock.
         self._pins: dict[str, _Pin] = {}
@@ -122,11 +125,11 @@ class KVSource:
                 _end(request_id, pin)
 
 
-def _nixl_memory(layout: KVLayout, caches: dict[str, torch.Tensor]) -> "NixlMemory":
+def _nixl_memory(layout: KVLayout, caches: dict[str, torch.Tensor], token: str | None) -> "NixlMemory":
     # Imported only when used: NIXL's bundled protobuf/gRPC libraries crash any process that also
     # loads grpc_tools' protoc (in either order), and a gRPC-only worker need not risk it.
     from kvtransfer.nixl_backend import NixlMemory
-    return NixlMemory("kvsource", layout, caches)
+    return NixlMemory("kvsource", layout, caches, token)
 
 
 def _end(request_id: str, pin: _Pin) -> None:
@@ -168,7 +171,10 @@ class KVTransferServicer(kv_pb2_grpc.KVTransferServicer):
         if self.source.nixl is None:
             context.abort(grpc.StatusCode.FAILED_PRECONDITION, "this worker serves KV without NIXL: "
                           "use kv_transfer grpc on the decode side, or enable nixl here")
-        return self.source.nixl.metadata()
+        if len(request.nonce) < NIXL_NONCE_BYTES:
+            context.abort(grpc.StatusCode.INVALID_ARGUMENT, f"nonce: at least {NIXL_NONCE_BYTES} fresh random bytes, "
+                          f"got {len(request.nonce)}")
+        return self.source.nixl.metadata(request.nonce)
 
     def Release(self, request: kv_pb2.ReleaseRequest, context: grpc.ServicerContext) -> kv_pb2.ReleaseResponse:
         return kv_pb2.ReleaseResponse(found=self.source.release(request.request_id))

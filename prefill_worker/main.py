@@ -11,7 +11,8 @@ from serving.worker_process import RunningWorker, WorkerSpec, announce, bind, kv
 
 def start_prefill_worker(spec: WorkerSpec, kv_transfer: Literal["nixl", "grpc"], pin_timeout_s: float) -> RunningWorker:
     loop = start_engine(spec)
-    source = KVSource(loop.engine.runner.layout, kv_caches(loop), pin_timeout_s, nixl=kv_transfer == "nixl")
+    source = KVSource(loop.engine.runner.layout, kv_caches(loop), pin_timeout_s, nixl=kv_transfer == "nixl",
+                      token=spec.token)
     servicer = PrefillServicer(loop, source, spec.worker_id, "", layout_message(loop))
     server, address = bind(spec, [
         (worker_pb2_grpc.add_PrefillWorkerServicer_to_server, servicer, "pdspec.v1.PrefillWorker"),
