@@ -72,12 +72,18 @@ class DecodeServicer(worker_pb2_grpc.DecodeWorkerServicer):
     def _take_over(self, request, params, context):
         rid, handle = request.request_id, request.prefilled
         prompt = list(request.prompt_token_ids)
-        cached, table = self._reserve(rid, prompt, params, context)
         block_size = self.loop.engine.config.block_size
+        if self.connector is None:
+            context.abort(grpc.StatusCode.FAILED_PRECONDITION, "this aggregated worker prefills prompts itself: "
+                          "send it no prefilled handle")
+        _check_handle(handle, rid, prompt, block_size)
+        self.loop.call(self.loop.engine.validate, rid, prompt, params)  # a prompt it can never hold: refused now
+        cached, table = self._reserve(rid, prompt, params, context)
         first, end = cached // block_size, math.ceil(len(prompt) / block_size)
         started = time.perf_counter()
         try:
-            self.connector.pull(handle, list(handle.block_ids[first:end]), table[first:end], self.transfer_timeout_s)
+            self.connector.pull(handle, list(handle.block_ids[first:end]), table[first:end],
+                                min(self.transfer_timeout_s, context.time_remaining()))
         except KVTransferError as e:
             self.loop.call(self.loop.engine.drop_incoming, rid)
             code = grpc.StatusCode.UNAVAILABLE if e.retryable else grpc.StatusCode.FAILED_PRECONDITION
@@ -100,6 +106,19 @@ class DecodeServicer(worker_pb2_grpc.DecodeWorkerServicer):
             self.loop.wait_step(0.2)
         context.abort(grpc.StatusCode.RESOURCE_EXHAUSTED,
                       f"decode worker KV pool stayed full for {self.admission_timeout_s:.0f}s; retry later")
+
+
+def _check_handle(handle, request_id: str, prompt: list[int], block_size: int) -> None:
+    """A prefilled handle that cannot be this request's (InvalidRequest naming the field)."""
+    if handle.request_id != request_id:
+        raise InvalidRequest("prefilled.request_id", f"{handle.request_id!r} is not this request's ({request_id!r})")
+    if handle.num_prompt_tokens != len(prompt):
+        raise InvalidRequest("prefilled.num_prompt_tokens", f"{handle.num_prompt_tokens}, but the prompt has "
+                             f"{len(prompt)} tokens")
+    blocks = math.ceil(len(prompt) / block_size)
+    if len(handle.block_ids) != blocks or min(handle.block_ids, default=0) < 0:
+        raise InvalidRequest("prefilled.block_ids", f"{len(handle.block_ids)} ids (none negative) for a prompt "
+                             f"of {blocks} {block_size}-token blocks")
 
 
 def _engine_handle(handle, table: list[int]) -> KVHandle:

@@ -82,7 +82,7 @@ class Engine:
         """Queue a request. With prefill_only, it stops after its first token and is handed off
         (see KVHandle): its blocks stay allocated until `release`."""
         request_id = request_id if request_id is not None else f"req-{next(self._ids)}"
-        self._validate(request_id, prompt_token_ids, params)
+        self.validate(request_id, prompt_token_ids, params)
         seq = Sequence.new(request_id, prompt_token_ids, params)
         seq.prefill_only = prefill_only
         self.seqs[request_id] = seq
@@ -233,7 +233,7 @@ class Engine:
         """Allocate blocks for a request prefilled elsewhere; returns (prompt tokens already cached
         here, block table). The caller fills the blocks past the cached ones, then calls
         `admit_prefilled` (or `abort` if the transfer failed)."""
-        self._validate(request_id, prompt_token_ids, params)
+        self.validate(request_id, prompt_token_ids, params)
         cached = self.blocks.allocate(request_id, prompt_token_ids)
         seq = Sequence.new(request_id, prompt_token_ids, params)
         seq.num_cached_prompt = cached
@@ -329,7 +329,8 @@ class Engine:
                              usage=Usage(seq.num_prompt_tokens, seq.num_generated, seq.num_cached_prompt,
                                          seq.queue_seconds))
 
-    def _validate(self, request_id: str, prompt: Seq[int], params: SamplingParams) -> None:
+    def validate(self, request_id: str, prompt: Seq[int], params: SamplingParams) -> None:
+        """Raises InvalidRequest (naming the field) or CapacityExceeded for a request this engine can never take."""
         if request_id in self.seqs or request_id in self.incoming or request_id in self.handed_off:
             raise InvalidRequest("request_id", f"{request_id!r} is already running")
         if not prompt:

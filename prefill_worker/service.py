@@ -50,7 +50,7 @@ class PrefillServicer(worker_pb2_grpc.PrefillWorkerServicer):
         if not context.add_callback(stop_if_abandoned):  # it had ended already
             stop_if_abandoned()
         try:
-            out = outputs.get(timeout=context.time_remaining())
+            out = outputs.get(timeout=max(0.0, context.time_remaining()))
             computed.set()
         except queue.Empty:
             if not self.loop.abort(rid):  # handed off meanwhile, and nothing will pin its blocks: free them
@@ -59,7 +59,11 @@ class PrefillServicer(worker_pb2_grpc.PrefillWorkerServicer):
         if out.finish_reason != "prefilled":
             context.abort(grpc.StatusCode.UNAVAILABLE, f"prefill of {rid} ended: {out.finish_reason}")
         h = out.handle
-        self.source.pin(rid, h.block_table, on_release=lambda: self._free(rid))
+        try:
+            self.source.pin(rid, h.block_table, on_release=lambda: self._free(rid))
+        except RuntimeError as e:  # shutting down: no new pins
+            self._free(rid)
+            context.abort(grpc.StatusCode.UNAVAILABLE, f"prefill of {rid}: its blocks could not be pinned: {e}")
         if not context.is_active():  # the router gave up meanwhile: nobody will fetch these blocks
             self.source.release(rid)
         return kv_pb2.KVHandle(
