@@ -115,7 +115,10 @@ class NixlConnector(BaseConnector):
         super().__init__(layout, caches, token, tls)
         self._memory = NixlMemory("kvdest", layout, caches, token)
         self._sources: dict[str, _Source] = {}  # by address: metadata is fetched once per source agent
-        self._sources_lock = threading.Lock()
+        # One lock per source address, held while its agent is added or dropped: concurrent first
+        # pulls from a source add its agent once, and a slow source holds up no other's pulls.
+        self._address_locks: dict[str, threading.Lock] = {}
+        self._locks_lock = threading.Lock()
 
     def close(self) -> None:
         super().close()
@@ -131,8 +134,12 @@ class NixlConnector(BaseConnector):
             self._forget(address)  # a restarted source has a new agent: fetch its metadata again next time
             raise
 
+    def _address_lock(self, address: str) -> threading.Lock:
+        with self._locks_lock:
+            return self._address_locks.setdefault(address, threading.Lock())
+
     def _source(self, stub: kv_pb2_grpc.KVTransferStub, address: str, deadline: float) -> _Source:
-        with self._sources_lock:  # also keeps concurrent first pulls from adding one agent twice
+        with self._address_lock(address):
             if address not in self._sources:
                 self._sources[address] = self._connect(stub, address, deadline)
             return self._sources[address]
@@ -158,13 +165,13 @@ class NixlConnector(BaseConnector):
             raise KVTransferError(f"NIXL could not load the agent of {address}: {e}", retryable=True) from None
 
     def _forget(self, address: str) -> None:
-        with self._sources_lock:
+        with self._address_lock(address):  # dropped before a next pull may add it again
             source = self._sources.pop(address, None)
-        if source is not None:
-            try:
-                self._memory.agent.remove_remote_agent(source.agent_name)
-            except NIXL_ERRORS as e:
-                log.warning("NIXL could not drop the agent of %s: %s", address, e)
+            if source is not None:
+                try:
+                    self._memory.agent.remove_remote_agent(source.agent_name)
+                except NIXL_ERRORS as e:
+                    log.warning("NIXL could not drop the agent of %s: %s", address, e)
 
     def _read(self, source: _Source, handle: kv_pb2.KVHandle, remote_block_ids: list[int],
               local_block_ids: list[int], deadline: float) -> None:
