@@ -249,16 +249,21 @@ class Engine:
     def admit_prefilled(self, request_id: str, handle: KVHandle) -> RequestOutput:
         """The prompt's KV is in place: join the running batch; returns the first token's output
         (a finished "abort" one if the request was aborted while its KV arrived)."""
-        if self.incoming[request_id].finish_reason == "abort":
+        seq = self.incoming[request_id]
+        if seq.finish_reason == "abort":
             self.drop_incoming(request_id)
             return RequestOutput(request_id, [], "", finished=True, finish_reason="abort")
-        seq = self.incoming.pop(request_id)
+        try:  # the handle's states, before anything else changes: one that does not fit frees the blocks
+            seq.generator.set_state(handle.rng_state)
+            self.proposer.adopt(seq, len(seq.token_ids) - 1, handle.draft_hidden)
+        except (RuntimeError, ValueError) as e:
+            self.drop_incoming(request_id)
+            raise InvalidRequest("prefilled", f"its generator or draft hidden state does not fit this engine: {e}") from None
+        del self.incoming[request_id]
         self.blocks.commit(request_id, seq.token_ids[seq.num_cached_prompt :])
         seq.num_computed = len(seq.token_ids)
         seq.num_cached_prompt = handle.cached_prompt_tokens  # usage reports the prefill side's cache hits
         seq.queue_seconds = handle.queue_seconds  # and its queue
-        seq.generator.set_state(handle.rng_state)
-        self.proposer.adopt(seq, seq.num_computed - 1, handle.draft_hidden)
         self.seqs[request_id] = seq
         self.streams[request_id] = OutputStream(self.tokenizer, seq.params)
         self.scheduler.add_running(seq)

@@ -60,8 +60,9 @@ class EngineLoop:
 
     def admit_prefilled(self, request_id: str, handle: KVHandle) -> queue.SimpleQueue[RequestOutput]:
         def admit():
+            first = self.engine.admit_prefilled(request_id, handle)  # may finish it already
             outputs = self.outputs[request_id] = queue.SimpleQueue()
-            self._dispatch([self.engine.admit_prefilled(request_id, handle)])  # may finish it already
+            self._dispatch([first])
             return outputs
 
         return self.call(admit)

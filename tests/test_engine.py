@@ -201,6 +201,11 @@ def test_an_incoming_request_aborted_mid_transfer_keeps_its_blocks_until_the_tra
     engine.drop_incoming("failed")  # a failed transfer frees them at once
     assert engine.blocks.num_free_blocks == free_before
 
+    engine.reserve_prefilled("misfit", prompts[0], params)
+    with pytest.raises(InvalidRequest, match="prefilled"):  # a handle whose states do not fit: refused, blocks freed
+        engine.admit_prefilled("misfit", KVHandle(table, 0, torch.zeros(3, dtype=torch.uint8), None, 0, 0.0))
+    assert engine.blocks.num_free_blocks == free_before and not engine.has_unfinished()
+
 
 def test_a_failed_step_ends_every_stream_even_those_it_finished(engine, prompts, monkeypatch):
     """Outputs of requests that finished inside a failing step are lost with it: their handlers

@@ -11,7 +11,9 @@ from pydantic import ValidationError
 from engine.batch import SeqChunk
 from engine.config import EngineConfig, SpeculativeConfig
 from engine.engine import Engine
+from engine.errors import InvalidRequest
 from engine.loader import load_weights
+from engine.output import KVHandle
 from engine.params import SamplingParams
 from engine.spec.eagle3_proposer import CATCH_UP
 from tools.eagle3_training.model import TrainableEagle3
@@ -380,3 +382,14 @@ def test_a_static_token_tree_is_checked_when_configured():
             spec(**fields)
     with pytest.raises(ValueError, match="needs method 'eagle3'"):
         EngineConfig(speculative={"method": "ngram", "speculative_token_tree": [[0]]})
+
+
+def test_a_handed_over_draft_hidden_state_of_another_width_is_refused_not_run(spec_engines, prompts):
+    """It would fail the next draft step, and with it every sequence of that step's batch."""
+    engine = spec_engines["eagle3"]
+    free_before = engine.blocks.num_free_blocks
+    _, table = engine.reserve_prefilled("narrow-hidden", prompts[0], SamplingParams(max_tokens=4))
+    handle = KVHandle(table, 0, torch.Generator().get_state(), torch.zeros(1, 100), 0, 0.0)
+    with pytest.raises(InvalidRequest, match="draft hidden state of shape"):
+        engine.admit_prefilled("narrow-hidden", handle)
+    assert engine.blocks.num_free_blocks == free_before and not engine.has_unfinished()

@@ -128,8 +128,12 @@ class Eagle3Proposer:
         return self.pending.pop(seq.seq_id)[1].clone()
 
     def adopt(self, seq: Sequence, position: int, hidden: torch.Tensor | None) -> None:
-        if hidden is not None:
-            self.pending[seq.seq_id] = (position, hidden.to(self.runner.device, self.runner.dtype))
+        if hidden is None:
+            return
+        width = self.draft.config.layer.hidden_size
+        if tuple(hidden.shape) != (1, width):  # it would fail the next draft step, and that step's whole batch
+            raise ValueError(f"draft hidden state of shape {tuple(hidden.shape)}; this head reads (1, {width})")
+        self.pending[seq.seq_id] = (position, hidden.to(self.runner.device, self.runner.dtype))
 
     @torch.inference_mode()
     def propose(self, seqs: list[Sequence], chain_slots: list[int]) -> list[Proposal]:
