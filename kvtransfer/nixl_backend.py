@@ -1,20 +1,16 @@
 """KV transfer by NIXL: the destination READs the pinned blocks straight out of the source's
 registered cache memory (UCX picks the path: CMA on one host, RDMA or TCP across hosts).
 
-The source's agent metadata is a pickle, so it is only ever taken from the GetNixlMetadata RPC,
-never from a NIXL listener or a metadata server, and only from a peer that proves it holds the
-cluster token: the caller's token opens the RPC, and the answer carries an HMAC under the token
-of the caller's fresh nonce and the metadata (whoever answers at a source's address, e.g. on a
-dead worker's reused port, proves nothing else). So NIXL needs a cluster token on both sides. A
-READ is one-sided: the source cannot refuse blocks outside a pin, so the token is the trust
-boundary, and only the final Release (found=True) proves the blocks were still pinned, unchanged,
-while we read them.
+The source's agent metadata is a pickle, so it is only ever taken from the token-checked
+GetNixlMetadata RPC, never from a NIXL listener or a metadata server; so NIXL needs a cluster
+token (without one, anyone could send a decode worker a handle naming their own "source"). The
+token is a bearer secret: only TLS (mutual, `tls` in the config) proves who answers at a source's
+address before it is sent. A READ is one-sided: the source cannot refuse blocks outside a pin, so
+the token is the trust boundary, and only the final Release (found=True) proves the blocks were
+still pinned, unchanged, while we read them.
 """
 
-import hashlib
-import hmac
 import logging
-import os
 import threading
 import time
 import uuid
@@ -30,7 +26,7 @@ from engine.kv_layout import KVLayout
 from kvtransfer.connector import BaseConnector, KVTransferError, check_layout, remaining, rpc_failure
 from kvtransfer.layout import layout_to_proto
 from proto.pdspec.v1 import kv_pb2, kv_pb2_grpc
-from proto.rpc import NIXL_NONCE_BYTES, Tls
+from proto.rpc import Tls
 
 log = logging.getLogger(__name__)
 
@@ -73,30 +69,23 @@ def block_descs(region: kv_pb2.NixlRegion, block_ids: list[int]) -> np.ndarray:
     return descs
 
 
-def metadata_proof(token: str, nonce: bytes, agent_metadata: bytes) -> bytes:
-    """Proof that a GetNixlMetadata answer comes from a holder of the cluster token."""
-    return hmac.new(token.encode(), nonce + agent_metadata, hashlib.sha256).digest()
-
-
 class NixlMemory:
     """A NIXL agent with a worker's KV cache tensors registered, once, for the agent's lifetime."""
 
     def __init__(self, role: str, layout: KVLayout, caches: dict[str, torch.Tensor], token: str | None):
         if not token:
             raise ValueError("kv_transfer nixl needs a cluster token (cluster_token or $PDSPEC_CLUSTER_TOKEN): "
-                             "NIXL's agent metadata is a pickle, exchanged only between peers proving they hold it")
-        self.layout, self.token = layout, token
+                             "NIXL's agent metadata is a pickle, exchanged only between peers holding it")
+        self.layout = layout
         self.agent = new_agent(role)
         self.regions = {name: _region(name, caches[name], layout.block_bytes(shape))
                         for name, shape in layout.caches().items()}
         self._registered = [self.agent.register_memory([(r.base_address, r.length, r.device_id, "")], r.memory_type)
                             for r in self.regions.values()]
 
-    def metadata(self, nonce: bytes) -> kv_pb2.NixlMetadataResponse:
-        agent_metadata = self.agent.get_agent_metadata()
-        return kv_pb2.NixlMetadataResponse(agent_name=self.agent.name, agent_metadata=agent_metadata,
-                                           regions=list(self.regions.values()), layout=layout_to_proto(self.layout),
-                                           proof=metadata_proof(self.token, nonce, agent_metadata))
+    def metadata(self) -> kv_pb2.NixlMetadataResponse:
+        return kv_pb2.NixlMetadataResponse(agent_name=self.agent.name, agent_metadata=self.agent.get_agent_metadata(),
+                                           regions=list(self.regions.values()), layout=layout_to_proto(self.layout))
 
     def close(self) -> None:
         for registered in self._registered:
@@ -145,14 +134,10 @@ class NixlConnector(BaseConnector):
             return self._sources[address]
 
     def _connect(self, stub: kv_pb2_grpc.KVTransferStub, address: str, deadline: float) -> _Source:
-        nonce = os.urandom(NIXL_NONCE_BYTES)
         try:
-            meta = stub.GetNixlMetadata(kv_pb2.NixlMetadataRequest(nonce=nonce), timeout=remaining(deadline))
+            meta = stub.GetNixlMetadata(kv_pb2.NixlMetadataRequest(), timeout=remaining(deadline))
         except grpc.RpcError as e:
             raise rpc_failure(e, "GetNixlMetadata", address) from None
-        if not hmac.compare_digest(meta.proof, metadata_proof(self.token, nonce, meta.agent_metadata)):
-            raise KVTransferError(f"{address} did not prove it holds the cluster token: its NIXL agent metadata "
-                                  "(a pickle) was not loaded", retryable=True)
         check_layout(self.layout, meta.layout, address)
         regions = {r.cache: r for r in meta.regions}
         for name, block_bytes in self.block_bytes.items():

@@ -20,7 +20,6 @@ import xxhash
 from engine.kv_layout import KVLayout, KVLayoutMismatch
 from kvtransfer.layout import check_caches, layout_from_proto, read_block
 from proto.pdspec.v1 import kv_pb2, kv_pb2_grpc
-from proto.rpc import NIXL_NONCE_BYTES
 
 if TYPE_CHECKING:
     from kvtransfer.nixl_backend import NixlMemory
@@ -44,7 +43,7 @@ class KVSource:
 
     def __init__(self, layout: KVLayout, caches: dict[str, torch.Tensor], pin_timeout_s: float, nixl: bool,
                  token: str | None = None):
-        """token: the cluster token, which NIXL needs (its answers prove they come from a holder)."""
+        """token: the cluster token, which NIXL requires (see kvtransfer/nixl_backend.py)."""
         check_caches(layout, caches)
         self.layout, self.caches, self.pin_timeout_s = layout, caches, pin_timeout_s
         self.nixl = _nixl_memory(layout, caches, token) if nixl else None
@@ -171,10 +170,7 @@ class KVTransferServicer(kv_pb2_grpc.KVTransferServicer):
         if self.source.nixl is None:
             context.abort(grpc.StatusCode.FAILED_PRECONDITION, "this worker serves KV without NIXL: "
                           "use kv_transfer grpc on the decode side, or enable nixl here")
-        if len(request.nonce) < NIXL_NONCE_BYTES:
-            context.abort(grpc.StatusCode.INVALID_ARGUMENT, f"nonce: at least {NIXL_NONCE_BYTES} fresh random bytes, "
-                          f"got {len(request.nonce)}")
-        return self.source.nixl.metadata(request.nonce)
+        return self.source.nixl.metadata()
 
     def Release(self, request: kv_pb2.ReleaseRequest, context: grpc.ServicerContext) -> kv_pb2.ReleaseResponse:
         return kv_pb2.ReleaseResponse(found=self.source.release(request.request_id))

@@ -3,8 +3,8 @@ every server, a shared-token check on internal services, deadlines, message size
 
 Internal services (registry, prefill, decode, KV transfer) require the cluster token in the
 `x-pdspec-token` metadata when one is configured: NIXL agent metadata (a pickle) is only ever
-handed to, and accepted from, peers that know it (NIXL requires a token; a source proves it holds
-it, kvtransfer/nixl_backend.py). The public Router service is open unless
+handed to, and accepted from, peers that know it (NIXL requires a token). The token is a bearer
+secret: without TLS, whoever answers at a peer's address receives it. The public Router service is open unless
 the router sets API keys (a further `gates` entry, router/api_keys.py).
 
 With TLS (`Tls`, from the config's `tls` section) every server listens with the process's
@@ -25,8 +25,6 @@ from grpc_health.v1 import health, health_pb2, health_pb2_grpc
 from grpc_reflection.v1alpha import reflection
 
 TOKEN_METADATA_KEY = "x-pdspec-token"
-# Fresh random bytes a GetNixlMetadata request carries, covered by its answer's proof of the token.
-NIXL_NONCE_BYTES = 16
 # Trailing metadata on a failed Decode whose KV source (the prefill worker) failed: its worker id,
 # so the router retries on another prefill worker instead of blaming the decode worker.
 FAILED_KV_SOURCE_METADATA_KEY = "x-pdspec-failed-kv-source"

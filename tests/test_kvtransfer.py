@@ -11,9 +11,7 @@ import multiprocessing as mp
 import subprocess
 import sys
 import threading
-from concurrent import futures
 
-import grpc
 import pytest
 import torch
 
@@ -368,34 +366,6 @@ def test_source_killed_before_nixl_read_is_retryable(doomed_source, dest):
     error = dest.pull_error("nixl", handle, [9, 5], [1, 3])
     assert error.retryable
     assert_local(dest, dict(zip(LOCAL, REMOTE)), undefined=[1, 3])
-
-
-class _Impostor(kv_pb2_grpc.KVTransferServicer):
-    """An injected fault: a server at a source's address that takes any caller but does not hold
-    the cluster token (e.g. on a dead prefill worker's reused port)."""
-
-    def GetNixlMetadata(self, request, context):
-        return kv_pb2.NixlMetadataResponse(agent_name="impostor", agent_metadata=b"a pickle to run",
-                                           layout=layout_to_proto(LAYOUT), proof=bytes(32))
-
-    def Release(self, request, context):
-        return kv_pb2.ReleaseResponse(found=True)
-
-
-def test_nixl_loads_no_agent_metadata_from_a_source_that_cannot_prove_the_token(dest):
-    server = grpc.server(futures.ThreadPoolExecutor(max_workers=2))
-    kv_pb2_grpc.add_KVTransferServicer_to_server(_Impostor(), server)
-    port = server.add_insecure_port("127.0.0.1:0")
-    server.start()
-    try:
-        handle = kv_pb2.KVHandle(request_id="impostor", source_worker_id="prefill-gone",
-                                 source_address=f"127.0.0.1:{port}", layout=layout_to_proto(LAYOUT), block_ids=PIN)
-        error = dest.pull_error("nixl", handle)
-    finally:
-        server.stop(0)
-    # refused before NIXL saw the bytes (it would have failed to load them: "NIXL could not load ...")
-    assert "did not prove it holds the cluster token" in str(error) and error.retryable
-    assert_local(dest, {})
 
 
 def test_nixl_needs_a_cluster_token():

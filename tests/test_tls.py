@@ -119,8 +119,7 @@ def test_a_certificate_of_another_ca_can_neither_register_nor_pull_kv(tls_cluste
             assert e.value.code() == grpc.StatusCode.UNAVAILABLE, (address, e.value)
     assert "rogue" not in tls_cluster.workers()
     with channel(prefill.address, TOKEN, tls_cluster.tls) as ch:  # the cluster's own certificate is let in
-        assert kv_pb2_grpc.KVTransferStub(ch).GetNixlMetadata(kv_pb2.NixlMetadataRequest(nonce=bytes(16)),
-                                                        timeout=10).agent_metadata
+        assert kv_pb2_grpc.KVTransferStub(ch).GetNixlMetadata(kv_pb2.NixlMetadataRequest(), timeout=10).agent_metadata
 
 
 class _RogueSource(kv_pb2_grpc.KVTransferServicer):

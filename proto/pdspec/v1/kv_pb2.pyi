@@ -107,10 +107,8 @@ class KVBlockChunk(_message.Message):
     def __init__(self, block_id: _Optional[int] = ..., cache: _Optional[str] = ..., data: _Optional[bytes] = ..., checksum: _Optional[int] = ...) -> None: ...
 
 class NixlMetadataRequest(_message.Message):
-    __slots__ = ("nonce",)
-    NONCE_FIELD_NUMBER: _ClassVar[int]
-    nonce: bytes
-    def __init__(self, nonce: _Optional[bytes] = ...) -> None: ...
+    __slots__ = ()
+    def __init__(self) -> None: ...
 
 class NixlRegion(_message.Message):
     __slots__ = ("cache", "base_address", "length", "block_bytes", "device_id", "memory_type")
@@ -129,18 +127,16 @@ class NixlRegion(_message.Message):
     def __init__(self, cache: _Optional[str] = ..., base_address: _Optional[int] = ..., length: _Optional[int] = ..., block_bytes: _Optional[int] = ..., device_id: _Optional[int] = ..., memory_type: _Optional[str] = ...) -> None: ...
 
 class NixlMetadataResponse(_message.Message):
-    __slots__ = ("agent_name", "agent_metadata", "regions", "layout", "proof")
+    __slots__ = ("agent_name", "agent_metadata", "regions", "layout")
     AGENT_NAME_FIELD_NUMBER: _ClassVar[int]
     AGENT_METADATA_FIELD_NUMBER: _ClassVar[int]
     REGIONS_FIELD_NUMBER: _ClassVar[int]
     LAYOUT_FIELD_NUMBER: _ClassVar[int]
-    PROOF_FIELD_NUMBER: _ClassVar[int]
     agent_name: str
     agent_metadata: bytes
     regions: _containers.RepeatedCompositeFieldContainer[NixlRegion]
     layout: KVLayout
-    proof: bytes
-    def __init__(self, agent_name: _Optional[str] = ..., agent_metadata: _Optional[bytes] = ..., regions: _Optional[_Iterable[_Union[NixlRegion, _Mapping]]] = ..., layout: _Optional[_Union[KVLayout, _Mapping]] = ..., proof: _Optional[bytes] = ...) -> None: ...
+    def __init__(self, agent_name: _Optional[str] = ..., agent_metadata: _Optional[bytes] = ..., regions: _Optional[_Iterable[_Union[NixlRegion, _Mapping]]] = ..., layout: _Optional[_Union[KVLayout, _Mapping]] = ...) -> None: ...
 
 class ReleaseRequest(_message.Message):
     __slots__ = ("request_id",)
