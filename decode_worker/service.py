@@ -42,7 +42,7 @@ class DecodeServicer(worker_pb2_grpc.DecodeWorkerServicer):
             params = sampling_params(request.sampling, request.speculation)
         except ValidationError as e:
             context.abort(grpc.StatusCode.INVALID_ARGUMENT, str(e))
-        context.add_callback(lambda: self.loop.abort_later(rid))  # client gone: free the blocks (no-op once finished)
+        context.add_callback(lambda: self.loop.abort_later(rid))  # client gone: stop it (no-op once finished)
         try:
             if request.HasField("prefilled"):
                 outputs = self._take_over(request, params, context)
@@ -76,22 +76,27 @@ class DecodeServicer(worker_pb2_grpc.DecodeWorkerServicer):
         if self.connector is None:
             context.abort(grpc.StatusCode.FAILED_PRECONDITION, "this aggregated worker prefills prompts itself: "
                           "send it no prefilled handle")
-        _check_handle(handle, rid, prompt, block_size)
+        _check_handle(handle, rid, prompt)
         self.loop.call(self.loop.engine.validate, rid, prompt, params)  # a prompt it can never hold: refused now
         cached, table = self._reserve(rid, prompt, params, context)
         first, end = cached // block_size, math.ceil(len(prompt) / block_size)
-        started = time.perf_counter()
+        started, admitted = time.perf_counter(), False
         try:
             self.connector.pull(handle, list(handle.block_ids[first:end]), table[first:end],
                                 min(self.transfer_timeout_s, context.time_remaining()))
+            self.handoffs.observe(time.perf_counter() - started,
+                                  (end - first) * self.loop.engine.runner.layout.bytes_per_block())
+            outputs = self.loop.admit_prefilled(rid, _engine_handle(handle, table))
+            admitted = True
+            return outputs
         except KVTransferError as e:
-            self.loop.call(self.loop.engine.drop_incoming, rid)
             code = grpc.StatusCode.UNAVAILABLE if e.retryable else grpc.StatusCode.FAILED_PRECONDITION
             if e.retryable:
                 context.set_trailing_metadata([(FAILED_KV_SOURCE_METADATA_KEY, handle.source_worker_id)])
             context.abort(code, f"KV transfer from {handle.source_worker_id} failed: {e}")
-        self.handoffs.observe(time.perf_counter() - started, (end - first) * self.loop.engine.runner.layout.bytes_per_block())
-        return self.loop.admit_prefilled(rid, _engine_handle(handle, table))
+        finally:  # not admitted, however it ended: the transfer is over, the blocks go
+            if not admitted:
+                self.loop.call(self.loop.engine.drop_incoming, rid)
 
     def _reserve(self, rid, prompt, params, context) -> tuple[int, list[int]]:
         """Allocate the prompt's blocks, waiting while the pool or the batch is full."""
@@ -108,13 +113,15 @@ class DecodeServicer(worker_pb2_grpc.DecodeWorkerServicer):
                       f"decode worker KV pool stayed full for {self.admission_timeout_s:.0f}s; retry later")
 
 
-def _check_handle(handle, request_id: str, prompt: list[int], block_size: int) -> None:
-    """A prefilled handle that cannot be this request's (InvalidRequest naming the field)."""
+def _check_handle(handle, request_id: str, prompt: list[int]) -> None:
+    """A prefilled handle that cannot be this request's (InvalidRequest naming the field). Blocks
+    are counted in the source's block size: one unlike ours is the pull's layout error."""
     if handle.request_id != request_id:
         raise InvalidRequest("prefilled.request_id", f"{handle.request_id!r} is not this request's ({request_id!r})")
     if handle.num_prompt_tokens != len(prompt):
         raise InvalidRequest("prefilled.num_prompt_tokens", f"{handle.num_prompt_tokens}, but the prompt has "
                              f"{len(prompt)} tokens")
+    block_size = max(handle.layout.block_size, 1)
     blocks = math.ceil(len(prompt) / block_size)
     if len(handle.block_ids) != blocks or min(handle.block_ids, default=0) < 0:
         raise InvalidRequest("prefilled.block_ids", f"{len(handle.block_ids)} ids (none negative) for a prompt "
@@ -122,6 +129,9 @@ def _check_handle(handle, request_id: str, prompt: list[int], block_size: int) -
 
 
 def _engine_handle(handle, table: list[int]) -> KVHandle:
+    if len(handle.draft_hidden) % 4 or not handle.rng_state:
+        raise InvalidRequest("prefilled", f"rng_state of {len(handle.rng_state)} bytes, draft_hidden of "
+                             f"{len(handle.draft_hidden)} (whole float32 values)")
     hidden = np.frombuffer(handle.draft_hidden, dtype=np.float32)
     return KVHandle(
         block_table=table,

@@ -232,7 +232,7 @@ class Engine:
     def reserve_prefilled(self, request_id: str, prompt_token_ids: Seq[int], params: SamplingParams) -> tuple[int, list[int]]:
         """Allocate blocks for a request prefilled elsewhere; returns (prompt tokens already cached
         here, block table). The caller fills the blocks past the cached ones, then calls
-        `admit_prefilled` (or `abort` if the transfer failed)."""
+        `admit_prefilled` (or `drop_incoming` if the transfer failed)."""
         self.validate(request_id, prompt_token_ids, params)
         cached = self.blocks.allocate(request_id, prompt_token_ids)
         seq = Sequence.new(request_id, prompt_token_ids, params)

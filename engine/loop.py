@@ -71,10 +71,18 @@ class EngineLoop:
         """Abort a request (its stream gets a finished "abort" output); whether it was found."""
         return self.call(self._abort, request_id)
 
+    def post_logged(self, what: str, fn: Callable, *args) -> None:
+        """`post` for a command nobody waits for: its failure is logged as `what` failing."""
+        def log_failure(future: Future) -> None:
+            if future.exception() is not None:
+                log.error("%s failed", what, exc_info=future.exception())
+
+        self.post(fn, *args).add_done_callback(log_failure)
+
     def abort_later(self, request_id: str) -> None:
         """`abort` without waiting for it, for gRPC callbacks: they run on the server's one polling
         thread, and waiting out an engine step there would stall every RPC the server handles."""
-        self.post(self._abort, request_id)
+        self.post_logged(f"aborting {request_id}", self._abort, request_id)
 
     def _abort(self, request_id: str) -> bool:
         out = self.engine.abort(request_id)
@@ -140,8 +148,7 @@ class EngineLoop:
             for request_id in list(self.engine.seqs):
                 self._dispatch([self.engine.abort(request_id)])
             # Requests the failed step finished or handed off: their outputs were lost with it.
-            lost = [r for r in self.outputs if r not in self.engine.incoming]
-            self._dispatch([RequestOutput(r, [], "", finished=True, finish_reason="abort") for r in lost])
+            self._dispatch([RequestOutput(r, [], "", finished=True, finish_reason="abort") for r in list(self.outputs)])
         with self.stepped:
             self.stepped.notify_all()
 

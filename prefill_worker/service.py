@@ -23,14 +23,11 @@ class PrefillServicer(worker_pb2_grpc.PrefillWorkerServicer):
         self.worker_id, self.address, self.layout = worker_id, address, layout
 
     def _free(self, rid: str) -> None:
-        """The pin ended: the engine frees the blocks at its next step boundary. Nothing waits for
-        that (a Release would otherwise wait out the step under way, and the decode side's first
-        token with it); any later command to the loop runs after it."""
-        def log_failure(future) -> None:
-            if future.exception() is not None:
-                log.error("freeing the blocks of %s failed", rid, exc_info=future.exception())
-
-        self.loop.post(self.loop.engine.release, rid).add_done_callback(log_failure)
+        """The pin ended (or none will be made): the engine frees the blocks at its next step
+        boundary, a no-op unless the request was handed off. Nothing waits for that (a Release
+        would otherwise wait out the step under way, and the decode side's first token with it);
+        any later command to the loop runs after it."""
+        self.loop.post_logged(f"freeing the blocks of {rid}", self.loop.engine.release, rid)
 
     def Prefill(self, request, context: grpc.ServicerContext) -> kv_pb2.KVHandle:
         rid = request.request_id
@@ -50,13 +47,14 @@ class PrefillServicer(worker_pb2_grpc.PrefillWorkerServicer):
         if not context.add_callback(stop_if_abandoned):  # it had ended already
             stop_if_abandoned()
         try:
-            out = outputs.get(timeout=max(0.0, context.time_remaining()))
+            out = outputs.get(timeout=context.time_remaining())
             computed.set()
         except queue.Empty:
             if not self.loop.abort(rid):  # handed off meanwhile, and nothing will pin its blocks: free them
                 self._free(rid)
             context.abort(grpc.StatusCode.DEADLINE_EXCEEDED, f"prefill of {rid} did not finish before the deadline")
-        if out.finish_reason != "prefilled":
+        if out.finish_reason != "prefilled":  # e.g. a failed step that had handed it off: its blocks go
+            self._free(rid)
             context.abort(grpc.StatusCode.UNAVAILABLE, f"prefill of {rid} ended: {out.finish_reason}")
         h = out.handle
         try:

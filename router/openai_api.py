@@ -116,8 +116,11 @@ def create_app(generate: Callable, model_name: str, registry: CollectorRegistry,
         include_usage = body.stream_options is not None and body.stream_options.include_usage
         # The call is cancelled however the response ends (a no-op once it finished), also when the
         # client leaves before the stream's generator has started (its own `finally` never runs then).
+        async def cancel() -> None:  # on the event loop: LocalCall's queue is not thread-safe
+            call.cancel()
+
         return StreamingResponse(_events(call, first, shape, include_usage), media_type="text/event-stream",
-                                 background=BackgroundTask(call.cancel))
+                                 background=BackgroundTask(cancel))
 
     return app
 

@@ -236,6 +236,9 @@ def test_a_decode_whose_kv_source_is_gone_names_the_source(grpc_cluster):
     (lambda h: setattr(h, "request_id", "someone-else"), "prefilled.request_id"),
     (lambda h: setattr(h, "num_prompt_tokens", h.num_prompt_tokens - 1), "prefilled.num_prompt_tokens"),
     (lambda h: h.block_ids.__setitem__(0, -3), "prefilled.block_ids"),
+    (lambda h: setattr(h, "rng_state", b""), "rng_state of 0 bytes"),  # refused after the pull, its blocks
+    (lambda h: setattr(h, "draft_hidden", bytes(6)), "draft_hidden of 6"),  # freed all the same
+    (lambda h: setattr(h, "rng_state", bytes(8)), "generator or draft hidden state does not fit"),
 ])
 def test_a_decode_refuses_a_handle_that_is_not_its_requests(grpc_cluster, forge, field):
     workers, token = grpc_cluster.workers(), grpc_cluster.config.token()
@@ -243,12 +246,12 @@ def test_a_decode_refuses_a_handle_that_is_not_its_requests(grpc_cluster, forge,
     prompt, rid = [1, 2, 3, 4, 5] * 8, f"forged-{field}"
     handle = worker_pb2_grpc.PrefillWorkerStub(prefill_channel).Prefill(worker_pb2.PrefillRequest(
         request_id=rid, prompt_token_ids=prompt, sampling=common_pb2.SamplingOptions(max_tokens=4)), timeout=60)
-    kv_pb2_grpc.KVTransferStub(prefill_channel).Release(kv_pb2.ReleaseRequest(request_id=rid), timeout=10)
     forge(handle)
     decode = worker_pb2_grpc.DecodeWorkerStub(channel(workers["decode-0"].address, token))
     with pytest.raises(grpc.RpcError) as e:
         list(decode.Decode(worker_pb2.DecodeRequest(request_id=rid, prompt_token_ids=prompt, prefilled=handle,
                                                     sampling=common_pb2.SamplingOptions(max_tokens=4)), timeout=60))
+    kv_pb2_grpc.KVTransferStub(prefill_channel).Release(kv_pb2.ReleaseRequest(request_id=rid), timeout=10)
     assert e.value.code() == grpc.StatusCode.INVALID_ARGUMENT and field in e.value.details()
     assert _wait_idle(grpc_cluster, "decode")["decode-0"].active_blocks == 0
 
