@@ -224,6 +224,11 @@ class Engine:
             self.blocks.free(request_id)
         return seq is not None
 
+    def context_limit(self) -> int:
+        """The longest sequence this engine can ever hold: max_model_len, or its whole KV pool if
+        that holds fewer tokens (what `validate` refuses a prompt at, and a worker registers)."""
+        return min(self.max_model_len, self.blocks.num_blocks * self.config.block_size)
+
     def can_take_over(self, prompt_token_ids: Seq[int]) -> bool:
         """Room for one more prefilled request: a batch slot and the blocks its prompt still needs."""
         busy = len(self.scheduler.running) + len(self.incoming)

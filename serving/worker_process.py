@@ -123,7 +123,7 @@ def announce(spec: WorkerSpec, loop: EngineLoop, server: grpc.Server, address: s
                                                  collectors)
     engine = loop.engine
     request = registration(spec.worker_id, spec.role, address, layout_message(loop), engine.blocks.num_blocks,
-                           engine.max_model_len, spec.engine.max_num_seqs)
+                           engine.context_limit(), spec.engine.max_num_seqs)
     request.metrics_address = f"{spec.advertise_host or spec.host}:{metrics_port}"
     registry = RegistryClient(spec.router_address, spec.token, request, loop, interval_s=spec.heartbeat_interval_s,
                               tls=spec.tls)

@@ -200,6 +200,7 @@ def test_decode_side_gets_the_draft_kv_instead_of_recomputing_it(nixl_cluster):
     (router_pb2.GenerateRequest(messages=router_pb2.MessageList(messages=[common_pb2.ChatMessage(role="wizard",
                                                                                                  content="hi")])), "role"),
     (router_pb2.GenerateRequest(prompt="word " * 9000), "max_model_len"),
+    (router_pb2.GenerateRequest(token_ids=router_pb2.TokenIds(ids=[1] * 5000)), "KV pool"),  # 256 blocks of 16
     (router_pb2.GenerateRequest(token_ids=router_pb2.TokenIds(ids=[1, 10**7])), "token_ids"),
 ])
 def test_malformed_requests_are_invalid_argument_naming_the_field(nixl_cluster, request_, field):
