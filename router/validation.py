@@ -47,8 +47,8 @@ def validate(request: router_pb2.GenerateRequest, tokenizer: Tokenizer, max_mode
     if max_model_len is not None and len(prompt) >= max_model_len:
         raise InvalidRequest(
             f"{_INPUT_FIELD[request.WhichOneof('input')]}: the prompt has {len(prompt)} tokens; it must be "
-            f"shorter than the workers' max_model_len ({max_model_len}; a worker whose KV pool holds fewer tokens "
-            "registers that) to leave room for the answer"
+            f"shorter than the workers' max_model_len ({max_model_len}) to leave room for the answer (a worker "
+            "whose KV pool holds fewer tokens registers that instead)"
         )
     return ValidRequest(request.request_id or uuid.uuid4().hex, prompt, request.sampling, request.speculation)
 

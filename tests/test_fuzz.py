@@ -74,7 +74,7 @@ def test_any_grpc_request_gets_an_answer_or_an_actionable_status(stub, request):
 
 
 json_values = st.recursive(st.one_of(st.none(), st.booleans(), st.integers(-(2**70), 2**70),
-                                     st.floats(allow_nan=False), st.text(max_size=30)),
+                                     st.floats(allow_nan=False, allow_infinity=False), st.text(max_size=30)),
                            lambda inner: st.lists(inner, max_size=3) | st.dictionaries(st.text(max_size=10), inner,
                                                                                       max_size=3), max_leaves=8)
 http_bodies = st.fixed_dictionaries(
