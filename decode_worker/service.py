@@ -77,7 +77,6 @@ class DecodeServicer(worker_pb2_grpc.DecodeWorkerServicer):
             context.abort(grpc.StatusCode.FAILED_PRECONDITION, "this aggregated worker prefills prompts itself: "
                           "send it no prefilled handle")
         _check_handle(handle, rid, prompt)
-        self.loop.call(self.loop.engine.validate, rid, prompt, params)  # a prompt it can never hold: refused now
         cached, table = self._reserve(rid, prompt, params, context)
         first, end = cached // block_size, math.ceil(len(prompt) / block_size)
         started, admitted = time.perf_counter(), False
@@ -103,7 +102,7 @@ class DecodeServicer(worker_pb2_grpc.DecodeWorkerServicer):
         engine = self.loop.engine
         deadline = time.monotonic() + min(self.admission_timeout_s, context.time_remaining() or math.inf)
         while time.monotonic() < deadline and context.is_active():
-            if self.loop.call(engine.can_take_over, prompt):
+            if self.loop.call(engine.can_take_over, rid, prompt, params):
                 try:
                     return self.loop.call(engine.reserve_prefilled, rid, prompt, params)
                 except NoFreeBlocksError:  # another request took the room first

@@ -229,8 +229,10 @@ class Engine:
         that holds fewer tokens (what `validate` refuses a prompt at, and a worker registers)."""
         return min(self.max_model_len, self.blocks.num_blocks * self.config.block_size)
 
-    def can_take_over(self, prompt_token_ids: Seq[int]) -> bool:
-        """Room for one more prefilled request: a batch slot and the blocks its prompt still needs."""
+    def can_take_over(self, request_id: str, prompt_token_ids: Seq[int], params: SamplingParams) -> bool:
+        """Room for one more prefilled request: a batch slot and the blocks its prompt still needs.
+        A request it can never take raises (`validate`), rather than waiting for room."""
+        self.validate(request_id, prompt_token_ids, params)
         busy = len(self.scheduler.running) + len(self.incoming)
         return busy < self.config.max_num_seqs and self.blocks.can_allocate(prompt_token_ids)
 
