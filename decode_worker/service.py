@@ -89,6 +89,8 @@ class DecodeServicer(worker_pb2_grpc.DecodeWorkerServicer):
             admitted = True
             return outputs
         except KVTransferError as e:
+            if e.may_still_write:  # never reuse blocks a transfer may still write into
+                self.loop.call(self.loop.engine.retire_incoming, rid)
             code = grpc.StatusCode.UNAVAILABLE if e.retryable else grpc.StatusCode.FAILED_PRECONDITION
             if e.retryable:
                 context.set_trailing_metadata([(FAILED_KV_SOURCE_METADATA_KEY, handle.source_worker_id)])

@@ -82,6 +82,7 @@ class BlockManager:
         self._hash_to_block: dict[int, int] = {}
         self._seqs: dict[SeqId, _SeqBlocks] = {}
         self._subscribers: list[Callable[[KVEvent], None]] = []
+        self.num_retired_blocks = 0  # see `retire`
 
     # ---- sequence lifecycle ----
 
@@ -147,6 +148,16 @@ class BlockManager:
         del self._seqs[seq_id]
         # Tail first, so it is evicted first: the head is the likeliest prefix of future prompts.
         self._release(reversed(seq.block_ids))
+
+    def retire(self, seq_id: SeqId) -> None:
+        """End the sequence but keep every block it holds out of use for good: something outside
+        our control (a KV transfer that could not be cancelled) may still write into them."""
+        seq = self._seq(seq_id)
+        del self._seqs[seq_id]
+        # Its cached prefix blocks (shared, hashed) were nobody's to write: those go as in `free`.
+        cached = [b for b in seq.block_ids if self._blocks[b].hash is not None]
+        self._release(reversed(cached))
+        self.num_retired_blocks += len(seq.block_ids) - len(cached)  # never released
 
     def clear_prefix_cache(self) -> None:
         """Evict every evictable cached block. Blocks in use keep their hashes."""

@@ -72,6 +72,7 @@ class Engine:
     def stats(self) -> EngineStats:
         counters = dict(self.counters)
         counters["draft_positions_with_target_features"] = self.proposer.positions_drafted
+        counters["kv_blocks_retired"] = self.blocks.num_retired_blocks  # see retire_incoming
         return EngineStats(kv_blocks_used=self.blocks.num_used_blocks, kv_blocks_total=self.blocks.num_blocks,
                            running=len(self.scheduler.running),
                            waiting=len(self.scheduler.waiting) + len(self.incoming),
@@ -252,6 +253,12 @@ class Engine:
         `admit_prefilled` (it failed): nothing writes into them any more."""
         if self.incoming.pop(request_id, None) is not None:
             self.blocks.free(request_id)
+
+    def retire_incoming(self, request_id: str) -> None:
+        """Drop a request from `reserve_prefilled` whose transfer failed and could not be stopped:
+        its blocks never return to the pool, since the transfer may still write into them."""
+        if self.incoming.pop(request_id, None) is not None:
+            self.blocks.retire(request_id)
 
     def admit_prefilled(self, request_id: str, handle: KVHandle) -> RequestOutput:
         """The prompt's KV is in place: join the running batch; returns the first token's output

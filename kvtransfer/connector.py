@@ -5,7 +5,9 @@ Ownership: the source keeps a request's blocks pinned until the destination call
 the pin times out. `pull` always ends with a Release (best effort, also when it fails), so the
 source never waits for the timeout on a pull that was tried. The destination's local blocks stay
 its own: when `pull` raises, its caller frees the blocks it had allocated for the request (their
-contents are undefined); `pull` writes to no other local block.
+contents are undefined), unless the error says a transfer may still write into them (a NIXL READ
+that could not be cancelled): then they must never be used again. `pull` writes to no other
+local block.
 
 A failure is `retryable` when trying the request again (a new prefill, maybe on another
 worker) can succeed: source gone or slow, pin expired, corrupted bytes. It is not when the
@@ -43,9 +45,10 @@ _HINTS = {
 
 
 class KVTransferError(RuntimeError):
-    def __init__(self, message: str, retryable: bool):
+    def __init__(self, message: str, retryable: bool, may_still_write: bool = False):
         super().__init__(message)
         self.retryable = retryable
+        self.may_still_write = may_still_write  # into the pull's local blocks: never reuse them
 
 
 class KVConnector(Protocol):

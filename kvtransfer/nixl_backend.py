@@ -183,13 +183,19 @@ class NixlConnector(BaseConnector):
         except NIXL_ERRORS as e:
             state = f"{type(e).__name__}: {e}"
         finally:
-            _release_xfer(xfer, what)
+            stopped = _release_xfer(xfer, what)
         if state != "DONE":
-            raise KVTransferError(f"{what} failed: {'timed out' if state == 'PROC' else state}", retryable=True)
+            failure = f"{what} failed: {'timed out' if state == 'PROC' else state}"
+            if not stopped:
+                failure += " and could not be cancelled: its local blocks are retired"
+            raise KVTransferError(failure, retryable=True, may_still_write=not stopped)
 
 
-def _release_xfer(xfer: nixl_xfer_handle, what: str) -> None:
+def _release_xfer(xfer: nixl_xfer_handle, what: str) -> bool:
+    """Release the transfer, cancelling the READ if it still runs; False if NIXL refused."""
     try:
-        xfer.release()  # cancels the READ if it is still running
+        xfer.release()
+        return True
     except NIXL_ERRORS as e:
         log.error("%s could not be cancelled (%s): NIXL may still write into its local blocks", what, e)
+        return False

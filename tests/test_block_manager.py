@@ -192,6 +192,26 @@ def test_free_sends_cached_blocks_to_lru_and_others_to_free_list():
     assert bm.allocate("b", list(range(5))) == 4  # still reusable after free
 
 
+def test_retire_keeps_a_sequences_own_blocks_out_of_use_for_good():
+    """A transfer that could not be cancelled may still write into the blocks it was given; the
+    cached prefix it shared was never its to write, and goes as on free."""
+    bm, _ = make()
+    prompt = list(range(10))
+    run_prompt(bm, "a", prompt)
+    bm.allocate("b", prompt[:8] + [99])  # two cached blocks shared with a, one of its own
+    own = bm.block_table("b")[2]
+    bm.retire("b")
+    assert bm.num_retired_blocks == 1 and bm.num_free_blocks == 4
+    assert [ref_counts(bm)[b] for b in bm.block_table("a")] == [1, 1, 1]
+    bm.free("a")
+    assert bm.num_free_blocks == 7 and bm.num_used_blocks == 1
+    for name in "bcdefgh":  # the pool's every other block, and the id again
+        bm.allocate(name, [100 + ord(name)])
+        assert own not in bm.block_table(name)
+    with pytest.raises(NoFreeBlocksError):
+        bm.allocate("i", [1])
+
+
 def test_eviction_is_lru_by_release_time_and_emits_block_removed():
     bm, replay = make(num_blocks=4)
     prompts = {name: [i] * 4 for i, name in enumerate("abc")}  # one full cached block each

@@ -207,6 +207,19 @@ def test_an_incoming_request_aborted_mid_transfer_keeps_its_blocks_until_the_tra
     assert engine.blocks.num_free_blocks == free_before and not engine.has_unfinished()
 
 
+def test_an_incoming_request_whose_transfer_could_not_be_stopped_never_frees_its_blocks(prompts):
+    """A NIXL READ that failed and could not be cancelled may still write into its blocks."""
+    engine = Engine(EngineConfig(num_kv_blocks=64))  # its own pool: this one loses blocks for good
+    params = SamplingParams(max_tokens=8)
+    engine.reserve_prefilled("unstoppable", prompts[0], params)
+    reserved = engine.blocks.num_free_blocks
+    engine.retire_incoming("unstoppable")
+    assert engine.blocks.num_free_blocks == reserved < 64 and not engine.has_unfinished()
+    engine.reserve_prefilled("unstoppable", prompts[0], params)  # its id is free again
+    engine.drop_incoming("unstoppable")
+    assert engine.blocks.num_free_blocks == reserved
+
+
 def test_a_failed_step_ends_every_stream_even_those_it_finished(engine, prompts, monkeypatch):
     """Outputs of requests that finished inside a failing step are lost with it: their handlers
     must still get an end, not wait forever."""

@@ -6,11 +6,13 @@ destination pulls in a process of its own too, because NIXL must never be loaded
 pytest process: it crashes any process that also loads grpc_tools' protoc (test_proto does).
 """
 
+import contextlib
 import dataclasses
 import multiprocessing as mp
 import subprocess
 import sys
 import threading
+from unittest import mock
 
 import pytest
 import torch
@@ -134,6 +136,29 @@ class SourceProcess(_Child):
             self.released.add(self.expect("released"))
 
 
+@contextlib.contextmanager
+def _unstoppable_reads():
+    """Faults on purpose: NIXL starts each READ, then reports an error and refuses to cancel it.
+    Afterwards the READs are really released."""
+    from nixl_cu12._api import nixl_agent, nixl_xfer_handle
+    from kvtransfer.nixl_backend import nixl_bindings
+    started, transfer, release = [], nixl_agent.transfer, nixl_xfer_handle.release
+
+    def failing_transfer(agent, xfer, *args, **kwargs):
+        transfer(agent, xfer, *args, **kwargs)
+        started.append(xfer)
+        raise nixl_bindings.nixlBackendError("injected: the READ stalled")
+
+    def refusing_release(xfer):
+        raise nixl_bindings.nixlBackendError("injected: it cannot be cancelled")
+
+    with mock.patch.object(nixl_agent, "transfer", failing_transfer), \
+            mock.patch.object(nixl_xfer_handle, "release", refusing_release):
+        yield
+    for xfer in started:
+        release(xfer)
+
+
 def _serve_destination(conn) -> None:
     """Pull on command into caches of known contents, one set per layout; report the outcome."""
     torch.set_num_threads(1)
@@ -147,15 +172,16 @@ def _serve_destination(conn) -> None:
         while True:
             command, *args = conn.recv()
             if command == "pull":
-                backend, layout, token, handle, remote, local_ids = args
+                backend, layout, token, handle, remote, local_ids, unstoppable = args
                 key = (backend, layout, token)
                 if key not in connectors:
                     connectors[key] = make_connector(backend, layout, local(layout), token)
                 try:
-                    connectors[key].pull(kv_pb2.KVHandle.FromString(handle), remote, local_ids, TIMEOUT_S)
+                    with _unstoppable_reads() if unstoppable else contextlib.nullcontext():
+                        connectors[key].pull(kv_pb2.KVHandle.FromString(handle), remote, local_ids, TIMEOUT_S)
                     conn.send(None)
                 except KVTransferError as e:
-                    conn.send((str(e), e.retryable))
+                    conn.send((str(e), e.retryable, e.may_still_write))
             elif command == "caches":
                 conn.send({name: t.view(torch.uint8).numpy().copy() for name, t in local(args[0]).items()})
             elif command == "reset":  # in place: the NIXL connectors registered these tensors
@@ -173,8 +199,9 @@ class DestinationProcess(_Child):
         super().__init__(_serve_destination)
 
     def start_pull(self, backend: str, handle: kv_pb2.KVHandle, remote: list[int] = REMOTE,
-                   local: list[int] = LOCAL, layout: KVLayout = LAYOUT, token: str = TOKEN) -> None:
-        self._conn.send(("pull", backend, layout, token, handle.SerializeToString(), remote, local))
+                   local: list[int] = LOCAL, layout: KVLayout = LAYOUT, token: str = TOKEN,
+                   unstoppable: bool = False) -> None:
+        self._conn.send(("pull", backend, layout, token, handle.SerializeToString(), remote, local, unstoppable))
 
     def result(self) -> KVTransferError | None:
         """How the started pull ended: None when it succeeded."""
@@ -364,8 +391,17 @@ def test_source_killed_before_nixl_read_is_retryable(doomed_source, dest):
     handle = doomed_source.pin("doomed")
     doomed_source.kill()
     error = dest.pull_error("nixl", handle, [9, 5], [1, 3])
-    assert error.retryable
+    assert error.retryable and not error.may_still_write
     assert_local(dest, dict(zip(LOCAL, REMOTE)), undefined=[1, 3])
+
+
+def test_a_nixl_read_that_cannot_be_cancelled_says_its_blocks_may_still_be_written(source, dest):
+    """Its caller must then never reuse the local blocks (the decode worker retires them)."""
+    handle = source.pin("unstoppable")
+    error = dest.pull_error("nixl", handle, unstoppable=True)
+    assert error.may_still_write and error.retryable, error
+    assert "could not be cancelled" in str(error) and "injected: the READ stalled" in str(error)
+    source.wait_released(handle.request_id)  # the pin still went back
 
 
 def test_nixl_needs_a_cluster_token():

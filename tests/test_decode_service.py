@@ -1,0 +1,61 @@
+"""The decode worker's take-over of a prefilled request when its KV transfer fails: a real
+DecodeServicer on 127.0.0.1 over a real engine; the connector's failure is a fault injected on
+purpose (the real backends' failures are tests/test_kvtransfer.py's)."""
+
+import math
+
+import grpc
+import pytest
+
+from decode_worker.service import DecodeServicer
+from engine.config import EngineConfig
+from engine.engine import Engine
+from engine.loop import EngineLoop
+from kvtransfer.connector import KVTransferError
+from kvtransfer.layout import layout_to_proto
+from proto.pdspec.v1 import common_pb2, kv_pb2, worker_pb2, worker_pb2_grpc
+from proto.rpc import FAILED_KV_SOURCE_METADATA_KEY, serve
+from serving.metrics import HandoffMetrics
+
+NUM_BLOCKS = 64
+
+
+class FailingConnector:
+    def __init__(self, may_still_write: bool):
+        self.may_still_write = may_still_write
+
+    def pull(self, handle, remote_block_ids, local_block_ids, timeout_s) -> None:
+        raise KVTransferError("injected: the READ failed", retryable=True, may_still_write=self.may_still_write)
+
+    def close(self) -> None:
+        pass
+
+
+@pytest.mark.parametrize("may_still_write", [False, True])
+def test_a_failed_transfer_frees_its_blocks_unless_it_may_still_write_into_them(may_still_write, chat_prompts):
+    loop = EngineLoop(Engine(EngineConfig(num_kv_blocks=NUM_BLOCKS, speculative={"method": "none"})))
+    servicer = DecodeServicer(loop, FailingConnector(may_still_write), HandoffMetrics("decode-test"))
+    server, port = serve([(worker_pb2_grpc.add_DecodeWorkerServicer_to_server, servicer, "pdspec.v1.DecodeWorker")],
+                         "127.0.0.1:0")
+    try:
+        prompt = chat_prompts[0]
+        engine = loop.engine
+        blocks = math.ceil(len(prompt) / engine.config.block_size)
+        handle = kv_pb2.KVHandle(request_id="r", num_prompt_tokens=len(prompt), block_ids=list(range(blocks)),
+                                 layout=layout_to_proto(engine.runner.layout), source_worker_id="prefill-test",
+                                 source_address="127.0.0.1:1")
+        request = worker_pb2.DecodeRequest(request_id="r", prompt_token_ids=prompt, prefilled=handle,
+                                           sampling=common_pb2.SamplingOptions(max_tokens=4))
+        with grpc.insecure_channel(f"127.0.0.1:{port}") as channel:
+            with pytest.raises(grpc.RpcError) as failed:
+                list(worker_pb2_grpc.DecodeWorkerStub(channel).Decode(request, timeout=60))
+        error = failed.value
+        assert error.code() == grpc.StatusCode.UNAVAILABLE and "injected" in error.details()
+        assert (FAILED_KV_SOURCE_METADATA_KEY, "prefill-test") in error.trailing_metadata()
+        retired = blocks if may_still_write else 0
+        assert loop.call(lambda: (engine.blocks.num_free_blocks, engine.blocks.num_retired_blocks, engine.incoming)) \
+            == (NUM_BLOCKS - retired, retired, {})
+        assert loop.stats().counters["kv_blocks_retired"] == retired  # exported as pdspec_kv_blocks_retired_total
+    finally:
+        server.stop(None)
+        loop.stop()
