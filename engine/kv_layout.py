@@ -64,6 +64,9 @@ class KVLayout:
     block_size: int
     target: CacheShape
     draft: CacheShape | None  # None when no EAGLE3 head is loaded
+    # Identity of the EAGLE3 head's weights ("" without one): two heads of one shape compute other
+    # draft KV, which would only cost acceptance, silently.
+    draft_model: str = ""
 
     def block_shape(self, cache: CacheShape) -> tuple[int, ...]:
         return (cache.num_layers, 2, self.block_size, cache.num_kv_heads, row_elements(self.dtype, cache.head_dim))

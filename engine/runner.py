@@ -55,7 +55,8 @@ class ModelRunner:
         self.cache_dtype = config.cache_dtype(int8_activations=quantized and blocks == "int8")
         self.model = CausalLM(self.model_config, weights, self.max_model_len, config.block_size, tp)
         is_driver = tp.rank == 0
-        self.draft = self._load_draft() if config.speculative.method == "eagle3" and is_driver else None
+        self.draft, draft_model = (self._load_draft() if config.speculative.method == "eagle3" and is_driver
+                                   else (None, ""))
         mc = tp.local_config(self.model_config)
         self.layout = KVLayout(
             # Quantized weights compute other KV than the float ones they came from: not interchangeable.
@@ -65,6 +66,7 @@ class ModelRunner:
             target=CacheShape(mc.num_layers, mc.num_kv_heads, mc.head_dim),
             draft=CacheShape(1, self.draft.config.layer.num_kv_heads, self.draft.config.layer.head_dim)
             if self.draft else None,
+            draft_model=draft_model,
         )
         self.kv_cache = allocate_cache(self.layout, self.layout.target, config.num_kv_blocks, self.device)
         self.draft_cache = (allocate_cache(self.layout, self.layout.draft, config.num_kv_blocks, self.device)
@@ -123,7 +125,8 @@ class ModelRunner:
         """Only the draft cache's entries that `forward_draft` would write (see Eagle3Draft.write_kv)."""
         self.draft.write_kv(build_batch(chunks, self.config.block_size, self.device), hidden, self.draft_cache)
 
-    def _load_draft(self) -> Eagle3Draft:
+    def _load_draft(self) -> tuple[Eagle3Draft, str]:
+        """The EAGLE3 head and its identity in the KV layout."""
         spec = self.config.speculative
         if spec.model is None and self.config.model is not None:
             raise ModelConfigError(
@@ -147,8 +150,9 @@ class ModelRunner:
                 raise ModelConfigError(f"speculative.model: draft {draft_dir}: {e}") from None
         weights = load_weights(draft_dir, self.dtype, self.device)
         int8 = self.config.quantization in ("auto", "int8") and self.device.type == "cpu" and self.dtype == torch.float32
-        return Eagle3Draft(draft_config, weights, self.model.embed_tokens, self.max_model_len, self.config.block_size,
-                           int8=int8)
+        draft = Eagle3Draft(draft_config, weights, self.model.embed_tokens, self.max_model_len, self.config.block_size,
+                            int8=int8)
+        return draft, model_fingerprint(draft_dir) + ("+int8" if int8 else "")
 
 
 def start_tensor_parallel(config: EngineConfig, model: ModelConfig) -> tuple[TensorParallel, list]:

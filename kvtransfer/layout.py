@@ -9,7 +9,7 @@ from proto.pdspec.v1 import kv_pb2
 
 def layout_to_proto(layout: KVLayout) -> kv_pb2.KVLayout:
     msg = kv_pb2.KVLayout(model=layout.model, dtype=layout.dtype, block_size=layout.block_size,
-                          target=_shape_to_proto(layout.target))
+                          target=_shape_to_proto(layout.target), draft_model=layout.draft_model)
     if layout.draft is not None:
         msg.draft.CopyFrom(_shape_to_proto(layout.draft))
     return msg
@@ -17,7 +17,7 @@ def layout_to_proto(layout: KVLayout) -> kv_pb2.KVLayout:
 
 def layout_from_proto(msg: kv_pb2.KVLayout) -> KVLayout:
     return KVLayout(model=msg.model, dtype=msg.dtype, block_size=msg.block_size, target=_shape_from_proto(msg.target),
-                    draft=_shape_from_proto(msg.draft) if msg.HasField("draft") else None)
+                    draft=_shape_from_proto(msg.draft) if msg.HasField("draft") else None, draft_model=msg.draft_model)
 
 
 def _shape_to_proto(shape: CacheShape) -> kv_pb2.CacheShape:

@@ -26,7 +26,7 @@ from proto.pdspec.v1 import kv_pb2, kv_pb2_grpc
 from proto.rpc import serve
 
 TOKEN = "test-cluster-token"
-LAYOUT = KVLayout("test-model", "bfloat16", 4, CacheShape(2, 2, 8), CacheShape(1, 2, 8))
+LAYOUT = KVLayout("test-model", "bfloat16", 4, CacheShape(2, 2, 8), CacheShape(1, 2, 8), "test-head@1")
 SOURCE_BLOCKS, SOURCE_SEED, LOCAL_BLOCKS, LOCAL_SEED = 16, 1, 10, 2
 PIN = [9, 2, 14, 5, 11]  # the source's block table of the prompt
 REMOTE, LOCAL = [14, 2, 11], [7, 0, 4]  # the blocks the destination lacks, and the local blocks it gave them
@@ -337,10 +337,11 @@ def test_wrong_token_is_unauthenticated(backend, source, dest):
 
 
 @pytest.mark.parametrize("backend", BACKENDS)
-@pytest.mark.parametrize("field, value", [("block_size", 8), ("dtype", "float32"), ("dtype", "int8")])
+@pytest.mark.parametrize("field, value", [("block_size", 8), ("dtype", "float32"), ("dtype", "int8"),
+                                          ("draft_model", "other-head@2")])
 def test_layout_mismatch_names_the_field_and_moves_nothing(backend, source, dest, field, value):
-    """A KV cache dtype (engine.kv_cache_dtype) or block size differing between the sides: refused,
-    naming the field and both values."""
+    """A KV cache dtype (engine.kv_cache_dtype), block size or EAGLE3 head differing between the
+    sides: refused, naming the field and both values."""
     other = dataclasses.replace(LAYOUT, **{field: value})
     honest = source.pin(f"layout-{backend}-{field}")  # caught here, from the handle
     forged = source.pin(f"forged-layout-{backend}-{field}")  # the handle claims our layout: the source must catch it

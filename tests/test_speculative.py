@@ -12,6 +12,7 @@ from engine.batch import SeqChunk
 from engine.config import EngineConfig, SpeculativeConfig
 from engine.engine import Engine
 from engine.errors import InvalidRequest
+from engine.kv_layout import KVLayoutMismatch
 from engine.loader import load_weights
 from engine.output import KVHandle
 from engine.params import SamplingParams
@@ -179,6 +180,17 @@ def test_a_low_precision_kv_cache_keeps_speculation_lossless(prompts, kv_cache_d
     expected = _run(plain, prompts[:4], params)
     assert _run(tree, prompts[:4], params) == expected
     assert tree.counters["accepted_tokens"] > 0 and tree.blocks.num_used_blocks == 0
+
+
+def test_the_kv_layout_tells_two_eagle3_heads_of_one_shape_apart(engine, spec_engines):
+    """Their draft KV differs: a decode worker with another head than its prefill worker's would
+    only lose acceptance, silently, so the hand-off's layout check refuses it by name."""
+    shipped = Engine(EngineConfig(num_kv_blocks=16, speculative={"method": "eagle3"})).runner.layout
+    random = spec_engines["eagle3"].runner.layout
+    assert random.draft == shipped.draft and random.draft_model != shipped.draft_model
+    assert shipped.draft_model.startswith("SmolLM2-135M-Instruct-eagle3@") and engine.runner.layout.draft_model == ""
+    with pytest.raises(KVLayoutMismatch, match="'draft_model' differs"):
+        random.check_compatible(shipped)
 
 
 @pytest.mark.parametrize("spec, message", [({"method": "ngram", "draft_top_k": 2}, "draft_top_k > 1 needs method 'eagle3'"),

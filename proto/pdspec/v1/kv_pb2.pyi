@@ -17,18 +17,20 @@ class CacheShape(_message.Message):
     def __init__(self, num_layers: _Optional[int] = ..., num_kv_heads: _Optional[int] = ..., head_dim: _Optional[int] = ...) -> None: ...
 
 class KVLayout(_message.Message):
-    __slots__ = ("model", "dtype", "block_size", "target", "draft")
+    __slots__ = ("model", "dtype", "block_size", "target", "draft", "draft_model")
     MODEL_FIELD_NUMBER: _ClassVar[int]
     DTYPE_FIELD_NUMBER: _ClassVar[int]
     BLOCK_SIZE_FIELD_NUMBER: _ClassVar[int]
     TARGET_FIELD_NUMBER: _ClassVar[int]
     DRAFT_FIELD_NUMBER: _ClassVar[int]
+    DRAFT_MODEL_FIELD_NUMBER: _ClassVar[int]
     model: str
     dtype: str
     block_size: int
     target: CacheShape
     draft: CacheShape
-    def __init__(self, model: _Optional[str] = ..., dtype: _Optional[str] = ..., block_size: _Optional[int] = ..., target: _Optional[_Union[CacheShape, _Mapping]] = ..., draft: _Optional[_Union[CacheShape, _Mapping]] = ...) -> None: ...
+    draft_model: str
+    def __init__(self, model: _Optional[str] = ..., dtype: _Optional[str] = ..., block_size: _Optional[int] = ..., target: _Optional[_Union[CacheShape, _Mapping]] = ..., draft: _Optional[_Union[CacheShape, _Mapping]] = ..., draft_model: _Optional[str] = ...) -> None: ...
 
 class BlockStored(_message.Message):
     __slots__ = ("block_hashes", "parent_hash")
