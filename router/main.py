@@ -19,8 +19,8 @@ from router.config import RouterConfig
 from router.http_server import HttpServer
 from router.metrics import RouterMetrics
 from router.openai_api import create_app
-from router.registry import Registry
-from router.service import RegistryServicer, RouterServicer
+from router.registry import Registry, RegistryServicer
+from router.service import RouterServicer
 
 log = logging.getLogger(__name__)
 ROUTER_SERVICE = "pdspec.v1.Router"

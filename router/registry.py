@@ -1,8 +1,10 @@
-"""The workers the router knows: role, address, KV layout, load and prefix cache (from heartbeats).
+"""The workers the router knows: role, address, KV layout, load and prefix cache (from heartbeats),
+and the internal Registry servicer they register and heartbeat with.
 
 Thread-safe: Register/Heartbeat RPCs, Generate's routing and the eviction thread share it.
 """
 
+import logging
 import math
 import threading
 import time
@@ -14,10 +16,11 @@ from google.protobuf.message import Message
 from google.protobuf.text_format import MessageToString
 
 from engine.hashing import hash_blocks
-from proto.pdspec.v1 import kv_pb2, worker_pb2
+from proto.pdspec.v1 import kv_pb2, worker_pb2, worker_pb2_grpc
 from router.kv_index import KVIndex
 from serving.roles import WORKER_ROLES
 
+log = logging.getLogger(__name__)
 
 
 class RegistrationError(ValueError):
@@ -203,3 +206,26 @@ def _field(layout: kv_pb2.KVLayout, name: str) -> object:
 
 def _show(value: object) -> str:
     return f"{{{MessageToString(value, as_one_line=True)}}}" if isinstance(value, Message) else repr(value)
+
+
+class RegistryServicer(worker_pb2_grpc.RegistryServicer):
+    def __init__(self, registry: Registry, heartbeat_interval_s: float) -> None:
+        self._registry = registry
+        self._interval_ms = round(heartbeat_interval_s * 1000)
+
+    def Register(self, request, context) -> worker_pb2.RegisterResponse:
+        try:
+            self._registry.register(request)
+        except RegistrationError as e:
+            context.abort(e.code, str(e))
+        log.info("registered %s worker %s at %s", request.role, request.worker_id, request.address)
+        return worker_pb2.RegisterResponse(heartbeat_interval_ms=self._interval_ms)
+
+    def Heartbeat(self, request, context) -> worker_pb2.HeartbeatResponse:
+        return worker_pb2.HeartbeatResponse(registered=self._registry.heartbeat(request))
+
+    def Deregister(self, request, context) -> worker_pb2.DeregisterResponse:
+        found = self._registry.evict(request.worker_id, request.address)
+        if found:
+            log.info("worker %s at %s deregistered: it is stopping", request.worker_id, request.address)
+        return worker_pb2.DeregisterResponse(found=found)

@@ -1,5 +1,5 @@
-"""The router's gRPC servicers: the public Router (Generate, Abort, ListWorkers) and the internal
-Registry that workers register and heartbeat with.
+"""The router's public gRPC servicer: Generate, Abort, ListWorkers (the internal Registry that
+workers register and heartbeat with is router/registry.py's).
 
 Generate waits for a running slot in the admission queue (router/admission.py), then, per attempt:
 choose workers -> Prefill (disaggregated only) -> Decode(prefilled=handle)
@@ -28,7 +28,7 @@ from engine.tokenizer import Tokenizer
 from proto import rpc
 from proto.pdspec.v1 import common_pb2, kv_pb2, kv_pb2_grpc, router_pb2, router_pb2_grpc, worker_pb2, worker_pb2_grpc
 from router.policy import PrefillPolicy, least_loaded, make_policy
-from router.registry import RegistrationError, Registry, WorkerView
+from router.registry import Registry, WorkerView
 from router.validation import InvalidRequest, ValidRequest, validate
 from serving.roles import WORKER_ROLES
 
@@ -297,8 +297,8 @@ class RouterServicer(router_pb2_grpc.RouterServicer):
             if not run.cancelled:
                 failure = _WorkerFailed(plan.decode, "Decode", e)
                 self._probe(plan.decode)
-                context.abort(_client_code(failure.code),
-                              f"{failure} after {emitted} tokens were streamed; not retried, the output was already sent")
+                context.abort(_client_code(failure.code), f"{failure} after {emitted} tokens were streamed; not retried, "
+                              f"the output was already sent{self._timeout_hint(failure, context)}")
             yield _aborted(req, emitted, first=False)
 
     def _give_up(self, req: ValidRequest, failure: _WorkerFailed | None, attempts: int, context) -> NoReturn:
@@ -309,7 +309,14 @@ class RouterServicer(router_pb2_grpc.RouterServicer):
                           f"aggregated one (registered: {dict(roles) or 'none'})")
         context.abort(_client_code(failure.code),
                       f"request {req.request_id}: {failure}; gave up after {attempts} failed attempt(s) "
-                      f"(router.max_retries={self._config.max_retries})")
+                      f"(router.max_retries={self._config.max_retries}){self._timeout_hint(failure, context)}")
+
+    def _timeout_hint(self, failure: _WorkerFailed, context) -> str:
+        """Names the setting when the deadline that passed was the router's, not the client's."""
+        if failure.code != grpc.StatusCode.DEADLINE_EXCEEDED or context.time_remaining() <= 0:
+            return ""
+        return (f"; router.request_timeout_s ({self._config.request_timeout_s:g} s) bounds a whole request, its "
+                "stream included: raise it for long generations")
 
     def _probe(self, worker: WorkerView) -> None:
         """A call to `worker` failed: check its health now, and if that fails too, stop routing to it
@@ -327,29 +334,6 @@ class RouterServicer(router_pb2_grpc.RouterServicer):
     def _timeout(self, context) -> float:
         """The internal call's deadline: request_timeout_s, or sooner if the client's deadline is."""
         return min(self._config.request_timeout_s, context.time_remaining())
-
-
-class RegistryServicer(worker_pb2_grpc.RegistryServicer):
-    def __init__(self, registry: Registry, heartbeat_interval_s: float) -> None:
-        self._registry = registry
-        self._interval_ms = round(heartbeat_interval_s * 1000)
-
-    def Register(self, request, context) -> worker_pb2.RegisterResponse:
-        try:
-            self._registry.register(request)
-        except RegistrationError as e:
-            context.abort(e.code, str(e))
-        log.info("registered %s worker %s at %s", request.role, request.worker_id, request.address)
-        return worker_pb2.RegisterResponse(heartbeat_interval_ms=self._interval_ms)
-
-    def Heartbeat(self, request, context) -> worker_pb2.HeartbeatResponse:
-        return worker_pb2.HeartbeatResponse(registered=self._registry.heartbeat(request))
-
-    def Deregister(self, request, context) -> worker_pb2.DeregisterResponse:
-        found = self._registry.evict(request.worker_id, request.address)
-        if found:
-            log.info("worker %s at %s deregistered: it is stopping", request.worker_id, request.address)
-        return worker_pb2.DeregisterResponse(found=found)
 
 
 def _response(out: worker_pb2.DecodeResponse, queued_s: float) -> router_pb2.GenerateResponse:
