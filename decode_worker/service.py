@@ -61,6 +61,9 @@ class DecodeServicer(worker_pb2_grpc.DecodeWorkerServicer):
             while not finished:
                 out: RequestOutput = outputs.get()
                 finished = out.finished
+                if out.finish_reason == "error":  # a failure, not an answer: the router retries or reports it
+                    context.abort(grpc.StatusCode.INTERNAL, "the decode worker's engine failed a step (its log has "
+                                  "the cause); the request was ended")
                 yield _response(out)
         finally:  # the stream closed before the request finished (its client left): stop it
             if not finished:

@@ -144,11 +144,12 @@ class EngineLoop:
         try:
             self._dispatch(self.engine.step())
         except Exception:  # a bug in a step must not leave every client waiting forever
-            log.exception("engine step failed; aborting its requests")
+            log.exception("engine step failed; ending its requests with an error")
             for request_id in list(self.engine.seqs):
-                self._dispatch([self.engine.abort(request_id)])
-            # Requests the failed step finished or handed off: their outputs were lost with it.
-            self._dispatch([RequestOutput(r, [], "", finished=True, finish_reason="abort") for r in list(self.outputs)])
+                self.engine.abort(request_id)
+            # Every stream ends "error" (not "abort", which a client asked for), the requests the
+            # failed step finished or handed off too: their outputs were lost with it.
+            self._dispatch([RequestOutput(r, [], "", finished=True, finish_reason="error") for r in list(self.outputs)])
         with self.stepped:
             self.stepped.notify_all()
 

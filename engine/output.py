@@ -39,7 +39,7 @@ class RequestOutput:
     token_ids: list[int]  # new token ids since the previous output
     text: str  # new text since the previous output
     finished: bool = False
-    finish_reason: str | None = None  # "stop" | "length" | "abort"
+    finish_reason: str | None = None  # "stop" | "length" | "abort"; "error": an engine step failed (EngineLoop)
     acceptance: AcceptanceStats | None = None  # on the final output, when speculation is on
     handle: KVHandle | None = None  # finish_reason "prefilled" only
     usage: Usage | None = None  # on the final output

@@ -55,7 +55,8 @@ class PrefillServicer(worker_pb2_grpc.PrefillWorkerServicer):
             context.abort(grpc.StatusCode.DEADLINE_EXCEEDED, f"prefill of {rid} did not finish before the deadline")
         if out.finish_reason != "prefilled":  # e.g. a failed step that had handed it off: its blocks go
             self._free(rid)
-            context.abort(grpc.StatusCode.UNAVAILABLE, f"prefill of {rid} ended: {out.finish_reason}")
+            why = "the engine failed a step (its log has the cause)" if out.finish_reason == "error" else out.finish_reason
+            context.abort(grpc.StatusCode.UNAVAILABLE, f"prefill of {rid} ended: {why}")
         h = out.handle
         try:
             self.source.pin(rid, h.block_table, on_release=lambda: self._free(rid))

@@ -12,6 +12,7 @@ for full workers) naming the worker.
 
 import logging
 import threading
+import time
 from collections import Counter
 from collections.abc import Callable, Iterator
 from dataclasses import asdict, dataclass
@@ -66,6 +67,10 @@ class _Run:
         self._on_cancel: Callable[[], None] = lambda: None
         self.cancelled = self.finished = False
         self.queued_s = 0.0  # waited in the router's admission queue
+        self.deadline = float("inf")  # time.monotonic() by which it must be served, retries included
+
+    def time_left(self) -> float:
+        return max(self.deadline - time.monotonic(), 0.0)
 
     def track(self, call: grpc.Future, on_cancel: Callable[[], None] = lambda: None) -> None:
         """`call` is now the one in flight; cancel it at once if the run was cancelled meanwhile."""
@@ -158,6 +163,9 @@ class RouterServicer(router_pb2_grpc.RouterServicer):
             yield _aborted(req, completion_tokens=0)
             return
         run.queued_s = slot.waited_s
+        # One deadline for the request however many attempts it takes: router.request_timeout_s
+        # from now, or the client's if sooner.
+        run.deadline = time.monotonic() + min(self._config.request_timeout_s, context.time_remaining())
         try:
             yield from self._serve(req, run, context)
         finally:
@@ -197,8 +205,8 @@ class RouterServicer(router_pb2_grpc.RouterServicer):
             except _WorkerFailed as e:
                 if e.code == grpc.StatusCode.INVALID_ARGUMENT:  # the request itself: no worker will take it
                     context.abort(e.code, str(e))
-                if e.code == grpc.StatusCode.DEADLINE_EXCEEDED and context.time_remaining() <= 0:
-                    context.abort(e.code, f"{e}: the client's deadline passed")  # no time left to retry in
+                if e.code == grpc.StatusCode.DEADLINE_EXCEEDED and run.time_left() <= 0:  # no time left to retry in
+                    context.abort(e.code, f"{e}{self._deadline_note(context)}")
                 log.warning("request %s: %s; retrying on another worker", req.request_id, e)
                 if e.code != grpc.StatusCode.RESOURCE_EXHAUSTED:  # a full worker is a healthy one
                     self._probe(e.worker)
@@ -249,7 +257,7 @@ class RouterServicer(router_pb2_grpc.RouterServicer):
         stub = worker_pb2_grpc.PrefillWorkerStub(self._peers.channel(worker.address))
         request = worker_pb2.PrefillRequest(request_id=req.request_id, prompt_token_ids=req.prompt_token_ids,
                                             sampling=req.sampling)
-        call = stub.Prefill.future(request, timeout=self._timeout(context))
+        call = stub.Prefill.future(request, timeout=run.time_left())
         run.track(call)
         try:
             return call.result()
@@ -264,7 +272,7 @@ class RouterServicer(router_pb2_grpc.RouterServicer):
         stub = worker_pb2_grpc.DecodeWorkerStub(self._peers.channel(worker.address))
         request = worker_pb2.DecodeRequest(request_id=req.request_id, prompt_token_ids=req.prompt_token_ids,
                                            sampling=req.sampling, speculation=req.speculation, prefilled=handle)
-        call = stub.Decode(request, timeout=self._timeout(context))
+        call = stub.Decode(request, timeout=run.time_left())
         abort = common_pb2.AbortRequest(request_id=req.request_id)
         # Cancelling the stream frees the request on the worker; the Abort RPC covers a worker that
         # has not noticed the cancellation (e.g. still waiting to admit it).
@@ -298,7 +306,7 @@ class RouterServicer(router_pb2_grpc.RouterServicer):
                 failure = _WorkerFailed(plan.decode, "Decode", e)
                 self._probe(plan.decode)
                 context.abort(_client_code(failure.code), f"{failure} after {emitted} tokens were streamed; not retried, "
-                              f"the output was already sent{self._timeout_hint(failure, context)}")
+                              f"the output was already sent{self._deadline_note(context, failure.code)}")
             yield _aborted(req, emitted, first=False)
 
     def _give_up(self, req: ValidRequest, failure: _WorkerFailed | None, attempts: int, context) -> NoReturn:
@@ -309,14 +317,16 @@ class RouterServicer(router_pb2_grpc.RouterServicer):
                           f"aggregated one (registered: {dict(roles) or 'none'})")
         context.abort(_client_code(failure.code),
                       f"request {req.request_id}: {failure}; gave up after {attempts} failed attempt(s) "
-                      f"(router.max_retries={self._config.max_retries}){self._timeout_hint(failure, context)}")
+                      f"(router.max_retries={self._config.max_retries}){self._deadline_note(context, failure.code)}")
 
-    def _timeout_hint(self, failure: _WorkerFailed, context) -> str:
-        """Names the setting when the deadline that passed was the router's, not the client's."""
-        if failure.code != grpc.StatusCode.DEADLINE_EXCEEDED or context.time_remaining() <= 0:
+    def _deadline_note(self, context, code: grpc.StatusCode = grpc.StatusCode.DEADLINE_EXCEEDED) -> str:
+        """Which deadline ended a request: the client's, or the router's own setting (named)."""
+        if code != grpc.StatusCode.DEADLINE_EXCEEDED:
             return ""
+        if context.time_remaining() <= 0:
+            return ": the client's deadline passed"
         return (f"; router.request_timeout_s ({self._config.request_timeout_s:g} s) bounds a whole request, its "
-                "stream included: raise it for long generations")
+                "retries and stream included: raise it for long generations")
 
     def _probe(self, worker: WorkerView) -> None:
         """A call to `worker` failed: check its health now, and if that fails too, stop routing to it
@@ -330,10 +340,6 @@ class RouterServicer(router_pb2_grpc.RouterServicer):
                             "(%s)", worker.role, worker.worker_id, worker.address, call.code().name)
 
         check.add_done_callback(done)
-
-    def _timeout(self, context) -> float:
-        """The internal call's deadline: request_timeout_s, or sooner if the client's deadline is."""
-        return min(self._config.request_timeout_s, context.time_remaining())
 
 
 def _response(out: worker_pb2.DecodeResponse, queued_s: float) -> router_pb2.GenerateResponse:

@@ -1,6 +1,6 @@
-"""The decode worker's take-over of a prefilled request when its KV transfer fails: a real
-DecodeServicer on 127.0.0.1 over a real engine; the connector's failure is a fault injected on
-purpose (the real backends' failures are tests/test_kvtransfer.py's)."""
+"""The decode worker's failures: a real DecodeServicer on 127.0.0.1 over a real engine, with
+faults injected on purpose (a KV transfer that fails: the real backends' failures are
+tests/test_kvtransfer.py's; an engine step that raises)."""
 
 import math
 
@@ -31,12 +31,17 @@ class FailingConnector:
         pass
 
 
+def _serve(servicer) -> tuple[grpc.Server, str]:
+    server, port = serve([(worker_pb2_grpc.add_DecodeWorkerServicer_to_server, servicer, "pdspec.v1.DecodeWorker")],
+                         "127.0.0.1:0")
+    return server, f"127.0.0.1:{port}"
+
+
 @pytest.mark.parametrize("may_still_write", [False, True])
 def test_a_failed_transfer_frees_its_blocks_unless_it_may_still_write_into_them(may_still_write, chat_prompts):
     loop = EngineLoop(Engine(EngineConfig(num_kv_blocks=NUM_BLOCKS, speculative={"method": "none"})))
     servicer = DecodeServicer(loop, FailingConnector(may_still_write), HandoffMetrics("decode-test"))
-    server, port = serve([(worker_pb2_grpc.add_DecodeWorkerServicer_to_server, servicer, "pdspec.v1.DecodeWorker")],
-                         "127.0.0.1:0")
+    server, address = _serve(servicer)
     try:
         prompt = chat_prompts[0]
         engine = loop.engine
@@ -46,7 +51,7 @@ def test_a_failed_transfer_frees_its_blocks_unless_it_may_still_write_into_them(
                                  source_address="127.0.0.1:1")
         request = worker_pb2.DecodeRequest(request_id="r", prompt_token_ids=prompt, prefilled=handle,
                                            sampling=common_pb2.SamplingOptions(max_tokens=4))
-        with grpc.insecure_channel(f"127.0.0.1:{port}") as channel:
+        with grpc.insecure_channel(address) as channel:
             with pytest.raises(grpc.RpcError) as failed:
                 list(worker_pb2_grpc.DecodeWorkerStub(channel).Decode(request, timeout=60))
         error = failed.value
@@ -56,6 +61,37 @@ def test_a_failed_transfer_frees_its_blocks_unless_it_may_still_write_into_them(
         assert loop.call(lambda: (engine.blocks.num_free_blocks, engine.blocks.num_retired_blocks, engine.incoming)) \
             == (NUM_BLOCKS - retired, retired, {})
         assert loop.stats().counters["kv_blocks_retired"] == retired  # exported as pdspec_kv_blocks_retired_total
+    finally:
+        server.stop(None)
+        loop.stop()
+
+
+def test_a_failed_engine_step_is_an_error_not_an_answer(chat_prompts, monkeypatch):
+    """The loop ends the step's requests; their calls end INTERNAL (the router retries them on
+    another worker, or reports the failure), never as an answer that merely stopped."""
+    engine = Engine(EngineConfig(num_kv_blocks=NUM_BLOCKS, speculative={"method": "none"}))
+    step = engine.step
+
+    def fail_after_the_first_token():
+        outputs = step()
+        if any(seq.num_generated for seq in engine.seqs.values()):
+            raise RuntimeError("injected: a step failed")
+        return outputs
+
+    monkeypatch.setattr(engine, "step", fail_after_the_first_token)
+    loop = EngineLoop(engine)
+    server, address = _serve(DecodeServicer(loop, None, HandoffMetrics("decode-test")))
+    try:
+        request = worker_pb2.DecodeRequest(request_id="r", prompt_token_ids=chat_prompts[0],
+                                           sampling=common_pb2.SamplingOptions(max_tokens=16))
+        received = []
+        with grpc.insecure_channel(address) as channel:
+            with pytest.raises(grpc.RpcError) as failed:
+                for response in worker_pb2_grpc.DecodeWorkerStub(channel).Decode(request, timeout=60):
+                    received.append(response)
+        assert failed.value.code() == grpc.StatusCode.INTERNAL and "failed a step" in failed.value.details()
+        assert all(not r.finish_reason for r in received)
+        assert loop.call(lambda: (engine.has_unfinished(), engine.blocks.num_used_blocks)) == (False, 0)
     finally:
         server.stop(None)
         loop.stop()

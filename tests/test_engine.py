@@ -234,7 +234,7 @@ def test_a_failed_step_ends_every_stream_even_those_it_finished(engine, prompts,
     try:
         outputs = loop.submit("lost", prompts[0], SamplingParams(max_tokens=1))
         out = outputs.get(timeout=60)
-        assert out.finished and out.finish_reason == "abort"
+        assert out.finished and out.finish_reason == "error"
     finally:
         loop.stop()
     assert not engine.has_unfinished() and "lost" not in loop.outputs

@@ -204,9 +204,10 @@ class _SlowDecodeWorker(worker_pb2_grpc.DecodeWorkerServicer):
     """An injected fault: a worker that sends `first` responses, then nothing until the call ends."""
 
     def __init__(self, first: int):
-        self.first = first
+        self.first, self.calls = first, 0
 
     def Decode(self, request, context):
+        self.calls += 1
         for _ in range(self.first):
             yield worker_pb2.DecodeResponse(token_ids=[42], text="x")
         while context.is_active():
@@ -215,25 +216,32 @@ class _SlowDecodeWorker(worker_pb2_grpc.DecodeWorkerServicer):
 
 @pytest.mark.parametrize("first", [0, 1])
 def test_the_routers_own_timeout_is_named_when_it_ends_a_request(model_dir, first):
-    """router.request_timeout_s bounds a whole request, its stream included: a long generation
-    it ends says so (before or after the first token), rather than only blaming the worker."""
-    worker = grpc.server(futures.ThreadPoolExecutor(max_workers=2))
-    worker_pb2_grpc.add_DecodeWorkerServicer_to_server(_SlowDecodeWorker(first), worker)
-    worker_address = f"127.0.0.1:{worker.add_insecure_port('127.0.0.1:0')}"
-    worker.start()
+    """router.request_timeout_s bounds a whole request, its retries and stream included: the
+    attempt it ends is not retried on the other worker, and the error names the setting (before or
+    after the first token), rather than only blaming the worker."""
+    servicers = [_SlowDecodeWorker(first) for _ in range(2)]
+    workers = [grpc.server(futures.ThreadPoolExecutor(max_workers=2)) for _ in servicers]
+    addresses = []
+    for servicer, worker in zip(servicers, workers):
+        worker_pb2_grpc.add_DecodeWorkerServicer_to_server(servicer, worker)
+        addresses.append(f"127.0.0.1:{worker.add_insecure_port('127.0.0.1:0')}")
+        worker.start()
     config = RouterConfig(heartbeat_interval_s=30.0, heartbeat_timeout_s=60.0, max_retries=1, request_timeout_s=1.0)
     router = run_router(config, TOKEN, model_dir, "smollm2", port=0, internal_port=0)
     try:
         with channel(f"127.0.0.1:{router.port}", TOKEN) as internal, \
                 channel(f"127.0.0.1:{router.internal_port}", TOKEN) as registry:
-            worker_pb2_grpc.RegistryStub(registry).Register(registration("agg", worker_address), timeout=10)
+            for i, address in enumerate(addresses):
+                worker_pb2_grpc.RegistryStub(registry).Register(registration(f"agg-{i}", address), timeout=10)
             stub = router_pb2_grpc.RouterStub(internal)
             e = rpc_error(lambda: list(stub.Generate(HELLO, timeout=60)))
             assert e.code() == grpc.StatusCode.DEADLINE_EXCEEDED, e
             assert "router.request_timeout_s (1 s) bounds a whole request" in e.details(), e.details()
+            assert sum(s.calls for s in servicers) == 1
     finally:
         router.stop(0)
-        worker.stop(0)
+        for worker in workers:
+            worker.stop(0)
 
 
 def test_a_full_worker_is_resource_exhausted_for_the_client_and_stays_routed(model_dir):
