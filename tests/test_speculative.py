@@ -379,6 +379,29 @@ def test_a_static_token_tree_drafts_its_shape_and_stays_lossless(prompts, plain_
                         for p in full)
 
 
+def test_a_static_tree_past_its_reserved_slots_is_cut_to_them_when_no_slot_is_left(prompts, plain_outputs, monkeypatch):
+    """A chain-shaped static tree with a leaf below its last drafted node proposes one token more
+    than the chain's reserved slots; when the pool has no slot for it (a fault injected: every
+    extra reservation refused), the proposal is cut to the reserved slots, never verified past
+    them (that failed the step: a span longer than its slots)."""
+    engine = Engine(EngineConfig(num_kv_blocks=256, speculative={
+        "adaptive": False, "method": "eagle3", "draft_confidence_threshold": 0.0, "num_speculative_tokens": 1,
+        "speculative_token_tree": [[0], [0, 0]]}))
+    proposing, propose, reserve = [False], engine._propose, engine.blocks.reserve
+
+    def short_pool_propose(scheduled):
+        proposing[0] = True
+        try:
+            return propose(scheduled)
+        finally:
+            proposing[0] = False
+
+    monkeypatch.setattr(engine, "_propose", short_pool_propose)
+    monkeypatch.setattr(engine.blocks, "reserve", lambda seq_id, n: not proposing[0] and reserve(seq_id, n))
+    assert _run(engine, prompts[:2], [SamplingParams(max_tokens=32)] * 2) == plain_outputs[:2]
+    assert engine.counters["accepted_tokens"] > 0 and engine.blocks.num_used_blocks == 0
+
+
 def test_a_static_token_tree_is_checked_when_configured():
     def spec(**fields):
         return EngineConfig(speculative={"method": "eagle3", **fields})
