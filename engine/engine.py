@@ -326,7 +326,7 @@ class Engine:
         room = min(seq.params.max_tokens - seq.num_generated, self.max_model_len - len(seq.token_ids))
         new_tokens = new_tokens[:room]
         ids, text, reason = self.streams[seq.seq_id].push(new_tokens)
-        seq.token_ids.extend(ids)  # not the accepted drafts after a stop token: the output ended before them
+        seq.token_ids.extend(ids)  # not accepted drafts after a stop token or string: the output ended before them
         if reason is None and len(new_tokens) == room:
             reason = "length"
         if reason is not None:

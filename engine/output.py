@@ -58,14 +58,20 @@ class OutputStream:
     def push(self, token_ids: list[int]) -> tuple[list[int], str, str | None]:
         """Feed newly generated tokens: (token ids to report, text delta, finish reason or None).
 
-        Tokens after a stop token are dropped; the stop token itself is reported but not detokenized.
+        Tokens after a stop token, or after the token that completes a stop string, are dropped (an
+        accepted speculative run ends where decoding token by token would); a stop token itself is
+        reported but not detokenized.
         """
+        text = ""
         for i, token in enumerate(token_ids):
             if token in self.stop_ids:
-                text, _ = self._release(self.detokenizer.add(token_ids[:i]) + self.detokenizer.flush(), final=True)
+                released, _ = self._release(self.detokenizer.flush(), final=True)
+                return token_ids[: i + 1], text + released, "stop"
+            released, stopped = self._release(self.detokenizer.add([token]), final=False)
+            text += released
+            if stopped:
                 return token_ids[: i + 1], text, "stop"
-        text, stopped = self._release(self.detokenizer.add(token_ids), final=False)
-        return token_ids, text, "stop" if stopped else None
+        return token_ids, text, None
 
     def finish(self) -> str:
         """Release everything held back when generation ends for another reason (length, abort)."""

@@ -101,6 +101,21 @@ def test_a_stop_token_inside_an_accepted_run_ends_the_output_there(spec_engines,
         assert outs[-1].finish_reason == "stop" and outs[-1].usage.completion_tokens == end + 1
 
 
+def test_a_stop_string_inside_an_accepted_run_ends_the_tokens_where_plain_decoding_does(engine, spec_engines, prompts):
+    """The token completing a stop string is the last one reported and counted, as in plain
+    decoding (an accepted run used to report its tokens after it too)."""
+    params = lambda stop: SamplingParams(max_tokens=32, stop=[stop])  # noqa: E731
+    plain_text = "".join(o.text for o in engine.generate(prompts[7], SamplingParams(max_tokens=32)))
+    for stop in {plain_text[at : at + 3] for at in range(6, len(plain_text) - 3, 5)}:
+        want = list(engine.generate(prompts[7], params(stop)))
+        got = list(spec_engines["ngram"].generate(prompts[7], params(stop)))
+        assert [t for o in got for t in o.token_ids] == [t for o in want for t in o.token_ids], stop
+        assert "".join(o.text for o in got) == "".join(o.text for o in want)
+        assert (got[-1].finish_reason, got[-1].usage.completion_tokens) == (want[-1].finish_reason,
+                                                                            want[-1].usage.completion_tokens)
+    assert spec_engines["ngram"].counters["accepted_tokens"] > 0
+
+
 def test_a_confidence_threshold_ends_chains_early_and_stays_lossless(prompts, plain_outputs):
     """With the shipped head, a threshold drafts fewer tokens, a larger share of them accepted; in a
     batch of B the threshold is B times higher per sequence, so fewer still are drafted, and none
