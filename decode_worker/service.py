@@ -133,14 +133,13 @@ def _check_handle(handle, request_id: str, prompt: list[int]) -> None:
 
 
 def _engine_handle(handle, table: list[int]) -> KVHandle:
-    if len(handle.draft_hidden) % 4 or not handle.rng_state:
-        raise InvalidRequest("prefilled", f"rng_state of {len(handle.rng_state)} bytes, draft_hidden of "
-                             f"{len(handle.draft_hidden)} (whole float32 values)")
+    if len(handle.draft_hidden) % 4:
+        raise InvalidRequest("prefilled.draft_hidden", f"{len(handle.draft_hidden)} bytes, not whole float32 values")
     hidden = np.frombuffer(handle.draft_hidden, dtype=np.float32)
     return KVHandle(
         block_table=table,
         first_token=handle.first_token,
-        rng_state=torch.frombuffer(bytearray(handle.rng_state), dtype=torch.uint8),
+        seed=handle.seed,
         draft_hidden=torch.from_numpy(hidden.copy()).view(1, -1) if hidden.size else None,
         cached_prompt_tokens=handle.cached_prompt_tokens,
         queue_seconds=handle.queue_seconds,

@@ -139,7 +139,7 @@ class CpuKernels:
         lib.pd_probabilities.argtypes = ([ctypes.c_void_p] + [ctypes.c_int] * 2 + [ctypes.c_float, ctypes.c_int, ctypes.c_float]
                                          + [ctypes.c_void_p] * 2 + [ctypes.c_int])
         lib.pd_inverse_cdf.restype = None
-        lib.pd_inverse_cdf.argtypes = [ctypes.c_void_p, ctypes.c_int, ctypes.c_void_p, ctypes.c_int] + [ctypes.c_void_p] * 4
+        lib.pd_inverse_cdf.argtypes = [ctypes.c_void_p, ctypes.c_int, ctypes.c_void_p, ctypes.c_int] + [ctypes.c_void_p] * 2
         lib.pd_paged_attention.restype = ctypes.c_int
         lib.pd_paged_attention.argtypes = (
             [ctypes.c_void_p] * 2 + [ctypes.c_int] + [ctypes.c_long] * 3 + [ctypes.c_void_p, ctypes.c_int]
@@ -260,21 +260,17 @@ class CpuKernels:
                                    out.data_ptr(), scratch.data_ptr(), threads)
         return out
 
-    def inverse_cdf(self, weights: torch.Tensor, rows: list[int], u: torch.Tensor, rejected: list[list[int]]) -> list[int]:
-        """Per draw e: the first index of row rows[e] of weights [n, V] fp32 (>= 0; the tokens
-        rejected[e] counted as 0) where the running sum exceeds u[e] times the row's total
-        (engine/spec/rejection.py's inverse_cdf, to rounding: sums by spans of four vectors, then
-        fp64, where torch's fp64 scan of a 49K row took ~100 us), without copying the rows."""
+    def inverse_cdf(self, weights: torch.Tensor, rows: list[int], u: torch.Tensor) -> list[int]:
+        """Per draw e: the first index of row rows[e] of weights [n, V] fp32 (>= 0) where the
+        running sum exceeds u[e] times the row's total (engine/spec/rejection.py's inverse_cdf, to
+        rounding: sums by spans of four vectors, then fp64, where torch's fp64 scan of a 49K row
+        took ~100 us), without copying the rows."""
         _check_logits(weights, "inverse_cdf")
         weights, u = weights.contiguous(), u.to(torch.float32).contiguous()
-        at = [0]
-        for r in rejected:
-            at.append(at[-1] + len(r))
-        index = torch.tensor(rows + [t for r in rejected for t in r] + at, dtype=torch.long)
+        index = torch.tensor(rows, dtype=torch.long)
         out = torch.empty(len(rows), dtype=torch.long)
-        n = len(rows)
-        self._lib.pd_inverse_cdf(weights.data_ptr(), weights.shape[1], index.data_ptr(), n, u.data_ptr(),
-                                 index[n:].data_ptr(), index[n + at[-1] :].data_ptr(), out.data_ptr())
+        self._lib.pd_inverse_cdf(weights.data_ptr(), weights.shape[1], index.data_ptr(), len(rows), u.data_ptr(),
+                                 out.data_ptr())
         return out.tolist()
 
     def norm_rows(self, x: torch.Tensor, rows: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:

@@ -121,7 +121,8 @@ class Engine:
         verified_at = time.perf_counter()
         sampling = [i for i, s in enumerate(scheduled) if s.yields_token]
         seqs = [scheduled[i].seq for i in sampling]
-        verdict = self.verify(make_verify_input([s.params for s in seqs], [s.generator for s in seqs],
+        verdict = self.verify(make_verify_input([s.params for s in seqs], [s.seed for s in seqs],
+                                                [len(s.token_ids) for s in seqs],
                                                 [proposals[i].token_ids for i in sampling], out.logits,
                                                 [proposals[i].parents for i in sampling]))
         paths = dict(zip(sampling, verdict.paths))
@@ -207,7 +208,7 @@ class Engine:
         handle = KVHandle(
             block_table=self.blocks.block_table(seq.seq_id),
             first_token=first_token,
-            rng_state=seq.generator.get_state(),
+            seed=seq.seed,
             draft_hidden=self.proposer.prefill_draft(seq),
             cached_prompt_tokens=seq.num_cached_prompt,
             queue_seconds=seq.queue_seconds,
@@ -267,12 +268,12 @@ class Engine:
         if seq.finish_reason == "abort":
             self.drop_incoming(request_id)
             return RequestOutput(request_id, [], "", finished=True, finish_reason="abort")
-        try:  # the handle's states, before anything else changes: one that does not fit frees the blocks
-            seq.generator.set_state(handle.rng_state)
+        try:  # the handle's state, before anything else changes: one that does not fit frees the blocks
             self.proposer.adopt(seq, len(seq.token_ids) - 1, handle.draft_hidden)
         except (RuntimeError, ValueError) as e:
             self.drop_incoming(request_id)
-            raise InvalidRequest("prefilled", f"its generator or draft hidden state does not fit this engine: {e}") from None
+            raise InvalidRequest("prefilled", f"its draft hidden state does not fit this engine: {e}") from None
+        seq.seed = handle.seed  # the draws go on as the prefill side's began
         del self.incoming[request_id]
         self.blocks.commit(request_id, seq.token_ids[seq.num_cached_prompt :])
         seq.num_computed = len(seq.token_ids)

@@ -19,7 +19,7 @@ class KVHandle:
 
     block_table: list[int]  # this engine's blocks holding the prompt's KV (target and draft)
     first_token: int
-    rng_state: torch.Tensor  # the request's generator after sampling the first token
+    seed: int  # the request's sampling seed (engine.sampling), which drew the first token
     draft_hidden: torch.Tensor | None  # EAGLE3 draft input hidden state of the last prompt position
     cached_prompt_tokens: int
     queue_seconds: float  # waited in this engine's queue before the prompt was computed

@@ -1,12 +1,14 @@
-"""The distribution a request samples from, and its random generator.
+"""The distribution a request samples from, and its random draws.
 
-Each request owns a `torch.Generator` seeded from its `seed` (or from fresh entropy when none
-is given), so a seeded request draws the same tokens whatever else shares its batch.
-`probabilities` is the single definition of the (temperature, top-k, top-p) distribution (its
-torch form, `reference_probabilities`, is the definition; CPU fp32 rows take the same steps in one
-native pass, csrc/logit_rows.c); the draws themselves happen in `engine.spec.rejection.verify`,
-for which plain sampling is the zero-draft case -- so speculative and plain decoding sample from
-exactly the same p.
+Each request has a seed (its `seed`, or fresh entropy when none is given), and the token at
+position t is drawn with one uniform that is a hash of (seed, t) alone (`position_uniforms`). So a
+seeded request draws the same tokens whatever shares its batch, however many tokens were drafted
+before, after a preemption's recompute and across a prefill/decode hand-off (the seed travels with
+it); and speculative sampling emits exactly the tokens plain sampling does (see
+engine.spec.rejection). `probabilities` is the single definition of the (temperature, top-k,
+top-p) distribution (its torch form, `reference_probabilities`, is the definition; CPU fp32 rows
+take the same steps in one native pass, csrc/logit_rows.c); the draws happen in
+`engine.spec.rejection.verify`, for which plain sampling is the zero-draft case.
 """
 
 import secrets
@@ -16,12 +18,25 @@ import torch
 from engine import cpu_kernels
 from engine.params import SamplingParams
 
+_MASK64 = (1 << 64) - 1
 
-def make_generator(params: SamplingParams) -> torch.Generator:
-    """The request's own generator: seeded from `params.seed`, else from fresh entropy."""
-    generator = torch.Generator()
-    generator.manual_seed(params.seed if params.seed is not None else secrets.randbits(63))
-    return generator
+
+def make_seed(params: SamplingParams) -> int:
+    """The request's seed: `params.seed`, else fresh entropy."""
+    return params.seed if params.seed is not None else secrets.randbits(63)
+
+
+def _mix64(x: int) -> int:
+    """SplitMix64's finalizer: a bijection of 64-bit integers whose outputs look independent."""
+    x = (x ^ (x >> 30)) * 0xBF58476D1CE4E5B9 & _MASK64
+    x = (x ^ (x >> 27)) * 0x94D049BB133111EB & _MASK64
+    return x ^ (x >> 31)
+
+
+def position_uniforms(seed: int, positions: list[int]) -> list[float]:
+    """The uniform in [0, 1) that draws the token at each position (24 bits: exact in fp32)."""
+    base = _mix64(seed & _MASK64)
+    return [(_mix64(base ^ _mix64(p + 0x9E3779B97F4A7C15 & _MASK64)) >> 40) / (1 << 24) for p in positions]
 
 
 # Candidates searched for a top-p nucleus first (16x more while a row's nucleus fills them):

@@ -4,11 +4,9 @@ import enum
 import time
 from dataclasses import dataclass, field
 
-import torch
-
 from engine.params import SamplingParams
 from engine.stats import AcceptanceStats
-from engine.sampling import make_generator
+from engine.sampling import make_seed
 
 
 class SeqStatus(enum.Enum):
@@ -23,7 +21,7 @@ class Sequence:
     token_ids: list[int]  # prompt followed by generated tokens
     num_prompt_tokens: int
     params: SamplingParams
-    generator: torch.Generator
+    seed: int  # its draws: engine.sampling.position_uniforms
     status: SeqStatus = SeqStatus.WAITING
     num_computed: int = 0  # tokens whose KV is in the cache (committed in the block manager)
     num_cached_prompt: int = 0  # prompt tokens served by the prefix cache at admission
@@ -35,7 +33,7 @@ class Sequence:
 
     @classmethod
     def new(cls, seq_id: str, prompt_token_ids: list[int], params: SamplingParams) -> "Sequence":
-        return cls(seq_id, list(prompt_token_ids), len(prompt_token_ids), params, make_generator(params))
+        return cls(seq_id, list(prompt_token_ids), len(prompt_token_ids), params, make_seed(params))
 
     @property
     def num_generated(self) -> int:

@@ -68,7 +68,7 @@ class PrefillServicer(worker_pb2_grpc.PrefillWorkerServicer):
         return kv_pb2.KVHandle(
             request_id=rid, source_worker_id=self.worker_id, source_address=self.address, layout=self.layout,
             block_ids=h.block_table, num_prompt_tokens=len(request.prompt_token_ids), first_token=h.first_token,
-            rng_state=h.rng_state.numpy().tobytes(),
+            seed=h.seed,
             draft_hidden=h.draft_hidden.float().numpy().tobytes() if h.draft_hidden is not None else b"",
             cached_prompt_tokens=h.cached_prompt_tokens, queue_seconds=h.queue_seconds,
         )

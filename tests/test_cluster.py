@@ -237,9 +237,8 @@ def test_a_decode_whose_kv_source_is_gone_names_the_source(grpc_cluster):
     (lambda h: setattr(h, "request_id", "someone-else"), "prefilled.request_id"),
     (lambda h: setattr(h, "num_prompt_tokens", h.num_prompt_tokens - 1), "prefilled.num_prompt_tokens"),
     (lambda h: h.block_ids.__setitem__(0, -3), "prefilled.block_ids"),
-    (lambda h: setattr(h, "rng_state", b""), "rng_state of 0 bytes"),  # refused after the pull, its blocks
-    (lambda h: setattr(h, "draft_hidden", bytes(6)), "draft_hidden of 6"),  # freed all the same
-    (lambda h: setattr(h, "rng_state", bytes(8)), "generator or draft hidden state does not fit"),
+    (lambda h: setattr(h, "draft_hidden", bytes(6)), "prefilled.draft_hidden: 6 bytes"),  # refused after the
+    (lambda h: setattr(h, "draft_hidden", bytes(400)), "draft hidden state does not fit"),  # pull, blocks freed all the same
 ])
 def test_a_decode_refuses_a_handle_that_is_not_its_requests(grpc_cluster, forge, field):
     workers, token = grpc_cluster.workers(), grpc_cluster.config.token()

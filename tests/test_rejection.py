@@ -1,5 +1,5 @@
-"""Verification's rules (engine/spec/rejection.py): greedy acceptance down a tree, and stochastic
-acceptance that reproduces the target's distribution."""
+"""Verification's rules (engine/spec/rejection.py): acceptance down a tree of the target's choice
+at each row (its argmax, or its draw), which reproduces the target's distribution."""
 
 import torch
 
@@ -15,7 +15,7 @@ def test_tree_verification_walks_down_from_the_root():
     drafts, parents, argmax = [5, 6, 7, 8, 9], [-1, 0, -1, 2, 2], [7, 1, 1, 9, 1, 3]
     logits = torch.zeros(len(argmax), vocab)
     logits[torch.arange(len(argmax)), torch.tensor(argmax)] = 1.0
-    out = verify(VerifyInput([drafts], logits, None, [True], torch.zeros(6, 2), parents=[parents]))
+    out = verify(VerifyInput([drafts], logits, None, [True], torch.zeros(6), parents=[parents]))
     assert out.paths == [[2, 4]] and out.tokens == [[7, 9, 3]]
 
 
@@ -28,7 +28,7 @@ def test_rejection_sampling_reproduces_the_target_distribution():
     drafts = torch.randint(0, 5, (n,), generator=gen)
     out = verify(VerifyInput(
         drafts=[[d] for d in drafts.tolist()], target_logits=torch.zeros(2 * n, 5), target_probs=p.repeat(2 * n, 1),
-        greedy=[False] * n, uniforms=torch.rand(2 * n, 2, generator=gen),
+        greedy=[False] * n, uniforms=torch.rand(2 * n, generator=gen),
     ))
     first = torch.tensor([t[0] for t in out.tokens])
     freq = torch.bincount(first, minlength=5).float() / n
@@ -48,7 +48,7 @@ def test_tree_rejection_sampling_reproduces_the_target_distribution():
     n = 20000
     out = verify(VerifyInput(
         drafts=[[1, 2, 3]] * n, target_logits=torch.zeros(4 * n, 5), target_probs=p.repeat(n, 1), greedy=[False] * n,
-        uniforms=torch.rand(4 * n, 2, generator=gen), parents=[[-1, -1, 0]] * n,
+        uniforms=torch.rand(4 * n, generator=gen), parents=[[-1, -1, 0]] * n,
     ))
     first, second = (torch.tensor([t[k] if len(t) > k else -1 for t in out.tokens]) for k in (0, 1))
     assert (torch.bincount(first, minlength=5).float() / n - p[0]).abs().max() < 0.015

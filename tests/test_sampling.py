@@ -1,4 +1,4 @@
-"""Sampler: greedy, temperature, top-k, top-p and per-request seeds."""
+"""Sampler: greedy, temperature, top-k, top-p, per-request seeds and their position-keyed draws."""
 
 import pytest
 import torch
@@ -6,25 +6,28 @@ from pydantic import ValidationError
 
 from engine import cpu_kernels
 from engine.params import SamplingParams
-from engine.sampling import make_generator, probabilities
+from engine.sampling import make_seed, position_uniforms, probabilities
 from engine.spec.rejection import make_verify_input, verify
 
 
-def sample(logits: torch.Tensor, params: list[SamplingParams], generators: list[torch.Generator]) -> list[int]:
-    """One token per row: verification with no drafts is the engine's sampling path."""
-    out = verify(make_verify_input(params, generators, [[] for _ in params], logits))
+def sample(logits: torch.Tensor, params: list[SamplingParams], seeds: list[int],
+           positions: list[int] | None = None) -> list[int]:
+    """One token per row (at `positions`, default 0): verification with no drafts is the engine's
+    sampling path."""
+    positions = positions if positions is not None else [0] * len(params)
+    out = verify(make_verify_input(params, seeds, positions, [[] for _ in params], logits))
     return [t[0] for t in out.tokens]
 
 
 def _draw(logits: torch.Tensor, params: SamplingParams, n: int) -> torch.Tensor:
-    gen = make_generator(params)
-    return torch.tensor([sample(logits[None], [params], [gen])[0] for _ in range(n)])
+    """n tokens sampled from the same logits at positions 0 .. n - 1."""
+    seed = make_seed(params)
+    return torch.tensor([sample(logits[None], [params], [seed], [t])[0] for t in range(n)])
 
 
 def test_greedy_is_argmax():
     logits = torch.randn(5, 100)
-    gens = [torch.Generator() for _ in range(5)]
-    assert sample(logits, [SamplingParams()] * 5, gens) == logits.argmax(-1).tolist()
+    assert sample(logits, [SamplingParams()] * 5, [0] * 5) == logits.argmax(-1).tolist()
 
 
 def test_top_k_one_is_greedy():
@@ -36,11 +39,22 @@ def test_top_k_one_is_greedy():
 def test_same_seed_same_tokens_whatever_the_batch():
     logits = torch.randn(3, 1000)
     p = SamplingParams(temperature=1.0, seed=1234)
-    alone = [sample(logits[1:2], [p], [make_generator(p)])[0] for _ in range(1)]
+    alone = sample(logits[1:2], [p], [make_seed(p)], [17])
     others = SamplingParams(temperature=0.7, seed=99)
-    batched = sample(logits, [others, p, others], [make_generator(others), make_generator(p), make_generator(others)])
+    batched = sample(logits, [others, p, others], [make_seed(others), make_seed(p), make_seed(others)], [3, 17, 40])
     assert batched[1] == alone[0]
     assert (_draw(logits[0], p, 20) == _draw(logits[0], p, 20)).all()
+    assert len(set(_draw(logits[0], SamplingParams(temperature=1.0), 20).tolist())) > 1  # no seed: fresh entropy
+
+
+def test_a_positions_uniform_depends_on_the_seed_and_the_position_alone():
+    """The draw of a position is its own, whatever was drawn before it (how many rows a
+    speculative step verified): uniform in [0, 1), fp32-exact, different across seeds."""
+    u = position_uniforms(7, list(range(20000)))
+    assert all(0.0 <= x < 1.0 and x == float(torch.tensor(x)) for x in u)
+    assert position_uniforms(7, [5, 19999]) == [u[5], u[19999]] and position_uniforms(8, [5]) != [u[5]]
+    counts = torch.histc(torch.tensor(u), bins=10, min=0.0, max=1.0)
+    assert counts.min() > 1800 and counts.max() < 2200  # ~15 standard deviations of 2000 draws a bin: no bias
 
 
 def test_temperature_sampling_follows_the_distribution():
@@ -108,14 +122,14 @@ def test_a_row_of_nan_logits_samples_without_stopping_the_batch():
     params = SamplingParams(temperature=0.7, top_p=0.9, seed=1)
     p = probabilities(logits, params)
     assert p[0].isnan().all() and torch.isclose(p[1].sum(), torch.tensor(1.0))
-    assert len(sample(logits, [params, params], [make_generator(params), make_generator(params)])) == 2
+    assert len(sample(logits, [params, params], [make_seed(params), make_seed(params)])) == 2
 
 
 def test_a_temperature_below_1e_5_is_greedy():
     """Logits divided by a temperature far smaller overflow; that sharp a distribution is the argmax."""
     logits = torch.randn(3, 1000)
     assert SamplingParams(temperature=1e-40, top_p=0.9).greedy
-    assert sample(logits, [SamplingParams(temperature=1e-40, top_p=0.9)] * 3, [torch.Generator()] * 3) == \
+    assert sample(logits, [SamplingParams(temperature=1e-40, top_p=0.9)] * 3, [0] * 3) == \
         logits.argmax(-1).tolist()
 
 
@@ -161,8 +175,8 @@ def test_the_native_distribution_is_the_reference_definitions(isa, temperature, 
 @pytest.mark.parametrize("isa", cpu_kernels.supported_isas())
 def test_the_native_draw_is_the_reference_inverse_cdf(isa):
     """The rows' draws natively, on every vector width: a token with weight whose CDF interval holds
-    u times the total (to rounding), rejected tokens never, on nucleus rows (mostly zeros) and full
-    ones; the torch inverse CDF's token wherever u is not at a boundary."""
+    u times the total (to rounding), on nucleus rows (mostly zeros) and full ones; the torch
+    inverse CDF's token wherever u is not at a boundary."""
     from engine.spec.rejection import inverse_cdf
 
     gen = torch.Generator().manual_seed(6)
@@ -170,11 +184,10 @@ def test_the_native_draw_is_the_reference_inverse_cdf(isa):
     weights[:3] = probabilities(torch.randn(3, 49157, generator=gen) * 3, SamplingParams(temperature=1.0, top_p=0.8))
     rows, u = [0, 2, 3, 5, 5, 1], torch.rand(6, generator=gen)
     u[5] = 0.0  # the first weight above zero
-    rejected = [[], [int(weights[2].argmax())], [7, 11], [], [int(weights[5].argmax())], []]
-    residual = weights[rows].clone()
-    for i, r in enumerate(rejected):
-        residual[i, r] = 0.0
-    drawn = cpu_kernels.kernels(isa).inverse_cdf(weights, rows, u, rejected)
+    weights[2, int(weights[2].argmax())] = 0.0  # zero weights amid the others
+    weights[3, [7, 11]] = 0.0
+    residual = weights[rows]
+    drawn = cpu_kernels.kernels(isa).inverse_cdf(weights, rows, u)
     cdf = residual.double().cumsum(-1)
     for i, token in enumerate(drawn):
         at = float(u[i]) * float(cdf[i, -1])

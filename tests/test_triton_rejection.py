@@ -5,15 +5,14 @@ already have imported it, so the comparison runs in a subprocess: this file exec
 (`python -m tests.test_triton_rejection`) runs every case and prints the results as JSON; the
 pytest side runs it once and asserts per case.
 
-The kernel's CDF accumulates in fp32 and the reference's in fp64, so in general a sample could
+The kernel's CDF accumulates in fp32 and the reference's in fp64, so in general a draw could
 differ when u lands within ~1e-6 of a CDF boundary. Here the probabilities are multiples of 2^-14
-and the sampling uniforms multiples of 2^-10: every partial sum, residual and threshold u * total
-is then exact in fp32, so the two must agree token for token. The forced sequences add the edge
-cases on top: an accept test at the tie u = p(d), thresholds equal to a CDF value (u = 0 and
-u = 1/2; the sample is the first index whose CDF strictly exceeds it), and u just below 1 (the
-last token with weight, also where the fp32 CDF ends short of the threshold: _lossy_cdf_row).
-The bf16 cases' sums are still exact (multiples of 2^-21) but their thresholds u * total are
-not, so those cases rely on their fixed seeds.
+and the uniforms multiples of 2^-10: every partial sum and threshold u * total is then exact in
+fp32, so the two must agree token for token. The forced sequences add the edge cases on top:
+thresholds equal to a CDF value (u = 0 and u = 1/2; the draw is the first index whose CDF
+strictly exceeds it), and u just below 1 (the last token with weight, also where the fp32 CDF
+ends short of the threshold: _lossy_cdf_row). The bf16 cases' sums are still exact (multiples
+of 2^-21) but their thresholds u * total are not, so those cases rely on their fixed seeds.
 """
 
 import json
@@ -34,7 +33,7 @@ ALMOST_ONE = 1.0 - 2.0 ** -24
 # (name, vocab, probs dtype, sequences). A sequence is (num_drafts, kind, forced) with kind
 # "g"reedy, "s"ampled, or "f": sampled, no drafts, a bonus row from _lossy_cdf_row.
 # forced = k: exactly k drafts accepted (k = num_drafts: full acceptance, 0: immediate rejection)
-# with the edge cases above; None: random drafts and uniforms. BLOCK_V is 1024, so vocab 2500
+# with the edge cases above; None: the target's argmax as drafts (a real drafter's guess). BLOCK_V is 1024, so vocab 2500
 # samples across three chunks. A trailing True turns the greedy sequences' drafts into trees.
 GREEDY = [(0, "g", 0), (1, "g", 1), (3, "g", 0), (5, "g", 5), (5, "g", 2), (3, "g", None), (5, "g", None)]
 SAMPLED = [(0, "s", 0), (1, "s", 1), (3, "s", 0), (5, "s", 5), (5, "s", 2), (3, "s", None), (5, "s", None),
@@ -112,8 +111,7 @@ def _make_input(vocab: int, dtype: str, seqs: list, seed: int):
     logits = (torch.randn(num_rows, vocab, generator=gen) * 3).to(dtype).float()
     argmax = logits.argmax(-1)
     probs = _dyadic_probs(logits, dtype)
-    u_sample = torch.randint(0, 2 ** UNIFORM_BITS, (num_rows,), generator=gen) / 2 ** UNIFORM_BITS
-    uniforms = torch.stack([torch.rand(num_rows, generator=gen), u_sample], 1)
+    uniforms = torch.randint(0, 2 ** UNIFORM_BITS, (num_rows,), generator=gen) / 2 ** UNIFORM_BITS
     draft_ids = []
     row = 0
     for n, kind, forced in seqs:
@@ -124,12 +122,10 @@ def _make_input(vocab: int, dtype: str, seqs: list, seed: int):
                 miss = (int(argmax[r]) + 1 + int(torch.randint(0, vocab - 1, (1,), generator=gen))) % vocab
                 d = int(argmax[r]) if hit else miss
             elif forced is not None and i < forced:
-                d = int(torch.multinomial(probs[r], 1, generator=gen))  # p(d) > 0 and u = 0: accepted
-                uniforms[r, 0] = 0.0
+                d = _draw(probs, uniforms, r)  # the row's own draw: accepted
             elif forced is not None and i == forced:
-                d = int(probs[r].argmin())  # rejected at the tie u = p(d)
-                uniforms[r, 0] = probs[r, d]
-                uniforms[r, 1] = ALMOST_ONE
+                uniforms[r] = ALMOST_ONE  # the draw is the last token with weight, the draft another
+                d = (_draw(probs, uniforms, r) + 1) % vocab
             else:
                 d = int(argmax[r])  # drafts are greedy, like a real drafter's
             draft_ids.append(d)
@@ -137,11 +133,11 @@ def _make_input(vocab: int, dtype: str, seqs: list, seed: int):
             probs[row : row + n + 1] = float("nan")  # greedy rows of p are never read
         elif kind == "f":
             probs[row] = _lossy_cdf_row(vocab)
-            uniforms[row, 1] = ALMOST_ONE
+            uniforms[row] = ALMOST_ONE
         elif forced == n:  # the bonus row is sampled: make its threshold a CDF value
             u = 0.0 if n == 0 else 0.5
             probs[row + n] = _with_cdf_tie(probs[row + n], u).to(dtype).float()
-            uniforms[row + n, 1] = u
+            uniforms[row + n] = u
         row += n + 1
     all_greedy = all(kind == "g" for _, kind, _ in seqs)
     ends = [sum(n for n, _, _ in seqs[: i + 1]) for i in range(len(seqs))]
@@ -154,10 +150,17 @@ def _make_input(vocab: int, dtype: str, seqs: list, seed: int):
     )
 
 
+def _draw(probs, uniforms, row: int) -> int:
+    """The reference's draw at a row (its inverse CDF by the row's uniform)."""
+    from engine.spec.rejection import inverse_cdf
+
+    return inverse_cdf(probs[row : row + 1], uniforms[row : row + 1])[0]
+
+
 def _with_trees(inp, seqs: list, seed: int):
     """inp with its greedy and sampled sequences' drafts re-parented into random trees, each draft
-    set to the target's argmax after its parent half of the time (so paths go deep and also end
-    at siblings); the edge-case kinds keep chains."""
+    set to the target's choice after its parent (argmax, or draw) 60 % of the time (so paths go
+    deep and also end at siblings); the edge-case kinds keep chains."""
     import torch
 
     gen = torch.Generator().manual_seed(seed)
@@ -169,8 +172,9 @@ def _with_trees(inp, seqs: list, seed: int):
         for i in range(n):
             tree = kind in ("g", "s")
             parents.append(int(torch.randint(-1, i, (1,), generator=gen)) if tree else i - 1)
-            if tree and torch.rand(1, generator=gen).item() < 0.5:
-                drafts[i] = argmax[row + 1 + parents[-1]]
+            if tree and torch.rand(1, generator=gen).item() < 0.6:
+                at = row + 1 + parents[-1]
+                drafts[i] = argmax[at] if kind == "g" else _draw(inp.target_probs.float(), inp.uniforms, at)
         inp.parents.append(parents)
         row += n + 1
     return inp

@@ -269,36 +269,27 @@ void pd_probabilities(const float *x, int rows, int n, float temperature, int to
                           scratch + (size_t)omp_get_thread_num() * n);
 }
 
-static inline int is_rejected(long i, const long *rejected, int num_rejected) {
-    for (int j = 0; j < num_rejected; j++)
-        if (rejected[j] == i) return 1;
-    return 0;
-}
-
-/* The sum of w[a, b) without the rejected tokens: in vectors, one order for a row whatever its batch. */
-static float span_sum(const float *w, int a, int b, const long *rejected, int num_rejected) {
-    int clean = b - a == SPAN;
-    for (int j = 0; j < num_rejected; j++) clean &= rejected[j] < a || rejected[j] >= b;
-    if (clean) {
+/* The sum of w[a, b): in vectors, one order for a row whatever its batch. */
+static float span_sum(const float *w, int a, int b) {
+    if (b - a == SPAN) {
         vfloat s = load_f32(w + a) + load_f32(w + a + LANES);
         for (int i = a + 2 * LANES; i < b; i += LANES) s += load_f32(w + i);
         return hsum(s);
     }
     float s = 0.0f;
-    for (int i = a; i < b; i++) s += is_rejected(i, rejected, num_rejected) ? 0.0f : w[i];
+    for (int i = a; i < b; i++) s += w[i];
     return s;
 }
 
-/* An inverse-CDF draw from w[n] (>= 0; the rejected tokens counted as 0): the first index where the
- * running sum exceeds u times the total. Spans' sums first (vectors; fp64 between spans), then the
- * running sum inside the span where it crosses: ~2 passes of vector adds instead of a sequential fp64
- * sum over the whole vocabulary (latency-bound: ~100 us a 49K row, twice). */
-static long inverse_cdf_row(const float *w, int n, const long *rejected, int num_rejected, float u,
-                            float *spans) {
+/* An inverse-CDF draw from w[n] (>= 0): the first index where the running sum exceeds u times the
+ * total. Spans' sums first (vectors; fp64 between spans), then the running sum inside the span
+ * where it crosses: ~2 passes of vector adds instead of a sequential fp64 sum over the whole
+ * vocabulary (latency-bound: ~100 us a 49K row, twice). */
+static long inverse_cdf_row(const float *w, int n, float u, float *spans) {
     int count = (n + SPAN - 1) / SPAN;
     double total = 0.0;
     for (int s = 0; s < count; s++) {
-        spans[s] = span_sum(w, s * SPAN, s + 1 < count ? (s + 1) * SPAN : n, rejected, num_rejected);
+        spans[s] = span_sum(w, s * SPAN, s + 1 < count ? (s + 1) * SPAN : n);
         total += spans[s];
     }
     double target = (double)u * total, sum = 0.0;
@@ -308,20 +299,16 @@ static long inverse_cdf_row(const float *w, int n, const long *rejected, int num
             continue;
         }
         for (int i = s * SPAN; i < n; i++)  /* past the span only if rounding put the crossing there */
-            if (!is_rejected(i, rejected, num_rejected) && (sum += w[i]) > target && w[i] > 0.0f) return i;
+            if ((sum += w[i]) > target && w[i] > 0.0f) return i;
         break;
     }
     for (int i = n - 1; i > 0; i--)  /* u * total at the very top (rounding): the last token with weight */
-        if (w[i] > 0.0f && !is_rejected(i, rejected, num_rejected)) return i;
+        if (w[i] > 0.0f) return i;
     return n - 1;  /* no weight at all (torch's inverse CDF clamps to the last index too) */
 }
 
-/* out[e] = inverse_cdf_row of row rows[e] of w [*][n] by u[e], without the tokens
- * rejected[rejected_at[e] .. rejected_at[e + 1]). */
-void pd_inverse_cdf(const float *w, int n, const long *rows, int num, const float *u, const long *rejected,
-                    const long *rejected_at, long *out) {
+/* out[e] = inverse_cdf_row of row rows[e] of w [*][n] by u[e]. */
+void pd_inverse_cdf(const float *w, int n, const long *rows, int num, const float *u, long *out) {
     float spans[(n + SPAN - 1) / SPAN];
-    for (int e = 0; e < num; e++)
-        out[e] = inverse_cdf_row(w + (size_t)rows[e] * n, n, rejected + rejected_at[e],
-                                 (int)(rejected_at[e + 1] - rejected_at[e]), u[e], spans);
+    for (int e = 0; e < num; e++) out[e] = inverse_cdf_row(w + (size_t)rows[e] * n, n, u[e], spans);
 }

@@ -2,33 +2,27 @@
 
 Inputs are ragged: sequence b owns rows [start_b, start_b + len(drafts[b]) + 1) of the target's
 logits (one row per draft position plus the bonus position), with start_b the running sum of
-the earlier sequences' len(drafts) + 1. Per sequence:
-- greedy: accept the longest prefix where draft == target argmax, then emit the target's argmax
-  at the first mismatch (or the bonus token after a full acceptance) -- token-identical to plain
-  greedy decoding;
-- sampled: drafts are the draft model's top choices (or n-gram lookups), not samples, so the
-  proposal q is one-hot: accept draft d with probability p(d) (the one-hot case of min(1, p/q),
-  Leviathan et al.; Chen et al., 2023); on rejection emit a sample of p without d; after full
-  acceptance a bonus sample of p. This reproduces the target distribution p exactly.
-With no drafts this is plain sampling, so the engine has one sampling path.
+the earlier sequences' len(drafts) + 1.
 
 A proposal may be a tree (`parents`: draft i continues draft parents[i], -1 the last real
-token; parents come first, siblings are distinct tokens). Its row i + 1 holds the target's
-logits after draft i's path, and acceptance walks down from the root, testing the current
-node's children in proposal order:
-- greedy: a child is accepted when it is the target's argmax at the current node's row (at most
-  one can be);
-- sampled: a child d is accepted with probability p(d) / (1 - the mass of p its rejected elder siblings hold); when all
-  are rejected, the emitted token is a sample of p without them. Each token then comes out with
-  probability p exactly: p(c1), (1 - p(c1)) p(c2) / (1 - p(c1)) = p(c2), ..., and for the others
-  (1 - sum p(ci)) p(x) / (1 - sum p(ci)) (the one-hot case of SpecInfer's multi-candidate rule).
-A chain is the tree whose parents are i - 1, and the walk is then the rules above. The output names the accepted drafts' indices (`paths`): their KV must move to
-consecutive slots.
+token; parents come first, siblings are distinct tokens); a chain is the tree whose parents are
+i - 1. Its row i + 1 holds the target's logits after draft i's path. Each row has the target's
+choice there: greedy, its argmax; sampled, a draw of the sampling distribution p at that row
+with the uniform of the position it samples (engine.sampling.position_uniforms: the root's row
+samples the position after the last real token, a draft's row the one after the draft). The
+walk goes down from the root: a child is accepted when it is the target's choice at its parent's
+row (at most one is: siblings differ); where no child is, the choice there is the token that
+follows.
 
-Randomness comes in as uniforms drawn from each sampled request's own generator, two per row:
-the first of row start_b + i is draft i's accept test, the second of the row where the walk ends
-its inverse-CDF sample. So a seeded request is reproducible. (Greedy requests draw none.) The
-Triton kernel in triton_rejection.py computes the same from the same inputs on CUDA.
+Greedy, the output is token-identical to plain greedy decoding. Sampled, it is token-identical
+to plain sampling with the same seed (each position's token is p's draw with that position's
+uniform, whatever was drafted), so the target's distribution is reproduced exactly: drafts are
+the draft model's top choices (or n-gram lookups), a one-hot proposal q, for which accepting d
+when p's draw is d is the rule min(1, p(d) / q(d)) = p(d) of Leviathan et al. and Chen et al.
+(2023), and the draw on rejection follows p without d. With no drafts this is plain sampling,
+so the engine has one sampling path. The output names the accepted drafts' indices (`paths`):
+their KV must move to consecutive slots. The Triton kernel in triton_rejection.py computes the
+same from the same inputs on CUDA.
 """
 
 from dataclasses import dataclass
@@ -37,7 +31,7 @@ import torch
 
 from engine import cpu_kernels
 from engine.params import SamplingParams
-from engine.sampling import probabilities
+from engine.sampling import position_uniforms, probabilities
 
 
 @dataclass
@@ -50,7 +44,7 @@ class VerifyInput:
     target_logits: torch.Tensor  # [D + B, V]
     target_probs: torch.Tensor | None  # [D + B, V] sampling distribution p (rows of greedy sequences unused)
     greedy: list[bool]  # per sequence
-    uniforms: torch.Tensor  # [D + B, 2] fp32 in [0, 1)
+    uniforms: torch.Tensor  # [D + B] fp32 in [0, 1): each row's draw (rows of greedy sequences unused)
     parents: list[list[int]] | None = None  # per sequence, each draft's parent (-1: the root); None: chains
 
 
@@ -60,16 +54,17 @@ class VerifyOutput:
     paths: list[list[int]]  # per sequence: the accepted drafts' indices among its drafts
 
 
-def make_verify_input(params: list[SamplingParams], generators: list[torch.Generator], drafts: list[list[int]],
+def make_verify_input(params: list[SamplingParams], seeds: list[int], positions: list[int], drafts: list[list[int]],
                       logits: torch.Tensor, parents: list[list[int] | None] | None = None) -> VerifyInput:
-    """Inputs for sequences with these params and drafts; logits: [sum(len(d) + 1), V] in order;
-    parents: per sequence, its drafts' parents for a tree, or None for a chain."""
+    """Inputs for sequences with these params, seeds and drafts; positions: per sequence, the
+    position its root row samples (its length); logits: [sum(len(d) + 1), V] in order; parents:
+    per sequence, its drafts' parents for a tree, or None for a chain."""
     tree = None
     if parents is not None and any(t is not None for t in parents):
         tree = [t if t is not None else list(range(-1, len(d) - 1)) for d, t in zip(drafts, parents)]
-    # Sampled sequences' rows: p, and two uniforms a row from the request's own generator. Greedy
-    # rows read neither (their uniforms stay zero: one tensor, not a draw per sequence and step).
-    probs, uniforms = None, torch.zeros(sum(len(d) + 1 for d in drafts), 2)
+    # Sampled sequences' rows: p, and each row's uniform. Greedy rows read neither (their uniforms
+    # stay zero: one tensor, not a draw per sequence and step).
+    probs, uniforms = None, torch.zeros(sum(len(d) + 1 for d in drafts))
     if not all(p.greedy for p in params):
         probs = torch.empty_like(logits)
         # The rows of sequences that sample alike go through `probabilities` together (per row, its
@@ -77,10 +72,12 @@ def make_verify_input(params: list[SamplingParams], generators: list[torch.Gener
         # a row's distribution does not depend on the rows beside it.
         groups: dict[tuple[float, int, float], tuple[SamplingParams, list[int]]] = {}
         row = 0
-        for p, g, d in zip(params, generators, drafts):
+        for s, (p, d) in enumerate(zip(params, drafts)):
             if not p.greedy:
                 groups.setdefault((p.temperature, p.top_k, p.top_p), (p, []))[1].extend(range(row, row + len(d) + 1))
-                uniforms[row : row + len(d) + 1] = torch.rand(len(d) + 1, 2, generator=g)
+                depths = _depths(tree[s] if tree else range(-1, len(d) - 1))
+                uniforms[row : row + len(d) + 1] = torch.tensor(
+                    position_uniforms(seeds[s], [positions[s]] + [positions[s] + k for k in depths]))
             row += len(d) + 1
         for p, rows in groups.values():
             index = slice(rows[0], rows[-1] + 1) if rows[-1] - rows[0] + 1 == len(rows) else rows
@@ -88,27 +85,31 @@ def make_verify_input(params: list[SamplingParams], generators: list[torch.Gener
     return VerifyInput(drafts, logits, probs, [p.greedy for p in params], uniforms, tree)
 
 
+def _depths(parents) -> list[int]:
+    """Each draft's depth below the root (1: a child of the root); parents come first."""
+    depths: list[int] = []
+    for parent in parents:
+        depths.append(1 + (depths[parent] if parent >= 0 else 0))
+    return depths
+
+
 def verify(inp: VerifyInput) -> VerifyOutput:
-    argmax = _argmax_rows(inp.target_logits)
-    tokens, paths, sampled, ends = [], [], [], []  # ends: a sampled walk's last row, the drafts rejected there
-    row = 0
-    for s, (drafts, greedy) in enumerate(zip(inp.drafts, inp.greedy)):
-        n = len(drafts)
-        parents = inp.parents[s] if inp.parents else range(-1, n - 1)
-        if greedy:
-            accepted = _greedy_path(drafts, parents, argmax[row:])
-            last = argmax[row + 1 + accepted[-1]] if accepted else argmax[row]
-        else:
-            accepted, end = _stochastic_walk(inp, row, drafts, parents)
-            sampled.append(s)
-            ends.append(end)
-            last = -1  # sampled below, with every sampled sequence's
-        tokens.append([drafts[i] for i in accepted] + [last])
+    choices = _argmax_rows(inp.target_logits)
+    starts, row = [], 0
+    for drafts in inp.drafts:
+        starts.append(row)
+        row += len(drafts) + 1
+    sampled = [r for start, drafts, greedy in zip(starts, inp.drafts, inp.greedy) if not greedy
+               for r in range(start, start + len(drafts) + 1)]
+    if sampled:
+        for r, token in zip(sampled, _draw_rows(inp, sampled)):
+            choices[r] = token
+    tokens, paths = [], []
+    for s, (start, drafts) in enumerate(zip(starts, inp.drafts)):
+        parents = inp.parents[s] if inp.parents else range(-1, len(drafts) - 1)
+        accepted = _accepted_path(drafts, parents, choices[start:])
+        tokens.append([drafts[i] for i in accepted] + [choices[start + 1 + accepted[-1] if accepted else start]])
         paths.append(accepted)
-        row += n + 1
-    if ends:
-        for s, token in zip(sampled, _sample_ends(inp, ends)):
-            tokens[s][-1] = token
     return VerifyOutput(tokens, paths)
 
 
@@ -120,53 +121,23 @@ def _argmax_rows(logits: torch.Tensor) -> list[int]:
     return logits.argmax(dim=-1).tolist()
 
 
-def _greedy_path(drafts: list[int], parents, argmax: list[int]) -> list[int]:
-    """The drafts accepted from the root down: argmax[0] is the target's choice after the root,
-    argmax[i + 1] after draft i."""
+def _accepted_path(drafts: list[int], parents, choices: list[int]) -> list[int]:
+    """The drafts accepted from the root down: choices[0] is the target's choice after the root,
+    choices[i + 1] after draft i."""
     accepted, at = [], -1
     for i, (token, parent) in enumerate(zip(drafts, parents)):
-        if parent == at and token == argmax[at + 1]:
+        if parent == at and token == choices[at + 1]:
             accepted.append(i)
             at = i
     return accepted
 
 
-def _stochastic_walk(inp: VerifyInput, row: int, drafts: list[int], parents: list[int],
-                     ) -> tuple[list[int], tuple[int, list[int]]]:
-    """The accepted drafts (walking down as the module doc says), and where the walk ended: the row
-    and the drafts rejected there (the token that follows is sampled from that row without them)."""
-    p, u = inp.target_probs, inp.uniforms
-    accepted, at, rejected = [], -1, []
-    for i, (d, parent) in enumerate(zip(drafts, parents)):
-        if parent != at:
-            continue
-        at_row = row + 1 + at
-        mass = 1.0 - sum(float(p[at_row, t]) for t in rejected)  # p's mass not yet rejected here
-        if float(u[row + i, 0]) * mass < float(p[at_row, d]):
-            accepted.append(i)
-            at, rejected = i, []
-        else:
-            rejected.append(d)
-    return accepted, (row + 1 + at, rejected)
-
-
-def _sample_ends(inp: VerifyInput, ends: list[tuple[int, list[int]]]) -> list[int]:
-    """Per walk's end (row, drafts rejected there): a sample of p at that row without them, by the
-    row's second uniform; all in one pass over the rows."""
+def _draw_rows(inp: VerifyInput, rows: list[int]) -> list[int]:
+    """Each row's draw of p by its uniform, in one pass over the rows."""
     if inp.target_probs.device.type == "cpu" and inp.target_probs.dtype == torch.float32:
         # natively, without copying the rows (the same draws to rounding: sums by spans in vectors)
-        rows = [row for row, _ in ends]
-        return cpu_kernels.kernels().inverse_cdf(inp.target_probs, rows, inp.uniforms[rows, 1], [r for _, r in ends])
-    return reference_sample_ends(inp, ends)
-
-
-def reference_sample_ends(inp: VerifyInput, ends: list[tuple[int, list[int]]]) -> list[int]:
-    """_sample_ends by torch: the rows copied, their rejected drafts zeroed, then inverse_cdf."""
-    rows = [row for row, _ in ends]
-    residual = inp.target_probs[rows]  # a copy
-    for i, (_, rejected) in enumerate(ends):
-        residual[i, rejected] = 0.0
-    return inverse_cdf(residual, inp.uniforms[rows, 1])
+        return cpu_kernels.kernels().inverse_cdf(inp.target_probs, rows, inp.uniforms[rows])
+    return inverse_cdf(inp.target_probs[rows], inp.uniforms[rows])
 
 
 def inverse_cdf(weights: torch.Tensor, u: torch.Tensor) -> list[int]:

@@ -4,18 +4,16 @@ per-sequence bookkeeping that follows it.
 Design: one program per sequence. Its rows start at draft_start_b + b (each earlier sequence owns
 its drafts plus a bonus row), so a device-side cumsum of num_drafts is the only set-up. The
 program walks its drafts (a chain, or a tree by draft_parents) down from the root in one pass
-over them, each tested only if it continues the last accepted one: greedy rows against a
-precomputed argmax, sampled rows by the accept test. Then it emits the argmax at the row where
-the walk ended, or an inverse-CDF sample there over the vocabulary in BLOCK_V chunks (one pass
-for the total weight, a second that stops at the chunk holding the sample), with the residual
-(p with the rejected drafts zeroed) formed on the fly from the row already in memory.
+over them, each tested only if it continues the last accepted one, against the target's choice
+at its parent's row: the argmax (greedy), or the row's inverse-CDF draw by its uniform (sampled:
+over the vocabulary in BLOCK_V chunks, one pass for the total weight, a second that stops at the
+chunk holding the draw), computed once per row the walk reaches. The choice where the walk ends
+is the token that follows.
 
 Greedy rows use torch's argmax over the logits, so ties break exactly as in the reference.
 
-Numerics: the accept test is exact (fp64, where the product of two fp32 values is exact, as in the
-reference's Python floats). The CDF accumulates in fp32 while the reference uses an fp64 cumsum;
-the partial sums differ by ~1e-6 relative, so a sample can differ only when u lands within that
-of a CDF boundary.
+Numerics: the CDF accumulates in fp32 while the reference uses an fp64 cumsum; the partial sums
+differ by ~1e-6 relative, so a draw can differ only when u lands within that of a CDF boundary.
 """
 
 import torch
@@ -30,28 +28,12 @@ BLOCK_V = 1024
 
 
 @triton.jit
-def _weights(p_row, offs, drafts, parents, n, at, vocab, stride_pv, HAS_TREE: tl.constexpr):
-    """Sampling weights at offs for a walk that ended at draft `at` (-1: the root): p without
-    at's children (all were tried and rejected; none at the bonus row)."""
-    w = tl.load(p_row + offs * stride_pv, mask=offs < vocab, other=0.0).to(tl.float32)
-    for j in range(0, n):
-        if HAS_TREE:
-            parent = tl.load(parents + j).to(tl.int32)
-        else:
-            parent = j - 1
-        excluded = tl.where(parent == at, tl.load(drafts + j), -1)
-        w = tl.where(offs == excluded, 0.0, w)
-    return w
-
-
-@triton.jit
-def _sample(p_row, drafts, parents, n, at, u, vocab, stride_pv, HAS_TREE: tl.constexpr, BLOCK_V: tl.constexpr):
-    """inverse_cdf(weights, u): the first index whose cumulative weight exceeds u * total."""
+def _draw(p_row, u, vocab, stride_pv, BLOCK_V: tl.constexpr):
+    """inverse_cdf(p_row, u): the first index whose cumulative weight exceeds u * total."""
     total = 0.0
     for start in range(0, vocab, BLOCK_V):
         offs = start + tl.arange(0, BLOCK_V)
-        w = _weights(p_row, offs, drafts, parents, n, at, vocab, stride_pv, HAS_TREE)
-        total += tl.sum(w, 0)
+        total += tl.sum(tl.load(p_row + offs * stride_pv, mask=offs < vocab, other=0.0).to(tl.float32), 0)
     threshold = u * total
 
     found = vocab  # vocab = not found yet
@@ -60,7 +42,7 @@ def _sample(p_row, drafts, parents, n, at, u, vocab, stride_pv, HAS_TREE: tl.con
     start = 0
     while (start < vocab) & (found == vocab):
         offs = start + tl.arange(0, BLOCK_V)
-        w = _weights(p_row, offs, drafts, parents, n, at, vocab, stride_pv, HAS_TREE)
+        w = tl.load(p_row + offs * stride_pv, mask=offs < vocab, other=0.0).to(tl.float32)
         cdf = running + tl.cumsum(w, 0)
         found = tl.min(tl.where(cdf > threshold, offs, vocab), 0)  # padding adds 0: never first
         last_positive = tl.maximum(last_positive, tl.max(tl.where(w > 0.0, offs, -1), 0))
@@ -73,11 +55,23 @@ def _sample(p_row, drafts, parents, n, at, u, vocab, stride_pv, HAS_TREE: tl.con
 
 
 @triton.jit
+def _choice(row, is_greedy, argmax, target_probs, uniforms, vocab, stride_pt, stride_pv, stride_u,
+            BLOCK_V: tl.constexpr):
+    """The target's choice at `row`: its argmax, or its draw by the row's uniform."""
+    if is_greedy:
+        choice = tl.load(argmax + row)
+    else:
+        u = tl.load(uniforms + row * stride_u)
+        choice = _draw(target_probs + row * stride_pt, u, vocab, stride_pv, BLOCK_V).to(tl.int64)
+    return choice
+
+
+@triton.jit
 def _verify_kernel(
     draft_ids, draft_parents, num_drafts, draft_start, greedy, argmax, target_probs, uniforms,
     tokens, num_accepted, path,
     vocab, width, path_width,
-    stride_pt, stride_pv, stride_ut, stride_uc,
+    stride_pt, stride_pv, stride_u,
     HAS_TREE: tl.constexpr, BLOCK_V: tl.constexpr,
 ):
     seq = tl.program_id(0)
@@ -88,11 +82,12 @@ def _verify_kernel(
     out = tokens + seq.to(tl.int64) * width
     accepted = path + seq.to(tl.int64) * path_width
 
-    # Walk down from the root (a chain is the tree with parents i - 1), testing the children of
-    # the last accepted draft `at` in order (row 1 + at holds the logits after it).
+    # Walk down from the root (a chain is the tree with parents i - 1): a child of the last
+    # accepted draft `at` is accepted when it is the choice at at's row (row 1 + at).
     a = 0
     at = -1
-    rejected_mass = tl.load(uniforms).to(tl.float64) * 0.0  # p of at's rejected children (fp64, as the reference's floats)
+    choice = _choice(first_row, is_greedy, argmax, target_probs, uniforms, vocab, stride_pt, stride_pv, stride_u,
+                     BLOCK_V)
     for i in range(0, n):
         if HAS_TREE:
             parent = tl.load(draft_parents + first_draft + i).to(tl.int32)
@@ -100,33 +95,15 @@ def _verify_kernel(
             parent = i - 1
         if parent == at:
             draft = tl.load(draft_ids + first_draft + i)
-            at_row = first_row + 1 + at
-            if is_greedy:
-                ok = tl.load(argmax + at_row) == draft
-            else:
-                # Accept with probability p(d) / (p's mass not yet rejected here):
-                # u * mass < p(d), exact in fp64.
-                p_d = tl.load(target_probs + at_row * stride_pt + draft * stride_pv).to(tl.float32).to(tl.float64)
-                u = tl.load(uniforms + (first_row + i) * stride_ut).to(tl.float64)
-                ok = u * (1.0 - rejected_mass) < p_d
-                rejected_mass += tl.where(ok, 0.0, p_d)
-            if ok:
+            if draft == choice:
                 tl.store(out + a, draft)
                 tl.store(accepted + a, i)
                 a += 1
                 at = i
-                rejected_mass = rejected_mass * 0.0
+                choice = _choice(first_row + 1 + i, is_greedy, argmax, target_probs, uniforms, vocab, stride_pt,
+                                 stride_pv, stride_u, BLOCK_V)
 
-    # The token after the walk: the argmax at its last row, or a sample of the residual there.
-    at_row = first_row + 1 + at
-    if is_greedy:
-        last = tl.load(argmax + at_row)
-    else:
-        u = tl.load(uniforms + at_row * stride_ut + stride_uc)
-        last = _sample(target_probs + at_row * stride_pt, draft_ids + first_draft, draft_parents + first_draft,
-                       n, at, u, vocab, stride_pv, HAS_TREE, BLOCK_V).to(tl.int64)
-
-    tl.store(out + a, last)
+    tl.store(out + a, choice)  # the choice where the walk ended follows the accepted drafts
     tl.store(num_accepted + seq, a)
 
 
@@ -156,7 +133,7 @@ def triton_verify(inp: VerifyInput) -> VerifyOutput:
         draft_ids, parents, num_drafts, torch.cumsum(num_drafts, 0) - num_drafts, greedy, argmax, probs, uniforms,
         tokens, num_accepted, path,
         vocab, width, path.shape[1],
-        *probs.stride(), *uniforms.stride(), HAS_TREE=inp.parents is not None,
+        *probs.stride(), uniforms.stride(0), HAS_TREE=inp.parents is not None,
         BLOCK_V=min(BLOCK_V, triton.next_power_of_2(vocab)),
     )
     rows = torch.cat([num_accepted[:, None], tokens, path], 1).tolist()  # one read back

@@ -61,7 +61,7 @@ class KVEvent(_message.Message):
     def __init__(self, stored: _Optional[_Union[BlockStored, _Mapping]] = ..., removed: _Optional[_Union[BlockRemoved, _Mapping]] = ..., cleared: _Optional[_Union[AllBlocksCleared, _Mapping]] = ...) -> None: ...
 
 class KVHandle(_message.Message):
-    __slots__ = ("request_id", "source_worker_id", "source_address", "layout", "block_ids", "num_prompt_tokens", "first_token", "rng_state", "draft_hidden", "cached_prompt_tokens", "queue_seconds")
+    __slots__ = ("request_id", "source_worker_id", "source_address", "layout", "block_ids", "num_prompt_tokens", "first_token", "seed", "draft_hidden", "cached_prompt_tokens", "queue_seconds")
     REQUEST_ID_FIELD_NUMBER: _ClassVar[int]
     SOURCE_WORKER_ID_FIELD_NUMBER: _ClassVar[int]
     SOURCE_ADDRESS_FIELD_NUMBER: _ClassVar[int]
@@ -69,7 +69,7 @@ class KVHandle(_message.Message):
     BLOCK_IDS_FIELD_NUMBER: _ClassVar[int]
     NUM_PROMPT_TOKENS_FIELD_NUMBER: _ClassVar[int]
     FIRST_TOKEN_FIELD_NUMBER: _ClassVar[int]
-    RNG_STATE_FIELD_NUMBER: _ClassVar[int]
+    SEED_FIELD_NUMBER: _ClassVar[int]
     DRAFT_HIDDEN_FIELD_NUMBER: _ClassVar[int]
     CACHED_PROMPT_TOKENS_FIELD_NUMBER: _ClassVar[int]
     QUEUE_SECONDS_FIELD_NUMBER: _ClassVar[int]
@@ -80,11 +80,11 @@ class KVHandle(_message.Message):
     block_ids: _containers.RepeatedScalarFieldContainer[int]
     num_prompt_tokens: int
     first_token: int
-    rng_state: bytes
+    seed: int
     draft_hidden: bytes
     cached_prompt_tokens: int
     queue_seconds: float
-    def __init__(self, request_id: _Optional[str] = ..., source_worker_id: _Optional[str] = ..., source_address: _Optional[str] = ..., layout: _Optional[_Union[KVLayout, _Mapping]] = ..., block_ids: _Optional[_Iterable[int]] = ..., num_prompt_tokens: _Optional[int] = ..., first_token: _Optional[int] = ..., rng_state: _Optional[bytes] = ..., draft_hidden: _Optional[bytes] = ..., cached_prompt_tokens: _Optional[int] = ..., queue_seconds: _Optional[float] = ...) -> None: ...
+    def __init__(self, request_id: _Optional[str] = ..., source_worker_id: _Optional[str] = ..., source_address: _Optional[str] = ..., layout: _Optional[_Union[KVLayout, _Mapping]] = ..., block_ids: _Optional[_Iterable[int]] = ..., num_prompt_tokens: _Optional[int] = ..., first_token: _Optional[int] = ..., seed: _Optional[int] = ..., draft_hidden: _Optional[bytes] = ..., cached_prompt_tokens: _Optional[int] = ..., queue_seconds: _Optional[float] = ...) -> None: ...
 
 class PullBlocksRequest(_message.Message):
     __slots__ = ("request_id", "block_ids", "expected_layout")
