@@ -92,16 +92,18 @@ class Scheduler:
     def schedule(self, lookahead: Callable[[Sequence], int]) -> list[ScheduledSeq]:
         """lookahead(seq): draft slots wanted by a decoding sequence this step."""
         budget = self.config.max_num_batched_tokens
-        scheduled: list[ScheduledSeq] = []
+        decoding: list[Sequence] = []
         for seq in list(self.running):
             if budget == 0:
                 break
             if seq.status is not SeqStatus.RUNNING or seq.num_pending > 1:  # preempted in this loop, or prefilling
                 continue
-            item = self._reserve(seq, 1, lookahead(seq))
-            if item is not None:
-                scheduled.append(item)
+            if self._reserve(seq, 1):  # its victims are younger: never one already in `decoding`
+                decoding.append(seq)
                 budget -= 1
+        # Draft slots once every decoding sequence has its token's: an older sequence's drafts
+        # never cost a younger one its place (speculation degrades, sequences are not preempted).
+        scheduled = [ScheduledSeq(seq, 1, self._draft_slots(seq, lookahead(seq))) for seq in decoding]
         if budget > 0:
             self._admit()
         scheduled += self._prefill_chunks(budget)
@@ -150,19 +152,22 @@ class Scheduler:
         """Prompt tokens from `position` that cost at most `cap` (at least one)."""
         return max(1, int(cap / self._token_cost(position)))
 
-    def _reserve(self, seq: Sequence, num_tokens: int, lookahead: int) -> ScheduledSeq | None:
-        """Reserve slots for `num_tokens` (+ `lookahead`), preempting younger sequences if needed."""
+    def _reserve(self, seq: Sequence, num_tokens: int) -> bool:
+        """Reserve slots for `num_tokens`, preempting younger sequences if needed; False if `seq`
+        itself had to go."""
         while True:
-            missing = num_tokens + lookahead - self.blocks.num_reserved(seq.seq_id)
+            missing = num_tokens - self.blocks.num_reserved(seq.seq_id)
             if missing <= 0 or self.blocks.reserve(seq.seq_id, missing):
-                return ScheduledSeq(seq, num_tokens, lookahead)
-            if lookahead:
-                lookahead = 0
-                continue
+                return True
             victim = self.running[-1]
             self._preempt(victim)
             if victim is seq:
-                return None
+                return False
+
+    def _draft_slots(self, seq: Sequence, wanted: int) -> int:
+        """`wanted` draft slots after the token's if the pool has them now, else none."""
+        missing = 1 + wanted - self.blocks.num_reserved(seq.seq_id)
+        return wanted if wanted and (missing <= 0 or self.blocks.reserve(seq.seq_id, missing)) else 0
 
     def _preempt(self, seq: Sequence) -> None:
         self.on_preempt(seq)

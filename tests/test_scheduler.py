@@ -85,3 +85,18 @@ def test_prompts_that_no_step_finishes_prefill_together():
     assert _step(scheduler) == {f"p{k}": 64 for k in range(8)}
     while any(s.num_computed < 256 for s in seqs):
         assert len(_step(scheduler)) == 8
+
+
+def test_draft_slots_never_cost_a_younger_sequence_its_place():
+    """Every decoding sequence gets its token's slot first; draft slots only where room is left
+    (an older sequence's 16 drafts used to take the last block and preempt the younger one)."""
+    config = EngineConfig(num_kv_blocks=4, enable_prefix_caching=False)
+    blocks = BlockManager(config.num_kv_blocks, config.block_size, enable_prefix_caching=False)
+    scheduler = Scheduler(config, blocks)
+    seqs = [_add(scheduler, name, config.block_size) for name in "ab"]  # a whole block each
+    assert _step(scheduler) == {"a": config.block_size, "b": config.block_size}
+    for seq in seqs:  # the prompt's KV is in: the next token needs a block of its own
+        blocks.commit(seq.seq_id, seq.token_ids[: config.block_size])
+    scheduled = scheduler.schedule(lambda seq: 16)
+    assert [(s.seq.seq_id, s.num_tokens, s.num_lookahead) for s in scheduled] == [("a", 1, 0), ("b", 1, 0)]
+    assert [s.seq_id for s in scheduler.running] == ["a", "b"]
