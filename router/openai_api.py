@@ -20,6 +20,7 @@ from fastapi.exceptions import RequestValidationError
 from fastapi.responses import JSONResponse, Response, StreamingResponse
 from prometheus_client import CONTENT_TYPE_LATEST, CollectorRegistry, generate_latest
 from starlette.background import BackgroundTask
+from starlette.exceptions import HTTPException
 
 from proto import rpc
 from proto.pdspec.v1 import router_pb2
@@ -55,7 +56,17 @@ def create_app(generate: Callable, model_name: str, registry: CollectorRegistry,
     async def malformed(request: Request, e: RequestValidationError) -> JSONResponse:
         error = e.errors()[0]
         path = [str(p) for p in error["loc"] if p != "body"]
+        if error["type"] == "json_invalid":  # its location is a character offset, not a field
+            return await openai_error(request, invalid("body", f"not valid JSON: {error['msg']} (at character "
+                                                               f"{'.'.join(path)})"))
         return await openai_error(request, invalid(path[0] if path else "body", f"{error['msg']} (at {'.'.join(path)})"))
+
+    @app.exception_handler(HTTPException)
+    async def no_route(request: Request, e: HTTPException) -> JSONResponse:
+        """404 (no such path) and 405 (not with that method) in OpenAI's shape too."""
+        kind = "not_found_error" if e.status_code == 404 else "invalid_request_error"
+        return await openai_error(request, OpenAIError(e.status_code, f"{request.method} {request.url.path}: {e.detail}",
+                                                       kind, headers=e.headers))
 
     @app.get("/health")
     async def health() -> dict[str, str]:
@@ -79,10 +90,18 @@ def create_app(generate: Callable, model_name: str, registry: CollectorRegistry,
                               "key of router.api_key_file", "authentication_error")
         return header
 
+    served = {"id": model_name, "object": "model", "created": 0, "owned_by": "pdspec"}
+
     @app.get("/v1/models")
     async def models(request: Request) -> dict[str, Any]:
         check_key(request)
-        return {"object": "list", "data": [{"id": model_name, "object": "model", "created": 0, "owned_by": "pdspec"}]}
+        return {"object": "list", "data": [served]}
+
+    @app.get("/v1/models/{model_id:path}")
+    async def model(model_id: str, request: Request) -> dict[str, Any]:
+        check_key(request)
+        check_model(model_id)
+        return served
 
     @app.post("/v1/chat/completions")
     async def chat_completions(body: ChatCompletionRequest, request: Request) -> Response:

@@ -1,10 +1,12 @@
 """The OpenAI API's request bodies and response objects, and their translation to and from the
 Router's messages.
 
-Requests: unknown fields are ignored, as OpenAI does; fields pdspec knows but cannot honour
-(n > 1, logprobs, tools, penalties, ...) are refused naming the field, never silently dropped.
-Value ranges (temperature, top_p, token ids, context length) are the Router's own checks, so both
-fronts refuse the same requests; `api_field` renames the Router's field paths to OpenAI's.
+Requests: unknown fields are ignored; fields pdspec knows but cannot honour (n > 1, logprobs,
+tools, response formats, penalties, ...) are refused naming the field, never silently dropped.
+Omitted fields take OpenAI's defaults: temperature 1, and an answer as long as the context allows
+(the gRPC API's own defaults are greedy and 256 tokens). Value ranges (temperature, top_p, token
+ids, context length) are the Router's own checks, so both fronts refuse the same requests;
+`api_field` renames the Router's field paths to OpenAI's.
 """
 
 import time
@@ -58,10 +60,20 @@ class StreamOptions(_Body):
     include_usage: bool = False
 
 
-# Known OpenAI fields pdspec does not implement, and the value that means "not used".
+# Known OpenAI (and vLLM) fields pdspec does not implement, and the values that mean "not used".
 _UNSUPPORTED = {"logprobs": (None, False), "top_logprobs": (None, 0), "logit_bias": (None, {}),
                 "presence_penalty": (None, 0), "frequency_penalty": (None, 0), "tools": (None, []),
-                "functions": (None, []), "echo": (None, False), "best_of": (None, 1), "suffix": (None, "")}
+                "tool_choice": (None, "none"), "functions": (None, []), "function_call": (None, "none"),
+                "response_format": (None, {"type": "text"}), "echo": (None, False), "best_of": (None, 1),
+                "suffix": (None, ""), "min_p": (None, 0), "repetition_penalty": (None, 1), "min_tokens": (None, 0),
+                "prompt_logprobs": (None, 0)}
+OPENAI_TEMPERATURE = 1.0  # OpenAI's default
+UNTIL_CONTEXT_LIMIT = 2**31 - 1  # max_tokens when omitted: the engine stops at the context limit ("length")
+
+
+def _is_unused(value: Any, unused: tuple) -> bool:
+    """Whether value is one of `unused`, type for type (0 is not False, 1 is not True)."""
+    return any(value is u or (type(value) is type(u) and value == u) for u in unused)
 
 
 class _Sampling(BaseModel):
@@ -76,26 +88,30 @@ class _Sampling(BaseModel):
     stop: str | list[str] | None = None
     stop_token_ids: list[Int32] = []  # vLLM's name for stopping on token ids
     ignore_eos: bool = False
-    n: int = 1
+    n: int | None = 1  # null: the default, as OpenAI takes it
     user: str | None = None
-    stream: bool = False
+    stream: bool | None = False
     stream_options: StreamOptions | None = None
     # Seconds the whole request may take (a pdspec extension; gRPC clients set a deadline): past
     # it the request ends with 504 and its blocks are freed on every worker.
     timeout: float | None = Field(None, gt=0, allow_inf_nan=False)
 
     def check_supported(self) -> None:
-        if self.n != 1:
+        if self.n not in (None, 1):
             raise invalid("n", f"only 1 choice per request is supported, got {self.n}")
+        if self.stream_options is not None and not self.stream:
+            raise invalid("stream_options", "only allowed with stream: true")
         for name, unused in _UNSUPPORTED.items():
             value = (self.model_extra or {}).get(name)
-            if value not in unused:
+            if not _is_unused(value, unused):
                 raise invalid(name, f"not supported by pdspec (got {value!r}); leave it out")
 
     def sampling(self, max_tokens: int | None) -> common_pb2.SamplingOptions:
         stop = [self.stop] if isinstance(self.stop, str) else self.stop or []
         options = common_pb2.SamplingOptions(stop=stop, stop_token_ids=self.stop_token_ids, ignore_eos=self.ignore_eos)
-        for name, value in (("max_tokens", max_tokens), ("temperature", self.temperature), ("top_p", self.top_p),
+        temperature = OPENAI_TEMPERATURE if self.temperature is None else self.temperature
+        max_tokens = UNTIL_CONTEXT_LIMIT if max_tokens is None else max_tokens
+        for name, value in (("max_tokens", max_tokens), ("temperature", temperature), ("top_p", self.top_p),
                             ("top_k", self.top_k), ("seed", self.seed)):
             if value is not None:
                 setattr(options, name, value)
@@ -108,10 +124,15 @@ class ChatCompletionRequest(_Sampling):
 
     def generate_request(self, request_id: str) -> router_pb2.GenerateRequest:
         self.check_supported()
+        max_tokens = self.max_tokens
+        if self.max_completion_tokens is not None:
+            if self.max_completion_tokens < 1:
+                raise invalid("max_completion_tokens", f"must be >= 1, got {self.max_completion_tokens}")
+            max_tokens = self.max_completion_tokens
         roles = {"developer": "system"}  # OpenAI's newer name for the system role
         messages = [common_pb2.ChatMessage(role=roles.get(m.role, m.role), content=m.text()) for m in self.messages]
         return router_pb2.GenerateRequest(request_id=request_id, messages=router_pb2.MessageList(messages=messages),
-                                          sampling=self.sampling(self.max_completion_tokens or self.max_tokens))
+                                          sampling=self.sampling(max_tokens))
 
 
 class CompletionRequest(_Sampling):

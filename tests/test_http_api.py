@@ -68,9 +68,10 @@ def test_chat_answers_as_the_grpc_api_does(cluster, client):
 
 
 def test_a_streamed_chat_is_the_whole_answer_in_deltas(client):
-    whole = client.chat.completions.create(model=MODEL, messages=QUESTION, max_completion_tokens=MAX_TOKENS)
+    # Sampled at OpenAI's default temperature: the same seed draws the same answer, streamed or not.
+    whole = client.chat.completions.create(model=MODEL, messages=QUESTION, max_completion_tokens=MAX_TOKENS, seed=11)
     chunks = list(client.chat.completions.create(model=MODEL, messages=QUESTION, max_completion_tokens=MAX_TOKENS,
-                                                 stream=True, stream_options={"include_usage": True}))
+                                                 seed=11, stream=True, stream_options={"include_usage": True}))
     assert chunks[0].choices[0].delta.role == "assistant"
     assert "".join(c.choices[0].delta.content or "" for c in chunks if c.choices) == whole.choices[0].message.content
     assert [c.choices[0].finish_reason for c in chunks if c.choices and c.choices[0].finish_reason] == \
@@ -82,36 +83,57 @@ def test_a_streamed_chat_is_the_whole_answer_in_deltas(client):
 
 def test_completions_take_text_or_token_ids(cluster, client, model_dir):
     text, ids = _grpc_answer(cluster, prompt="The three primary colors are")
-    by_text = client.completions.create(model=MODEL, prompt="The three primary colors are", max_tokens=MAX_TOKENS)
+    greedy = {"max_tokens": MAX_TOKENS, "temperature": 0}  # the gRPC API's default, as _grpc_answer asks
+    by_text = client.completions.create(model=MODEL, prompt="The three primary colors are", **greedy)
     assert by_text.object == "text_completion" and by_text.choices[0].text == text
     prompt_ids = Tokenizer.from_dir(model_dir).encode("The three primary colors are")
-    by_ids = client.completions.create(model=MODEL, prompt=prompt_ids, max_tokens=MAX_TOKENS)
+    by_ids = client.completions.create(model=MODEL, prompt=prompt_ids, **greedy)
     assert by_ids.choices[0].text == text and by_ids.usage.prompt_tokens == len(prompt_ids)
-    streamed = client.completions.create(model=MODEL, prompt="The three primary colors are", max_tokens=MAX_TOKENS,
-                                         stream=True)
+    streamed = client.completions.create(model=MODEL, prompt="The three primary colors are", **greedy, stream=True)
     assert "".join(c.choices[0].text for c in streamed) == text
 
 
 def test_stop_strings_and_token_ids_end_the_answer_without_leaking(cluster, client):
-    whole = client.completions.create(model=MODEL, prompt="Count: 1, 2, 3,", max_tokens=MAX_TOKENS).choices[0].text
+    greedy = {"max_tokens": MAX_TOKENS, "temperature": 0}
+    whole = client.completions.create(model=MODEL, prompt="Count: 1, 2, 3,", **greedy).choices[0].text
     stop = whole[len(whole) // 2: len(whole) // 2 + 2]
-    cut = client.completions.create(model=MODEL, prompt="Count: 1, 2, 3,", max_tokens=MAX_TOKENS, stop=[stop])
+    cut = client.completions.create(model=MODEL, prompt="Count: 1, 2, 3,", **greedy, stop=[stop])
     assert cut.choices[0].finish_reason == "stop"
     assert cut.choices[0].text == whole[: whole.index(stop)]
-    chunks = client.completions.create(model=MODEL, prompt="Count: 1, 2, 3,", max_tokens=MAX_TOKENS, stop=stop,
-                                       stream=True)
+    chunks = client.completions.create(model=MODEL, prompt="Count: 1, 2, 3,", **greedy, stop=stop, stream=True)
     assert "".join(c.choices[0].text for c in chunks) == whole[: whole.index(stop)]
     _, ids = _grpc_answer(cluster, prompt="Count: 1, 2, 3,")
-    by_id = client.completions.create(model=MODEL, prompt="Count: 1, 2, 3,", max_tokens=MAX_TOKENS,
+    by_id = client.completions.create(model=MODEL, prompt="Count: 1, 2, 3,", **greedy,
                                       extra_body={"stop_token_ids": [ids[2]]})
     assert by_id.choices[0].finish_reason == "stop" and by_id.usage.completion_tokens == ids.index(ids[2]) + 1
 
 
 def test_models_lists_the_served_model_and_unknown_ones_are_404(client):
-    assert [m.id for m in client.models.list()] == [MODEL]
-    with pytest.raises(openai.NotFoundError) as e:
-        client.chat.completions.create(model="gpt-4o", messages=QUESTION)
-    assert e.value.body["param"] == "model" and MODEL in e.value.body["message"]
+    assert [m.id for m in client.models.list()] == [MODEL] and client.models.retrieve(MODEL).id == MODEL
+    for unknown in (lambda: client.chat.completions.create(model="gpt-4o", messages=QUESTION),
+                    lambda: client.models.retrieve("gpt-4o")):
+        with pytest.raises(openai.NotFoundError) as e:
+            unknown()
+        assert e.value.body["param"] == "model" and MODEL in e.value.body["message"]
+
+
+def test_unknown_paths_and_methods_answer_in_openais_error_shape(cluster):
+    for method, path, status in (("POST", "/embeddings", 404), ("GET", "/chat/completions", 405)):
+        response = httpx.request(method, f"{cluster.http_url}{path}", timeout=60)
+        assert response.status_code == status and path in response.json()["error"]["message"], response.text
+
+
+def test_omitted_fields_take_openais_defaults_and_nulls_are_omissions():
+    """temperature 1 and an answer as long as the context allows (the gRPC API's defaults are
+    greedy and 256 tokens); null n or stream mean their defaults."""
+    from router.openai_schema import UNTIL_CONTEXT_LIMIT, ChatCompletionRequest, CompletionRequest
+
+    chat = ChatCompletionRequest(messages=QUESTION, n=None, stream=None).generate_request("r")
+    text = CompletionRequest(prompt="Hello").generate_request("r")
+    for request in (chat, text):
+        assert (request.sampling.temperature, request.sampling.max_tokens) == (1.0, UNTIL_CONTEXT_LIMIT)
+    chosen = ChatCompletionRequest(messages=QUESTION, temperature=0, max_tokens=9, max_completion_tokens=5)
+    assert (chosen.generate_request("r").sampling.temperature, chosen.generate_request("r").sampling.max_tokens) == (0, 5)
 
 
 @pytest.mark.parametrize("fields, param", [
@@ -122,6 +144,13 @@ def test_models_lists_the_served_model_and_unknown_ones_are_404(client):
     ({"messages": []}, "messages"),
     ({"max_tokens": "many"}, "max_tokens"),
     ({"stop": [""]}, "stop"),
+    ({"logprobs": 0}, "logprobs"),  # 0 is not False
+    ({"response_format": {"type": "json_object"}}, "response_format"),
+    ({"tool_choice": "auto"}, "tool_choice"),
+    ({"min_p": 0.1}, "min_p"),
+    ({"repetition_penalty": 1.2}, "repetition_penalty"),
+    ({"max_completion_tokens": 0}, "max_completion_tokens"),
+    ({"stream_options": {"include_usage": True}}, "stream_options"),  # without stream
 ])
 def test_bad_fields_are_400_naming_the_field(cluster, fields, param):
     body = {"model": MODEL, "messages": QUESTION, **fields}
