@@ -28,8 +28,8 @@ SETTINGS = {"greedy": {}, "temperature 1.0": {"temperature": 1.0}, "top-p 0.9, T
             "top-k 40, T 0.8": {"temperature": 0.8, "top_k": 40}}
 
 
-PATHS = {"native": (probabilities, rejection._sample_ends),
-         "torch": (reference_probabilities, rejection.reference_sample_ends)}
+PATHS = {"native": (probabilities, rejection._draw_rows),
+         "torch": (reference_probabilities, rejection.reference_draw_rows)}
 
 
 def step_times(engine: Engine, prompts: list[list[int]], params: SamplingParams) -> dict[str, list[float]]:
@@ -40,7 +40,7 @@ def step_times(engine: Engine, prompts: list[list[int]], params: SamplingParams)
     try:
         while engine.has_unfinished():
             name = list(PATHS)[step % len(PATHS)]
-            rejection.probabilities, rejection._sample_ends = PATHS[name]
+            rejection.probabilities, rejection._draw_rows = PATHS[name]
             full = len(engine.scheduler.running) == len(prompts)
             start = time.perf_counter()
             engine.step()
@@ -48,7 +48,7 @@ def step_times(engine: Engine, prompts: list[list[int]], params: SamplingParams)
                 times[name].append(time.perf_counter() - start)
             step += 1
     finally:
-        rejection.probabilities, rejection._sample_ends = PATHS["native"]
+        rejection.probabilities, rejection._draw_rows = PATHS["native"]
     return times
 
 

@@ -137,6 +137,11 @@ def _draw_rows(inp: VerifyInput, rows: list[int]) -> list[int]:
     if inp.target_probs.device.type == "cpu" and inp.target_probs.dtype == torch.float32:
         # natively, without copying the rows (the same draws to rounding: sums by spans in vectors)
         return cpu_kernels.kernels().inverse_cdf(inp.target_probs, rows, inp.uniforms[rows])
+    return reference_draw_rows(inp, rows)
+
+
+def reference_draw_rows(inp: VerifyInput, rows: list[int]) -> list[int]:
+    """_draw_rows by torch: the rows copied, then inverse_cdf."""
     return inverse_cdf(inp.target_probs[rows], inp.uniforms[rows])
 
 
