@@ -67,8 +67,15 @@ class ModelConfig:
                 f"{source}: architectures {archs or '(missing)'} not supported; "
                 f"supported: {', '.join(SUPPORTED_ARCHITECTURES)}"
             )
+        if raw.get("hidden_act", "silu") != "silu":
+            raise ModelConfigError(f"{source}: hidden_act {raw['hidden_act']!r} not supported; supported: silu")
         num_heads = raw["num_attention_heads"]
         rope_scaling = raw.get("rope_scaling") or raw.get("rope_parameters")
+        rope_kind = (rope_scaling or {}).get("rope_type", (rope_scaling or {}).get("type", "default"))  # "type": older configs
+        max_positions = raw.get("max_position_embeddings", 4096)
+        # A sliding window computes what full attention does over contexts it covers: the context
+        # is held to the window (Mistral v0.1's 4096; Qwen's only when use_sliding_window is on).
+        window = raw.get("sliding_window") if raw.get("use_sliding_window", "sliding_window" in raw) else None
         return cls(
             architecture=arch,
             vocab_size=raw["vocab_size"],
@@ -80,8 +87,8 @@ class ModelConfig:
             head_dim=raw.get("head_dim") or raw["hidden_size"] // num_heads,
             rms_norm_eps=raw.get("rms_norm_eps", 1e-6),
             rope_theta=raw.get("rope_theta") or (rope_scaling or {}).get("rope_theta", 10000.0),
-            rope_scaling=rope_scaling if (rope_scaling or {}).get("rope_type", "default") != "default" else None,
-            max_position_embeddings=raw.get("max_position_embeddings", 4096),
+            rope_scaling=rope_scaling if rope_kind != "default" else None,
+            max_position_embeddings=min(max_positions, window or max_positions),
             tie_word_embeddings=raw.get("tie_word_embeddings", False),
             attention_bias=raw.get("attention_bias", arch == "Qwen2ForCausalLM"),
             qk_norm=arch == "Qwen3ForCausalLM",

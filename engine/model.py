@@ -62,9 +62,11 @@ class DecoderLayer:
             bias = torch.cat([w["self_attn.q_proj.bias"], w["self_attn.k_proj.bias"], w["self_attn.v_proj.bias"]])
         # Fused projections: one GEMM reads all of q/k/v (and gate/up) weights in one pass.
         self.qkv = Linear(cat_rows([q, k, v]), bias, packed_dtype)
-        self.o = Linear(w["self_attn.o_proj.weight"], packed_dtype=packed_dtype)
-        self.gate_up = Linear(cat_rows([w["mlp.gate_proj.weight"], w["mlp.up_proj.weight"]]), packed_dtype=packed_dtype)
-        self.down = Linear(w["mlp.down_proj.weight"], packed_dtype=packed_dtype)
+        # Llama's attention_bias covers o_proj too (Qwen2's q/k/v only); mlp_bias all three MLP matrices.
+        self.o = Linear(w["self_attn.o_proj.weight"], w.get("self_attn.o_proj.bias"), packed_dtype)
+        gate_up_bias = torch.cat([w["mlp.gate_proj.bias"], w["mlp.up_proj.bias"]]) if "mlp.gate_proj.bias" in w else None
+        self.gate_up = Linear(cat_rows([w["mlp.gate_proj.weight"], w["mlp.up_proj.weight"]]), gate_up_bias, packed_dtype)
+        self.down = Linear(w["mlp.down_proj.weight"], w.get("mlp.down_proj.bias"), packed_dtype)
         self.post_norm = w["post_attention_layernorm.weight"]
         self.q_norm = w.get("self_attn.q_norm.weight")
         self.k_norm = w.get("self_attn.k_norm.weight")

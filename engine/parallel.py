@@ -68,6 +68,8 @@ class TensorParallel:
             elif kind in cols and name.endswith(".weight"):
                 n = cols[kind]
                 out[name] = w[:, self.rank * n : (self.rank + 1) * n].contiguous()
+            elif kind in cols:  # a row-parallel layer's bias: added once, by rank 0, to the summed outputs
+                out[name] = w if self.rank == 0 else torch.zeros_like(w)
             else:
                 out[name] = w
         return out
