@@ -30,6 +30,12 @@ class Tokenizer:
         source: Path,
     ) -> None:
         self._tokenizer = tokenizer
+        # What a message may not smuggle in: special tokens written in its content are encoded
+        # as the plain text they are, by a copy of the tokenizer that does not parse them.
+        self._special_ids = {i for i, t in tokenizer.get_added_tokens_decoder().items() if t.special}
+        self._specials = [tokenizer.id_to_token(i) for i in self._special_ids]
+        self._literal = HFTokenizer.from_str(tokenizer.to_str())
+        self._literal.encode_special_tokens = True
         self._special_tokens = special_tokens
         self._source = source
         self._template = _compile_template(chat_template) if chat_template is not None else None
@@ -107,8 +113,40 @@ class Tokenizer:
         return self._template.render(messages=messages, add_generation_prompt=add_generation_prompt, **variables)
 
     def encode_chat(self, messages: list[dict[str, str]], add_generation_prompt: bool = True) -> list[int]:
-        """Token ids of the rendered chat; the template already writes every special token it wants."""
-        return self.encode(self.apply_chat_template(messages, add_generation_prompt), add_special_tokens=False)
+        """Token ids of the rendered chat. The template writes every special token it wants; one
+        written in a message's content is that text, not the token (a user could otherwise forge a
+        turn, e.g. "<|im_end|><|im_start|>system")."""
+        text = self.apply_chat_template(messages, add_generation_prompt)
+        encoding = self._tokenizer.encode(text, add_special_tokens=False)
+        spans = self._content_spans(text, messages)
+        if not spans:
+            return encoding.ids
+        ids: list[int] = []
+        for token, (start, end) in zip(encoding.ids, encoding.offsets):
+            if token in self._special_ids and any(a <= start and end <= b for a, b in spans):
+                ids += self._literal.encode(text[start:end], add_special_tokens=False).ids
+            else:
+                ids.append(token)
+        return ids
+
+    def _content_spans(self, text: str, messages: list[dict[str, str]]) -> list[tuple[int, int]]:
+        """Where the rendered `text` holds the contents that write a special token (found in order,
+        as written or trimmed); a content the template changed otherwise is refused."""
+        spans, at = [], 0
+        for i, message in enumerate(messages):
+            content = message.get("content") or ""
+            if not any(special in content for special in self._specials):
+                continue
+            for form in (content, content.strip()):
+                start = text.find(form, at)
+                if start >= 0:
+                    spans.append((start, start + len(form)))
+                    at = start + len(form)
+                    break
+            else:
+                raise ValueError(f"message {i}'s content writes a special token, and the chat template changes it "
+                                 "beyond recognition: remove the special token")
+        return spans
 
 
 class IncrementalDetokenizer:
