@@ -153,7 +153,9 @@ def with_fixed_ports(config: DeploymentConfig, any_internal_port: bool) -> Deplo
 
 def _describe(err: dict) -> str:
     field = ".".join(str(p) for p in err["loc"]) or "(top level)"
-    value = f" (got {err['input']!r})" if err.get("type") != "missing" and not isinstance(err.get("input"), dict) else ""
+    secret = err["loc"][:1] == ("cluster_token",)  # never echoed: error output reaches logs
+    value = (f" (got {err['input']!r})" if err.get("type") != "missing" and not isinstance(err.get("input"), dict)
+             and not secret else "")
     return f"{field}: {err['msg']}{value}"
 
 

@@ -193,7 +193,8 @@ class SpeculativeConfig(BaseModel):
         where = "speculative_token_tree"
         if self.method != "eagle3":
             raise ValueError(f"{where} needs method 'eagle3' (got {self.method!r})")
-        fixed = set(TREE_SHAPE_FIELDS) & self.model_fields_set
+        # 1 is what the tree sets them to itself: a dumped config, read again, has them so.
+        fixed = {name for name in set(TREE_SHAPE_FIELDS) & self.model_fields_set if getattr(self, name) != 1}
         if fixed:
             raise ValueError(f"{where} fixes the tree's shape: leave {' and '.join(sorted(fixed))} unset")
         paths = [tuple(p) for p in tree]

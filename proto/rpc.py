@@ -163,8 +163,10 @@ def serve(services: Sequence[Registration], address: str, token: str | None = No
     `tls`: listen with TLS only; `client_auth`: and require a client certificate from the CA
     (internal servers; the public Router's clients have none)."""
     interceptors = [_MalformedRequest(), *([_token_gate(token, set(internal))] if token else []), *gates]
+    # gRPC sets SO_REUSEPORT by default: a second server on a taken port would bind, and the two
+    # would split its connections between them at random.
     server = grpc.server(futures.ThreadPoolExecutor(max_workers=max_workers), interceptors=interceptors,
-                         options=_OPTIONS)
+                         options=_OPTIONS + [("grpc.so_reuseport", 0)])
     health_servicer = health_servicer or health.HealthServicer()
     health_pb2_grpc.add_HealthServicer_to_server(health_servicer, server)
     names = []
@@ -175,12 +177,16 @@ def serve(services: Sequence[Registration], address: str, token: str | None = No
         names.append(name)
     health_servicer.set("", health_pb2.HealthCheckResponse.SERVING)
     reflection.enable_server_reflection([*names, health.SERVICE_NAME, reflection.SERVICE_NAME], server)
-    if tls is None:
-        port = server.add_insecure_port(address)
-    else:
-        port = server.add_secure_port(address, tls.server_credentials(client_auth))
+    try:  # grpc returns 0 or raises, depending on its version
+        if tls is None:
+            port = server.add_insecure_port(address)
+        else:
+            port = server.add_secure_port(address, tls.server_credentials(client_auth))
+    except RuntimeError:
+        port = 0
     if port == 0:
-        raise RuntimeError(f"could not bind gRPC server to {address}")
+        raise RuntimeError(f"could not bind gRPC server to {address}: the port is taken, or the host is not this "
+                           "machine's")
     server.start()
     return server, port
 

@@ -3,7 +3,7 @@
 from pathlib import Path
 from typing import Literal
 
-from pydantic import BaseModel, ConfigDict, Field
+from pydantic import BaseModel, ConfigDict, Field, model_validator
 
 
 class RouterConfig(BaseModel):
@@ -30,3 +30,14 @@ class RouterConfig(BaseModel):
                                      "workers' max_num_seqs, together) beyond which new ones are refused at once")
     max_queue_seconds: float = Field(30.0, gt=0, description="longest wait for a running slot; a request expected "
                                      "to wait longer is refused at once (RESOURCE_EXHAUSTED, HTTP 429)")
+
+    @model_validator(mode="after")
+    def _check(self) -> "RouterConfig":
+        if self.heartbeat_timeout_s <= self.heartbeat_interval_s:
+            raise ValueError(f"heartbeat_timeout_s ({self.heartbeat_timeout_s:g}) must exceed heartbeat_interval_s "
+                             f"({self.heartbeat_interval_s:g}): a worker would be evicted between its heartbeats")
+        ports = [p for p in (self.port, self.internal_port, self.http_port) if p]
+        if len(set(ports)) != len(ports):
+            raise ValueError(f"port ({self.port}), internal_port ({self.internal_port}) and http_port "
+                             f"({self.http_port}) must differ (0: pick a free one)")
+        return self

@@ -14,9 +14,29 @@ def test_per_role_engine_fields_are_refused_under_engine(field):
 
 
 def test_a_dumped_config_parses_again():
-    """Launchers hand workers the config as YAML with every field listed, defaults included."""
+    """Launchers hand workers the config as YAML with every field listed, defaults included (a
+    static tree's own draft_top_k and draft_tree_width among them)."""
     config = parse_config({"engine": {"num_kv_blocks": 64}, "decode": {"replicas": 2, "num_threads": 1}})
     assert parse_config(config.model_dump()) == config
+    tree = parse_config({"engine": {"speculative": {"method": "eagle3", "speculative_token_tree": [[0], [1], [0, 0]]}}})
+    assert parse_config(tree.model_dump()) == tree
+
+
+@pytest.mark.parametrize("router, message", [
+    ({"heartbeat_interval_s": 5.0}, r"heartbeat_timeout_s \(3\) must exceed heartbeat_interval_s \(5\)"),
+    ({"port": 50051, "internal_port": 50051}, r"port \(50051\), internal_port \(50051\) and http_port"),
+    ({"port": 8000, "http_port": 8000}, "must differ"),
+])
+def test_router_settings_that_cannot_work_together_are_refused_by_name(router, message):
+    with pytest.raises(ConfigError, match=message):
+        parse_config({"router": router})
+    parse_config({"router": {"port": 0, "internal_port": 0, "http_port": 0}})  # any free ones: fine
+
+
+def test_a_cluster_token_of_the_wrong_type_is_not_echoed():
+    with pytest.raises(ConfigError, match="cluster_token") as e:
+        parse_config({"cluster_token": 123456789})
+    assert "123456789" not in str(e.value)
 
 
 def test_eagle3_left_unset_takes_the_devices_measured_best_and_explicit_fields_stay():

@@ -409,7 +409,9 @@ def test_a_static_tree_past_its_reserved_slots_is_cut_to_them_when_no_slot_is_le
 def test_a_static_token_tree_is_checked_when_configured():
     def spec(**fields):
         return EngineConfig(speculative={"method": "eagle3", **fields})
-    assert spec(speculative_token_tree=[[0], [0, 0]]).speculative.draft_top_k == 1  # not the cpu default's 4
+    tree = spec(speculative_token_tree=[[0], [0, 0]]).speculative
+    assert tree.draft_top_k == 1  # not the cpu default's 4
+    assert SpeculativeConfig(**tree.model_dump()) == tree  # a dumped config reads back (the local launcher's)
     for fields, message in [
         ({"speculative_token_tree": [[0], [1, 0]]}, r"needs its parent \[1\]"),
         ({"speculative_token_tree": [[0], [0]]}, "distinct"),
