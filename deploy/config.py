@@ -65,12 +65,17 @@ class DeploymentConfig(_Strict):
     aggregated: RoleConfig = Field(default_factory=RoleConfig)
     pin_timeout_s: float = Field(30.0, gt=0, description="prefill blocks stay pinned this long awaiting the decode side")
     cluster_token: str | None = Field(None, description="shared secret of internal RPCs (default: $PDSPEC_CLUSTER_TOKEN)")
-    tls: TlsConfig | None = Field(None, description="TLS on the public port, mutual TLS on every internal one "
-                                  "(null: plaintext, for loopback and trusted networks)")
+    tls: TlsConfig | None = Field(None, description="TLS on the public ports (gRPC and HTTP), mutual TLS on every "
+                                  "internal one (null: plaintext, for loopback and trusted networks)")
 
     def served_model_name(self) -> str:
         """The model's name in the HTTP API: router.served_model_name, else the model's own."""
         return self.router.served_model_name or model_name(self.engine.model)
+
+    def http_url(self, host: str) -> str | None:
+        """The OpenAI API's base URL on `host` (None: router.http_port is off); https with tls."""
+        port = self.router.http_port
+        return None if port is None else f"{'https' if self.tls else 'http'}://{host}:{port}/v1"
 
     def tls_identity(self) -> Tls | None:
         """The TLS files' contents (None: plaintext); a file that cannot be read is a ValueError naming its field."""

@@ -48,8 +48,7 @@ class LocalCluster:
     @property
     def http_url(self) -> str | None:
         """The OpenAI API's base URL (None: router.http_port is off)."""
-        port = self.config.router.http_port
-        return None if port is None else f"http://{self.host}:{port}/v1"
+        return self.config.http_url(self.host)
 
     def start(self, timeout_s: float = 300.0) -> "LocalCluster":
         """Start everything; if any part fails to come up, stop what did before raising."""

@@ -135,8 +135,7 @@ class RayCluster:
     @property
     def http_url(self) -> str | None:
         """The OpenAI API's base URL, on the router's node (None: router.http_port is off)."""
-        port = self.config.router.http_port
-        return None if port is None else f"http://{self.router_address.rsplit(':', 1)[0]}:{port}/v1"
+        return self.config.http_url(self.router_address.rsplit(":", 1)[0])
 
     def start(self, timeout_s: float = 300.0) -> "RayCluster":
         """Check the config against the cluster, place the router and workers, wait until all

@@ -1,17 +1,26 @@
-"""uvicorn serving the OpenAI API from a thread of the router's process."""
+"""uvicorn serving the OpenAI API from a thread of the router's process, over TLS when the
+router's gRPC ports are."""
 
 import socket
+import ssl
+import tempfile
 import threading
 import time
+from pathlib import Path
 
 import uvicorn
 from fastapi import FastAPI
 
+from proto.rpc import Tls
+
 
 class HttpServer:
-    def __init__(self, app: FastAPI, host: str, port: int) -> None:
+    def __init__(self, app: FastAPI, host: str, port: int, tls: Tls | None = None) -> None:
         # log_config=None: keep the process's own (structured) logging instead of uvicorn's.
         config = uvicorn.Config(app, log_config=None, access_log=False, lifespan="on")
+        if tls is not None:  # the router's identity; clients need no certificate (API keys authenticate them)
+            config.load()
+            config.ssl = _server_context(tls)
         self._host, self._port = host, port
         self._server = uvicorn.Server(config)
         self._thread: threading.Thread | None = None
@@ -44,3 +53,18 @@ class HttpServer:
         self._server.should_exit = True
         if self._thread is not None:
             self._thread.join(timeout=10)
+
+
+def _server_context(tls: Tls) -> ssl.SSLContext:
+    """A TLS server context of the PEM identity (ssl loads one only from files: a private
+    directory's, removed once read)."""
+    if tls.cert is None or tls.key is None:
+        raise ValueError("tls: the HTTP API needs cert_file and key_file")
+    context = ssl.SSLContext(ssl.PROTOCOL_TLS_SERVER)
+    with tempfile.TemporaryDirectory() as directory:  # created 0700
+        cert, key = Path(directory) / "cert.pem", Path(directory) / "key.pem"
+        cert.write_bytes(tls.cert)
+        key.touch(mode=0o600)
+        key.write_bytes(tls.key)
+        context.load_cert_chain(cert, key)
+    return context

@@ -89,14 +89,14 @@ def run_router(rc: RouterConfig, token: str | None, model_dir: Path, model_name:
         return RunningRouter(server, bound, internal_server, internal_bound, None, None)
     authorized = (lambda header: api_keys.owner(header) is not None) if api_keys else (lambda header: True)
     app = create_app(router.Generate, model_name, metrics.registry, registry.can_serve, authorized)
-    http = HttpServer(app, rc.host, rc.http_port)
+    http = HttpServer(app, rc.host, rc.http_port, tls)
     try:
         http_port = http.start()
     except RuntimeError:
         server.stop(0)
         internal_server.stop(0)
         raise
-    log.info("OpenAI API serving %s on http://%s:%d/v1", model_name, rc.host, http_port)
+    log.info("OpenAI API serving %s on %s://%s:%d/v1", model_name, "https" if tls else "http", rc.host, http_port)
     return RunningRouter(server, bound, internal_server, internal_bound, http, http_port)
 
 

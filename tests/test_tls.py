@@ -5,6 +5,7 @@ metadata (the blob never leaves the peer, so it is never deserialized)."""
 
 import datetime
 import ipaddress
+import ssl
 import subprocess
 import sys
 import textwrap
@@ -13,6 +14,7 @@ from concurrent import futures
 from pathlib import Path
 
 import grpc
+import httpx
 import pytest
 from cryptography import x509
 from cryptography.hazmat.primitives import hashes, serialization
@@ -77,7 +79,8 @@ def pki(tmp_path_factory) -> dict[str, dict[str, Path]]:
 def tls_cluster(pki):
     tls = {field: str(path) for field, path in pki["cluster"].items()}
     config = parse_config({"engine": test_cluster.ENGINE, "cluster_token": TOKEN, "tls": tls,
-                           "router": {"port": 0, "heartbeat_interval_s": 0.2, "request_timeout_s": 900.0},
+                           "router": {"port": 0, "http_port": 0, "heartbeat_interval_s": 0.2,
+                                      "request_timeout_s": 900.0},
                            "prefill": {"replicas": 1, "kv_transfer": "nixl"},
                            "decode": {"replicas": 1, "kv_transfer": "nixl"}})
     cluster = LocalCluster(config, 0).start()
@@ -94,6 +97,18 @@ def _rogue(pki) -> Tls:
 
 def test_a_tls_cluster_answers_token_identically(tls_cluster, reference):
     test_cluster._check_answers(tls_cluster, reference)
+
+
+def test_the_http_api_of_a_tls_cluster_is_https(tls_cluster, pki):
+    """The public HTTP API is as private as the public gRPC port: TLS with the router's identity."""
+    url = tls_cluster.http_url
+    assert url.startswith("https://")
+    body = {"messages": [{"role": "user", "content": "Say hi."}], "max_tokens": 4}
+    trust = ssl.create_default_context(cafile=str(pki["cluster"]["ca_file"]))
+    answer = httpx.post(f"{url}/chat/completions", json=body, verify=trust, timeout=120)
+    assert answer.status_code == 200 and answer.json()["usage"]["completion_tokens"] >= 1
+    with pytest.raises(httpx.HTTPError):  # plaintext to it
+        httpx.post(f"{url.replace('https://', 'http://')}/chat/completions", json=body, timeout=30)
 
 
 def test_plaintext_to_a_tls_port_fails(tls_cluster):
