@@ -111,12 +111,13 @@ class LocalCluster:
 
 
 def default_threads(config: DeploymentConfig, cores: int | None = None) -> dict[str, int]:
-    """Threads per replica: the configured number, else the cores but one split evenly between
-    replicas (at least one each). OpenMP threads of processes sharing a core would spin against
+    """Threads per tensor-parallel rank: the configured number, else the cores but one split evenly
+    between replicas, then between a replica's ranks (at least one each). OpenMP threads of processes sharing a core would spin against
     each other; and the router, the fronts and the clients of a local cluster run on this machine
     too: a team on every core waits at each of a step's ~150 barriers whenever one of them
     preempts a member (on 2 cores, an aggregated worker with both decoded a chat load at 7.5-8 ms
     a token, with one at 3.5)."""
     replicas = sum(getattr(config, r).replicas for r in WORKER_ROLES)
     share = max(1, ((cores or os.cpu_count() or 1) - 1) // max(1, replicas))
-    return {r: getattr(config, r).num_threads or share for r in WORKER_ROLES}
+    return {r: getattr(config, r).num_threads or max(1, share // getattr(config, r).tensor_parallel_size)
+            for r in WORKER_ROLES}

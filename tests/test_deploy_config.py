@@ -94,3 +94,6 @@ def test_a_local_cluster_leaves_a_core_to_its_router_and_fronts(roles, cores, ex
     assert threads["prefill"] == expected
     assert threads["decode"] == (roles["decode"].get("num_threads") or expected)
     assert threads["aggregated"] == expected
+    tensor_parallel = parse_config({"prefill": {"replicas": 0}, "decode": {"replicas": 0},
+                                    "aggregated": {"replicas": 1, "tensor_parallel_size": 2}})
+    assert default_threads(tensor_parallel, cores)["aggregated"] == max(1, (cores - 1) // 2)  # per rank

@@ -131,7 +131,7 @@ def test_workers_register_with_the_router_and_advertise_their_pod_ip(rendered):
         assert env["NIXL_LOG_LEVEL"]["value"] == "WARN"
         role = config[component(deployment)]
         assert deployment["spec"]["replicas"] == role["replicas"]
-        threads = role.get("num_threads") or max(1, int(role["resources"]["cpus"]))
+        threads = role.get("num_threads") or max(1, int(role["resources"]["cpus"] / role.get("tensor_parallel_size", 1)))
         assert env["OMP_NUM_THREADS"]["value"] == str(threads)
 
 
