@@ -3,7 +3,7 @@
 from pathlib import Path
 from typing import Literal
 
-from pydantic import BaseModel, ConfigDict, Field, model_validator
+from pydantic import BaseModel, ConfigDict, Field, field_validator, model_validator
 
 
 class RouterConfig(BaseModel):
@@ -30,6 +30,14 @@ class RouterConfig(BaseModel):
                                      "workers' max_num_seqs, together) beyond which new ones are refused at once")
     max_queue_seconds: float = Field(30.0, gt=0, description="longest wait for a running slot; a request expected "
                                      "to wait longer is refused at once (RESOURCE_EXHAUSTED, HTTP 429)")
+
+    @field_validator("host")
+    @classmethod
+    def _ipv4_or_name(cls, host: str) -> str:
+        if ":" in host:
+            raise ValueError(f"IPv6 addresses ({host}) are not supported; use an IPv4 address or a host name, e.g. "
+                             "0.0.0.0 for every interface")
+        return host
 
     @model_validator(mode="after")
     def _check(self) -> "RouterConfig":

@@ -26,6 +26,7 @@ def test_a_dumped_config_parses_again():
     ({"heartbeat_interval_s": 5.0}, r"heartbeat_timeout_s \(3\) must exceed heartbeat_interval_s \(5\)"),
     ({"port": 50051, "internal_port": 50051}, r"port \(50051\), internal_port \(50051\) and http_port"),
     ({"port": 8000, "http_port": 8000}, "must differ"),
+    ({"host": "::"}, r"router.host: .*IPv6 addresses \(::\) are not supported"),
 ])
 def test_router_settings_that_cannot_work_together_are_refused_by_name(router, message):
     with pytest.raises(ConfigError, match=message):

@@ -328,6 +328,8 @@ def test_values_schema_rejects_a_bad_config_naming_the_field(helm, tmp_path, com
 
 @pytest.mark.parametrize("override, field", [
     ({"config": {"router": {"host": "127.0.0.1"}}}, "config.router.host"),
+    ({"config": {"router": {"host": "::"}}}, "config.router.host"),  # the router binds IPv4 or host names
+    ({"config": {"tls": {"cert_file": "/c", "key_file": "/k", "ca_file": "/ca"}}}, "config.tls"),  # the Secret's way
     ({"config": {"decode": {"port": 0}}}, "config.decode.port"),
     ({"config": {"prefill": {"metrics_port": 0}}}, "config.prefill.metrics_port"),
     ({"config": {"cluster_token": "oops"}}, "config.cluster_token"),

@@ -51,8 +51,11 @@ until workers have registered). */}}
 {{- if $c.router.api_key_file -}}
 {{- fail "config.router.api_key_file: leave it unset; set apiKeys.existingSecret, the chart mounts that Secret and names it" -}}
 {{- end -}}
-{{- if not (has $c.router.host (list "0.0.0.0" "::")) -}}
-{{- fail (printf "config.router.host: %v is not reachable from other pods; allowed: 0.0.0.0 or ::" $c.router.host) -}}
+{{- if ne $c.router.host "0.0.0.0" -}}
+{{- fail (printf "config.router.host: %v is not reachable from other pods; allowed: 0.0.0.0" $c.router.host) -}}
+{{- end -}}
+{{- if $c.tls -}}
+{{- fail "config.tls: leave it unset; set tls.existingSecret, the chart mounts that Secret, fills config.tls and switches the probes to TLS-safe ones" -}}
 {{- end -}}
 {{- if not $c.router.internal_port -}}
 {{- fail "config.router.internal_port: 0 (any free port) cannot be named by a Service; set a fixed port" -}}
