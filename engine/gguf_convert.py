@@ -17,6 +17,7 @@ import os
 import re
 import shutil
 import tempfile
+import time
 from pathlib import Path
 from typing import Any
 
@@ -103,11 +104,14 @@ def default_model_dir() -> Path:
 
 def converted_model_dir(gguf_path: Path, name: str | None = None) -> Path:
     """`gguf_path` converted into `pdspec_home()/models/<name>-<key>` (name: the file's stem),
-    converting on first use only. The key hashes the file's path, size and mtime and the
-    converter's format version, so a changed file or converter gets a fresh conversion."""
+    converting on first use only. The key hashes the file's path, size, mtime, inode and ctime and
+    the converter's format version, so a changed file or converter gets a fresh conversion (a file
+    replaced in place keeping its size and mtime, as `cp -p` does, still has a new inode or ctime;
+    hashing its content would read gigabytes of a large model at every start)."""
     gguf_path = Path(gguf_path).resolve()
     stat = gguf_path.stat()
-    key = hashlib.sha256(f"{gguf_path}:{stat.st_size}:{stat.st_mtime_ns}:{_FORMAT_VERSION}".encode()).hexdigest()[:12]
+    identity = f"{gguf_path}:{stat.st_size}:{stat.st_mtime_ns}:{stat.st_ino}:{stat.st_ctime_ns}:{_FORMAT_VERSION}"
+    key = hashlib.sha256(identity.encode()).hexdigest()[:12]
     out_dir = pdspec_home() / "models" / f"{name or gguf_path.stem}-{key}"
     if out_dir.is_dir():
         if not (out_dir / SOURCE_FILE).is_file():  # made before conversions recorded their source
@@ -124,12 +128,18 @@ def converted_model_dir(gguf_path: Path, name: str | None = None) -> Path:
         raise
 
 
+PARTIAL_AGE_S = 3600.0  # a conversion's build directory older than this is a crashed one's
+
+
 def prune_stale_conversions(models: Path, name: str, keep: Path) -> list[Path]:
     """Remove the conversions `models/<name>-<key>` (but `keep`) whose GGUF is gone or changed
-    since: each reinstall of a package shipping a GGUF (a new virtualenv, a clean CI clone) gets a
-    conversion of its own, ~600 MB for the embedded model, and nothing else ever reads the old one.
-    Conversions without a source record (older converters) are left alone. Returns the removed."""
-    removed = []
+    since, or is `keep`'s own (an older converter's): each reinstall of a package shipping a GGUF
+    (a new virtualenv, a clean CI clone) gets a conversion of its own, ~600 MB for the embedded
+    model, and nothing else ever reads the old one; and the build directories of conversions that
+    crashed. Conversions without a source record (older converters) are left alone. Returns the
+    removed."""
+    mine = json.loads((keep / SOURCE_FILE).read_text())["gguf"]
+    removed = [d for d in models.glob(f".{name}-*.partial") if time.time() - d.stat().st_mtime > PARTIAL_AGE_S]
     for directory in models.glob(f"{name}-*"):
         record = directory / SOURCE_FILE
         if directory == keep or not record.is_file():
@@ -137,12 +147,13 @@ def prune_stale_conversions(models: Path, name: str, keep: Path) -> list[Path]:
         try:
             source = json.loads(record.read_text())
             stat = Path(source["gguf"]).stat()
-            current = (stat.st_size, stat.st_mtime_ns) == (source["size"], source["mtime_ns"])
+            current = (stat.st_size, stat.st_mtime_ns) == (source["size"], source["mtime_ns"]) and source["gguf"] != mine
         except (OSError, ValueError, KeyError):
             current = False
         if not current:
-            shutil.rmtree(directory, ignore_errors=True)
             removed.append(directory)
+    for directory in removed:
+        shutil.rmtree(directory, ignore_errors=True)
     return removed
 
 

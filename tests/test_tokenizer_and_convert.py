@@ -3,6 +3,7 @@
 import json
 import os
 import re
+import time
 from pathlib import Path
 
 import gguf
@@ -241,8 +242,9 @@ def test_the_default_conversion_records_its_source(converted_dir: Path) -> None:
 
 
 def test_conversions_of_a_gone_or_changed_gguf_are_pruned(tmp_path: Path) -> None:
-    """Another virtualenv's GGUF, deleted or reinstalled since, leaves a stale conversion; a new
-    conversion of the same name removes it, and nothing else."""
+    """Another virtualenv's GGUF, deleted or reinstalled since, leaves a stale conversion, as does
+    an older converter of the same GGUF, and a crashed conversion its build directory; a new
+    conversion of the same name removes them, and nothing else."""
     models = tmp_path / "models"
 
     def conversion(name: str, gguf: Path | None) -> Path:
@@ -254,13 +256,18 @@ def test_conversions_of_a_gone_or_changed_gguf_are_pruned(tmp_path: Path) -> Non
                                                              "mtime_ns": stat.st_mtime_ns}))
         return directory
 
-    live, gone, changed = (tmp_path / f"{n}.gguf" for n in ("live", "gone", "changed"))
-    for path in (live, gone, changed):
+    live, elsewhere, gone, changed = (tmp_path / f"{n}.gguf" for n in ("live", "elsewhere", "gone", "changed"))
+    for path in (live, elsewhere, gone, changed):
         path.write_bytes(b"gguf")
-    kept = [conversion("Model-aaa", live), conversion("Model-ddd", None), conversion("Other-eee", gone)]
-    stale = [conversion("Model-bbb", gone), conversion("Model-ccc", changed)]
+    kept = [conversion("Model-aaa", elsewhere), conversion("Model-ddd", None), conversion("Other-eee", gone),
+            models / ".Model-fff.x1.partial"]  # a conversion running now
+    kept[-1].mkdir()
+    crashed = models / ".Model-ggg.x2.partial"
+    crashed.mkdir()
+    os.utime(crashed, (time.time() - 2 * 3600,) * 2)
+    stale = [conversion("Model-bbb", gone), conversion("Model-ccc", changed), conversion("Model-hhh", live)]
     new = conversion("Model-fff", live)
     gone.unlink()
     changed.write_bytes(b"gguf, reinstalled")
-    assert sorted(prune_stale_conversions(models, "Model", keep=new)) == stale
-    assert all(d.is_dir() for d in kept + [new]) and not any(d.exists() for d in stale)
+    assert sorted(prune_stale_conversions(models, "Model", keep=new)) == sorted(stale + [crashed])
+    assert all(d.is_dir() for d in kept + [new]) and not any(d.exists() for d in stale + [crashed])
