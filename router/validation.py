@@ -69,7 +69,7 @@ def prompt_token_ids(request: router_pb2.GenerateRequest, tokenizer: Tokenizer) 
     if kind == "messages":
         return _encode_chat(request.messages.messages, tokenizer)
     if kind == "prompt":
-        return tokenizer.encode(request.prompt)
+        return tokenizer.encode(request.prompt, add_special_tokens=True)  # a BOS if the model's tokenizer adds one
     _check_token_ids(request.token_ids.ids, tokenizer.vocab_size, "token_ids.ids")
     return list(request.token_ids.ids)
 

@@ -74,3 +74,25 @@ def test_valid_requests_are_tokenized_and_forwarded_as_sent(tokenizer):
     assert chat.request_id == "r1" and chat.sampling == sampling(temperature=0.7)
     plain = validate(router_pb2.GenerateRequest(prompt="Hello there"), tokenizer, max_model_len=None)
     assert plain.prompt_token_ids == tokenizer.encode("Hello there") and len(plain.request_id) == 32
+
+
+def test_a_raw_prompt_gets_the_bos_its_models_tokenizer_adds(model_dir, tmp_path):
+    """As HF tokenizers encode text for a model (Llama 3's <|begin_of_text|>); a chat's template
+    writes its own, and token ids are taken as they are."""
+    import json
+    import shutil
+
+    tokenizer_json = json.loads((model_dir / "tokenizer.json").read_text())
+    tokenizer_json["post_processor"] = {"type": "TemplateProcessing",
+                                        "single": [{"SpecialToken": {"id": "<|endoftext|>", "type_id": 0}},
+                                                   {"Sequence": {"id": "A", "type_id": 0}}],
+                                        "pair": [{"Sequence": {"id": "A", "type_id": 0}}],
+                                        "special_tokens": {"<|endoftext|>": {"id": "<|endoftext|>", "ids": [0],
+                                                                             "tokens": ["<|endoftext|>"]}}}
+    (tmp_path / "tokenizer.json").write_text(json.dumps(tokenizer_json))
+    shutil.copy(model_dir / "tokenizer_config.json", tmp_path / "tokenizer_config.json")
+    with_bos = Tokenizer.from_dir(tmp_path)
+    assert validate(request(prompt="Hello there"), with_bos, None).prompt_token_ids[:1] == [0]
+    assert validate(request(token_ids=router_pb2.TokenIds(ids=[5, 6])), with_bos, None).prompt_token_ids == [5, 6]
+    plain = Tokenizer.from_dir(model_dir)  # the embedded model's adds none
+    assert validate(request(prompt="Hello there"), plain, None).prompt_token_ids == plain.encode("Hello there")
