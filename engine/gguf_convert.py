@@ -13,6 +13,7 @@ import errno
 import hashlib
 import importlib.util
 import json
+import logging
 import os
 import re
 import shutil
@@ -33,6 +34,8 @@ from tqdm import tqdm
 from engine.config import EMBEDDED_NAME
 from engine.home import pdspec_home
 from engine.quant import BLOCKS_FILE, QUANT_TYPES, q5_0_as_q8_0
+
+log = logging.getLogger(__name__)
 
 SUPPORTED_ARCHITECTURES = ("llama",)
 
@@ -299,7 +302,11 @@ def _build_tokenizer(meta: dict[str, Any], gguf_path: Path) -> HFTokenizer:
     model = meta.get("tokenizer.ggml.model")
     if model != "gpt2":
         raise ValueError(f"{gguf_path.name} has tokenizer model {model!r}; supported: 'gpt2' (byte-level BPE)")
-    pre = meta.get("tokenizer.ggml.pre", "gpt2")
+    pre = meta.get("tokenizer.ggml.pre")
+    if pre is None:  # files older than the key; llama.cpp splits them GPT-2's way too, with the same warning
+        log.warning("%s has no tokenizer.ggml.pre: pre-tokenizing as GPT-2 does; if the model was trained with "
+                    "another split (Llama 3's, say), regenerate the GGUF", gguf_path.name)
+        pre = "gpt2"
     if pre not in _PRE_TOKENIZERS:
         raise ValueError(f"{gguf_path.name} has pre-tokenizer {pre!r}; supported: {', '.join(_PRE_TOKENIZERS)}")
     tokens: list[str] = _require(meta, "tokenizer.ggml.tokens", gguf_path)

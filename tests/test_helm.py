@@ -337,6 +337,7 @@ def test_values_schema_rejects_a_bad_config_naming_the_field(helm, tmp_path, com
     ({"config": {"router": {"http_port": 0}}}, "config.router.http_port"),
     ({"config": {"router": {"http_port": 50051}}}, "config.router.http_port"),  # the gRPC port
     ({"image": {"pullPolicy": "Sometimes"}}, "image.pullPolicy"),
+    ({"config": {"engine": {"device": "cuda"}}}, "config.prefill.resources.gpus"),  # no GPU requested: crashed at start
 ])
 def test_chart_rejects_values_that_cannot_work_in_kubernetes(helm, tmp_path, override, field):
     result = run_helm(helm, "template", "rel", str(CHART), values=override, tmp_path=tmp_path)

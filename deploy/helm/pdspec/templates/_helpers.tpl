@@ -80,6 +80,11 @@ until workers have registered). */}}
 {{- fail (printf "config.%s.%s: 0 (any free port) cannot be named by probes and Services; set a fixed port" $role $field) -}}
 {{- end -}}
 {{- end -}}
+{{- $gpus := int (($rc.resources | default dict).gpus | default 0) -}}
+{{- $tp := int ($rc.tensor_parallel_size | default 1) -}}
+{{- if and (eq (($c.engine | default dict).device | default "cpu") "cuda") (ne $gpus $tp) -}}
+{{- fail (printf "config.%s.resources.gpus: %d, but engine.device is cuda with tensor_parallel_size %d: each rank drives one GPU, set gpus to %d" $role $gpus $tp $tp) -}}
+{{- end -}}
 {{- end -}}
 {{- end -}}
 {{- end -}}
