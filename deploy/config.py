@@ -109,6 +109,9 @@ class DeploymentConfig(_Strict):
                     "disaggregated roles yet (KV transfer between sharded workers is not implemented); "
                     "allowed: 1, or use aggregated workers for tensor parallelism"
                 )
+        if self.aggregated.kv_transfer != RoleConfig.model_fields["kv_transfer"].default:
+            raise ValueError(f"aggregated.kv_transfer: {self.aggregated.kv_transfer!r} does nothing, an aggregated worker "
+                             "moves no KV; leave it unset (prefill.kv_transfer and decode.kv_transfer choose)")
         if disaggregated and self.prefill.kv_transfer != self.decode.kv_transfer:
             raise ValueError(
                 f"prefill.kv_transfer ({self.prefill.kv_transfer!r}) and decode.kv_transfer "

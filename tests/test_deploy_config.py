@@ -98,3 +98,9 @@ def test_a_local_cluster_leaves_a_core_to_its_router_and_fronts(roles, cores, ex
     tensor_parallel = parse_config({"prefill": {"replicas": 0}, "decode": {"replicas": 0},
                                     "aggregated": {"replicas": 1, "tensor_parallel_size": 2}})
     assert default_threads(tensor_parallel, cores)["aggregated"] == max(1, (cores - 1) // 2)  # per rank
+
+
+def test_a_setting_that_would_do_nothing_is_refused():
+    with pytest.raises(ConfigError, match="aggregated.kv_transfer: 'grpc' does nothing"):
+        parse_config({"prefill": {"replicas": 0}, "decode": {"replicas": 0},
+                      "aggregated": {"replicas": 1, "kv_transfer": "grpc"}})
