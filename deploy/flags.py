@@ -37,10 +37,11 @@ def flags_for(model: type[BaseModel], renamed: dict[str, str] | None = None) -> 
 
 
 def _kind(annotation) -> tuple[type, list | None]:
-    """The argparse type and choices of a field's annotation (X | None is X)."""
+    """The argparse type and choices of a field's annotation (X | None is X, or 'none' for None)."""
     args = [a for a in typing.get_args(annotation) if a is not type(None)]
     if typing.get_origin(annotation) in (typing.Union, types.UnionType) and len(args) == 1:
-        return _kind(args[0])
+        kind, choices = _kind(args[0])
+        return _or_none(kind), None if choices is None else [*choices, None]
     if typing.get_origin(annotation) is typing.Literal:
         return type(args[0]), list(args)
     if annotation in (bool, int, float, str):
@@ -48,6 +49,16 @@ def _kind(annotation) -> tuple[type, list | None]:
     if typing.get_origin(annotation) is list:
         return literal, None
     raise TypeError(f"no command-line flag for a field of type {annotation}")
+
+
+def _or_none(kind):
+    """`kind`'s parser that also reads 'none' (or 'null') as None: a field whose None means
+    something (no limit, the device's default) can be set to it from the command line."""
+    def parse(text: str):
+        return None if text.strip().lower() in ("none", "null") else kind(text)
+
+    parse.__name__ = kind.__name__  # argparse names the type in its errors
+    return parse
 
 
 def literal(text: str):

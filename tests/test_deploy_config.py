@@ -104,3 +104,20 @@ def test_a_setting_that_would_do_nothing_is_refused():
     with pytest.raises(ConfigError, match="aggregated.kv_transfer: 'grpc' does nothing"):
         parse_config({"prefill": {"replicas": 0}, "decode": {"replicas": 0},
                       "aggregated": {"replicas": 1, "kv_transfer": "grpc"}})
+
+
+def test_a_field_whose_none_means_something_takes_none_from_the_command_line():
+    """'none' for no batch-size limit (the cpu default is 2) and for the priced threshold."""
+    import argparse
+
+    from deploy.cli import _add_engine_args, _engine_config
+
+    parser = argparse.ArgumentParser()
+    _add_engine_args(parser)
+    args = parser.parse_args(["--speculative", "eagle3", "--disable-by-batch-size", "none",
+                              "--draft-confidence-threshold", "None", "--num-speculative-tokens", "3"])
+    spec = _engine_config(args).speculative
+    assert (spec.disable_by_batch_size, spec.draft_confidence_threshold, spec.num_speculative_tokens) == (None, None, 3)
+    parser.exit = lambda status=0, message=None: (_ for _ in ()).throw(ValueError(message))
+    with pytest.raises(ValueError, match="invalid int value: 'many'"):
+        parser.parse_args(["--disable-by-batch-size", "many"])
