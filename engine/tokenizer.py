@@ -4,6 +4,7 @@ Works for directories written by `engine.gguf_convert` and for HF Llama/Qwen2/Qw
 """
 
 import json
+import re
 from collections.abc import Iterable, Sequence
 from datetime import datetime
 from pathlib import Path
@@ -118,9 +119,9 @@ class Tokenizer:
         turn, e.g. "<|im_end|><|im_start|>system")."""
         text = self.apply_chat_template(messages, add_generation_prompt)
         encoding = self._tokenizer.encode(text, add_special_tokens=False)
-        spans = self._content_spans(text, messages)
-        if not spans:
+        if not any(special in (m.get("content") or "") for m in messages for special in self._specials):
             return encoding.ids
+        spans = self._content_spans(text, messages, add_generation_prompt)
         ids: list[int] = []
         for token, (start, end) in zip(encoding.ids, encoding.offsets):
             if token in self._special_ids and any(a <= start and end <= b for a, b in spans):
@@ -129,24 +130,26 @@ class Tokenizer:
                 ids.append(token)
         return ids
 
-    def _content_spans(self, text: str, messages: list[dict[str, str]]) -> list[tuple[int, int]]:
-        """Where the rendered `text` holds the contents that write a special token (found in order,
-        as written or trimmed); a content the template changed otherwise is refused."""
-        spans, at = [], 0
-        for i, message in enumerate(messages):
-            content = message.get("content") or ""
-            if not any(special in content for special in self._specials):
-                continue
-            for form in (content, content.strip()):
-                start = text.find(form, at)
-                if start >= 0:
-                    spans.append((start, start + len(form)))
-                    at = start + len(form)
-                    break
-            else:
-                raise ValueError(f"message {i}'s content writes a special token, and the chat template changes it "
-                                 "beyond recognition: remove the special token")
-        return spans
+    def _content_spans(self, text: str, messages: list[dict[str, str]], add_generation_prompt: bool,
+                       ) -> list[tuple[int, int]]:
+        """Where the rendered `text` holds the messages' contents: the template rendered again with a
+        marker for each, and the contents put back where the markers landed (as written, or trimmed
+        as some templates do), which must give `text` again; a template that changes contents
+        otherwise cannot tell its own special tokens from a message's, and is refused."""
+        marked = [m | {"content": f"\ue000{i}\ue001"} for i, m in enumerate(messages)]
+        skeleton = re.split("\ue000(\\d+)\ue001", self.apply_chat_template(marked, add_generation_prompt))
+        for form in (str, str.strip):
+            pieces, spans, at = [], [], 0
+            for k, piece in enumerate(skeleton):
+                if k % 2:  # a marker: message `piece`'s content
+                    piece = form(messages[int(piece)].get("content") or "")
+                    spans.append((at, at + len(piece)))
+                pieces.append(piece)
+                at += len(piece)
+            if "".join(pieces) == text:
+                return spans
+        raise ValueError("a message's content writes a special token, and the chat template changes contents in a "
+                         "way that hides where they are: remove the special token")
 
 
 class IncrementalDetokenizer:
