@@ -133,6 +133,8 @@ def _check_handle(handle, request_id: str, prompt: list[int]) -> None:
 
 
 def _engine_handle(handle, table: list[int]) -> KVHandle:
+    if not handle.HasField("seed"):  # a prefill worker of a version before seeds (each handle would draw alike)
+        raise InvalidRequest("prefilled.seed", "missing: run prefill and decode workers of the same pdspec version")
     if len(handle.draft_hidden) % 4:
         raise InvalidRequest("prefilled.draft_hidden", f"{len(handle.draft_hidden)} bytes, not whole float32 values")
     hidden = np.frombuffer(handle.draft_hidden, dtype=np.float32)

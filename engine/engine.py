@@ -91,14 +91,15 @@ class Engine:
         self.scheduler.add(seq)
         return request_id
 
-    def abort(self, request_id: str) -> RequestOutput | None:
+    def abort(self, request_id: str, reason: str = "abort") -> RequestOutput | None:
+        """End a request (`reason`: "error" when the engine failed it, not a client)."""
         if request_id in self.incoming:
             # Its KV may be arriving right now, written into its blocks by a handler thread: they
             # are freed when the transfer has ended (admit_prefilled, drop_incoming), never under it.
             self.incoming[request_id].finish_reason = "abort"
             return RequestOutput(request_id, [], "", finished=True, finish_reason="abort")
         seq = self.seqs.get(request_id)
-        return self._finish(seq, "abort", [], "") if seq else None
+        return self._finish(seq, reason, [], "") if seq else None
 
     def close(self) -> None:
         """Release what outlives the object otherwise: tensor-parallel rank processes."""

@@ -146,7 +146,7 @@ class EngineLoop:
         except Exception:  # a bug in a step must not leave every client waiting forever
             log.exception("engine step failed; ending its requests with an error")
             for request_id in list(self.engine.seqs):
-                self.engine.abort(request_id)
+                self.engine.abort(request_id, reason="error")  # counted as finished_error
             # Every stream ends "error" (not "abort", which a client asked for), the requests the
             # failed step finished or handed off too: their outputs were lost with it.
             self._dispatch([RequestOutput(r, [], "", finished=True, finish_reason="error") for r in list(self.outputs)])

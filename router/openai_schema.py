@@ -3,8 +3,8 @@ Router's messages.
 
 Requests: unknown fields are ignored; fields pdspec knows but cannot honour (n > 1, logprobs,
 tools, response formats, penalties, ...) are refused naming the field, never silently dropped.
-Omitted fields take OpenAI's defaults: temperature 1, and an answer as long as the context allows
-(the gRPC API's own defaults are greedy and 256 tokens). Value ranges (temperature, top_p, token
+Omitted fields take OpenAI's defaults: temperature 1, and a chat answer as long as the context
+allows, a text completion 16 tokens (the gRPC API's own defaults are greedy and 256 tokens). Value ranges (temperature, top_p, token
 ids, context length) are the Router's own checks, so both fronts refuse the same requests;
 `api_field` renames the Router's field paths to OpenAI's.
 """
@@ -68,7 +68,8 @@ _UNSUPPORTED = {"logprobs": (None, False), "top_logprobs": (None, 0), "logit_bia
                 "suffix": (None, ""), "min_p": (None, 0), "repetition_penalty": (None, 1), "min_tokens": (None, 0),
                 "prompt_logprobs": (None, 0)}
 OPENAI_TEMPERATURE = 1.0  # OpenAI's default
-UNTIL_CONTEXT_LIMIT = 2**31 - 1  # max_tokens when omitted: the engine stops at the context limit ("length")
+UNTIL_CONTEXT_LIMIT = 2**31 - 1  # a chat's max_tokens when omitted: the engine stops at the context limit ("length")
+COMPLETION_MAX_TOKENS = 16  # OpenAI's default for /v1/completions
 
 
 def _is_unused(value: Any, unused: tuple) -> bool:
@@ -106,11 +107,10 @@ class _Sampling(BaseModel):
             if not _is_unused(value, unused):
                 raise invalid(name, f"not supported by pdspec (got {value!r}); leave it out")
 
-    def sampling(self, max_tokens: int | None) -> common_pb2.SamplingOptions:
+    def sampling(self, max_tokens: int) -> common_pb2.SamplingOptions:
         stop = [self.stop] if isinstance(self.stop, str) else self.stop or []
         options = common_pb2.SamplingOptions(stop=stop, stop_token_ids=self.stop_token_ids, ignore_eos=self.ignore_eos)
         temperature = OPENAI_TEMPERATURE if self.temperature is None else self.temperature
-        max_tokens = UNTIL_CONTEXT_LIMIT if max_tokens is None else max_tokens
         for name, value in (("max_tokens", max_tokens), ("temperature", temperature), ("top_p", self.top_p),
                             ("top_k", self.top_k), ("seed", self.seed)):
             if value is not None:
@@ -124,7 +124,7 @@ class ChatCompletionRequest(_Sampling):
 
     def generate_request(self, request_id: str) -> router_pb2.GenerateRequest:
         self.check_supported()
-        max_tokens = self.max_tokens
+        max_tokens = UNTIL_CONTEXT_LIMIT if self.max_tokens is None else self.max_tokens
         if self.max_completion_tokens is not None:
             if self.max_completion_tokens < 1:
                 raise invalid("max_completion_tokens", f"must be >= 1, got {self.max_completion_tokens}")
@@ -145,7 +145,8 @@ class CompletionRequest(_Sampling):
             if len(prompt) != 1:
                 raise invalid("prompt", f"one prompt per request is supported, got a batch of {len(prompt)}")
             prompt = prompt[0]
-        request = router_pb2.GenerateRequest(request_id=request_id, sampling=self.sampling(self.max_tokens))
+        max_tokens = COMPLETION_MAX_TOKENS if self.max_tokens is None else self.max_tokens
+        request = router_pb2.GenerateRequest(request_id=request_id, sampling=self.sampling(max_tokens))
         if isinstance(prompt, str):
             request.prompt = prompt
         else:

@@ -237,6 +237,7 @@ def test_a_decode_whose_kv_source_is_gone_names_the_source(grpc_cluster):
     (lambda h: setattr(h, "request_id", "someone-else"), "prefilled.request_id"),
     (lambda h: setattr(h, "num_prompt_tokens", h.num_prompt_tokens - 1), "prefilled.num_prompt_tokens"),
     (lambda h: h.block_ids.__setitem__(0, -3), "prefilled.block_ids"),
+    (lambda h: h.ClearField("seed"), "prefilled.seed: missing"),  # an older prefill worker's: refused after the
     (lambda h: setattr(h, "draft_hidden", bytes(6)), "prefilled.draft_hidden: 6 bytes"),  # refused after the
     (lambda h: setattr(h, "draft_hidden", bytes(400)), "draft hidden state does not fit"),  # pull, blocks freed all the same
 ])

@@ -92,6 +92,7 @@ def test_a_failed_engine_step_is_an_error_not_an_answer(chat_prompts, monkeypatc
         assert failed.value.code() == grpc.StatusCode.INTERNAL and "failed a step" in failed.value.details()
         assert all(not r.finish_reason for r in received)
         assert loop.call(lambda: (engine.has_unfinished(), engine.blocks.num_used_blocks)) == (False, 0)
+        assert engine.counters["finished_error"] == 1 and not engine.counters["finished_abort"]
     finally:
         server.stop(None)
         loop.stop()

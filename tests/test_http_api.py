@@ -124,14 +124,14 @@ def test_unknown_paths_and_methods_answer_in_openais_error_shape(cluster):
 
 
 def test_omitted_fields_take_openais_defaults_and_nulls_are_omissions():
-    """temperature 1 and an answer as long as the context allows (the gRPC API's defaults are
-    greedy and 256 tokens); null n or stream mean their defaults."""
+    """temperature 1, and a chat answer as long as the context allows, a text completion 16 tokens
+    (the gRPC API's defaults are greedy and 256 tokens); null n or stream mean their defaults."""
     from router.openai_schema import UNTIL_CONTEXT_LIMIT, ChatCompletionRequest, CompletionRequest
 
     chat = ChatCompletionRequest(messages=QUESTION, n=None, stream=None).generate_request("r")
     text = CompletionRequest(prompt="Hello").generate_request("r")
-    for request in (chat, text):
-        assert (request.sampling.temperature, request.sampling.max_tokens) == (1.0, UNTIL_CONTEXT_LIMIT)
+    assert (chat.sampling.temperature, chat.sampling.max_tokens) == (1.0, UNTIL_CONTEXT_LIMIT)
+    assert (text.sampling.temperature, text.sampling.max_tokens) == (1.0, 16)
     chosen = ChatCompletionRequest(messages=QUESTION, temperature=0, max_tokens=9, max_completion_tokens=5)
     assert (chosen.generate_request("r").sampling.temperature, chosen.generate_request("r").sampling.max_tokens) == (0, 5)
 

@@ -147,8 +147,9 @@ def _one(stub, messages, max_tokens: int, timeout_s: float, metadata: tuple) -> 
 
 
 def _one_http(client: httpx.Client, messages, max_tokens: int) -> RequestRecord:
+    # Greedy, as the gRPC requests are (the HTTP API's own default is OpenAI's temperature 1).
     body = {"messages": [{"role": m.role, "content": m.content} for m in messages], "max_tokens": max_tokens,
-            "ignore_eos": True, "stream": True, "stream_options": {"include_usage": True}}
+            "temperature": 0, "ignore_eos": True, "stream": True, "stream_options": {"include_usage": True}}
     record, chunks = RequestRecord(sent=time.perf_counter()), []
     try:
         with client.stream("POST", "/chat/completions", json=body) as response:
