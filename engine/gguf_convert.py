@@ -131,18 +131,17 @@ def converted_model_dir(gguf_path: Path, name: str | None = None) -> Path:
         raise
 
 
-PARTIAL_AGE_S = 3600.0  # a conversion's build directory older than this is a crashed one's
+PARTIAL_AGE_S = 3600.0  # a build directory this old, whose process is gone, is a crashed conversion's
 
 
 def prune_stale_conversions(models: Path, name: str, keep: Path) -> list[Path]:
     """Remove the conversions `models/<name>-<key>` (but `keep`) whose GGUF is gone or changed
-    since, or is `keep`'s own (an older converter's): each reinstall of a package shipping a GGUF
-    (a new virtualenv, a clean CI clone) gets a conversion of its own, ~600 MB for the embedded
-    model, and nothing else ever reads the old one; and the build directories of conversions that
-    crashed. Conversions without a source record (older converters) are left alone. Returns the
-    removed."""
-    mine = json.loads((keep / SOURCE_FILE).read_text())["gguf"]
-    removed = [d for d in models.glob(f".{name}-*.partial") if time.time() - d.stat().st_mtime > PARTIAL_AGE_S]
+    since: each reinstall of a package shipping a GGUF (a new virtualenv, a clean CI clone) gets a
+    conversion of its own, ~600 MB for the embedded model, and nothing else ever reads the old one;
+    and the build directories of crashed conversions. Conversions without a source record (older
+    converters) are left alone, and so are other keys of a GGUF that is still there (another
+    pdspec version on this host may be loading one). Returns the removed."""
+    removed = [d for d in models.glob(f".{name}-*.partial") if _crashed(d)]
     for directory in models.glob(f"{name}-*"):
         record = directory / SOURCE_FILE
         if directory == keep or not record.is_file():
@@ -150,7 +149,7 @@ def prune_stale_conversions(models: Path, name: str, keep: Path) -> list[Path]:
         try:
             source = json.loads(record.read_text())
             stat = Path(source["gguf"]).stat()
-            current = (stat.st_size, stat.st_mtime_ns) == (source["size"], source["mtime_ns"]) and source["gguf"] != mine
+            current = (stat.st_size, stat.st_mtime_ns) == (source["size"], source["mtime_ns"])
         except (OSError, ValueError, KeyError):
             current = False
         if not current:
@@ -158,6 +157,19 @@ def prune_stale_conversions(models: Path, name: str, keep: Path) -> list[Path]:
     for directory in removed:
         shutil.rmtree(directory, ignore_errors=True)
     return removed
+
+
+def _crashed(build_dir: Path) -> bool:
+    """Whether a conversion's build directory (named .<out>.<pid>.<random>.partial) is left over:
+    old, and its process gone (a live conversion may write one file for many minutes)."""
+    try:
+        pid = int(build_dir.name.rsplit(".", 3)[1])
+        os.kill(pid, 0)
+        return False  # its process still runs
+    except (ValueError, IndexError, ProcessLookupError):
+        return time.time() - build_dir.stat().st_mtime > PARTIAL_AGE_S
+    except PermissionError:  # another user's live process
+        return False
 
 
 def convert_gguf(gguf_path: Path, out_dir: Path) -> Path:
@@ -183,7 +195,7 @@ def convert_gguf(gguf_path: Path, out_dir: Path) -> Path:
     tokenizer = _build_tokenizer(meta, gguf_path)
 
     out_dir.parent.mkdir(parents=True, exist_ok=True)
-    tmp_dir = Path(tempfile.mkdtemp(prefix=f".{out_dir.name}.", suffix=".partial", dir=out_dir.parent))
+    tmp_dir = Path(tempfile.mkdtemp(prefix=f".{out_dir.name}.{os.getpid()}.", suffix=".partial", dir=out_dir.parent))
     try:
         tensors, blocks, qtypes = _convert_tensors(reader, config, gguf_path)
         save_file(tensors, tmp_dir / "model.safetensors", metadata={"format": "pt"})

@@ -60,3 +60,14 @@ def test_tls_comes_from_a_secret_every_pod_mounts_where_the_config_says(helm, tm
     assert "tls" not in yaml.safe_load(by_kind(plain, "ConfigMap")["rel-pdspec-config"]["data"]["config.yaml"])
     assert all("grpc" in d["spec"]["template"]["spec"]["containers"][0]["readinessProbe"]
                for d in by_kind(plain, "Deployment").values())
+
+
+def test_under_tls_prometheus_scrapes_the_routers_https_with_the_secrets_ca(helm, tmp_path):
+    """The router's /metrics is on its HTTP API, which TLS makes https; the workers' metrics ports
+    stay plain."""
+    values = {"tls": {"existingSecret": "certs", "serverName": "pdspec.example"}, "serviceMonitor": {"enabled": True}}
+    (monitor,) = by_kind(render(helm, values=values, tmp_path=tmp_path), "ServiceMonitor").values()
+    endpoints = {e["port"]: e for e in monitor["spec"]["endpoints"]}
+    assert endpoints["http"]["scheme"] == "https" and "scheme" not in endpoints["metrics"]
+    assert endpoints["http"]["tlsConfig"] == {"ca": {"secret": {"name": "certs", "key": "ca.crt"}},
+                                              "serverName": "pdspec.example"}

@@ -263,9 +263,9 @@ def test_the_default_conversion_records_its_source(converted_dir: Path) -> None:
 
 
 def test_conversions_of_a_gone_or_changed_gguf_are_pruned(tmp_path: Path) -> None:
-    """Another virtualenv's GGUF, deleted or reinstalled since, leaves a stale conversion, as does
-    an older converter of the same GGUF, and a crashed conversion its build directory; a new
-    conversion of the same name removes them, and nothing else."""
+    """Another virtualenv's GGUF, deleted or reinstalled since, leaves a stale conversion, and a
+    crashed conversion its build directory; a new conversion of the same name removes them, and
+    nothing else (not another key of a GGUF still there, nor a build directory of a live process)."""
     models = tmp_path / "models"
 
     def conversion(name: str, gguf: Path | None) -> Path:
@@ -281,12 +281,12 @@ def test_conversions_of_a_gone_or_changed_gguf_are_pruned(tmp_path: Path) -> Non
     for path in (live, elsewhere, gone, changed):
         path.write_bytes(b"gguf")
     kept = [conversion("Model-aaa", elsewhere), conversion("Model-ddd", None), conversion("Other-eee", gone),
-            models / ".Model-fff.x1.partial"]  # a conversion running now
-    kept[-1].mkdir()
-    crashed = models / ".Model-ggg.x2.partial"
-    crashed.mkdir()
-    os.utime(crashed, (time.time() - 2 * 3600,) * 2)
-    stale = [conversion("Model-bbb", gone), conversion("Model-ccc", changed), conversion("Model-hhh", live)]
+            conversion("Model-hhh", live), models / f".Model-fff.{os.getpid()}.x1.partial"]  # one running now
+    crashed = models / ".Model-ggg.999999999.x2.partial"  # no such process
+    for build in (kept[-1], crashed):
+        build.mkdir()
+        os.utime(build, (time.time() - 2 * 3600,) * 2)
+    stale = [conversion("Model-bbb", gone), conversion("Model-ccc", changed)]
     new = conversion("Model-fff", live)
     gone.unlink()
     changed.write_bytes(b"gguf, reinstalled")
