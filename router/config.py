@@ -27,7 +27,8 @@ class RouterConfig(BaseModel):
     request_timeout_s: float = Field(120.0, gt=0, description="deadline of internal prefill/decode calls")
     max_retries: int = Field(2, ge=0, description="retries on another worker when one fails before the first token")
     max_queued_requests: int = Field(128, ge=0, le=1024, description="requests waiting for a running slot (the "
-                                     "workers' max_num_seqs, together) beyond which new ones are refused at once")
+                                     "decoding workers' max_num_seqs, together) beyond which new ones are refused "
+                                     "at once")
     max_queue_seconds: float = Field(30.0, gt=0, description="longest wait for a running slot; a request expected "
                                      "to wait longer is refused at once (RESOURCE_EXHAUSTED, HTTP 429)")
 

@@ -59,9 +59,12 @@ class _Worker:
 class Registry:
     def __init__(self, clock: Callable[[], float] = time.monotonic,
                  on_change: Callable[[], None] = lambda: None) -> None:
-        """on_change: called (without the lock held) after a worker joins or leaves."""
+        """on_change: called (without the lock held) after a worker joins or leaves; one call at a
+        time, so one that reads the state (can_serve) and publishes it cannot be overtaken by an
+        older one (a stale NOT_SERVING would stay until the next join or leave)."""
         self._clock = clock
         self._on_change = on_change
+        self._change_lock = threading.Lock()
         self._lock = threading.Lock()
         self._workers: dict[str, _Worker] = {}
         self._index = KVIndex()
@@ -83,7 +86,7 @@ class Registry:
             self._workers[request.worker_id] = _Worker(request, self._clock(), load)
             self._index.clear(request.worker_id)  # the snapshot replaces whatever we knew
             self._index.store(request.worker_id, request.cached_block_hashes)
-        self._on_change()
+        self._changed()
 
     def heartbeat(self, request: worker_pb2.HeartbeatRequest) -> bool:
         """Record load and apply KV events in order; False if the worker is unknown (register again)."""
@@ -106,7 +109,7 @@ class Registry:
             cutoff = self._clock() - timeout_s
             stale = self._drop([wid for wid, w in self._workers.items() if w.last_seen < cutoff])
         if stale:
-            self._on_change()
+            self._changed()
         return stale
 
     def evict(self, worker_id: str, address: str) -> bool:
@@ -117,7 +120,7 @@ class Registry:
             worker = self._workers.get(worker_id)
             dropped = self._drop([worker_id] if worker and worker.registration.address == address else [])
         if dropped:
-            self._on_change()
+            self._changed()
         return bool(dropped)
 
     def _drop(self, worker_ids: list[str]) -> list[str]:
@@ -151,9 +154,17 @@ class Registry:
                 worker.routed_requests += 1
 
     def capacity(self) -> int:
-        """Requests the registered workers' running batches hold, together."""
+        """Requests the cluster runs at once: the decode workers' batches when a prefill and a
+        decode worker are registered (the route then; a prefill holds its slot briefly, a decode
+        for the whole answer), else the aggregated workers'."""
         with self._lock:
-            return sum(w.registration.max_num_seqs for w in self._workers.values())
+            seqs = {role: sum(w.registration.max_num_seqs for w in self._workers.values() if w.registration.role == role)
+                    for role in WORKER_ROLES}
+        return seqs["decode"] if seqs["prefill"] and seqs["decode"] else seqs["aggregated"]
+
+    def _changed(self) -> None:
+        with self._change_lock:
+            self._on_change()
 
     def max_model_len(self) -> int | None:
         """The smallest context limit among registered workers: any of them may serve a request."""

@@ -170,3 +170,24 @@ def test_bad_registrations_are_rejected_naming_the_field(cluster, change, code, 
     with pytest.raises(RegistrationError) as e:
         registry.register(request)
     assert e.value.code == code and str(e.value).startswith(f"{field}:"), str(e.value)
+
+
+def test_capacity_is_what_the_decode_side_runs():
+    """A disaggregated request holds a decode slot for its whole answer and a prefill slot
+    briefly: prefill workers' batches are no capacity (admitting them let twice the decode
+    workers' batches through, to wait at the decode workers with their prefill pinned)."""
+    registry = Registry()
+
+    def add(worker_id: str, role: str, max_num_seqs: int) -> None:
+        registry.register(worker_pb2.RegisterRequest(worker_id=worker_id, role=role, address=f"{worker_id}:1",
+                                                     layout=LAYOUT, total_blocks=100, max_model_len=64,
+                                                     max_num_seqs=max_num_seqs))
+
+    add("p", "prefill", 64)
+    assert registry.capacity() == 0  # no route yet: requests pass through to routing's UNAVAILABLE
+    add("d", "decode", 16)
+    assert registry.capacity() == 16
+    add("agg", "aggregated", 8)
+    assert registry.capacity() == 16  # the pair is the route while it exists
+    registry.evict("p", "p:1")
+    assert registry.capacity() == 8
