@@ -52,8 +52,9 @@ class _Worker:
     registration: worker_pb2.RegisterRequest
     last_seen: float
     load: worker_pb2.Load
-    routed_blocks: int = 0
+    routed_blocks: int = 0  # routed here since its last heartbeat (the next one reports them)
     routed_requests: int = 0
+    awaited: int = 0  # decode requests routed here whose prefill still runs: not here yet, whatever heartbeats say
 
 
 class Registry:
@@ -145,13 +146,25 @@ class Registry:
         with self._lock:
             return self._index.overlaps(chain), math.ceil(len(token_ids) / block_size)
 
-    def note_routed(self, worker_id: str, blocks: int) -> None:
-        """Count a request routed to `worker_id` into its load until its next heartbeat."""
+    def note_routed(self, worker_id: str, blocks: int, awaited: bool = False) -> None:
+        """Count a request routed to `worker_id` into its load until its next heartbeat; `awaited`
+        (a decode worker, its request still prefilling elsewhere): until `note_arrived` instead,
+        since the worker cannot report a request for the seconds a long prompt's prefill takes."""
         with self._lock:
             worker = self._workers.get(worker_id)
             if worker is not None:
                 worker.routed_blocks += blocks
-                worker.routed_requests += 1
+                if awaited:
+                    worker.awaited += 1
+                else:
+                    worker.routed_requests += 1
+
+    def note_arrived(self, worker_id: str) -> None:
+        """An awaited request reached `worker_id` (or will not): its own reports count it from now."""
+        with self._lock:
+            worker = self._workers.get(worker_id)
+            if worker is not None:
+                worker.awaited = max(0, worker.awaited - 1)
 
     def capacity(self) -> int:
         """Requests the cluster runs at once: the decode workers' batches when a prefill and a
@@ -176,7 +189,7 @@ class Registry:
         return WorkerView(
             worker_id=worker_id, role=r.role, address=r.address,
             active_blocks=load.active_blocks + worker.routed_blocks, total_blocks=load.total_blocks,
-            running=load.running + worker.routed_requests, waiting=load.waiting,
+            running=load.running + worker.routed_requests + worker.awaited, waiting=load.waiting,
             cached_blocks=self._index.num_blocks(worker_id), seconds_since_heartbeat=now - worker.last_seen,
             metrics_address=r.metrics_address,
         )

@@ -228,8 +228,9 @@ class RouterServicer(router_pb2_grpc.RouterServicer):
             plan = _Plan(None, least_loaded(by_role["aggregated"]))
         else:
             return None
-        for worker in {plan.prefill or plan.decode, plan.decode}:
-            self._registry.note_routed(worker.worker_id, blocks)
+        self._registry.note_routed((plan.prefill or plan.decode).worker_id, blocks)
+        if plan.prefill is not None:
+            self._registry.note_routed(plan.decode.worker_id, blocks, awaited=True)  # until _attempt ends
         return plan
 
     def _attempt(self, req: ValidRequest, plan: _Plan, run: _Run, context) -> tuple[
@@ -245,6 +246,9 @@ class RouterServicer(router_pb2_grpc.RouterServicer):
                 retry_may_reuse = isinstance(e, _WorkerFailed) and e.worker.worker_id != plan.prefill.worker_id
                 self._release(plan.prefill, req.request_id, wait=retry_may_reuse)
             raise
+        finally:
+            if plan.prefill is not None:  # the decode worker has it now, or never will: its reports say
+                self._registry.note_arrived(plan.decode.worker_id)
 
     def _release(self, worker: WorkerView, request_id: str, wait: bool) -> None:
         stub = kv_pb2_grpc.KVTransferStub(self._peers.channel(worker.address))

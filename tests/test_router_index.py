@@ -150,6 +150,24 @@ def test_routed_load_counts_until_the_next_heartbeat(cluster):
     assert (view.active_blocks, view.running) == (0, 0)
 
 
+def test_a_decode_request_still_prefilling_counts_until_it_arrives(cluster):
+    """A long prompt's prefill takes seconds, heartbeats come every half: the decode worker
+    cannot report the request yet, so the router keeps counting it (else every request routed
+    meanwhile went to the same, seemingly idle, decode worker)."""
+    registry, w, _ = cluster
+
+    def running() -> int:
+        return {v.worker_id: v for v in registry.workers()}["a"].running
+
+    registry.note_routed("a", 5, awaited=True)
+    registry.heartbeat(w["a"].heartbeat())
+    assert running() == 1
+    registry.note_arrived("a")
+    assert running() == 0
+    registry.note_arrived("a")  # never below its reports
+    assert running() == 0
+
+
 @pytest.mark.parametrize("change, code, field", [
     ({"role": "both"}, grpc.StatusCode.INVALID_ARGUMENT, "role"),
     ({"total_blocks": 0}, grpc.StatusCode.INVALID_ARGUMENT, "total_blocks"),
