@@ -94,21 +94,28 @@ def _depths(parents) -> list[int]:
 
 
 def verify(inp: VerifyInput) -> VerifyOutput:
-    choices = _argmax_rows(inp.target_logits)
+    argmax = _argmax_rows(inp.target_logits)
     starts, row = [], 0
     for drafts in inp.drafts:
         starts.append(row)
         row += len(drafts) + 1
-    sampled = [r for start, drafts, greedy in zip(starts, inp.drafts, inp.greedy) if not greedy
-               for r in range(start, start + len(drafts) + 1)]
-    if sampled:
-        for r, token in zip(sampled, _draw_rows(inp, sampled)):
-            choices[r] = token
+    # A sampled row is drawn only when the walk reaches it (a tree's other rows are never needed;
+    # a draw is a pass over the vocabulary); the root rows, always needed, in one call.
+    roots = [start for start, greedy in zip(starts, inp.greedy) if not greedy]
+    drawn = dict(zip(roots, _draw_rows(inp, roots))) if roots else {}
+
+    def choice(r: int, greedy: bool) -> int:
+        if greedy:
+            return argmax[r]
+        if r not in drawn:
+            drawn[r] = _draw_rows(inp, [r])[0]
+        return drawn[r]
+
     tokens, paths = [], []
-    for s, (start, drafts) in enumerate(zip(starts, inp.drafts)):
+    for s, (start, drafts, greedy) in enumerate(zip(starts, inp.drafts, inp.greedy)):
         parents = inp.parents[s] if inp.parents else range(-1, len(drafts) - 1)
-        accepted = _accepted_path(drafts, parents, choices[start:])
-        tokens.append([drafts[i] for i in accepted] + [choices[start + 1 + accepted[-1] if accepted else start]])
+        accepted, last = _accepted_path(drafts, parents, lambda at: choice(start + 1 + at, greedy))
+        tokens.append([drafts[i] for i in accepted] + [last])
         paths.append(accepted)
     return VerifyOutput(tokens, paths)
 
@@ -121,15 +128,15 @@ def _argmax_rows(logits: torch.Tensor) -> list[int]:
     return logits.argmax(dim=-1).tolist()
 
 
-def _accepted_path(drafts: list[int], parents, choices: list[int]) -> list[int]:
-    """The drafts accepted from the root down: choices[0] is the target's choice after the root,
-    choices[i + 1] after draft i."""
-    accepted, at = [], -1
+def _accepted_path(drafts: list[int], parents, choice) -> tuple[list[int], int]:
+    """The drafts accepted from the root down, and the target's choice where the walk ended;
+    choice(at): the target's choice after draft `at` (-1: the root), asked once per node reached."""
+    accepted, at, chosen = [], -1, choice(-1)
     for i, (token, parent) in enumerate(zip(drafts, parents)):
-        if parent == at and token == choices[at + 1]:
+        if parent == at and token == chosen:
             accepted.append(i)
-            at = i
-    return accepted
+            at, chosen = i, choice(i)
+    return accepted, chosen
 
 
 def _draw_rows(inp: VerifyInput, rows: list[int]) -> list[int]:
