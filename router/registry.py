@@ -93,8 +93,8 @@ class Registry:
         """Record load and apply KV events in order; False if the worker is unknown (register again)."""
         with self._lock:
             worker = self._workers.get(request.worker_id)
-            if worker is None:
-                return False
+            if worker is None or request.registration_id != worker.registration.registration_id:
+                return False  # unknown, or a heartbeat of an earlier registration (its events predate the snapshot)
             worker.last_seen = self._clock()
             worker.load.CopyFrom(request.load)
             if not request.load.total_blocks:

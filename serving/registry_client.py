@@ -3,6 +3,7 @@ KV events; register again whenever the router does not know us (it restarted or 
 
 import logging
 import threading
+import uuid
 
 import grpc
 
@@ -20,6 +21,7 @@ class RegistryClient:
         self.stub = worker_pb2_grpc.RegistryStub(channel(router_address, token, tls))
         self.registration, self.loop, self.interval_s = registration, loop, interval_s
         self.router_address = router_address
+        self._registration_id = ""
         self._stop = threading.Event()
         self._thread = threading.Thread(target=self._run, name="registry-heartbeat", daemon=True)
 
@@ -56,6 +58,10 @@ class RegistryClient:
         # The router rebuilds its view of our prefix cache from this snapshot, taken atomically
         # with dropping the events it already reflects.
         request.cached_block_hashes.extend(self.loop.cache_snapshot())
+        # A Register or Heartbeat that timed out here may still reach the router late: the id tells
+        # it which heartbeats follow this snapshot (and a late, older Register is found out at our
+        # next heartbeat, which it then refuses: we register again).
+        request.registration_id = self._registration_id = uuid.uuid4().hex
         response = self.stub.Register(request, timeout=5)
         if response.heartbeat_interval_ms:
             self.interval_s = response.heartbeat_interval_ms / 1000
@@ -67,8 +73,8 @@ class RegistryClient:
                                running=stats.running, waiting=stats.waiting)
         events = [kv_event(e) for e in self.loop.drain_events()]
         response = self.stub.Heartbeat(
-            worker_pb2.HeartbeatRequest(worker_id=self.registration.worker_id, load=load,
-                                        events=events),
+            worker_pb2.HeartbeatRequest(worker_id=self.registration.worker_id, load=load, events=events,
+                                        registration_id=self._registration_id),
             timeout=5,
         )
         return response.registered

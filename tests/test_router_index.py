@@ -209,3 +209,29 @@ def test_capacity_is_what_the_decode_side_runs():
     assert registry.capacity() == 16  # the pair is the route while it exists
     registry.evict("p", "p:1")
     assert registry.capacity() == 8
+
+
+def test_a_late_heartbeat_of_an_earlier_registration_changes_nothing(cluster):
+    """A worker whose heartbeat timed out registers again with a snapshot; should the router get
+    that heartbeat late, its events predate the snapshot and must not apply (and a late, older
+    Register is caught by the next heartbeat, which the worker answers by registering again)."""
+    registry, w, _ = cluster
+    worker, prompt = w["a"], tokens(0, 8)
+    first = worker.registration()
+    first.registration_id = "r1"
+    registry.register(first)
+    worker.run("s", prompt)
+    late = worker.heartbeat()
+    late.registration_id = "r1"  # stored blocks, sent before the worker re-registered
+    worker.finish("s")
+    worker.blocks.clear_prefix_cache()
+    worker.heartbeat()  # lost: the re-registration's snapshot covers it
+    second = worker.registration()
+    second.registration_id = "r2"  # an empty cache
+    registry.register(second)
+    assert not registry.heartbeat(late) and registry.prefix_overlaps(prompt)[0] == {}
+    current = worker.heartbeat()
+    current.registration_id = "r2"
+    assert registry.heartbeat(current)
+    registry.register(first)  # the earlier Register, arriving last
+    assert not registry.heartbeat(current)  # the worker registers again

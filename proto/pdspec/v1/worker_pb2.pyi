@@ -23,7 +23,7 @@ class DeregisterResponse(_message.Message):
     def __init__(self, found: _Optional[bool] = ...) -> None: ...
 
 class RegisterRequest(_message.Message):
-    __slots__ = ("worker_id", "role", "address", "layout", "total_blocks", "max_model_len", "cached_block_hashes", "metrics_address", "max_num_seqs")
+    __slots__ = ("worker_id", "role", "address", "layout", "total_blocks", "max_model_len", "cached_block_hashes", "metrics_address", "max_num_seqs", "registration_id")
     WORKER_ID_FIELD_NUMBER: _ClassVar[int]
     ROLE_FIELD_NUMBER: _ClassVar[int]
     ADDRESS_FIELD_NUMBER: _ClassVar[int]
@@ -33,6 +33,7 @@ class RegisterRequest(_message.Message):
     CACHED_BLOCK_HASHES_FIELD_NUMBER: _ClassVar[int]
     METRICS_ADDRESS_FIELD_NUMBER: _ClassVar[int]
     MAX_NUM_SEQS_FIELD_NUMBER: _ClassVar[int]
+    REGISTRATION_ID_FIELD_NUMBER: _ClassVar[int]
     worker_id: str
     role: str
     address: str
@@ -42,7 +43,8 @@ class RegisterRequest(_message.Message):
     cached_block_hashes: _containers.RepeatedScalarFieldContainer[int]
     metrics_address: str
     max_num_seqs: int
-    def __init__(self, worker_id: _Optional[str] = ..., role: _Optional[str] = ..., address: _Optional[str] = ..., layout: _Optional[_Union[_kv_pb2.KVLayout, _Mapping]] = ..., total_blocks: _Optional[int] = ..., max_model_len: _Optional[int] = ..., cached_block_hashes: _Optional[_Iterable[int]] = ..., metrics_address: _Optional[str] = ..., max_num_seqs: _Optional[int] = ...) -> None: ...
+    registration_id: str
+    def __init__(self, worker_id: _Optional[str] = ..., role: _Optional[str] = ..., address: _Optional[str] = ..., layout: _Optional[_Union[_kv_pb2.KVLayout, _Mapping]] = ..., total_blocks: _Optional[int] = ..., max_model_len: _Optional[int] = ..., cached_block_hashes: _Optional[_Iterable[int]] = ..., metrics_address: _Optional[str] = ..., max_num_seqs: _Optional[int] = ..., registration_id: _Optional[str] = ...) -> None: ...
 
 class RegisterResponse(_message.Message):
     __slots__ = ("heartbeat_interval_ms",)
@@ -63,14 +65,16 @@ class Load(_message.Message):
     def __init__(self, active_blocks: _Optional[int] = ..., total_blocks: _Optional[int] = ..., running: _Optional[int] = ..., waiting: _Optional[int] = ...) -> None: ...
 
 class HeartbeatRequest(_message.Message):
-    __slots__ = ("worker_id", "load", "events")
+    __slots__ = ("worker_id", "load", "events", "registration_id")
     WORKER_ID_FIELD_NUMBER: _ClassVar[int]
     LOAD_FIELD_NUMBER: _ClassVar[int]
     EVENTS_FIELD_NUMBER: _ClassVar[int]
+    REGISTRATION_ID_FIELD_NUMBER: _ClassVar[int]
     worker_id: str
     load: Load
     events: _containers.RepeatedCompositeFieldContainer[_kv_pb2.KVEvent]
-    def __init__(self, worker_id: _Optional[str] = ..., load: _Optional[_Union[Load, _Mapping]] = ..., events: _Optional[_Iterable[_Union[_kv_pb2.KVEvent, _Mapping]]] = ...) -> None: ...
+    registration_id: str
+    def __init__(self, worker_id: _Optional[str] = ..., load: _Optional[_Union[Load, _Mapping]] = ..., events: _Optional[_Iterable[_Union[_kv_pb2.KVEvent, _Mapping]]] = ..., registration_id: _Optional[str] = ...) -> None: ...
 
 class HeartbeatResponse(_message.Message):
     __slots__ = ("registered",)
