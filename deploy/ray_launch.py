@@ -131,6 +131,9 @@ class RayCluster:
         self._ready: dict[str, ray.ObjectRef] = {}  # resolves once the actor's constructor returned
         self._connected = False
         self.token = config.token() or os.urandom(16).hex()  # internal RPCs' (ListWorkers too)
+        # The actors get the token inside their pickled config, not as an environment variable:
+        # Ray's state API and dashboard list every actor's runtime_env.
+        self._actor_config = self.config.model_copy(update={"cluster_token": self.token})
 
     @property
     def http_url(self) -> str | None:
@@ -156,7 +159,7 @@ class RayCluster:
             self.registry_address = f"{router_host}:{self.config.router.internal_port}"
             here = NodeAffinitySchedulingStrategy(ray.get_runtime_context().get_node_id(), soft=False)
             self._launch(ROUTER, RouterActor.options(num_cpus=0, scheduling_strategy=here, **self._named(ROUTER, {}))
-                         .remote(self.config, self.router_port))
+                         .remote(self._actor_config, self.router_port))
             self._check(ROUTER, timeout_s)  # the router fails alone, before any worker loads a model
             for role in WORKER_ROLES:
                 for i in range(getattr(self.config, role).replicas):
@@ -201,12 +204,11 @@ class RayCluster:
     def _start_worker(self, role: str, name: str) -> None:
         options = replica_options(getattr(self.config, role))
         options |= self._named(name, options.pop("env_vars"))
-        self._launch(name, WorkerActor.options(**options).remote(self.config, role, self.registry_address, name))
+        self._launch(name, WorkerActor.options(**options).remote(self._actor_config, role, self.registry_address, name))
 
     def _named(self, name: str, env: dict[str, str]) -> dict:
-        env = env | {"PDSPEC_CLUSTER_TOKEN": self.token}
         if self.config.router.host in _LOOPBACK:  # one host: keep UCX (NIXL) off other interfaces too
-            env["UCX_NET_DEVICES"] = "lo"
+            env = env | {"UCX_NET_DEVICES": "lo"}
         return {"name": name, "namespace": NAMESPACE, "lifetime": "detached" if self.detached else None,
                 "runtime_env": {"env_vars": env}}
 

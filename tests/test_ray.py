@@ -161,6 +161,14 @@ def test_roles_land_on_the_nodes_with_their_resources(deployment, reference):
     _check_answers(deployment.router_address, reference)
 
 
+def test_the_cluster_token_travels_in_the_actors_config_not_their_runtime_env():
+    """Ray's state API and dashboard list every actor's runtime_env (serialized_runtime_env)."""
+    cluster = RayCluster(_config(**TWO_NODES), 50051)
+    options = cluster._named("decode-0", {"OMP_NUM_THREADS": "1"})
+    assert cluster.token not in repr(options) and options["runtime_env"]["env_vars"]["OMP_NUM_THREADS"] == "1"
+    assert cluster._actor_config.token() == cluster.token
+
+
 def test_a_killed_decode_actor_is_restarted_and_registers_again(deployment, reference):
     actor = deployment.actors["decode-0"]
     before = ray.get(actor.info.remote())
