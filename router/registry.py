@@ -113,13 +113,16 @@ class Registry:
             self._changed()
         return stale
 
-    def evict(self, worker_id: str, address: str) -> bool:
-        """Forget the worker `worker_id` if it is still the one at `address` (it deregistered, or a
-        call to it failed; a restarted one that registered since is kept). A live worker that did
-        not deregister registers again at its next heartbeat."""
+    def evict(self, worker_id: str, address: str, registration_id: str | None = None) -> bool:
+        """Forget the worker `worker_id` if it is still the one at `address` (and of
+        `registration_id`, when given: it deregistered, or a call to it failed; a restarted one
+        that registered since is kept). A live worker that did not deregister registers again at
+        its next heartbeat."""
         with self._lock:
             worker = self._workers.get(worker_id)
-            dropped = self._drop([worker_id] if worker and worker.registration.address == address else [])
+            same = worker is not None and worker.registration.address == address and (
+                registration_id is None or worker.registration.registration_id == registration_id)
+            dropped = self._drop([worker_id] if same else [])
         if dropped:
             self._changed()
         return bool(dropped)
@@ -249,7 +252,7 @@ class RegistryServicer(worker_pb2_grpc.RegistryServicer):
         return worker_pb2.HeartbeatResponse(registered=self._registry.heartbeat(request))
 
     def Deregister(self, request, context) -> worker_pb2.DeregisterResponse:
-        found = self._registry.evict(request.worker_id, request.address)
+        found = self._registry.evict(request.worker_id, request.address, request.registration_id)
         if found:
             log.info("worker %s at %s deregistered: it is stopping", request.worker_id, request.address)
         return worker_pb2.DeregisterResponse(found=found)

@@ -32,8 +32,8 @@ class RegistryClient:
         """Stop heartbeating and tell the router to route nothing new here."""
         self._stop.set()
         self._thread.join(timeout=5)
-        request = worker_pb2.DeregisterRequest(worker_id=self.registration.worker_id,
-                                               address=self.registration.address)
+        request = worker_pb2.DeregisterRequest(worker_id=self.registration.worker_id, address=self.registration.address,
+                                               registration_id=self._registration_id)
         try:
             self.stub.Deregister(request, timeout=5)
         except grpc.RpcError as e:  # the router is gone or restarting: it forgets us by our silence

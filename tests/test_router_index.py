@@ -235,3 +235,15 @@ def test_a_late_heartbeat_of_an_earlier_registration_changes_nothing(cluster):
     assert registry.heartbeat(current)
     registry.register(first)  # the earlier Register, arriving last
     assert not registry.heartbeat(current)  # the worker registers again
+
+
+def test_a_stopping_process_deregisters_itself_not_its_successor(cluster):
+    """A worker restarted at the same address (a fixed port) registered again before its
+    predecessor's Deregister landed: the new registration stays routed."""
+    registry, w, _ = cluster
+    old, new = w["a"].registration(), w["a"].registration()
+    old.registration_id, new.registration_id = "r1", "r2"
+    registry.register(old)
+    registry.register(new)
+    assert not registry.evict("a", "a:1", "r1") and "a" in {v.worker_id for v in registry.workers()}
+    assert registry.evict("a", "a:1", "r2") and "a" not in {v.worker_id for v in registry.workers()}

@@ -9,12 +9,14 @@ from typing import ClassVar as _ClassVar, Optional as _Optional, Union as _Union
 DESCRIPTOR: _descriptor.FileDescriptor
 
 class DeregisterRequest(_message.Message):
-    __slots__ = ("worker_id", "address")
+    __slots__ = ("worker_id", "address", "registration_id")
     WORKER_ID_FIELD_NUMBER: _ClassVar[int]
     ADDRESS_FIELD_NUMBER: _ClassVar[int]
+    REGISTRATION_ID_FIELD_NUMBER: _ClassVar[int]
     worker_id: str
     address: str
-    def __init__(self, worker_id: _Optional[str] = ..., address: _Optional[str] = ...) -> None: ...
+    registration_id: str
+    def __init__(self, worker_id: _Optional[str] = ..., address: _Optional[str] = ..., registration_id: _Optional[str] = ...) -> None: ...
 
 class DeregisterResponse(_message.Message):
     __slots__ = ("found",)
