@@ -9,6 +9,7 @@ period), also when the launcher itself is interrupted.
 import os
 import signal
 import tempfile
+import time
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -65,7 +66,15 @@ class LocalCluster:
         config_file.write_text(yaml.safe_dump(self.config.model_dump(mode="json")))
         env = {**os.environ, "PDSPEC_CLUSTER_TOKEN": self.token}
         self._spawn("router", ["router", "--config", str(config_file), "--port", str(self.router_port)], env)
-        wait_healthy(self.router_address, timeout_s, self.tls)
+        deadline = time.monotonic() + timeout_s
+        while True:  # a router that exits (a bad config, a taken port) is reported at once, with its log
+            self._check_alive()
+            try:
+                wait_healthy(self.router_address, min(1.0, max(deadline - time.monotonic(), 0.1)), self.tls)
+                break
+            except TimeoutError:
+                if time.monotonic() > deadline:
+                    raise
         threads = default_threads(self.config)
         for role in WORKER_ROLES:
             for i in range(getattr(self.config, role).replicas):

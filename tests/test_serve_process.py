@@ -57,3 +57,20 @@ def test_processes_die_with_a_killed_serve(tmp_path):
     serve.kill()
     serve.wait()
     assert _gone(children) == []
+
+
+def test_a_router_that_cannot_start_is_reported_at_once_with_its_log(tmp_path):
+    """Its HTTP port taken: the launcher says so from the router's log, instead of waiting out
+    the start-up timeout for a health check that can never pass."""
+    import socket
+
+    from deploy.config import parse_config
+    from deploy.local import LocalCluster
+
+    with socket.socket() as taken:
+        taken.bind(("127.0.0.1", 0))
+        taken.listen()
+        config = parse_config({**CONFIG, "router": {**CONFIG.get("router", {}), "port": 0,
+                                                    "http_port": taken.getsockname()[1]}})
+        with pytest.raises(RuntimeError, match=r"router exited during start-up(.|\n)*router.http_port"):
+            LocalCluster(config, 0, log_dir=tmp_path).start(timeout_s=120)
