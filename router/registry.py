@@ -45,6 +45,7 @@ class WorkerView:
     cached_blocks: int
     seconds_since_heartbeat: float
     metrics_address: str
+    registration_id: str  # which registration routing saw: a probe's eviction spares a newer one
 
 
 @dataclass
@@ -194,7 +195,7 @@ class Registry:
             active_blocks=load.active_blocks + worker.routed_blocks, total_blocks=load.total_blocks,
             running=load.running + worker.routed_requests + worker.awaited, waiting=load.waiting,
             cached_blocks=self._index.num_blocks(worker_id), seconds_since_heartbeat=now - worker.last_seen,
-            metrics_address=r.metrics_address,
+            metrics_address=r.metrics_address, registration_id=r.registration_id,
         )
 
 

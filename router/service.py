@@ -339,7 +339,8 @@ class RouterServicer(router_pb2_grpc.RouterServicer):
         check = stub.Check.future(health_pb2.HealthCheckRequest(), timeout=_PROBE_TIMEOUT_S)
 
         def done(call: grpc.Future) -> None:
-            if call.code() != grpc.StatusCode.OK and self._registry.evict(worker.worker_id, worker.address):
+            if call.code() != grpc.StatusCode.OK and self._registry.evict(worker.worker_id, worker.address,
+                                                                          worker.registration_id):
                 log.warning("dropped %s worker %s (%s) from routing: a call failed and so did its health check "
                             "(%s)", worker.role, worker.worker_id, worker.address, call.code().name)
 

@@ -239,11 +239,13 @@ def test_a_late_heartbeat_of_an_earlier_registration_changes_nothing(cluster):
 
 def test_a_stopping_process_deregisters_itself_not_its_successor(cluster):
     """A worker restarted at the same address (a fixed port) registered again before its
-    predecessor's Deregister landed: the new registration stays routed."""
+    predecessor's Deregister (or a failed call's health probe, which names the registration
+    routing saw) landed: the new registration stays routed."""
     registry, w, _ = cluster
     old, new = w["a"].registration(), w["a"].registration()
     old.registration_id, new.registration_id = "r1", "r2"
     registry.register(old)
+    assert [v.registration_id for v in registry.workers() if v.worker_id == "a"] == ["r1"]
     registry.register(new)
     assert not registry.evict("a", "a:1", "r1") and "a" in {v.worker_id for v in registry.workers()}
     assert registry.evict("a", "a:1", "r2") and "a" not in {v.worker_id for v in registry.workers()}

@@ -12,7 +12,7 @@ from router.registry import Registry, WorkerView
 def view(worker_id: str, active: int = 0, total: int = 100, running: int = 0) -> WorkerView:
     return WorkerView(worker_id=worker_id, role="prefill", address=f"{worker_id}:1", active_blocks=active,
                       total_blocks=total, running=running, waiting=0, cached_blocks=0, seconds_since_heartbeat=0.0,
-                      metrics_address="")
+                      metrics_address="", registration_id="")
 
 
 def test_kv_prefers_the_worker_holding_a_long_shared_prefix():

@@ -60,7 +60,7 @@ class ListWorkersRequest(_message.Message):
     def __init__(self) -> None: ...
 
 class WorkerStatus(_message.Message):
-    __slots__ = ("worker_id", "role", "address", "active_blocks", "total_blocks", "running", "waiting", "cached_blocks", "seconds_since_heartbeat", "metrics_address")
+    __slots__ = ("worker_id", "role", "address", "active_blocks", "total_blocks", "running", "waiting", "cached_blocks", "seconds_since_heartbeat", "metrics_address", "registration_id")
     WORKER_ID_FIELD_NUMBER: _ClassVar[int]
     ROLE_FIELD_NUMBER: _ClassVar[int]
     ADDRESS_FIELD_NUMBER: _ClassVar[int]
@@ -71,6 +71,7 @@ class WorkerStatus(_message.Message):
     CACHED_BLOCKS_FIELD_NUMBER: _ClassVar[int]
     SECONDS_SINCE_HEARTBEAT_FIELD_NUMBER: _ClassVar[int]
     METRICS_ADDRESS_FIELD_NUMBER: _ClassVar[int]
+    REGISTRATION_ID_FIELD_NUMBER: _ClassVar[int]
     worker_id: str
     role: str
     address: str
@@ -81,7 +82,8 @@ class WorkerStatus(_message.Message):
     cached_blocks: int
     seconds_since_heartbeat: float
     metrics_address: str
-    def __init__(self, worker_id: _Optional[str] = ..., role: _Optional[str] = ..., address: _Optional[str] = ..., active_blocks: _Optional[int] = ..., total_blocks: _Optional[int] = ..., running: _Optional[int] = ..., waiting: _Optional[int] = ..., cached_blocks: _Optional[int] = ..., seconds_since_heartbeat: _Optional[float] = ..., metrics_address: _Optional[str] = ...) -> None: ...
+    registration_id: str
+    def __init__(self, worker_id: _Optional[str] = ..., role: _Optional[str] = ..., address: _Optional[str] = ..., active_blocks: _Optional[int] = ..., total_blocks: _Optional[int] = ..., running: _Optional[int] = ..., waiting: _Optional[int] = ..., cached_blocks: _Optional[int] = ..., seconds_since_heartbeat: _Optional[float] = ..., metrics_address: _Optional[str] = ..., registration_id: _Optional[str] = ...) -> None: ...
 
 class ListWorkersResponse(_message.Message):
     __slots__ = ("workers",)
