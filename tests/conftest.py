@@ -50,6 +50,28 @@ def hf_model(model_dir: Path):
     return AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32).eval()
 
 
+SPEC_QUESTIONS = [
+    "List the days of the week.", "What is the capital of Japan?", "Write a haiku about rain.",
+    "Explain photosynthesis in one sentence.", "Count from 1 to 10.", "Name three primary colors.",
+    "What is 12 times 12?", "Repeat after me: the quick brown fox jumps over the lazy dog.",
+]
+
+
+@pytest.fixture(scope="session")
+def spec_prompts(engine) -> list[list[int]]:
+    """Eight short chat questions: the speculative tests' batches."""
+    return [engine.tokenizer.encode_chat([{"role": "user", "content": q}]) for q in SPEC_QUESTIONS]
+
+
+@pytest.fixture(scope="session")
+def spec_plain_outputs(engine, spec_prompts) -> list[list[int]]:
+    """Plain greedy decoding's 32 tokens for each of spec_prompts: what speculation must reproduce."""
+    from engine.params import SamplingParams
+    from tests.engine_runs import run_requests
+
+    return [run_requests(engine, [p], [SamplingParams(max_tokens=32)])[0] for p in spec_prompts]
+
+
 @pytest.fixture(scope="session")
 def chat_prompts(engine) -> list[list[int]]:
     questions = [

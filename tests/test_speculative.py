@@ -1,7 +1,7 @@
 """Speculative decoding end to end: lossless greedy output, block accounting, degradation when
-the pool is short, and sampled speculation that reproduces plain sampling's frequencies
-(test_rejection.py: verification's rules; test_governor.py: the governor)."""
-
+the pool is short, and sampled speculation that emits plain sampling's tokens (trees and
+thresholds: test_speculative_trees.py; verification's rules: test_rejection.py; the governor:
+test_governor.py)."""
 
 import pytest
 import torch
@@ -18,12 +18,7 @@ from engine.params import SamplingParams
 from engine.spec.eagle3_proposer import CATCH_UP
 from tools.eagle3_training.model import TrainableEagle3
 from engine.stats import AcceptanceStats
-
-QUESTIONS = [
-    "List the days of the week.", "What is the capital of Japan?", "Write a haiku about rain.",
-    "Explain photosynthesis in one sentence.", "Count from 1 to 10.", "Name three primary colors.",
-    "What is 12 times 12?", "Repeat after me: the quick brown fox jumps over the lazy dog.",
-]
+from tests.engine_runs import run_requests
 
 
 @pytest.fixture(scope="module")
@@ -47,67 +42,48 @@ def spec_engines(random_head):
     }
 
 
-@pytest.fixture(scope="module")
-def prompts(engine):
-    return [engine.tokenizer.encode_chat([{"role": "user", "content": q}]) for q in QUESTIONS]
-
-
-@pytest.fixture(scope="module")
-def plain_outputs(engine, prompts):
-    return [_run(engine, [p], [SamplingParams(max_tokens=32)])[0] for p in prompts]
-
-
-def _run(engine: Engine, prompts, params) -> list[list[int]]:
-    ids = [engine.add_request(p, sp) for p, sp in zip(prompts, params)]
-    out = {i: [] for i in ids}
-    while engine.has_unfinished():
-        for o in engine.step():
-            out[o.request_id].extend(o.token_ids)
-    return [out[i] for i in ids]
-
-
 @pytest.mark.parametrize("method", ["eagle3", "ngram"])
-def test_greedy_is_lossless_for_batches_1_to_8_and_k_1_to_8(spec_engines, prompts, plain_outputs, method):
+def test_greedy_is_lossless_for_batches_1_to_8_and_k_1_to_8(spec_engines, spec_prompts, spec_plain_outputs, method):
     engine = spec_engines[method]
     free = engine.blocks.num_free_blocks
     for batch in (1, 3, 8):
         params = [SamplingParams(max_tokens=32, num_speculative_tokens=1 + (i + batch) % 8) for i in range(batch)]
-        assert _run(engine, prompts[:batch], params) == plain_outputs[:batch]
+        assert run_requests(engine, spec_prompts[:batch], params) == spec_plain_outputs[:batch]
     assert engine.blocks.num_free_blocks == free and engine.blocks.num_used_blocks == 0
 
 
-def test_ngram_accepts_drafts_on_copying_text(spec_engines, prompts, plain_outputs):
+def test_ngram_accepts_drafts_on_copying_text(spec_engines, spec_prompts, spec_plain_outputs):
     engine = spec_engines["ngram"]
-    outs = list(engine.generate(prompts[7], SamplingParams(max_tokens=32)))
-    assert [t for o in outs for t in o.token_ids] == plain_outputs[7]
+    outs = list(engine.generate(spec_prompts[7], SamplingParams(max_tokens=32)))
+    assert [t for o in outs for t in o.token_ids] == spec_plain_outputs[7]
     stats = outs[-1].acceptance
     assert stats.accepted > 0 and stats.mean_acceptance_length > 1.0
 
 
 @pytest.mark.parametrize("method", ["ngram", "eagle3"])
-def test_a_stop_token_inside_an_accepted_run_ends_the_output_there(spec_engines, prompts, plain_outputs, method):
+def test_a_stop_token_inside_an_accepted_run_ends_the_output_there(spec_engines, spec_prompts, spec_plain_outputs, method):
     """Drafts accepted after a stop token are not output, and usage counts only what was (eagle3:
     the shipped head; when the request ends, writing its pending draft KV stops at the last kept
     token: the positions after it have no next token)."""
     engine = spec_engines["ngram"] if method == "ngram" else Engine(EngineConfig(
         num_kv_blocks=256, speculative={"adaptive": False, "method": "eagle3", "num_speculative_tokens": 5}))
-    plain = plain_outputs[7]  # copying text: long accepted runs
+    plain = spec_plain_outputs[7]  # copying text: long accepted runs
     for end in range(4, len(plain) - 1):
         if plain[end] in plain[:end]:
             continue  # stop at the first occurrence only
-        outs = list(engine.generate(prompts[7], SamplingParams(max_tokens=32, stop_token_ids=[plain[end]])))
+        outs = list(engine.generate(spec_prompts[7], SamplingParams(max_tokens=32, stop_token_ids=[plain[end]])))
         assert [t for o in outs for t in o.token_ids] == plain[: end + 1]
         assert outs[-1].finish_reason == "stop" and outs[-1].usage.completion_tokens == end + 1
 
 
-def test_a_stop_string_inside_an_accepted_run_ends_the_tokens_where_plain_decoding_does(engine, spec_engines, prompts):
+def test_a_stop_string_inside_an_accepted_run_ends_the_tokens_where_plain_decoding_does(engine, spec_engines, spec_prompts):
     """The token completing a stop string is the last one reported and counted, as in plain
     decoding (an accepted run used to report its tokens after it too)."""
     params = lambda stop: SamplingParams(max_tokens=32, stop=[stop])  # noqa: E731
-    plain_text = "".join(o.text for o in engine.generate(prompts[7], SamplingParams(max_tokens=32)))
+    plain_text = "".join(o.text for o in engine.generate(spec_prompts[7], SamplingParams(max_tokens=32)))
     for stop in {plain_text[at : at + 3] for at in range(6, len(plain_text) - 3, 5)}:
-        want = list(engine.generate(prompts[7], params(stop)))
-        got = list(spec_engines["ngram"].generate(prompts[7], params(stop)))
+        want = list(engine.generate(spec_prompts[7], params(stop)))
+        got = list(spec_engines["ngram"].generate(spec_prompts[7], params(stop)))
         assert [t for o in got for t in o.token_ids] == [t for o in want for t in o.token_ids], stop
         assert "".join(o.text for o in got) == "".join(o.text for o in want)
         assert (got[-1].finish_reason, got[-1].usage.completion_tokens) == (want[-1].finish_reason,
@@ -115,71 +91,17 @@ def test_a_stop_string_inside_an_accepted_run_ends_the_tokens_where_plain_decodi
     assert spec_engines["ngram"].counters["accepted_tokens"] > 0
 
 
-def test_a_confidence_threshold_ends_chains_early_and_stays_lossless(prompts, plain_outputs):
-    """With the shipped head, a threshold drafts fewer tokens, a larger share of them accepted; in a
-    batch of B the threshold is B times higher per sequence, so fewer still are drafted, and none
-    once it reaches 1 (the draft's cache is still brought up to date, for when the batch shrinks)."""
-    params = SamplingParams(max_tokens=32)
-
-    def run(threshold: float, which: list[int], batched: bool, batch_limit: int | None = None) -> tuple[int, int]:
-        engine = Engine(EngineConfig(num_kv_blocks=256, speculative={
-            "adaptive": False, "method": "eagle3", "num_speculative_tokens": 5, "draft_confidence_threshold": threshold,
-            "disable_by_batch_size": batch_limit}))
-        chosen = [prompts[i] for i in which]
-        outs = (_run(engine, chosen, [params] * len(chosen)) if batched
-                else [_run(engine, [p], [params])[0] for p in chosen])
-        assert outs == [plain_outputs[i] for i in which]
-        assert engine.blocks.num_used_blocks == 0
-        return engine.counters["draft_tokens"], engine.counters["accepted_tokens"]
-
-    drafted_all, accepted_all = run(0.0, [0, 1, 2, 3], batched=False)
-    drafted, accepted = run(0.1, [0, 1, 2, 3], batched=False)
-    assert 0 < drafted < drafted_all
-    assert accepted / drafted > accepted_all / drafted_all
-    assert run(0.1, [0, 1, 2, 3], batched=True)[0] < drafted
-    long, short = 0, 1
-    assert len(plain_outputs[long]) == 32 > len(plain_outputs[short])
-    assert run(0.5, [long, 2], batched=True)[0] == 0  # 0.5 x 2 sequences: nothing drafted
-    assert run(0.5, [long, short], batched=True)[0] > 0  # drafting resumes once `short` finished
-    assert run(0.0, [long, 2], batched=True, batch_limit=1)[0] == 0  # more sequences than the limit
-    assert run(0.0, [long, short], batched=True, batch_limit=1)[0] > 0
-
-
-def test_tree_drafts_are_lossless_and_return_every_block(prompts, plain_outputs):
-    """draft_top_k: requests verify trees (the chain plus its positions' runner-up tokens); some
-    accepted paths end in a leaf, whose KV moves next to its chain (else the tokens after it
-    would differ from plain decoding). A sampled request in the batch leaves the greedy ones
-    lossless (its distribution: test_sampled_speculation_matches_plain_sampling_frequencies)."""
-    def engine(top_k: int, num_kv_blocks: int = 256) -> Engine:
-        return Engine(EngineConfig(num_kv_blocks=num_kv_blocks, max_num_seqs=8, speculative={
-            "adaptive": False, "method": "eagle3", "num_speculative_tokens": 8, "draft_top_k": top_k}))
-
-    tree = engine(4)
-    moves, move_kv = [], tree.runner.move_kv
-    tree.runner.move_kv = lambda table, src, dst: (moves.append(len(src)), move_kv(table, src, dst))
-    for batch in (1, 3, 8):
-        params = [SamplingParams(max_tokens=32, num_speculative_tokens=1 + (i + batch) % 8) for i in range(batch)]
-        assert _run(tree, prompts[:batch], params) == plain_outputs[:batch]
-    assert moves and tree.blocks.num_used_blocks == 0
-    sampled = SamplingParams(max_tokens=32, temperature=0.8, seed=7)
-    mixed = _run(tree, prompts[:3], [SamplingParams(max_tokens=32), sampled, SamplingParams(max_tokens=32)])
-    assert mixed[0] == plain_outputs[0] and mixed[2] == plain_outputs[2]
-    # A pool too short for the leaves' slots drops them (and may preempt): still lossless.
-    tight = engine(4, num_kv_blocks=12)
-    assert _run(tight, prompts[:4], [SamplingParams(max_tokens=32)] * 4) == plain_outputs[:4]
-    assert tight.blocks.num_used_blocks == 0
-
-
-def test_adaptive_speculation_measures_both_ways_and_stays_lossless(prompts, plain_outputs):
+def test_adaptive_speculation_measures_both_ways_and_stays_lossless(spec_prompts, spec_plain_outputs):
     engine = Engine(EngineConfig(num_kv_blocks=256, speculative={"method": "eagle3", "num_speculative_tokens": 5}))
     assert engine.config.speculative.adaptive  # the default
-    assert _run(engine, prompts[:2], [SamplingParams(max_tokens=32)] * 2) == plain_outputs[:2]
-    assert [_run(engine, [p], [SamplingParams(max_tokens=32)])[0] for p in prompts[:2]] == plain_outputs[:2]
+    assert run_requests(engine, spec_prompts[:2], [SamplingParams(max_tokens=32)] * 2) == spec_plain_outputs[:2]
+    alone = [run_requests(engine, [p], [SamplingParams(max_tokens=32)])[0] for p in spec_prompts[:2]]
+    assert alone == spec_plain_outputs[:2]
     assert set(engine.governor.figures()[1]) == {"draft", "plain"} and engine.counters["draft_tokens"] > 0
 
 
 @pytest.mark.parametrize("kv_cache_dtype", ["bfloat16", "int8"])
-def test_a_low_precision_kv_cache_keeps_speculation_lossless(prompts, kv_cache_dtype):
+def test_a_low_precision_kv_cache_keeps_speculation_lossless(spec_prompts, kv_cache_dtype):
     """engine.kv_cache_dtype bfloat16 or int8: target and draft caches hold that type (the C
     kernels widen it as they read; writes round bf16 to nearest even, int8 per row with its
     scale), and tree speculation with leaf KV moves (rows moved whole, scales with them)
@@ -191,8 +113,8 @@ def test_a_low_precision_kv_cache_keeps_speculation_lossless(prompts, kv_cache_d
     assert plain.runner.kv_cache.dtype == tree.runner.draft_cache.dtype == getattr(torch, kv_cache_dtype)
     assert plain.runner.layout.dtype == kv_cache_dtype
     params = [SamplingParams(max_tokens=32)] * 4
-    expected = _run(plain, prompts[:4], params)
-    assert _run(tree, prompts[:4], params) == expected
+    expected = run_requests(plain, spec_prompts[:4], params)
+    assert run_requests(tree, spec_prompts[:4], params) == expected
     assert tree.counters["accepted_tokens"] > 0 and tree.blocks.num_used_blocks == 0
 
 
@@ -214,7 +136,7 @@ def test_bad_draft_top_k_names_the_field(spec, message):
         SpeculativeConfig(**spec)
 
 
-def test_draft_caches_left_behind_catch_up_to_what_one_forward_computes(prompts):
+def test_draft_caches_left_behind_catch_up_to_what_one_forward_computes(spec_prompts):
     """Sequences that draft nothing (here: K=0 for the request) get their draft caches brought up
     to date only past CATCH_UP positions, and when they finish, by a call that writes keys and
     values alone, from the target's features gathered over steps (projected for the whole batch
@@ -224,7 +146,7 @@ def test_draft_caches_left_behind_catch_up_to_what_one_forward_computes(prompts)
     config = EngineConfig(num_kv_blocks=64, speculative={"adaptive": False, "method": "eagle3", "num_speculative_tokens": 5})
     lagging, reference = Engine(config), Engine(config)
     params = SamplingParams(max_tokens=CATCH_UP + 16, num_speculative_tokens=0, ignore_eos=True)
-    ids = [lagging.add_request(prompts[i], params) for i in (0, 3)]
+    ids = [lagging.add_request(spec_prompts[i], params) for i in (0, 3)]
     seqs = [lagging.seqs[i] for i in ids]
     tables, release = {}, lagging.proposer.release
 
@@ -235,7 +157,7 @@ def test_draft_caches_left_behind_catch_up_to_what_one_forward_computes(prompts)
     lagging.proposer.release = recording_release
     caught_up_midway = False
     while lagging.has_unfinished():
-        caught_up_midway |= all(lagging.proposer.pending.get(i, (0,))[0] > len(prompts[0]) + 8 for i in ids)
+        caught_up_midway |= all(lagging.proposer.pending.get(i, (0,))[0] > len(spec_prompts[0]) + 8 for i in ids)
         lagging.step()
     assert caught_up_midway  # past the prompt, from decode steps' features, before finishing
     assert lagging.counters["draft_tokens"] == 0 and not lagging.proposer.pending
@@ -291,13 +213,13 @@ def test_a_prefill_that_is_handed_off_never_drafts():
     assert engine.release(rid)
 
 
-def test_a_preempted_sequence_is_released_while_it_still_holds_its_blocks(engine, prompts):
+def test_a_preempted_sequence_is_released_while_it_still_holds_its_blocks(engine, spec_prompts):
     """The proposer writes what is pending into the draft cache at preemption, as at a finish, so
     both must come while the sequence's blocks are allocated (they may stay in the prefix cache
     and be reused when the sequence is recomputed). 4 answers of 64 tokens need ~22 blocks of 12:
     preemption happens whatever the drafts' acceptance (which differs between CPUs)."""
     params = [SamplingParams(max_tokens=64, ignore_eos=True)] * 4
-    expected = [_run(engine, [p], params[:1])[0] for p in prompts[:4]]
+    expected = [run_requests(engine, [p], params[:1])[0] for p in spec_prompts[:4]]
     tight = Engine(EngineConfig(num_kv_blocks=12, max_num_seqs=4, speculative={"adaptive": False, "method": "eagle3"}))
     released, release = [], tight.proposer.release
 
@@ -306,24 +228,24 @@ def test_a_preempted_sequence_is_released_while_it_still_holds_its_blocks(engine
         release(seq)
 
     tight.proposer.release = recording_release
-    assert _run(tight, prompts[:4], params) == expected
+    assert run_requests(tight, spec_prompts[:4], params) == expected
     ids = [seq_id for seq_id, _ in released]
     assert len(ids) > len(set(ids)) == 4  # some were released twice: preempted, then finished
     assert all(committed > 0 for _, committed in released)
     assert tight.blocks.num_used_blocks == 0
 
 
-def test_short_pool_degrades_to_plain_decoding(random_head, prompts, plain_outputs):
+def test_short_pool_degrades_to_plain_decoding(random_head, spec_prompts, spec_plain_outputs):
     """With barely enough blocks, reservations fail and sequences fall back to K=0, not to errors."""
     tight = Engine(EngineConfig(num_kv_blocks=10, max_num_seqs=4,
                                 speculative={"adaptive": False, "method": "eagle3", "model": random_head, "num_speculative_tokens": 8}))
     params = [SamplingParams(max_tokens=32)] * 4
-    assert _run(tight, prompts[:4], params) == plain_outputs[:4]
+    assert run_requests(tight, spec_prompts[:4], params) == spec_plain_outputs[:4]
     assert tight.blocks.num_used_blocks == 0
 
 
 @pytest.mark.parametrize("method", ["ngram", "eagle3-tree"])
-def test_sampled_speculation_emits_exactly_plain_samplings_tokens(engine, spec_engines, prompts, method):
+def test_sampled_speculation_emits_exactly_plain_samplings_tokens(engine, spec_engines, spec_prompts, method):
     """Each position's token is the target's draw with that position's uniform, whatever was
     drafted: with the same seeds, speculation (eagle3-tree: the shipped head, trees of its top 4
     tokens a position) samples what plain decoding samples, token for token, batched and alone."""
@@ -331,105 +253,18 @@ def test_sampled_speculation_emits_exactly_plain_samplings_tokens(engine, spec_e
         "adaptive": False, "method": "eagle3", "num_speculative_tokens": 5, "draft_top_k": 4}))
     params = [SamplingParams(max_tokens=24, temperature=t, top_k=k, top_p=p, seed=seed)
               for seed, (t, k, p) in enumerate([(1.0, 3, 1.0), (0.7, 0, 0.9), (1.0, 0, 1.0), (0.5, 40, 0.95)])]
-    chosen = [prompts[7], prompts[0], prompts[7], prompts[2]]  # copying text: long accepted runs
-    plain = _run(engine, chosen, params)
-    assert _run(spec, chosen, params) == plain
-    assert [_run(spec, [p], [sp])[0] for p, sp in zip(chosen, params)] == plain
+    chosen = [spec_prompts[7], spec_prompts[0], spec_prompts[7], spec_prompts[2]]  # copying text: long accepted runs
+    plain = run_requests(engine, chosen, params)
+    assert run_requests(spec, chosen, params) == plain
+    assert [run_requests(spec, [p], [sp])[0] for p, sp in zip(chosen, params)] == plain
     assert spec.counters["accepted_tokens"] > 0
 
 
-def _lossless_tree_proposals(spec: dict, prompts, plain_outputs, n: int) -> list:
-    """An eagle3 engine of `spec` (every step drafting, threshold 0) runs n prompts alone, then
-    together: each greedy output equals plain decoding's and no block stays used. Returns every
-    proposal it drafted."""
-    engine = Engine(EngineConfig(num_kv_blocks=256, speculative={
-        "adaptive": False, "method": "eagle3", "draft_confidence_threshold": 0.0, **spec}))
-    proposals = []
-    propose = engine.proposer.propose
-    engine.proposer.propose = lambda seqs, slots: proposals.extend(out := propose(seqs, slots)) or out
-    params = SamplingParams(max_tokens=32)
-    assert [_run(engine, [p], [params])[0] for p in prompts[:n]] == plain_outputs[:n]
-    assert _run(engine, prompts[:n], [params] * n) == plain_outputs[:n]
-    assert engine.blocks.num_used_blocks == 0
-    return proposals
-
-
-def test_a_dynamic_tree_drafts_several_branches_deep_and_stays_lossless(prompts, plain_outputs):
-    """EAGLE-2's tree (width 2): some step drafts further from two different first tokens (a
-    tree the chain-with-leaves cannot make); greedy output stays the target's, alone and batched."""
-    proposals = _lossless_tree_proposals({"num_speculative_tokens": 8, "draft_top_k": 3, "draft_tree_width": 2},
-                                         prompts, plain_outputs, 4)
-
-    def branched(parents: list[int] | None) -> bool:  # two depth-1 nodes with children of their own
-        return parents is not None and len({p for p in parents if p >= 0 and parents[p] == -1}) >= 2
-    assert any(branched(p.parents) for p in proposals)
-    assert all(len(p.token_ids) <= 15 for p in proposals)
-
-
-def test_a_static_token_tree_drafts_its_shape_and_stays_lossless(prompts, plain_outputs):
-    """speculative_token_tree (vLLM's name): every proposal is the shape's paths (the threshold 0
-    keeps all of them while the slots allow), greedy output stays the target's, alone and batched."""
-    tree = [[0], [1], [2], [0, 0], [0, 1], [1, 0], [0, 0, 0], [0, 0, 1]]
-    proposals = _lossless_tree_proposals({"num_speculative_tokens": 3, "speculative_token_tree": tree},
-                                         prompts, plain_outputs, 3)
-
-    def shape(parents: list[int]) -> list[tuple[int, int]]:  # (depth, children) of each node, sorted
-        depth = []
-        for p in parents:  # parents precede their children
-            depth.append(1 if p < 0 else depth[p] + 1)
-        return sorted((depth[i], parents.count(i)) for i in range(len(parents)))
-    full = [p for p in proposals if len(p.token_ids) == len(tree)]
-    assert full and all(shape(p.parents) == [(1, 0), (1, 1), (1, 2), (2, 0), (2, 0), (2, 2), (3, 0), (3, 0)]
-                        for p in full)
-
-
-def test_a_static_tree_past_its_reserved_slots_is_cut_to_them_when_no_slot_is_left(prompts, plain_outputs, monkeypatch):
-    """A chain-shaped static tree with a leaf below its last drafted node proposes one token more
-    than the chain's reserved slots; when the pool has no slot for it (a fault injected: every
-    extra reservation refused), the proposal is cut to the reserved slots, never verified past
-    them (that failed the step: a span longer than its slots)."""
-    engine = Engine(EngineConfig(num_kv_blocks=256, speculative={
-        "adaptive": False, "method": "eagle3", "draft_confidence_threshold": 0.0, "num_speculative_tokens": 1,
-        "speculative_token_tree": [[0], [0, 0]]}))
-    proposing, propose, reserve = [False], engine._propose, engine.blocks.reserve
-
-    def short_pool_propose(scheduled):
-        proposing[0] = True
-        try:
-            return propose(scheduled)
-        finally:
-            proposing[0] = False
-
-    monkeypatch.setattr(engine, "_propose", short_pool_propose)
-    monkeypatch.setattr(engine.blocks, "reserve", lambda seq_id, n: not proposing[0] and reserve(seq_id, n))
-    assert _run(engine, prompts[:2], [SamplingParams(max_tokens=32)] * 2) == plain_outputs[:2]
-    assert engine.counters["accepted_tokens"] > 0 and engine.blocks.num_used_blocks == 0
-
-
-def test_a_static_token_tree_is_checked_when_configured():
-    def spec(**fields):
-        return EngineConfig(speculative={"method": "eagle3", **fields})
-    tree = spec(speculative_token_tree=[[0], [0, 0]]).speculative
-    assert tree.draft_top_k == 1  # not the cpu default's 4
-    assert SpeculativeConfig(**tree.model_dump()) == tree  # a dumped config reads back (the local launcher's)
-    for fields, message in [
-        ({"speculative_token_tree": [[0], [1, 0]]}, r"needs its parent \[1\]"),
-        ({"speculative_token_tree": [[0], [0]]}, "distinct"),
-        ({"speculative_token_tree": [[0], [9]]}, "ranks from 0 to 7"),
-        ({"speculative_token_tree": [[0], [0, 0], [0, 0, 0]], "num_speculative_tokens": 1}, "at least 2"),
-        ({"speculative_token_tree": [[0]], "draft_top_k": 2}, "leave draft_top_k unset"),
-    ]:
-        with pytest.raises(ValueError, match=message):
-            spec(**fields)
-    with pytest.raises(ValueError, match="needs method 'eagle3'"):
-        EngineConfig(speculative={"method": "ngram", "speculative_token_tree": [[0]]})
-
-
-def test_a_handed_over_draft_hidden_state_of_another_width_is_refused_not_run(spec_engines, prompts):
+def test_a_handed_over_draft_hidden_state_of_another_width_is_refused_not_run(spec_engines, spec_prompts):
     """It would fail the next draft step, and with it every sequence of that step's batch."""
     engine = spec_engines["eagle3"]
     free_before = engine.blocks.num_free_blocks
-    _, table = engine.reserve_prefilled("narrow-hidden", prompts[0], SamplingParams(max_tokens=4))
+    _, table = engine.reserve_prefilled("narrow-hidden", spec_prompts[0], SamplingParams(max_tokens=4))
     handle = KVHandle(table, 0, 0, torch.zeros(1, 100), 0, 0.0)
     with pytest.raises(InvalidRequest, match="draft hidden state of shape"):
         engine.admit_prefilled("narrow-hidden", handle)
