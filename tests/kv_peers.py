@@ -1,0 +1,236 @@
+"""The two processes of the kvtransfer tests: a KVSource serving caches of known random contents
+behind a real gRPC server (127.0.0.1, cluster token), reporting over a pipe each pin it made and
+each on_release that ran, and a destination pulling from it. The destination is a process of its
+own because NIXL must never be loaded into the pytest process: it crashes any process that also
+loads grpc_tools' protoc (test_proto does)."""
+
+import contextlib
+import multiprocessing as mp
+import threading
+from unittest import mock
+
+import torch
+
+from engine.kv_layout import CacheShape, KVLayout
+from kvtransfer.backends import make_connector
+from kvtransfer.connector import KVTransferError
+from kvtransfer.layout import layout_to_proto
+from kvtransfer.source import SERVICE_NAME, KVSource, KVTransferServicer
+from proto.pdspec.v1 import kv_pb2, kv_pb2_grpc
+from proto.rpc import serve
+
+TOKEN = "test-cluster-token"
+LAYOUT = KVLayout("test-model", "bfloat16", 4, CacheShape(2, 2, 8), CacheShape(1, 2, 8), "test-head@1")
+SOURCE_BLOCKS, SOURCE_SEED, LOCAL_BLOCKS, LOCAL_SEED = 16, 1, 10, 2
+PIN = [9, 2, 14, 5, 11]  # the source's block table of the prompt
+REMOTE, LOCAL = [14, 2, 11], [7, 0, 4]  # the blocks the destination lacks, and the local blocks it gave them
+BACKENDS = ["grpc", "nixl"]
+TIMEOUT_S = 30.0
+WAIT_S = 120.0  # how long to wait for a helper process: only reached when something is broken
+
+
+def random_caches(layout: KVLayout, num_blocks: int, seed: int) -> dict[str, torch.Tensor]:
+    g = torch.Generator().manual_seed(seed)
+    return {name: torch.randn((num_blocks, *layout.block_shape(shape)), generator=g).to(getattr(torch, layout.dtype))
+            for name, shape in layout.caches().items()}
+
+
+class FaultyServicer(KVTransferServicer):
+    """Faults on purpose, by request id: "corrupt*" flips a byte after the checksum was taken;
+    "stall*" reports that its first chunk went out, then never sends the next."""
+
+    def __init__(self, source: KVSource, report):
+        super().__init__(source)
+        self.report = report
+
+    def chunk(self, request_id, block_id, cache, context):
+        chunk = super().chunk(request_id, block_id, cache, context)
+        if request_id.startswith("corrupt"):
+            chunk.data = bytes([chunk.data[0] ^ 0xFF]) + chunk.data[1:]
+        if request_id.startswith("stall") and cache == "draft":  # the first block's target chunk was sent
+            self.report("streaming", request_id)
+            threading.Event().wait()
+        return chunk
+
+
+def _serve_source(conn, pin_timeout_s: float, nixl: bool, faulty: bool) -> None:
+    torch.set_num_threads(1)
+    lock = threading.Lock()
+
+    def report(*message):
+        with lock:
+            try:
+                conn.send(message)
+            except OSError:  # the test process has stopped listening
+                pass
+
+    source = KVSource(LAYOUT, random_caches(LAYOUT, SOURCE_BLOCKS, SOURCE_SEED), pin_timeout_s, nixl, TOKEN)
+    servicer = FaultyServicer(source, report) if faulty else source.servicer
+    server, port = serve([(kv_pb2_grpc.add_KVTransferServicer_to_server, servicer, SERVICE_NAME)], "127.0.0.1:0",
+                         TOKEN, internal=[SERVICE_NAME])
+    report("ready", port)
+    try:
+        while True:
+            request_id, block_ids = conn.recv()
+            source.pin(request_id, block_ids, on_release=lambda rid=request_id: report("released", rid))
+            report("pinned", request_id)
+    except (EOFError, OSError):  # the test is done with this source
+        server.stop(None).wait()
+        source.close()
+
+
+class _Child:
+    """A spawned helper process, driven over a pipe."""
+
+    def __init__(self, target, *args):
+        ctx = mp.get_context("spawn")
+        self._conn, child = ctx.Pipe()
+        self.process = ctx.Process(target=target, args=(child, *args), daemon=True)
+        self.process.start()
+        child.close()
+
+    def _recv(self):
+        assert self._conn.poll(WAIT_S), f"{type(self).__name__} did not answer"
+        return self._conn.recv()
+
+    def kill(self) -> None:
+        self.process.kill()
+        self.process.join()
+
+    def stop(self) -> None:
+        self._conn.close()  # the child sees EOF and shuts down cleanly
+        self.process.join(WAIT_S)
+        if self.process.is_alive():
+            self.kill()
+
+
+class SourceProcess(_Child):
+    def __init__(self, pin_timeout_s: float = 600.0, nixl: bool = True, faulty: bool = False):
+        super().__init__(_serve_source, pin_timeout_s, nixl, faulty)
+        self.released: set[str] = set()
+        self.address = f"127.0.0.1:{self.expect('ready')}"
+
+    def expect(self, kind: str):
+        """The value of the source's next `kind` message; "released" ones are collected meanwhile."""
+        while True:
+            got, value = self._recv()
+            if got == kind:
+                return value
+            assert got == "released", (got, value)
+            self.released.add(value)
+
+    def pin(self, request_id: str, block_ids: list[int] = PIN) -> kv_pb2.KVHandle:
+        self._conn.send((request_id, block_ids))
+        assert self.expect("pinned") == request_id
+        return kv_pb2.KVHandle(request_id=request_id, source_worker_id="prefill-test", source_address=self.address,
+                               layout=layout_to_proto(LAYOUT), block_ids=block_ids)
+
+    def wait_released(self, request_id: str) -> None:
+        while request_id not in self.released:
+            self.released.add(self.expect("released"))
+
+
+@contextlib.contextmanager
+def _unstoppable_reads():
+    """Faults on purpose: NIXL starts each READ, then reports an error and refuses to cancel it.
+    Afterwards the READs are really released."""
+    from nixl_cu12._api import nixl_agent, nixl_xfer_handle
+    from kvtransfer.nixl_backend import nixl_bindings
+    started, transfer, release = [], nixl_agent.transfer, nixl_xfer_handle.release
+
+    def failing_transfer(agent, xfer, *args, **kwargs):
+        transfer(agent, xfer, *args, **kwargs)
+        started.append(xfer)
+        raise nixl_bindings.nixlBackendError("injected: the READ stalled")
+
+    def refusing_release(xfer):
+        raise nixl_bindings.nixlBackendError("injected: it cannot be cancelled")
+
+    with mock.patch.object(nixl_agent, "transfer", failing_transfer), \
+            mock.patch.object(nixl_xfer_handle, "release", refusing_release):
+        yield
+    for xfer in started:
+        release(xfer)
+
+
+def _serve_destination(conn) -> None:
+    """Pull on command into caches of known contents, one set per layout; report the outcome."""
+    torch.set_num_threads(1)
+    caches: dict[KVLayout, dict[str, torch.Tensor]] = {}
+    connectors = {}
+
+    def local(layout: KVLayout) -> dict[str, torch.Tensor]:
+        return caches.setdefault(layout, random_caches(layout, LOCAL_BLOCKS, LOCAL_SEED))
+
+    try:
+        while True:
+            command, *args = conn.recv()
+            if command == "pull":
+                backend, layout, token, handle, remote, local_ids, unstoppable = args
+                key = (backend, layout, token)
+                if key not in connectors:
+                    connectors[key] = make_connector(backend, layout, local(layout), token)
+                try:
+                    with _unstoppable_reads() if unstoppable else contextlib.nullcontext():
+                        connectors[key].pull(kv_pb2.KVHandle.FromString(handle), remote, local_ids, TIMEOUT_S)
+                    conn.send(None)
+                except KVTransferError as e:
+                    conn.send((str(e), e.retryable, e.may_still_write))
+            elif command == "caches":
+                conn.send({name: t.view(torch.uint8).numpy().copy() for name, t in local(args[0]).items()})
+            elif command == "reset":  # in place: the NIXL connectors registered these tensors
+                for layout, tensors in caches.items():
+                    for name, initial in random_caches(layout, LOCAL_BLOCKS, LOCAL_SEED).items():
+                        tensors[name].copy_(initial)
+                conn.send(None)
+    except (EOFError, OSError):  # the test is done with this destination
+        for connector in connectors.values():
+            connector.close()
+
+
+class DestinationProcess(_Child):
+    def __init__(self):
+        super().__init__(_serve_destination)
+
+    def start_pull(self, backend: str, handle: kv_pb2.KVHandle, remote: list[int] = REMOTE,
+                   local: list[int] = LOCAL, layout: KVLayout = LAYOUT, token: str = TOKEN,
+                   unstoppable: bool = False) -> None:
+        self._conn.send(("pull", backend, layout, token, handle.SerializeToString(), remote, local, unstoppable))
+
+    def result(self) -> KVTransferError | None:
+        """How the started pull ended: None when it succeeded."""
+        outcome = self._recv()
+        return KVTransferError(*outcome) if outcome else None
+
+    def pull(self, *args, **kwargs) -> KVTransferError | None:
+        self.start_pull(*args, **kwargs)
+        return self.result()
+
+    def pull_error(self, *args, **kwargs) -> KVTransferError:
+        error = self.pull(*args, **kwargs)
+        assert error is not None, "the pull succeeded"
+        return error
+
+    def caches(self, layout: KVLayout = LAYOUT) -> dict[str, torch.Tensor]:
+        self._conn.send(("caches", layout))
+        return {name: torch.from_numpy(raw) for name, raw in self._recv().items()}
+
+    def reset(self) -> None:
+        self._conn.send(("reset",))
+        self._recv()
+
+
+def assert_local(dest: DestinationProcess, pulled: dict[int, int], undefined: list[int] = (),
+                 layout: KVLayout = LAYOUT) -> None:
+    """The destination's blocks hold their initial bytes, except `pulled` (local id -> source id),
+    which hold the source's, and `undefined` ones (given to a failed pull), which are not checked."""
+    caches = dest.caches(layout)
+    expected = random_caches(layout, LOCAL_BLOCKS, LOCAL_SEED)
+    source = random_caches(layout, SOURCE_BLOCKS, SOURCE_SEED)
+    for name, want in expected.items():
+        want = want.view(torch.uint8)
+        for local_id, source_id in pulled.items():
+            want[local_id] = source[name][source_id].view(torch.uint8)
+        for b in undefined:
+            want[b] = caches[name][b]
+        assert torch.equal(caches[name], want), name
