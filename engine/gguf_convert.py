@@ -1,12 +1,12 @@
 """Convert a llama-architecture GGUF into the HF-style directory the engine loads.
 
 The output is what a Hugging Face Llama checkpoint looks like (`config.json`, fp32
-`model.safetensors`, `tokenizer.json`, `tokenizer_config.json`, `generation_config.json`), so
-the engine has one loading path for converted GGUFs and real HF model directories alike, and
-transformers loads the same weights as a reference. Beside it, `gguf/blocks.safetensors` keeps
-the tensors stored as Q8_0, Q4_0, Q4_1, Q4_K or Q6_K in their own blocks (engine/quant.py), which the CPU
-engine runs by default; its metadata names the quantized tensors of other types, which run
-dequantized.
+`model.safetensors` or its shards, `tokenizer.json`, `tokenizer_config.json`,
+`generation_config.json`), so the engine has one loading path for converted GGUFs and real HF
+model directories alike, and transformers loads the same weights as a reference. Beside it,
+`gguf/blocks.safetensors` keeps the tensors stored as Q8_0, Q4_0, Q4_1, Q4_K or Q6_K in their own
+blocks (engine/quant.py), which the CPU engine runs by default; its metadata names the quantized
+tensors of other types, which run dequantized.
 """
 
 import errno
@@ -34,6 +34,7 @@ from tqdm import tqdm
 from engine.config import EMBEDDED_NAME
 from engine.home import pdspec_home
 from engine.quant import BLOCKS_FILE, QUANT_TYPES, q5_0_as_q8_0
+from engine.shards import SHARD_BYTES, ShardWriter
 
 log = logging.getLogger(__name__)
 
@@ -172,8 +173,9 @@ def _crashed(build_dir: Path) -> bool:
         return False
 
 
-def convert_gguf(gguf_path: Path, out_dir: Path) -> Path:
+def convert_gguf(gguf_path: Path, out_dir: Path, shard_bytes: int = SHARD_BYTES) -> Path:
     """Dequantize `gguf_path` to fp32 and write an HF Llama directory at `out_dir`; returns `out_dir`.
+    The fp32 weights go to shards of at most `shard_bytes`, each written once full.
 
     The directory is built next to `out_dir` and renamed into place, so `out_dir` either does not
     exist or is complete. Raises FileExistsError if `out_dir` already exists.
@@ -197,8 +199,9 @@ def convert_gguf(gguf_path: Path, out_dir: Path) -> Path:
     out_dir.parent.mkdir(parents=True, exist_ok=True)
     tmp_dir = Path(tempfile.mkdtemp(prefix=f".{out_dir.name}.{os.getpid()}.", suffix=".partial", dir=out_dir.parent))
     try:
-        tensors, blocks, qtypes = _convert_tensors(reader, config, gguf_path)
-        save_file(tensors, tmp_dir / "model.safetensors", metadata={"format": "pt"})
+        floats = ShardWriter(tmp_dir, shard_bytes)
+        blocks, qtypes = _convert_tensors(reader, config, gguf_path, floats)
+        floats.finish()
         (tmp_dir / BLOCKS_FILE).parent.mkdir()
         save_file(blocks, tmp_dir / BLOCKS_FILE, metadata={"qtypes": json.dumps(qtypes)})
         tokenizer.save(str(tmp_dir / "tokenizer.json"))
@@ -278,13 +281,13 @@ def _unpermute_rope_rows(weight: np.ndarray, n_heads: int) -> np.ndarray:
     return weight.reshape(n_heads, rows // n_heads // 2, 2, -1).swapaxes(1, 2).reshape(weight.shape)
 
 
-def _convert_tensors(reader: gguf.GGUFReader, config: dict[str, Any], gguf_path: Path
-                     ) -> tuple[dict[str, np.ndarray], dict[str, np.ndarray], dict[str, str]]:
-    """Every GGUF tensor dequantized to fp32 under its HF name, q/k rows restored to HF order;
-    the Q8_0/Q4_0/Q4_1/Q4_K/Q6_K ones also as their raw blocks (rows reordered the same way: a row's
-    blocks are its own), and Q5_0's as the Q8_0 blocks of the same values; and {name: type of the
-    blocks kept, else the GGUF type} of every quantized tensor."""
-    tensors: dict[str, np.ndarray] = {}
+def _convert_tensors(reader: gguf.GGUFReader, config: dict[str, Any], gguf_path: Path, floats: ShardWriter
+                     ) -> tuple[dict[str, np.ndarray], dict[str, str]]:
+    """Every GGUF tensor dequantized to fp32 under its HF name, q/k rows restored to HF order,
+    into `floats`. Returns the Q8_0/Q4_0/Q4_1/Q4_K/Q6_K ones as their raw blocks too (rows
+    reordered alike), Q5_0's as Q8_0 blocks of the same values, and {name: type of the blocks
+    kept, else the GGUF type} of every quantized tensor."""
+    names: set[str] = set()
     blocks: dict[str, np.ndarray] = {}
     qtypes: dict[str, str] = {}
     for tensor in tqdm(reader.tensors, desc=f"Converting {gguf_path.name}", unit="tensor"):
@@ -292,7 +295,8 @@ def _convert_tensors(reader: gguf.GGUFReader, config: dict[str, Any], gguf_path:
         kind = tensor.tensor_type.name
         heads = {"q_proj": config["num_attention_heads"], "k_proj": config["num_key_value_heads"]}.get(name.split(".")[-2])
         weight = dequantize(tensor.data, tensor.tensor_type)
-        tensors[name] = np.ascontiguousarray(_unpermute_rope_rows(weight, heads) if heads else weight, dtype=np.float32)
+        floats.add(name, np.ascontiguousarray(_unpermute_rope_rows(weight, heads) if heads else weight, dtype=np.float32))
+        names.add(name)
         kept = np.asarray(tensor.data, dtype=np.uint8) if kind in QUANT_TYPES else None
         if kind == "Q5_0":  # llama.cpp's fallback for rows not in 256-blocks (most of a small model's Q4_K_M)
             kept, kind = q5_0_as_q8_0(np.asarray(tensor.data, dtype=np.uint8)), "Q8_0"
@@ -303,10 +307,10 @@ def _convert_tensors(reader: gguf.GGUFReader, config: dict[str, Any], gguf_path:
     layers = range(config["num_hidden_layers"])
     expected = {"model.embed_tokens.weight", "model.norm.weight"}
     expected |= {f"model.layers.{i}.{part}.weight" for i in layers for part in _LAYER_TENSORS.values()}
-    missing = sorted(expected - tensors.keys())
+    missing = sorted(expected - names)
     if missing:
         raise ValueError(f"{gguf_path.name} lacks {len(missing)} tensors a llama model needs, e.g. {missing[:3]}")
-    return tensors, blocks, qtypes
+    return blocks, qtypes
 
 
 def _build_tokenizer(meta: dict[str, Any], gguf_path: Path) -> HFTokenizer:

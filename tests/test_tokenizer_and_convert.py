@@ -222,6 +222,23 @@ def test_kept_blocks_are_the_converted_weights(converted_dir: Path) -> None:
         assert torch.equal(w.dequantize(), floats[name]), name
 
 
+def test_a_model_past_the_shard_size_converts_to_shards_that_load_alike(converted_dir: Path, tmp_path: Path) -> None:
+    """A conversion holds one shard's fp32 tensors at a time (a 7B GGUF is 28 GB of fp32): past
+    shard_bytes it writes HF's numbered shards and their index, which load to the same weights."""
+    from engine.loader import load_weights
+
+    out = convert_gguf(embedded_gguf_path(), tmp_path / "sharded", shard_bytes=200 << 20)
+    index = json.loads((out / "model.safetensors.index.json").read_text())
+    shards = sorted(p.name for p in out.iterdir() if p.suffix == ".safetensors")
+    assert shards == [f"model-0000{i}-of-00003.safetensors" for i in (1, 2, 3)]
+    assert sorted(set(index["weight_map"].values())) == shards
+    whole = load_file(converted_dir / "model.safetensors")
+    assert index["metadata"]["total_size"] == sum(t.nbytes for t in whole.values())
+    loaded = load_weights(out, torch.float32, torch.device("cpu"))
+    assert loaded.keys() == whole.keys() == index["weight_map"].keys()
+    assert all(torch.equal(loaded[name], tensor) for name, tensor in whole.items())
+
+
 def test_tokenizer_missing_dir(tmp_path: Path) -> None:
     with pytest.raises(FileNotFoundError, match="does not exist"):
         Tokenizer.from_dir(tmp_path / "nope")
