@@ -229,8 +229,11 @@ class Engine:
 
     def context_limit(self) -> int:
         """The longest sequence this engine can ever hold: max_model_len, or its whole KV pool if
-        that holds fewer tokens (what `validate` refuses a prompt at, and a worker registers)."""
-        return min(self.max_model_len, self.blocks.num_blocks * self.config.block_size)
+        that holds fewer tokens (blocks retired for good not counted): what `validate` refuses a
+        prompt at, where a sequence ends with "length", and what a worker registers. A sequence
+        past the pool could never be scheduled again once preempted, and would block the queue."""
+        usable = self.blocks.num_blocks - self.blocks.num_retired_blocks
+        return min(self.max_model_len, usable * self.config.block_size)
 
     def can_take_over(self, request_id: str, prompt_token_ids: Seq[int], params: SamplingParams) -> bool:
         """Room for one more prefilled request: a batch slot and the blocks its prompt still needs.
@@ -296,7 +299,7 @@ class Engine:
             return 0
         k = seq.params.num_speculative_tokens
         k = self.num_speculative_tokens if k is None else min(k, self.num_speculative_tokens)
-        room = min(seq.params.max_tokens - seq.num_generated, self.max_model_len - len(seq.token_ids)) - 1
+        room = min(seq.params.max_tokens - seq.num_generated, self.context_limit() - len(seq.token_ids)) - 1
         return max(0, min(k, room))
 
     @property
@@ -325,7 +328,7 @@ class Engine:
                         draft_parents=proposal.parents)
 
     def _append(self, seq: Sequence, new_tokens: list[int]) -> RequestOutput:
-        room = min(seq.params.max_tokens - seq.num_generated, self.max_model_len - len(seq.token_ids))
+        room = min(seq.params.max_tokens - seq.num_generated, self.context_limit() - len(seq.token_ids))
         new_tokens = new_tokens[:room]
         ids, text, reason = self.streams[seq.seq_id].push(new_tokens)
         seq.token_ids.extend(ids)  # not accepted drafts after a stop token or string: the output ended before them
@@ -362,9 +365,10 @@ class Engine:
             raise InvalidRequest("token_ids", f"token id {bad} outside the vocabulary [0, {vocab})")
         if len(prompt) >= self.max_model_len:
             raise InvalidRequest("prompt", f"{len(prompt)} tokens leave no room to generate within the context limit of {self.max_model_len} tokens")
-        blocks = -(-(len(prompt) + 1) // self.config.block_size)
-        if blocks > self.config.num_kv_blocks:
-            raise CapacityExceeded(f"prompt needs {blocks} KV blocks; this worker's pool has {self.config.num_kv_blocks}")
+        if len(prompt) >= self.context_limit():
+            blocks = -(-(len(prompt) + 1) // self.config.block_size)
+            usable = self.blocks.num_blocks - self.blocks.num_retired_blocks
+            raise CapacityExceeded(f"prompt needs {blocks} KV blocks; this worker's pool has {usable}")
 
 
 def _rows(hidden: torch.Tensor | None, first: int, rows: list[int]) -> torch.Tensor | None:

@@ -126,6 +126,24 @@ def test_prompt_larger_than_the_pool_is_rejected():
         tiny.add_request(list(range(100, 150)), SamplingParams())
 
 
+def test_a_sequence_ends_where_the_pool_ends_and_retired_blocks_shorten_it():
+    """A pool of 64 tokens under a model of 8192: the sequence ends "length" at 64 (past it, no
+    block would be left to hold it: preempted once, it could never be admitted again, and every
+    request behind it would wait). Blocks retired for good shorten the limit."""
+    tiny = Engine(EngineConfig(num_kv_blocks=4, block_size=16))
+    assert tiny.max_model_len > tiny.context_limit() == 64
+    prompt = list(range(100, 130))
+    tiny.add_request(prompt, SamplingParams(max_tokens=100))
+    outs = [out for _ in range(100) if tiny.has_unfinished() for out in tiny.step()]
+    assert not tiny.has_unfinished() and outs[-1].finish_reason == "length"
+    assert sum(len(out.token_ids) for out in outs) == 64 - len(prompt)
+    tiny.reserve_prefilled("unstoppable", list(range(200, 220)), SamplingParams())  # 2 blocks, none cached
+    tiny.retire_incoming("unstoppable")  # its 2 blocks may still be written: never used again
+    assert tiny.context_limit() == 32
+    with pytest.raises(CapacityExceeded, match="pool has 2"):
+        tiny.add_request(prompt[:24] + prompt[:16], SamplingParams())
+
+
 def _teacher_forced_top1(engine: Engine, prompt: list[int], continuation: list[int]) -> list[int]:
     """The engine's argmax at every position of `continuation`, fed the continuation itself."""
     from engine.batch import SeqChunk
