@@ -65,6 +65,7 @@ class Engine:
         self.counters: collections.Counter[str] = collections.Counter()  # monotonic totals, for metrics
         self.governor = SpeculationGovernor() if spec.method != "none" and spec.adaptive else None
         self._drafting = True  # this step's choice (the governor's, when adaptive)
+        self.stalled = False  # the last step had nothing it could run (every sequence waits for blocks)
         # Where the steps that drafted spent their time (seconds): draft, verify (the target's
         # forward), bookkeeping (scheduling, acceptance, KV commits, outputs); for bench spec.
         self.drafting_seconds: collections.Counter[str] = collections.Counter()
@@ -112,6 +113,7 @@ class Engine:
         batch, start = len(self.scheduler.running), time.perf_counter()
         self._drafting = self.governor is None or self.governor.should_draft(batch)
         scheduled = self.scheduler.schedule(self._lookahead)
+        self.stalled = not scheduled
         if not scheduled:
             return []
         scheduled_at = time.perf_counter()

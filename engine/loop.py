@@ -136,7 +136,9 @@ class EngineLoop:
                     future.set_exception(e)
             if self.engine.has_unfinished():
                 self._step()
-            else:
+            # Idle, or stalled until a command frees blocks (a release, an abort, an admission):
+            # stepping on would spin a core the threads serving those commands need.
+            if not self.engine.has_unfinished() or self.engine.stalled:
                 self._wake.wait(0.1)
                 self._wake.clear()
 

@@ -1,5 +1,7 @@
 """The engine loop: continuous batching, block accounting, preemption, stops and bad input."""
 
+import time
+
 import pytest
 import torch
 from pydantic import ValidationError
@@ -251,3 +253,26 @@ def test_a_failed_step_ends_every_stream_even_those_it_finished(engine, prompts,
     finally:
         loop.stop()
     assert not engine.has_unfinished() and "lost" not in loop.outputs
+
+
+def test_the_loop_waits_for_a_command_while_no_sequence_can_run(monkeypatch):
+    """A prefill worker's pool held by handed-off KV (pinned until the decode side reads it): the
+    request behind it cannot start, and the loop waits for the release instead of spinning a
+    core the threads serving that read need."""
+    engine = Engine(EngineConfig(num_kv_blocks=4, block_size=16))
+    steps, step = [0], engine.step
+    monkeypatch.setattr(engine, "step", lambda: steps.__setitem__(0, steps[0] + 1) or step())
+    loop = EngineLoop(engine)
+    try:
+        first = loop.submit("pinned", list(range(100, 140)), SamplingParams(max_tokens=1), prefill_only=True)
+        assert first.get(timeout=60).finish_reason == "prefilled"  # 3 of the 4 blocks stay pinned
+        second = loop.submit("waiting", list(range(300, 330)), SamplingParams(max_tokens=1))
+        time.sleep(0.5)
+        stalled_steps = steps[0]
+        time.sleep(1.0)
+        assert steps[0] - stalled_steps <= 20  # one step per 0.1 s wait at most (spinning: thousands)
+        assert loop.call(engine.release, "pinned")
+        assert second.get(timeout=60).finished
+    finally:
+        loop.stop()
+
