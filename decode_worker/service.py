@@ -17,7 +17,6 @@ import numpy as np
 import torch
 from pydantic import ValidationError
 
-from engine.block_manager import NoFreeBlocksError
 from engine.errors import CapacityExceeded, InvalidRequest
 from engine.loop import EngineLoop
 from engine.output import KVHandle, RequestOutput
@@ -107,11 +106,9 @@ class DecodeServicer(worker_pb2_grpc.DecodeWorkerServicer):
         engine = self.loop.engine
         deadline = time.monotonic() + min(self.admission_timeout_s, context.time_remaining() or math.inf)
         while time.monotonic() < deadline and context.is_active():
-            if self.loop.call(engine.can_take_over, rid, prompt, params):
-                try:
-                    return self.loop.call(engine.reserve_prefilled, rid, prompt, params)
-                except NoFreeBlocksError:  # another request took the room first
-                    pass
+            reserved = self.loop.call(engine.take_over, rid, prompt, params)
+            if reserved is not None:
+                return reserved
             self.loop.wait_step(0.2)
         context.abort(grpc.StatusCode.RESOURCE_EXHAUSTED,
                       f"decode worker KV pool stayed full for {self.admission_timeout_s:.0f}s; retry later")

@@ -237,12 +237,17 @@ class Engine:
         usable = self.blocks.num_blocks - self.blocks.num_retired_blocks
         return min(self.max_model_len, usable * self.config.block_size)
 
-    def can_take_over(self, request_id: str, prompt_token_ids: Seq[int], params: SamplingParams) -> bool:
-        """Room for one more prefilled request: a batch slot and the blocks its prompt still needs.
-        A request it can never take raises (`validate`), rather than waiting for room."""
+    def take_over(self, request_id: str, prompt_token_ids: Seq[int], params: SamplingParams
+                  ) -> tuple[int, list[int]] | None:
+        """`reserve_prefilled` if there is room now: a batch slot, the blocks its prompt still
+        needs, and no preempted sequence waiting to come back (new arrivals would take every
+        freed block first and starve it); else None. A request it can never take raises
+        (`validate`), rather than waiting for room."""
         self.validate(request_id, prompt_token_ids, params)
         busy = len(self.scheduler.running) + len(self.incoming)
-        return busy < self.config.max_num_seqs and self.blocks.can_allocate(prompt_token_ids)
+        if self.scheduler.waiting or busy >= self.config.max_num_seqs or not self.blocks.can_allocate(prompt_token_ids):
+            return None
+        return self.reserve_prefilled(request_id, prompt_token_ids, params)
 
     def reserve_prefilled(self, request_id: str, prompt_token_ids: Seq[int], params: SamplingParams) -> tuple[int, list[int]]:
         """Allocate blocks for a request prefilled elsewhere; returns (prompt tokens already cached

@@ -222,6 +222,19 @@ def test_an_incoming_request_aborted_mid_transfer_keeps_its_blocks_until_the_tra
     assert engine.blocks.num_free_blocks == free_before
 
 
+def test_a_prefilled_request_is_taken_over_only_with_a_slot_free_and_nobody_waiting(prompts):
+    """A sequence waiting to come back (preempted on a decode worker) goes first: new arrivals
+    would take every block it frees. The check and the reservation are one step on the loop."""
+    engine = Engine(EngineConfig(num_kv_blocks=64, max_num_seqs=2))
+    params = SamplingParams(max_tokens=8)
+    engine.add_request(prompts[0], params, "waiting")
+    assert engine.take_over("new", prompts[1], params) is None and not engine.incoming
+    engine.step()  # "waiting" runs now
+    cached, table = engine.take_over("new", prompts[1], params)  # the chat template's first block is cached
+    assert engine.incoming.keys() == {"new"} and len(table) == -(-len(prompts[1]) // 16) and cached == 16
+    assert engine.take_over("third", prompts[2], params) is None  # the batch is full: 1 running + 1 arriving
+
+
 def test_an_incoming_request_whose_transfer_could_not_be_stopped_never_frees_its_blocks(prompts):
     """A NIXL READ that failed and could not be cancelled may still write into its blocks."""
     engine = Engine(EngineConfig(num_kv_blocks=64))  # its own pool: this one loses blocks for good
