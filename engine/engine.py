@@ -207,12 +207,13 @@ class Engine:
     # ---- disaggregation: hand a prefilled request to another engine, or take one over ----
 
     def _prefilled_handle(self, seq: Sequence, first_token: int) -> RequestOutput:
+        draft_hidden = self.proposer.prefill_draft(seq)  # first: if it fails, an abort still finds seq running
         self.scheduler.detach(seq)
         handle = KVHandle(
             block_table=self.blocks.block_table(seq.seq_id),
             first_token=first_token,
             seed=seq.seed,
-            draft_hidden=self.proposer.prefill_draft(seq),
+            draft_hidden=draft_hidden,
             cached_prompt_tokens=seq.num_cached_prompt,
             queue_seconds=seq.queue_seconds,
         )

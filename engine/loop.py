@@ -148,7 +148,10 @@ class EngineLoop:
         except Exception:  # a bug in a step must not leave every client waiting forever
             log.exception("engine step failed; ending its requests with an error")
             for request_id in list(self.engine.seqs):
-                self.engine.abort(request_id, reason="error")  # counted as finished_error
+                try:
+                    self.engine.abort(request_id, reason="error")  # counted as finished_error
+                except Exception:  # the loop must outlive it: every other request still waits on it
+                    log.exception("ending %s after the failed step failed too", request_id)
             # Every stream ends "error" (not "abort", which a client asked for), the requests the
             # failed step finished or handed off too: their outputs were lost with it.
             self._dispatch([RequestOutput(r, [], "", finished=True, finish_reason="error") for r in list(self.outputs)])
