@@ -12,6 +12,7 @@ from engine.loop import EngineLoop
 from kvtransfer.source import KVSource
 from serving.convert import sampling_params
 from proto.pdspec.v1 import kv_pb2, worker_pb2_grpc
+from proto.rpc import time_left
 from pydantic import ValidationError
 
 log = logging.getLogger(__name__)
@@ -47,7 +48,7 @@ class PrefillServicer(worker_pb2_grpc.PrefillWorkerServicer):
         if not context.add_callback(stop_if_abandoned):  # it had ended already
             stop_if_abandoned()
         try:
-            out = outputs.get(timeout=context.time_remaining())
+            out = outputs.get(timeout=time_left(context))  # an abort always ends the queue too
             computed.set()
         except queue.Empty:
             if not self.loop.abort(rid):  # handed off meanwhile, and nothing will pin its blocks: free them

@@ -236,6 +236,16 @@ def wait_healthy(address: str, timeout: float, tls: Tls | None = None) -> None:
             raise TimeoutError(f"gRPC server at {address} reports {status}")
 
 
+def time_left(context: grpc.ServicerContext) -> float | None:
+    """A call's remaining seconds, None without a deadline: gRPC then reports ~2**63 ns, more than
+    any timed wait accepts (queue.get raises OverflowError)."""
+    remaining = context.time_remaining()
+    return None if remaining is None or remaining > _NO_DEADLINE_S else remaining
+
+
+_NO_DEADLINE_S = 1e8  # three years
+
+
 def free_port(host: str = "127.0.0.1") -> int:
     """A port free on `host` now: for a server whose address others must know before it starts."""
     with socket.socket() as s:

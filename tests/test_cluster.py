@@ -233,6 +233,19 @@ def test_a_decode_whose_kv_source_is_gone_names_the_source(grpc_cluster):
     assert _wait_idle(grpc_cluster, "decode")["decode-0"].active_blocks == 0
 
 
+def test_a_prefill_without_a_deadline_is_served(grpc_cluster):
+    """gRPC reports no deadline as ~2**63 ns remaining: waited on as such, the prefill failed
+    (UNKNOWN) after its request was queued, and its blocks stayed handed off with no pin."""
+    workers, token = grpc_cluster.workers(), grpc_cluster.config.token()
+    prefill_channel = channel(workers["prefill-1"].address, token)
+    handle = worker_pb2_grpc.PrefillWorkerStub(prefill_channel).Prefill(worker_pb2.PrefillRequest(
+        request_id="no-deadline", prompt_token_ids=[1, 2, 3, 4, 5] * 8, sampling=common_pb2.SamplingOptions(max_tokens=4)))
+    assert handle.request_id == "no-deadline" and len(handle.block_ids) == 3
+    assert kv_pb2_grpc.KVTransferStub(prefill_channel).Release(kv_pb2.ReleaseRequest(request_id="no-deadline"),
+                                                               timeout=10).found
+    assert _wait_idle(grpc_cluster, "prefill")["prefill-1"].active_blocks == 0
+
+
 @pytest.mark.parametrize("forge, field", [
     (lambda h: setattr(h, "request_id", "someone-else"), "prefilled.request_id"),
     (lambda h: setattr(h, "num_prompt_tokens", h.num_prompt_tokens - 1), "prefilled.num_prompt_tokens"),
