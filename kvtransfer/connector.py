@@ -18,6 +18,7 @@ import abc
 import logging
 import threading
 import time
+from dataclasses import dataclass
 from typing import Protocol
 
 import grpc
@@ -31,6 +32,7 @@ from proto.rpc import Tls, channel
 log = logging.getLogger(__name__)
 
 RELEASE_MIN_TIMEOUT_S = 1.0  # a Release after a timed-out pull still gets this long to unpin promptly
+SOURCE_IDLE_S = 600.0  # a source no pull used this long is let go (its channel, its NIXL agent)
 _NOT_RETRYABLE = {grpc.StatusCode.UNAUTHENTICATED, grpc.StatusCode.PERMISSION_DENIED,
                   grpc.StatusCode.FAILED_PRECONDITION, grpc.StatusCode.INVALID_ARGUMENT,
                   grpc.StatusCode.UNIMPLEMENTED}
@@ -88,19 +90,25 @@ class BaseConnector(abc.ABC):
         check_caches(layout, caches)
         self.layout, self.caches, self.token, self.tls = layout, caches, token, tls
         self.block_bytes = {name: layout.block_bytes(shape) for name, shape in layout.caches().items()}
-        self._channels: dict[str, grpc.Channel] = {}
+        # By source address: the channel, pulls using it now, when the last one ended. Sources come
+        # and go (a restarted pod has a new address): one unused for SOURCE_IDLE_S is closed.
+        self._channels: dict[str, _Channel] = {}
         self._channels_lock = threading.Lock()
 
     def pull(self, handle: kv_pb2.KVHandle, remote_block_ids: list[int], local_block_ids: list[int],
              timeout_s: float) -> None:
         deadline = time.monotonic() + timeout_s
-        stub = self._stub(handle.source_address)
+        used = self._use_channel(handle.source_address)
+        stub = kv_pb2_grpc.KVTransferStub(used.channel)
         try:
             self._check(handle, remote_block_ids, local_block_ids)
             if remote_block_ids:
                 self._move(stub, handle, remote_block_ids, local_block_ids, deadline)
         finally:
             found = self._release(stub, handle, deadline)
+            with self._channels_lock:
+                used.users -= 1
+                used.last_used = time.monotonic()
         if not found:
             # Only a pin held until now proves the source did not reuse the blocks while we read them.
             reason = "Release failed" if found is None else "it was no longer pinned: its pin timed out"
@@ -109,8 +117,8 @@ class BaseConnector(abc.ABC):
 
     def close(self) -> None:
         with self._channels_lock:
-            for ch in self._channels.values():
-                ch.close()
+            for used in self._channels.values():
+                used.channel.close()
             self._channels.clear()
 
     @abc.abstractmethod
@@ -118,11 +126,17 @@ class BaseConnector(abc.ABC):
               local_block_ids: list[int], deadline: float) -> None:
         """Copy the blocks (every cache) by `deadline` (time.monotonic()); raise KVTransferError."""
 
-    def _stub(self, address: str) -> kv_pb2_grpc.KVTransferStub:
+    def _use_channel(self, address: str) -> "_Channel":
+        """The source's channel, counted as in use until the pull ends; idle ones closed."""
+        now = time.monotonic()
         with self._channels_lock:
+            for gone in [a for a, c in self._channels.items() if c.users == 0 and now - c.last_used > SOURCE_IDLE_S]:
+                self._channels.pop(gone).channel.close()
             if address not in self._channels:
-                self._channels[address] = channel(address, self.token, self.tls)
-            return kv_pb2_grpc.KVTransferStub(self._channels[address])
+                self._channels[address] = _Channel(channel(address, self.token, self.tls))
+            used = self._channels[address]
+            used.users += 1
+            return used
 
     def _check(self, handle: kv_pb2.KVHandle, remote: list[int], local: list[int]) -> None:
         """Reject, before any byte moves, a handle of another layout or block ids that do not fit."""
@@ -148,3 +162,10 @@ class BaseConnector(abc.ABC):
         except grpc.RpcError as e:
             log.warning("%s", rpc_failure(e, f"Release of {handle.request_id}", handle.source_address))
             return None
+
+
+@dataclass
+class _Channel:
+    channel: grpc.Channel
+    users: int = 0
+    last_used: float = 0.0

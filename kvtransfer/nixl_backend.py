@@ -23,7 +23,7 @@ from nixl_cu12 import _bindings as nixl_bindings
 from nixl_cu12._api import nixl_agent, nixl_agent_config, nixl_xfer_handle
 
 from engine.kv_layout import KVLayout
-from kvtransfer.connector import BaseConnector, KVTransferError, check_layout, remaining, rpc_failure
+from kvtransfer.connector import SOURCE_IDLE_S, BaseConnector, KVTransferError, check_layout, remaining, rpc_failure
 from kvtransfer.layout import layout_to_proto
 from proto.pdspec.v1 import kv_pb2, kv_pb2_grpc
 from proto.rpc import Tls
@@ -93,10 +93,16 @@ class NixlMemory:
         self._registered.clear()
 
 
-@dataclass(frozen=True)
+@dataclass
 class _Source:
+    """A source's NIXL agent as loaded here, and the pulls reading through it now: a forgotten
+    one is removed from NIXL only when its last pull has ended (removal under a READ in flight
+    may free that READ's request)."""
     agent_name: str
     regions: dict[str, kv_pb2.NixlRegion]
+    users: int = 0
+    forgotten: bool = False
+    last_used: float = 0.0
 
 
 class NixlConnector(BaseConnector):
@@ -104,8 +110,8 @@ class NixlConnector(BaseConnector):
         super().__init__(layout, caches, token, tls)
         self._memory = NixlMemory("kvdest", layout, caches, token)
         self._sources: dict[str, _Source] = {}  # by address: metadata is fetched once per source agent
-        # One lock per source address, held while its agent is added or dropped: concurrent first
-        # pulls from a source add its agent once, and a slow source holds up no other's pulls.
+        # One lock per source address, held while its agent is added, counted or dropped: concurrent
+        # first pulls from a source add its agent once, and a slow source holds up no other's pulls.
         self._address_locks: dict[str, threading.Lock] = {}
         self._locks_lock = threading.Lock()
 
@@ -116,28 +122,46 @@ class NixlConnector(BaseConnector):
     def _move(self, stub: kv_pb2_grpc.KVTransferStub, handle: kv_pb2.KVHandle, remote_block_ids: list[int],
               local_block_ids: list[int], deadline: float) -> None:
         address = handle.source_address
-        source = self._source(stub, address, deadline)
+        self._forget_idle()
+        source = self._use(stub, address, handle.nixl_agent, deadline)
+        forget = False
         try:
             self._read(source, handle, remote_block_ids, local_block_ids, deadline)
-        except KVTransferError:
-            self._forget(address)  # a restarted source has a new agent: fetch its metadata again next time
+        except KVTransferError as e:
+            forget = e.retryable  # a restarted source has a new agent: fetch its metadata again next time
             raise
+        finally:
+            with self._address_lock(address):
+                source.users -= 1
+                source.last_used = time.monotonic()
+                if forget or source.forgotten:
+                    self._forget(address, source)
 
     def _address_lock(self, address: str) -> threading.Lock:
         with self._locks_lock:
             return self._address_locks.setdefault(address, threading.Lock())
 
-    def _source(self, stub: kv_pb2_grpc.KVTransferStub, address: str, deadline: float) -> _Source:
+    def _use(self, stub: kv_pb2_grpc.KVTransferStub, address: str, agent_name: str, deadline: float) -> _Source:
+        """The source's agent, loaded if new or if the handle names another (restarted at the
+        address); counted as in use until the pull ends."""
         with self._address_lock(address):
-            if address not in self._sources:
-                self._sources[address] = self._connect(stub, address, deadline)
-            return self._sources[address]
+            source = self._sources.get(address)
+            if source is not None and agent_name and source.agent_name != agent_name:
+                self._forget(address, source)
+                source = None
+            if source is None:
+                source = self._sources[address] = self._connect(stub, address, agent_name, deadline)
+            source.users += 1
+            return source
 
-    def _connect(self, stub: kv_pb2_grpc.KVTransferStub, address: str, deadline: float) -> _Source:
+    def _connect(self, stub: kv_pb2_grpc.KVTransferStub, address: str, agent_name: str, deadline: float) -> _Source:
         try:
             meta = stub.GetNixlMetadata(kv_pb2.NixlMetadataRequest(), timeout=remaining(deadline))
         except grpc.RpcError as e:
             raise rpc_failure(e, "GetNixlMetadata", address) from None
+        if agent_name and meta.agent_name != agent_name:  # its pins went with the process that made them
+            raise KVTransferError(f"{address} restarted after prefilling (NIXL agent {meta.agent_name}, the "
+                                  f"handle's {agent_name}): prefill again", retryable=True)
         check_layout(self.layout, meta.layout, address)
         regions = {r.cache: r for r in meta.regions}
         for name, block_bytes in self.block_bytes.items():
@@ -149,14 +173,28 @@ class NixlConnector(BaseConnector):
         except NIXL_ERRORS as e:
             raise KVTransferError(f"NIXL could not load the agent of {address}: {e}", retryable=True) from None
 
-    def _forget(self, address: str) -> None:
-        with self._address_lock(address):  # dropped before a next pull may add it again
-            source = self._sources.pop(address, None)
-            if source is not None:
-                try:
-                    self._memory.agent.remove_remote_agent(source.agent_name)
-                except NIXL_ERRORS as e:
-                    log.warning("NIXL could not drop the agent of %s: %s", address, e)
+    def _forget(self, address: str, source: _Source) -> None:
+        """Under the address's lock: no new pull uses `source`; NIXL drops it once none does."""
+        if self._sources.get(address) is source:
+            del self._sources[address]
+        source.forgotten = True
+        if source.users == 0:
+            source.users = -1  # dropped: never twice
+            try:
+                self._memory.agent.remove_remote_agent(source.agent_name)
+            except NIXL_ERRORS as e:
+                log.warning("NIXL could not drop the agent of %s: %s", address, e)
+
+    def _forget_idle(self) -> None:
+        """Sources no pull used for SOURCE_IDLE_S (gone, or no longer routed here): their agents
+        and UCX endpoints would otherwise stay loaded for the process's life."""
+        now = time.monotonic()
+        idle = [a for a, s in list(self._sources.items()) if s.users == 0 and now - s.last_used > SOURCE_IDLE_S]
+        for address in idle:
+            with self._address_lock(address):
+                source = self._sources.get(address)
+                if source is not None and source.users == 0 and now - source.last_used > SOURCE_IDLE_S:
+                    self._forget(address, source)
 
     def _read(self, source: _Source, handle: kv_pb2.KVHandle, remote_block_ids: list[int],
               local_block_ids: list[int], deadline: float) -> None:

@@ -72,4 +72,5 @@ class PrefillServicer(worker_pb2_grpc.PrefillWorkerServicer):
             seed=h.seed,
             draft_hidden=h.draft_hidden.float().numpy().tobytes() if h.draft_hidden is not None else b"",
             cached_prompt_tokens=h.cached_prompt_tokens, queue_seconds=h.queue_seconds,
+            nixl_agent=self.source.nixl.agent.name if self.source.nixl is not None else "",
         )

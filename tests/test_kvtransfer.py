@@ -178,6 +178,20 @@ def test_a_nixl_read_that_cannot_be_cancelled_says_its_blocks_may_still_be_writt
     source.wait_released(handle.request_id)  # the pin still went back
 
 
+def test_a_handle_of_another_nixl_agent_at_the_address_is_a_restarted_source(source, dest):
+    """The handle names the source's agent: a process restarted at the same address (its pins
+    gone with the old one) is told apart at once, not by a READ of the old agent timing out."""
+    assert dest.pull("nixl", source.pin("before-restart")) is None  # the source's agent is loaded
+    handle = source.pin("restarted")
+    handle.nixl_agent = "pdspec-kvsource-000000000000"  # the agent that prefilled it: gone
+    error = dest.pull_error("nixl", handle)
+    assert "restarted after prefilling" in str(error) and error.retryable
+    source.wait_released(handle.request_id)
+    dest.reset()
+    assert dest.pull("nixl", source.pin("after-restart")) is None  # the current agent, loaded again
+    assert_local(dest, dict(zip(LOCAL, REMOTE)))
+
+
 def test_nixl_needs_a_cluster_token():
     code = ("import torch; from kvtransfer.source import KVSource; from tests.test_kvtransfer import LAYOUT, random_caches\n"
             "try:\n    KVSource(LAYOUT, random_caches(LAYOUT, 4, 0), pin_timeout_s=60, nixl=True)\n"
