@@ -78,7 +78,7 @@ class DecodeServicer(worker_pb2_grpc.DecodeWorkerServicer):
         if self.connector is None:
             context.abort(grpc.StatusCode.FAILED_PRECONDITION, "this aggregated worker prefills prompts itself: "
                           "send it no prefilled handle")
-        _check_handle(handle, rid, prompt)
+        _check_handle(handle, rid, prompt, self.loop.engine)
         cached, table = self._reserve(rid, prompt, params, context)
         first, end = cached // block_size, math.ceil(len(prompt) / block_size)
         started, admitted = time.perf_counter(), False
@@ -93,6 +93,9 @@ class DecodeServicer(worker_pb2_grpc.DecodeWorkerServicer):
         except KVTransferError as e:
             if e.may_still_write:  # never reuse blocks a transfer may still write into
                 self.loop.call(self.loop.engine.retire_incoming, rid)
+            if context.time_remaining() <= 0:  # the request's own deadline cut the pull: no source to blame
+                context.abort(grpc.StatusCode.DEADLINE_EXCEEDED, f"the request's deadline passed while its KV "
+                              f"arrived from {handle.source_worker_id}")
             code = grpc.StatusCode.UNAVAILABLE if e.retryable else grpc.StatusCode.FAILED_PRECONDITION
             if e.retryable:
                 context.set_trailing_metadata([(FAILED_KV_SOURCE_METADATA_KEY, handle.source_worker_id)])
@@ -114,9 +117,17 @@ class DecodeServicer(worker_pb2_grpc.DecodeWorkerServicer):
                       f"decode worker KV pool stayed full for {self.admission_timeout_s:.0f}s; retry later")
 
 
-def _check_handle(handle, request_id: str, prompt: list[int]) -> None:
-    """A prefilled handle that cannot be this request's (InvalidRequest naming the field). Blocks
-    are counted in the source's block size: one unlike ours is the pull's layout error."""
+def _check_handle(handle, request_id: str, prompt: list[int], engine) -> None:
+    """A prefilled handle that cannot be this request's or this engine's (InvalidRequest naming
+    the field), refused before it waits for room or moves a byte. Blocks are counted in the
+    source's block size: one unlike ours is the layout's error (FAILED_PRECONDITION, by the pull)."""
+    if not handle.HasField("seed"):  # a prefill worker of a version before seeds (each handle would draw alike)
+        raise InvalidRequest("prefilled.seed", "missing: run prefill and decode workers of the same pdspec version")
+    if len(handle.draft_hidden) % 4:
+        raise InvalidRequest("prefilled.draft_hidden", f"{len(handle.draft_hidden)} bytes, not whole float32 values")
+    vocab = engine.runner.model_config.vocab_size
+    if not 0 <= handle.first_token < vocab:  # the next step's embedding lookup would fail its whole batch
+        raise InvalidRequest("prefilled.first_token", f"{handle.first_token} is outside the vocabulary [0, {vocab})")
     if handle.request_id != request_id:
         raise InvalidRequest("prefilled.request_id", f"{handle.request_id!r} is not this request's ({request_id!r})")
     if handle.num_prompt_tokens != len(prompt):
@@ -130,10 +141,6 @@ def _check_handle(handle, request_id: str, prompt: list[int]) -> None:
 
 
 def _engine_handle(handle, table: list[int]) -> KVHandle:
-    if not handle.HasField("seed"):  # a prefill worker of a version before seeds (each handle would draw alike)
-        raise InvalidRequest("prefilled.seed", "missing: run prefill and decode workers of the same pdspec version")
-    if len(handle.draft_hidden) % 4:
-        raise InvalidRequest("prefilled.draft_hidden", f"{len(handle.draft_hidden)} bytes, not whole float32 values")
     hidden = np.frombuffer(handle.draft_hidden, dtype=np.float32)
     return KVHandle(
         block_table=table,

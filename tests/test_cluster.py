@@ -250,10 +250,11 @@ def test_a_prefill_without_a_deadline_is_served(grpc_cluster):
     (lambda h: setattr(h, "request_id", "someone-else"), "prefilled.request_id"),
     (lambda h: setattr(h, "num_prompt_tokens", h.num_prompt_tokens - 1), "prefilled.num_prompt_tokens"),
     (lambda h: h.block_ids.__setitem__(0, -3), "prefilled.block_ids"),
-    (lambda h: h.ClearField("seed"), "prefilled.seed: missing"),  # an older prefill worker's: refused after the
-    (lambda h: setattr(h, "draft_hidden", bytes(6)), "prefilled.draft_hidden: 6 bytes"),  # refused after the
-    (lambda h: setattr(h, "draft_hidden", bytes(400)), "draft hidden state does not fit"),  # pull, blocks freed all the same
-])
+    (lambda h: h.ClearField("seed"), "prefilled.seed: missing"),  # an older prefill worker's
+    (lambda h: setattr(h, "draft_hidden", bytes(6)), "prefilled.draft_hidden: 6 bytes"),
+    (lambda h: setattr(h, "first_token", 10**6), "prefilled.first_token: 1000000 is outside the vocabulary"),
+    (lambda h: setattr(h, "draft_hidden", bytes(400)), "draft hidden state does not fit"),  # refused after the pull,
+])  # its blocks freed all the same
 def test_a_decode_refuses_a_handle_that_is_not_its_requests(grpc_cluster, forge, field):
     workers, token = grpc_cluster.workers(), grpc_cluster.config.token()
     prefill_channel = channel(workers["prefill-1"].address, token)
