@@ -17,7 +17,7 @@ import numpy as np
 import torch
 from pydantic import ValidationError
 
-from engine.errors import CapacityExceeded, InvalidRequest
+from engine.errors import CapacityExceeded, InvalidRequest, RequestIdInUse
 from engine.loop import EngineLoop
 from engine.output import KVHandle, RequestOutput
 from kvtransfer.connector import KVConnector, KVTransferError
@@ -53,6 +53,8 @@ class DecodeServicer(worker_pb2_grpc.DecodeWorkerServicer):
             context.abort(grpc.StatusCode.INVALID_ARGUMENT, str(e))
         except CapacityExceeded as e:
             context.abort(grpc.StatusCode.RESOURCE_EXHAUSTED, str(e))
+        except RequestIdInUse as e:
+            context.abort(grpc.StatusCode.ALREADY_EXISTS, str(e))
         if not context.is_active():  # it ended before the request existed here, so its callback found nothing
             self.loop.abort(rid)
         finished = False

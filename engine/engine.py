@@ -25,7 +25,7 @@ import torch
 from engine.batch import SeqChunk
 from engine.block_manager import BlockManager
 from engine.config import EngineConfig
-from engine.errors import CapacityExceeded, InvalidRequest
+from engine.errors import CapacityExceeded, InvalidRequest, RequestIdInUse
 from engine.output import KVHandle, OutputStream, RequestOutput, Usage
 from engine.runner import ModelRunner
 from engine.params import SamplingParams
@@ -362,9 +362,10 @@ class Engine:
                                          seq.queue_seconds))
 
     def validate(self, request_id: str, prompt: Seq[int], params: SamplingParams) -> None:
-        """Raises InvalidRequest (naming the field) or CapacityExceeded for a request this engine can never take."""
+        """Raises InvalidRequest (naming the field) or CapacityExceeded for a request this engine can
+        never take, RequestIdInUse for an id it still holds."""
         if request_id in self.seqs or request_id in self.incoming or request_id in self.handed_off:
-            raise InvalidRequest("request_id", f"{request_id!r} is already running")
+            raise RequestIdInUse(f"request_id {request_id!r} is already running on this worker")
         if not prompt:
             raise InvalidRequest("prompt", "must contain at least one token")
         vocab = self.runner.model_config.vocab_size

@@ -11,3 +11,8 @@ class InvalidRequest(ValueError):
 
 class CapacityExceeded(RuntimeError):
     """The request is valid but cannot fit this worker's resources (RESOURCE_EXHAUSTED)."""
+
+
+class RequestIdInUse(RuntimeError):
+    """The request id still runs here, or its blocks are still held (a retry that arrived before
+    its earlier attempt ended): ALREADY_EXISTS, which a router retries elsewhere."""

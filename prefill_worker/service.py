@@ -7,7 +7,7 @@ import threading
 
 import grpc
 
-from engine.errors import CapacityExceeded, InvalidRequest
+from engine.errors import CapacityExceeded, InvalidRequest, RequestIdInUse
 from engine.loop import EngineLoop
 from kvtransfer.source import KVSource
 from serving.convert import sampling_params
@@ -39,6 +39,8 @@ class PrefillServicer(worker_pb2_grpc.PrefillWorkerServicer):
             context.abort(grpc.StatusCode.INVALID_ARGUMENT, str(e))
         except CapacityExceeded as e:
             context.abort(grpc.StatusCode.RESOURCE_EXHAUSTED, str(e))
+        except RequestIdInUse as e:
+            context.abort(grpc.StatusCode.ALREADY_EXISTS, str(e))
         computed = threading.Event()
 
         def stop_if_abandoned() -> None:  # the RPC ended: cancelled mid-prefill, stop at the next chunk

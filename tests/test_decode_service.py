@@ -48,7 +48,7 @@ def test_a_failed_transfer_frees_its_blocks_unless_it_may_still_write_into_them(
         blocks = math.ceil(len(prompt) / engine.config.block_size)
         handle = kv_pb2.KVHandle(request_id="r", num_prompt_tokens=len(prompt), block_ids=list(range(blocks)),
                                  layout=layout_to_proto(engine.runner.layout), source_worker_id="prefill-test",
-                                 source_address="127.0.0.1:1")
+                                 source_address="127.0.0.1:1", seed=7)
         request = worker_pb2.DecodeRequest(request_id="r", prompt_token_ids=prompt, prefilled=handle,
                                            sampling=common_pb2.SamplingOptions(max_tokens=4))
         with grpc.insecure_channel(address) as channel:

@@ -8,7 +8,7 @@ from pydantic import ValidationError
 
 from engine.config import EngineConfig
 from engine.engine import Engine
-from engine.errors import CapacityExceeded, InvalidRequest
+from engine.errors import CapacityExceeded, InvalidRequest, RequestIdInUse
 from engine.loop import EngineLoop
 from engine.output import KVHandle
 from engine.params import SamplingParams
@@ -120,6 +120,15 @@ def test_invalid_requests_name_the_field(engine, prompt, field):
     with pytest.raises(InvalidRequest) as e:
         engine.add_request(prompt, SamplingParams())
     assert e.value.field == field
+
+
+def test_an_id_still_held_is_in_use_not_invalid(engine, prompts):
+    """ALREADY_EXISTS, which a router retries elsewhere: a retry may reach a worker before its
+    earlier attempt there has ended (INVALID_ARGUMENT would fail the client's request)."""
+    engine.add_request(prompts[0], SamplingParams(max_tokens=2), "twice")
+    with pytest.raises(RequestIdInUse, match="'twice' is already running"):
+        engine.add_request(prompts[0], SamplingParams(max_tokens=2), "twice")
+    engine.abort("twice")
 
 
 def test_prompt_larger_than_the_pool_is_rejected():
