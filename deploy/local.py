@@ -15,7 +15,7 @@ from pathlib import Path
 
 import yaml
 
-from deploy.config import DeploymentConfig, check_launchable, with_fixed_ports
+from deploy.config import ConfigError, DeploymentConfig, check_launchable, with_fixed_ports
 from deploy.readiness import list_workers, wait_for_workers
 from deploy.supervisor import Supervisor
 from proto.pdspec.v1 import router_pb2
@@ -32,6 +32,11 @@ class LocalCluster:
     log_dir: Path = field(default_factory=lambda: Path(tempfile.mkdtemp(prefix="pdspec-logs-")))
 
     def __post_init__(self) -> None:
+        # The router listens on router.host itself (its config); the rest of a one-machine cluster
+        # (workers, health checks, printed addresses) uses loopback for a wildcard: workers listened
+        # on every interface and registered 0.0.0.0, which peers reached only as Linux's alias.
+        if self.host == "0.0.0.0":
+            self.host = "127.0.0.1"
         self.config = with_fixed_ports(self.config, any_internal_port=not self.router_port)
         self.router_port = self.router_port or free_port(self.host)  # 0: any free port
         self.token = self.config.token() or os.urandom(16).hex()  # internal RPCs' (ListWorkers too)
@@ -62,6 +67,7 @@ class LocalCluster:
         return self
 
     def _start(self, timeout_s: float) -> None:
+        threads, gpus = default_threads(self.config), cuda_devices(self.config, os.environ)
         config_file = self.log_dir / "config.yaml"
         config_file.write_text(yaml.safe_dump(self.config.model_dump(mode="json")))
         env = {**os.environ, "PDSPEC_CLUSTER_TOKEN": self.token}
@@ -75,14 +81,14 @@ class LocalCluster:
             except TimeoutError:
                 if time.monotonic() > deadline:
                     raise
-        threads = default_threads(self.config)
         for role in WORKER_ROLES:
             for i in range(getattr(self.config, role).replicas):
+                name = f"{role}-{i}"
                 args = ["worker", "--role", role, "--config", str(config_file), "--router", self.registry_address,
-                        "--host", self.host, "--worker-id", f"{role}-{i}"]
+                        "--host", self.host, "--worker-id", name]
                 # NIXL logs INFO to stdout by default; UCX would also listen beyond loopback.
-                self._spawn(f"{role}-{i}", args, {**env, "OMP_NUM_THREADS": str(threads[role]), "NIXL_LOG_LEVEL": "WARN",
-                                                  "UCX_NET_DEVICES": env.get("UCX_NET_DEVICES", "lo")})
+                self._spawn(name, args, {**env, "OMP_NUM_THREADS": str(threads[role]), "NIXL_LOG_LEVEL": "WARN",
+                                         "UCX_NET_DEVICES": env.get("UCX_NET_DEVICES", "lo")} | gpus.get(name, {}))
         wait_for_workers(self.router_address, self.token, [n for n in self.supervisor.names() if n != "router"],
                          timeout_s, self._check_alive, f"logs in {self.log_dir}", self.tls)
         self.supervisor.supervise()
@@ -117,6 +123,30 @@ class LocalCluster:
 
     def _spawn(self, name: str, args: list[str], env: dict[str, str]) -> None:
         self.supervisor.spawn(name, args, env, self.log_dir / f"{name}.log")
+
+
+def cuda_devices(config: DeploymentConfig, environ: dict[str, str]) -> dict[str, dict[str, str]]:
+    """With engine.device cuda, each worker's CUDA_VISIBLE_DEVICES: its own tensor_parallel_size
+    GPUs of those visible here, in order (without it every replica ran on GPU 0). Raises
+    ConfigError when the replicas need more GPUs than there are."""
+    if config.engine.device != "cuda":
+        return {}
+    visible = environ.get("CUDA_VISIBLE_DEVICES")
+    if visible is None:
+        import torch
+
+        visible = ",".join(str(i) for i in range(torch.cuda.device_count()))
+    devices = [d for d in visible.split(",") if d.strip()]
+    wanted = [(f"{role}-{i}", getattr(config, role).tensor_parallel_size)
+              for role in WORKER_ROLES for i in range(getattr(config, role).replicas)]
+    if sum(n for _, n in wanted) > len(devices):
+        raise ConfigError(f"the replicas need {sum(n for _, n in wanted)} GPUs (tensor_parallel_size each), this "
+                          f"machine shows {len(devices)}: lower a role's replicas or tensor_parallel_size")
+    assigned, first = {}, 0
+    for name, n in wanted:
+        assigned[name] = {"CUDA_VISIBLE_DEVICES": ",".join(devices[first : first + n])}
+        first += n
+    return assigned
 
 
 def default_threads(config: DeploymentConfig, cores: int | None = None) -> dict[str, int]:

@@ -100,6 +100,35 @@ def test_a_local_cluster_leaves_a_core_to_its_router_and_fronts(roles, cores, ex
     assert default_threads(tensor_parallel, cores)["aggregated"] == max(1, (cores - 1) // 2)  # per rank
 
 
+def test_a_local_cluster_gives_each_cuda_replica_its_own_gpus():
+    """Without CUDA_VISIBLE_DEVICES per process, every replica ran on GPU 0."""
+    from deploy.local import cuda_devices
+
+    def visible(roles: dict, devices: str) -> dict[str, str]:
+        config = parse_config({"engine": {"device": "cuda"}, **roles})
+        return {name: env["CUDA_VISIBLE_DEVICES"] for name, env in
+                cuda_devices(config, {"CUDA_VISIBLE_DEVICES": devices}).items()}
+
+    assert visible({"prefill": {"replicas": 1}, "decode": {"replicas": 2}}, "4,5,6,7") == {
+        "prefill-0": "4", "decode-0": "5", "decode-1": "6"}
+    assert visible({"prefill": {"replicas": 0}, "decode": {"replicas": 0},
+                    "aggregated": {"replicas": 2, "tensor_parallel_size": 2}}, "0,1,2,3") == {
+        "aggregated-0": "0,1", "aggregated-1": "2,3"}
+    with pytest.raises(ConfigError, match="the replicas need 3 GPUs .* this machine shows 2"):
+        visible({"prefill": {"replicas": 1}, "decode": {"replicas": 2}}, "0,1")
+    assert cuda_devices(parse_config({}), {}) == {}  # cpu: nothing set
+
+
+def test_a_local_cluster_under_a_wildcard_router_host_uses_loopback_within():
+    """The router listens on every interface (its config); its workers listen and register on
+    loopback, not on 0.0.0.0, and the addresses printed are loopback's."""
+    from deploy.local import LocalCluster
+
+    cluster = LocalCluster(parse_config({"router": {"host": "0.0.0.0"}}), 0, "0.0.0.0")
+    assert cluster.host == "127.0.0.1" and cluster.router_address.startswith("127.0.0.1:")
+    assert cluster.config.router.host == "0.0.0.0"
+
+
 def test_a_setting_that_would_do_nothing_is_refused():
     with pytest.raises(ConfigError, match="aggregated.kv_transfer: 'grpc' does nothing"):
         parse_config({"prefill": {"replicas": 0}, "decode": {"replicas": 0},
