@@ -7,7 +7,6 @@ for PR_SET_PDEATHSIG as it starts (`die_with_parent`), so the kernel sends it SI
 launcher dies however it dies: no process outlives the launcher.
 """
 
-import ctypes
 import logging
 import os
 import signal
@@ -18,8 +17,9 @@ import time
 from dataclasses import dataclass
 from pathlib import Path
 
+from engine.parallel import exit_with_parent
+
 log = logging.getLogger(__name__)
-_PR_SET_PDEATHSIG = 1  # linux/prctl.h
 _PARENT_ENV = "PDSPEC_DIE_WITH_PID"  # set for a process the supervisor starts: the launcher's pid
 BACKOFF_S, MAX_BACKOFF_S, STABLE_S = 1.0, 30.0, 60.0
 _POLL_S = 0.2
@@ -91,9 +91,8 @@ class Supervisor:
             for p in processes:
                 try:
                     p.wait(timeout=max(0.1, deadline - time.monotonic()))
-                except subprocess.TimeoutExpired:
-                    p.kill()
-                    p.wait()
+                except subprocess.TimeoutExpired:  # its whole session: tensor-parallel ranks too
+                    _kill_session(p)
         if self._thread is not None:
             self._thread.join()
 
@@ -102,7 +101,10 @@ class Supervisor:
             now = time.monotonic()
             with self._lock:
                 for name, member in self._members.items():
-                    self._tend(name, member, now)
+                    try:
+                        self._tend(name, member, now)
+                    except OSError:  # e.g. a restart that could not start: tried again next poll
+                        log.exception("supervising %s failed", name)
 
     def _tend(self, name: str, member: _Member, now: float) -> None:
         status = member.process.poll()
@@ -114,16 +116,27 @@ class Supervisor:
             member.restart_at = now + delay
             log.error("%s exited (%s); restarting it in %.0f s (restart %d); log: %s", name, _how(status), delay,
                       member.restarts + 1, member.log_path)
-        elif now >= member.restart_at:
+        elif now >= member.restart_at and not self._stopping.is_set():  # stop() has taken its list
             member.process = _popen(member.args, member.env, member.log_path)
             member.started, member.restart_at = now, None
             member.restarts += 1
             log.warning("%s restarted (pid %d)", name, member.process.pid)
 
 
+def _kill_session(process: subprocess.Popen) -> None:
+    try:
+        os.killpg(process.pid, signal.SIGKILL)  # it leads its session (start_new_session)
+    except ProcessLookupError:
+        pass
+    process.wait()
+
+
 def _how(status: int) -> str:
     if status < 0:
-        return f"killed by {signal.Signals(-status).name}"
+        try:
+            return f"killed by {signal.Signals(-status).name}"
+        except ValueError:  # a real-time signal has no name
+            return f"killed by signal {-status}"
     return f"exit status {status}"
 
 
@@ -140,8 +153,5 @@ def die_with_parent() -> None:
     SIGTERM when the launcher dies, however it dies (SIGKILL, a crash), so no worker outlives it;
     if the launcher died before the request, exit now (Linux; elsewhere stop() is the only way)."""
     parent = os.environ.pop(_PARENT_ENV, None)
-    if parent is None or sys.platform != "linux":
-        return
-    ctypes.CDLL(None).prctl(_PR_SET_PDEATHSIG, signal.SIGTERM)
-    if os.getppid() != int(parent):
-        sys.exit("pdspec: the launcher that started this process is gone")
+    if parent is not None:
+        exit_with_parent(int(parent))

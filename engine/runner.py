@@ -18,7 +18,7 @@ from engine.loader import load_weights
 from engine.quant import QuantizedTensor, quantize_matrices
 from engine.model_dir import model_fingerprint, resolve_model_dir
 from engine.model import CausalLM, ForwardOutput
-from engine.parallel import TensorParallel
+from engine.parallel import TensorParallel, exit_with_parent
 
 # The EAGLE3 head this project trained for the embedded default model (see its MODEL_CARD.md).
 EMBEDDED_DRAFT_DIR = Path(__file__).parent / "spec" / "eagle3_heads" / "SmolLM2-135M-Instruct-eagle3"
@@ -165,7 +165,8 @@ def start_tensor_parallel(config: EngineConfig, model: ModelConfig) -> tuple[Ten
         s.bind(("127.0.0.1", 0))
         port = s.getsockname()[1]
     ctx = multiprocessing.get_context("spawn")
-    followers = [ctx.Process(target=_follow, args=(config, rank, size, port), daemon=True) for rank in range(1, size)]
+    followers = [ctx.Process(target=_follow, args=(config, rank, size, port, os.getpid()), daemon=True)
+                 for rank in range(1, size)]
     for process in followers:
         process.start()
     return _join(config, 0, size, port), followers
@@ -180,5 +181,8 @@ def _join(config: EngineConfig, rank: int, size: int, port: int) -> TensorParall
     return TensorParallel(rank, size)
 
 
-def _follow(config: EngineConfig, rank: int, size: int, port: int) -> None:
+def _follow(config: EngineConfig, rank: int, size: int, port: int, leader_pid: int) -> None:
+    # A leader killed outright (SIGKILL, the OOM killer) runs no cleanup: without this a follower
+    # would wait in its next collective until NCCL's watchdog fires, holding its GPU's memory.
+    exit_with_parent(leader_pid)
     ModelRunner(config, _join(config, rank, size, port)).follow()
