@@ -306,7 +306,7 @@ def _router(args: argparse.Namespace) -> int:
     router = run_router(config.router, config.token(), resolve_model_dir(config.engine.model),
                         config.served_model_name(), args.port, tls=config.tls_identity())
     _wait_for_signal()
-    router.stop()
+    router.stop(config.router.drain_timeout_s)
     return 0
 
 

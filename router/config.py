@@ -31,6 +31,8 @@ class RouterConfig(BaseModel):
                                      "at once")
     max_queue_seconds: float = Field(30.0, gt=0, description="longest wait for a running slot; a request expected "
                                      "to wait longer is refused at once (RESOURCE_EXHAUSTED, HTTP 429)")
+    drain_timeout_s: float = Field(30.0, ge=0, description="on SIGTERM: new requests are refused and running ones "
+                                   "get this long to finish before the router exits")
 
     @field_validator("host")
     @classmethod

@@ -49,10 +49,12 @@ class HttpServer:
             time.sleep(0.01)
         return sock.getsockname()[1]
 
-    def stop(self) -> None:
+    def stop(self, grace_s: float = 2.0) -> None:
+        """Stop accepting connections; open ones (a streaming answer) get `grace_s` to finish."""
+        self._server.config.timeout_graceful_shutdown = grace_s
         self._server.should_exit = True
         if self._thread is not None:
-            self._thread.join(timeout=10)
+            self._thread.join(timeout=grace_s + 10)
 
 
 def _server_context(tls: Tls) -> ssl.SSLContext:

@@ -39,10 +39,13 @@ class RunningRouter:
     http_port: int | None  # None: the HTTP API is off
 
     def stop(self, grace_s: float = 2.0) -> None:
+        """New requests are refused at once (readiness fails with them); running ones get `grace_s`
+        to finish, then are cancelled. The Registry stops last: their workers stay known meanwhile."""
+        public = self.server.stop(grace=grace_s)
         if self.http is not None:
-            self.http.stop()
-        self.internal_server.stop(grace=grace_s)
-        self.server.stop(grace=grace_s).wait()
+            self.http.stop(grace_s)
+        public.wait()
+        self.internal_server.stop(grace=0).wait()
 
 
 def run_router(rc: RouterConfig, token: str | None, model_dir: Path, model_name: str,

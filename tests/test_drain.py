@@ -55,3 +55,18 @@ def test_rolling_a_decode_worker_under_load_fails_no_request(cluster):
     assert any(worker == "decode-0" for worker, _ in results[:8])  # it finished the streams it had
     _wait_restarted(cluster, "decode-0", address)
     assert cluster.supervisor.restarts("decode-0") == 1
+
+
+def test_rolling_the_router_lets_its_running_streams_finish(cluster):
+    """SIGTERM (a Kubernetes rollout, a node drain): the router refuses new requests and gives the
+    running ones router.drain_timeout_s to finish (they were cut 2 s after the signal)."""
+    stub = router_pb2_grpc.RouterStub(grpc.insecure_channel(cluster.router_address))
+    request = router_pb2.GenerateRequest(prompt="Count from 1 to 1000.",
+                                         sampling=common_pb2.SamplingOptions(max_tokens=1024, ignore_eos=True))
+    tokens, reasons = 0, []
+    for response in stub.Generate(request, timeout=600):
+        tokens += len(response.token_ids)
+        reasons.append(response.finish_reason)
+        if 4 < tokens <= 4 + len(response.token_ids):
+            cluster.roll("router")
+    assert tokens == 1024 and reasons[-1] == "length"
