@@ -26,6 +26,7 @@ from serving.metrics import serve_metrics
 from serving.registry_client import RegistryClient, registration
 
 log = logging.getLogger(__name__)
+_CONTROL_THREADS = 32  # server threads beyond the requests' (see bind)
 
 # (add_XServicer_to_server, servicer, full service name): one gRPC service of the worker.
 Service = tuple[Callable[[Any, grpc.Server], None], Any, str]
@@ -110,8 +111,11 @@ def layout_message(loop: EngineLoop) -> kv_pb2.KVLayout:
 def bind(spec: WorkerSpec, services: list[Service]) -> tuple[grpc.Server, str]:
     """Serve `services` (all internal: the cluster token is required). Returns the server and the
     address other workers and the router dial."""
+    # Each running stream holds a server thread, and so does each request waiting for room (or a
+    # KV pull of one, on a prefill worker): room for twice a batch, and for the control RPCs
+    # (health checks, Abort, Release) beside them, which a full pool would queue behind streams.
     server, bound = serve(services, f"{spec.host}:{spec.port}", spec.token, internal=[name for _, _, name in services],
-                          tls=spec.tls)
+                          max_workers=2 * spec.engine.max_num_seqs + _CONTROL_THREADS, tls=spec.tls)
     return server, f"{spec.advertise_host or spec.host}:{bound}"
 
 
