@@ -5,12 +5,14 @@ The source lives in `engine/csrc/`. The kernels' speed comes from the vector wid
 register tiles are chosen per width (`csrc/vector_isa.h`), so they are built for one of three
 ISA levels:
 - `avx512`: the machine's own `-march=native` build on a CPU with AVX-512F;
-- `avx2`: x86-64-v3 (AVX2, FMA, F16C), what every x86 machine here has at least;
-- `portable`: the compiler's baseline target (SSE2 on x86, NEON on arm64), no ISA flags.
+- `avx2`: x86-64-v3 (AVX2, FMA, F16C, BMI1/2, LZCNT, MOVBE), what every x86 machine here has;
+- `portable`: the architecture's baseline (x86-64's SSE2; on arm64 the compiler's, NEON).
 The best level the CPU supports is used unless `PDSPEC_CPU_ISA` names a lower one, so a
 machine can run (and test) the paths of the machines below it; hold torch to the same level
 with `ATEN_CPU_CAPABILITY=avx2 ONEDNN_MAX_CPU_ISA=AVX2` when comparing. Each build is cached
-under `pdspec_home()` keyed by the source, the flags and the CPU, so it is compiled at most once.
+under `pdspec_home()` keyed by the source, the compiler and what the flags target on this CPU (the
+macros it defines for them: `-march=native` resolves to features /proc/cpuinfo may not list), so
+it is compiled at most once and never loaded on a CPU it was not built for.
 ctypes releases the GIL for the call, so serving threads keep running while a GEMM runs.
 """
 
@@ -33,7 +35,10 @@ from engine.quant import GROUP, KERNEL_FORMAT, PANEL_BLOCK_BYTES, QBLOCK, Quanti
 ISA_ENV = "PDSPEC_CPU_ISA"
 ISA_LEVELS = ("avx512", "avx2", "portable")  # best first
 _ISA_FLAGS = {"avx512": ["-march=native"], "avx2": ["-march=x86-64-v3", "-mtune=native"], "portable": []}
-_ISA_CPU_FLAGS = {"avx512": {"avx512f"}, "avx2": {"avx2", "fma", "f16c"}, "portable": set()}
+# What each level's code may use: x86-64-v3 lets the compiler emit BMI1/2, LZCNT and MOVBE anywhere,
+# and the AVX-512 paths use AVX512BW's byte and word operations.
+_V3 = {"avx2", "fma", "f16c", "bmi1", "bmi2", "abm", "movbe"}
+_ISA_CPU_FLAGS = {"avx512": _V3 | {"avx512f", "avx512bw"}, "avx2": _V3, "portable": set()}
 _CSRC = Path(__file__).parent / "csrc"
 _SOURCES = ("packed_gemm.c", "quant_dot.c", "attention_tile.c", "paged_attention.c", "decoder_step.c", "logit_rows.c")
 KERNEL_FILES = _SOURCES + ("vector_isa.h", "kernels.h", "attention_tile.h", "quant_dot_portable.h")  # what a build reads from its csrc directory
@@ -85,8 +90,20 @@ def c_compiler() -> str:
 
 
 def isa_flags(isa: str) -> list[str]:
-    """The compiler flags that target `isa` (what the kernels of that level are built with)."""
+    """The compiler flags that target `isa` (what the kernels of that level are built with). The
+    portable level names x86-64's baseline: a toolchain whose default is x86-64-v3 would build
+    the AVX2 paths under its name."""
+    if isa == "portable" and platform.machine().lower() in ("x86_64", "amd64"):
+        return ["-march=x86-64"]
     return list(_ISA_FLAGS[isa])
+
+
+def _target_signature(compiler: str, flags: list[str]) -> bytes:
+    """The compiler's version and the macros it defines for `flags` here (__AVX512BF16__ and
+    kin): what the build really targets, which the CPU's flags line need not show."""
+    version = subprocess.run([compiler, "--version"], capture_output=True).stdout
+    macros = subprocess.run([compiler, *flags, "-E", "-dM", "-x", "c", os.devnull], capture_output=True).stdout
+    return version + b"".join(sorted(macros.splitlines()))
 
 
 def build_kernels(isa: str, csrc: Path = _CSRC) -> Path:
@@ -95,7 +112,8 @@ def build_kernels(isa: str, csrc: Path = _CSRC) -> Path:
     compiler = c_compiler()
     flags = _FLAGS + isa_flags(isa)
     source = b"".join((csrc / name).read_bytes() for name in KERNEL_FILES)
-    key = hashlib.sha256(source + " ".join(flags).encode() + _cpu_signature().encode()).hexdigest()[:16]
+    signature = " ".join(flags).encode() + _cpu_signature().encode() + _target_signature(compiler, flags)
+    key = hashlib.sha256(source + signature).hexdigest()[:16]
     target = pdspec_home() / "kernels" / f"pdspec_cpu-{isa}-{key}.so"
     if not target.exists():
         target.parent.mkdir(parents=True, exist_ok=True)
