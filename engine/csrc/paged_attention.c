@@ -228,18 +228,23 @@ static int attend_tiles_whole(const attn_call *a, const tile *tiles, int ntiles,
 }
 
 /* Few tiles (a decode step of a few sequences): each partition is a task, then each tile's
- * partitions are folded in order, into its first one's room. */
+ * partitions are folded in order, into its first one's room. A partition holds its tile's rows
+ * only (a decode step's 3-4 of MAX_ROWS): at long contexts there are thousands of partitions. */
 static int attend_tiles_split(const attn_call *a, const tile *tiles, int ntiles, int parts, int num_threads) {
-    size_t row_floats = (size_t)MAX_ROWS * (a->dim + 2);
     int *task_tile = malloc(sizeof(int) * (size_t)parts);
-    float *partials = malloc(sizeof(float) * row_floats * (size_t)parts);
-    if (!task_tile || !partials) {
+    size_t *offset = malloc(sizeof(size_t) * (size_t)parts), total = 0;
+    for (int i = 0; task_tile && offset && i < ntiles; i++)
+        for (int p = 0; p < tile_parts(&tiles[i]); p++) {
+            task_tile[tiles[i].first_part + p] = i;
+            offset[tiles[i].first_part + p] = total;
+            total += (size_t)(tiles[i].t1 - tiles[i].t0) * a->group * (a->dim + 2);
+        }
+    float *partials = task_tile && offset ? malloc(sizeof(float) * total) : NULL;
+    if (!partials) {
         free(task_tile);
-        free(partials);
+        free(offset);
         return -1;
     }
-    for (int i = 0; i < ntiles; i++)
-        for (int p = 0; p < tile_parts(&tiles[i]); p++) task_tile[tiles[i].first_part + p] = i;
     #pragma omp parallel num_threads(num_threads)
     {
         int lo, hi;
@@ -250,19 +255,21 @@ static int attend_tiles_split(const attn_call *a, const tile *tiles, int ntiles,
             part_keys ahead;
             rows_of(a, t, &r);
             keys_of_part(a, next, next ? k + 1 - next->first_part : 0, &ahead);
-            attend_part(a, t, &r, k - t->first_part, &ahead, partials + row_floats * k);
+            attend_part(a, t, &r, k - t->first_part, &ahead, partials + offset[k]);
         }
         #pragma omp barrier
         #pragma omp for schedule(static)
         for (int i = 0; i < ntiles; i++) {
             tile_rows r;
             rows_of(a, &tiles[i], &r);
-            float *state = partials + row_floats * tiles[i].first_part;
-            for (int p = 1; p < tile_parts(&tiles[i]); p++) fold_part(state, state + row_floats * p, r.n, a->dim);
+            float *state = partials + offset[tiles[i].first_part];
+            for (int p = 1; p < tile_parts(&tiles[i]); p++)
+                fold_part(state, partials + offset[tiles[i].first_part + p], r.n, a->dim);
             write_rows(&r, state, a->dim);
         }
     }
     free(task_tile);
+    free(offset);
     free(partials);
     return 0;
 }
