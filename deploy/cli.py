@@ -249,7 +249,7 @@ def _serve(args: argparse.Namespace) -> int:
         # it); a Ray we start ourselves ends with it.
         cluster = RayCluster(config, port, args.address, detached=args.address is not None)
     try:
-        cluster.start()
+        cluster.start(args.start_timeout)
         logs = f" (logs in {cluster.log_dir})" if args.launcher == "local" else ""
         http = f", OpenAI API at {cluster.http_url}" if cluster.http_url else ""
         print(f"pdspec: router ready at {cluster.router_address}{http}{logs}", flush=True)
@@ -334,6 +334,8 @@ def _add_cluster(sub: argparse._SubParsersAction) -> None:
                         "command returns, until `pdspec stop`. Default: a private Ray on this machine, on loopback")
     p.add_argument("--once", default=None, metavar="PROMPT",
                    help="answer this chat prompt through the router, then shut down (instead of serving until Ctrl-C)")
+    p.add_argument("--start-timeout", type=float, default=900.0, metavar="SECONDS",
+                   help="how long every process may take to come up: loading a large model, converting a GGUF")
     p.set_defaults(func=_serve)
     p = sub.add_parser("stop", help="end the pdspec deployment on a Ray cluster (one started with serve --address)")
     p.add_argument("--address", default=None, help="Ray cluster address (default: the one `ray start` recorded here)")

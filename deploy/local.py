@@ -59,6 +59,7 @@ class LocalCluster:
     def start(self, timeout_s: float = 300.0) -> "LocalCluster":
         """Start everything; if any part fails to come up, stop what did before raising."""
         check_launchable(self.config)
+        check_one_machine_ports(self.config)
         try:
             self._start(timeout_s)
         except BaseException:
@@ -123,6 +124,17 @@ class LocalCluster:
 
     def _spawn(self, name: str, args: list[str], env: dict[str, str]) -> None:
         self.supervisor.spawn(name, args, env, self.log_dir / f"{name}.log")
+
+
+def check_one_machine_ports(config: DeploymentConfig) -> None:
+    """Replicas of a role on one machine cannot share a fixed port (the second would fail to
+    bind, restarted forever). Raises ConfigError naming the field."""
+    for role in WORKER_ROLES:
+        rc = getattr(config, role)
+        for name in ("port", "metrics_port"):
+            if rc.replicas > 1 and getattr(rc, name):
+                raise ConfigError(f"{role}.{name}: {getattr(rc, name)} is fixed, but the {rc.replicas} replicas on "
+                                  "this machine cannot all listen on it: set 0 (any free port)")
 
 
 def cuda_devices(config: DeploymentConfig, environ: dict[str, str]) -> dict[str, dict[str, str]]:

@@ -119,6 +119,14 @@ def test_a_local_cluster_gives_each_cuda_replica_its_own_gpus():
     assert cuda_devices(parse_config({}), {}) == {}  # cpu: nothing set
 
 
+def test_a_local_cluster_refuses_a_fixed_port_its_replicas_would_share():
+    from deploy.local import check_one_machine_ports
+
+    with pytest.raises(ConfigError, match="decode.metrics_port: 9400 is fixed, but the 2 replicas on this machine"):
+        check_one_machine_ports(parse_config({"decode": {"replicas": 2, "metrics_port": 9400}}))
+    check_one_machine_ports(parse_config({"decode": {"replicas": 1, "port": 6000}}))  # one replica: fine
+
+
 def test_a_local_cluster_under_a_wildcard_router_host_uses_loopback_within():
     """The router listens on every interface (its config); its workers listen and register on
     loopback, not on 0.0.0.0, and the addresses printed are loopback's."""
