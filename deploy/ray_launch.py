@@ -73,6 +73,9 @@ class WorkerActor:
     def info(self) -> dict:
         return _where() | {"address": self.worker.address}
 
+    def drain_timeout(self) -> float:
+        return self.drain_timeout_s
+
     def drain(self) -> None:
         """Deregister, finish what runs (up to the role's drain_timeout_s), shut down; the actor
         is killed after. Ray's actors run one call at a time unless told otherwise, and this is
@@ -190,7 +193,8 @@ class RayCluster:
         if self._ready:
             done, _ = ray.wait(list(self._ready.values()), num_returns=len(self._ready), timeout=0)
             started = {name for name, ref in self._ready.items() if ref in done}
-            _drain_and_kill(self.actors, self.config, started)
+            _drain_and_kill(self.actors, max(getattr(self.config, role).drain_timeout_s for role in WORKER_ROLES),
+                            started)
         self.disconnect()
 
     def disconnect(self) -> None:
@@ -236,19 +240,24 @@ def stop_deployment(address: str | None = None) -> list[str]:
     try:
         names = _deployed()
         actors = {name: ray.get_actor(name, namespace=NAMESPACE) for name in names}
-        _drain_and_kill(actors, None, set(actors))
+        # The deployment's own drain times (its config is not here): the schema's were too short
+        # for a deployment that raised them, whose streams were cut.
+        asked = [actor.drain_timeout.remote() for name, actor in actors.items() if name != ROUTER]
+        try:
+            drain_s = max(ray.get(asked, timeout=30), default=0.0)
+        except (ray.exceptions.RayError, TimeoutError):  # a worker that does not answer: the schema's
+            drain_s = RoleConfig.model_fields["drain_timeout_s"].default
+        _drain_and_kill(actors, drain_s, set(actors))
         return names
     finally:
         if connected:
             ray.shutdown()
 
 
-def _drain_and_kill(actors: dict[str, ActorHandle], config: DeploymentConfig | None, started: set[str]) -> None:
+def _drain_and_kill(actors: dict[str, ActorHandle], drain_s: float, started: set[str]) -> None:
     """The `started` workers drain first (they deregister and finish their streams while the
     router still relays them), then the router stops; every actor is killed after, also one that
-    did not drain in time (`config`'s longest drain_timeout_s plus 15 s; without it, the schema's)."""
-    drain_s = max((getattr(config, role).drain_timeout_s for role in WORKER_ROLES) if config else
-                  [RoleConfig.model_fields["drain_timeout_s"].default])
+    did not drain in time (`drain_s`, the longest drain_timeout_s, plus 15 s)."""
     ours = {name: actor for name, actor in actors.items() if name in started}
     for method, group in (("drain", [a for n, a in ours.items() if n != ROUTER]), ("stop", [ours.get(ROUTER)])):
         refs = [getattr(actor, method).remote() for actor in group if actor is not None]
