@@ -98,6 +98,7 @@ class Engine:
             # Its KV may be arriving right now, written into its blocks by a handler thread: they
             # are freed when the transfer has ended (admit_prefilled, drop_incoming), never under it.
             self.incoming[request_id].finish_reason = "abort"
+            self.counters["finished_abort"] += 1
             return RequestOutput(request_id, [], "", finished=True, finish_reason="abort")
         seq = self.seqs.get(request_id)
         return self._finish(seq, reason, [], "") if seq else None
@@ -218,6 +219,7 @@ class Engine:
             queue_seconds=seq.queue_seconds,
         )
         seq.finish_reason = "prefilled"
+        self.counters["finished_prefilled"] += 1
         self.proposer.release(seq)
         del self.seqs[seq.seq_id], self.streams[seq.seq_id]
         self.handed_off[seq.seq_id] = seq
@@ -291,6 +293,7 @@ class Engine:
         seq.num_computed = len(seq.token_ids)
         seq.num_cached_prompt = handle.cached_prompt_tokens  # usage reports the prefill side's cache hits
         seq.queue_seconds = handle.queue_seconds  # and its queue
+        seq.admitted = True  # kept if it is preempted here and admitted again
         self.seqs[request_id] = seq
         self.streams[request_id] = OutputStream(self.tokenizer, seq.params)
         self.scheduler.add_running(seq)

@@ -117,7 +117,8 @@ class Scheduler:
                 break
             self.waiting.popleft()
             cached = self.blocks.allocate(seq.seq_id, seq.token_ids)
-            if seq.num_generated == 0:  # first admission (a preempted sequence comes back with tokens)
+            if not seq.admitted:  # its cache hits and queue time: a preempted one's recompute hits its own blocks
+                seq.admitted = True
                 seq.num_cached_prompt = cached
                 seq.queue_seconds = time.monotonic() - seq.arrived
             seq.num_computed = cached

@@ -27,6 +27,7 @@ class Sequence:
     num_cached_prompt: int = 0  # prompt tokens served by the prefix cache at admission
     arrived: float = field(default_factory=time.monotonic)
     queue_seconds: float = 0.0  # from arrival until its prompt's computation was first scheduled
+    admitted: bool = False  # once: a sequence preempted and admitted again keeps its first figures
     finish_reason: str | None = None
     prefill_only: bool = False  # stop after the first token and hand the KV off (disaggregated prefill)
     acceptance: AcceptanceStats = field(default_factory=AcceptanceStats)

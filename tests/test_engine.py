@@ -122,6 +122,18 @@ def test_invalid_requests_name_the_field(engine, prompt, field):
     assert e.value.field == field
 
 
+def test_counters_count_hand_offs_and_aborted_arrivals(prompts):
+    engine = Engine(EngineConfig(num_kv_blocks=64))
+    engine.add_request(prompts[0], SamplingParams(max_tokens=4), "handed-off", prefill_only=True)
+    while engine.has_unfinished():
+        engine.step()
+    engine.release("handed-off")
+    engine.reserve_prefilled("arriving", prompts[1], SamplingParams(max_tokens=4))
+    engine.abort("arriving")
+    engine.drop_incoming("arriving")
+    assert engine.counters["finished_prefilled"] == 1 and engine.counters["finished_abort"] == 1
+
+
 def test_an_id_still_held_is_in_use_not_invalid(engine, prompts):
     """ALREADY_EXISTS, which a router retries elsewhere: a retry may reach a worker before its
     earlier attempt there has ended (INVALID_ARGUMENT would fail the client's request)."""
