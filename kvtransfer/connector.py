@@ -158,7 +158,8 @@ class BaseConnector(abc.ABC):
         """Ask the source to unpin; whether it still held the pin, None if it could not be asked."""
         timeout = max(remaining(deadline), RELEASE_MIN_TIMEOUT_S)
         try:
-            return stub.Release(kv_pb2.ReleaseRequest(request_id=handle.request_id), timeout=timeout).found
+            release = kv_pb2.ReleaseRequest(request_id=handle.request_id, pin_id=handle.pin_id)
+            return stub.Release(release, timeout=timeout).found
         except grpc.RpcError as e:
             log.warning("%s", rpc_failure(e, f"Release of {handle.request_id}", handle.source_address))
             return None

@@ -19,7 +19,7 @@ class GrpcConnector(BaseConnector):
         local_of = dict(zip(remote_block_ids, local_block_ids))
         missing = {(block_id, cache) for block_id in remote_block_ids for cache in self.caches}
         request = kv_pb2.PullBlocksRequest(request_id=handle.request_id, block_ids=remote_block_ids,
-                                            expected_layout=layout_to_proto(self.layout))
+                                            expected_layout=layout_to_proto(self.layout), pin_id=handle.pin_id)
         stream = stub.PullBlocks(request, timeout=remaining(deadline))
         try:
             for chunk in stream:

@@ -9,6 +9,7 @@ it never sends bytes of a block the engine may already have reused.
 import logging
 import threading
 import time
+import uuid
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 from typing import TYPE_CHECKING
@@ -31,6 +32,7 @@ SERVICE_NAME = kv_pb2.DESCRIPTOR.services_by_name["KVTransfer"].full_name
 
 @dataclass(frozen=True)
 class _Pin:
+    pin_id: str
     block_ids: frozenset[int]
     on_release: Callable[[], None]
     deadline: float  # time.monotonic()
@@ -55,21 +57,28 @@ class KVSource:
         self._reaper = threading.Thread(target=self._reap, name="kv-pin-reaper", daemon=True)
         self._reaper.start()
 
-    def pin(self, request_id: str, block_ids: list[int], on_release: Callable[[], None]) -> None:
+    def pin(self, request_id: str, block_ids: list[int], on_release: Callable[[], None]) -> str:
+        """Pin the request's blocks; returns the pin's id, which the handle carries: a retry of the
+        request id gets another, so an earlier attempt's late Release cannot end it."""
         with self._lock:
             if self._closed:
                 raise RuntimeError("KVSource is closed: no new pins during shutdown")
             if request_id in self._pins:
                 raise ValueError(f"request {request_id} is already pinned: request ids must be unique")
-            self._pins[request_id] = _Pin(frozenset(block_ids), on_release, time.monotonic() + self.pin_timeout_s)
+            pin_id = uuid.uuid4().hex
+            self._pins[request_id] = _Pin(pin_id, frozenset(block_ids), on_release,
+                                          time.monotonic() + self.pin_timeout_s)
             self._lock.notify()  # the reaper may be sleeping without a deadline
+            return pin_id
 
-    def release(self, request_id: str) -> bool:
-        """End the pin now; False if it had already ended (or never existed)."""
+    def release(self, request_id: str, pin_id: str = "") -> bool:
+        """End the pin now (`pin_id`: only that pin; empty: the request's); False if it had already
+        ended (or never existed)."""
         with self._lock:
-            pin = self._pins.pop(request_id, None)
-        if pin is None:
-            return False
+            pin = self._pins.get(request_id)
+            if pin is None or pin_id not in ("", pin.pin_id):
+                return False
+            del self._pins[request_id]
         _end(request_id, pin)
         return True
 
@@ -89,16 +98,18 @@ class KVSource:
         if self.nixl is not None:
             self.nixl.close()
 
-    def pinned(self, request_id: str) -> frozenset[int] | None:
+    def pinned(self, request_id: str, pin_id: str = "") -> frozenset[int] | None:
+        """The blocks of the request's pin (`pin_id`: that pin only; empty: any), None if none."""
         with self._lock:
             pin = self._pins.get(request_id)
-        return pin.block_ids if pin is not None else None
+        return pin.block_ids if pin is not None and pin_id in ("", pin.pin_id) else None
 
-    def read_pinned(self, request_id: str, cache: str, block_id: int) -> bytes | None:
-        """The block's bytes, or None if the request does not (or no longer) pin it."""
+    def read_pinned(self, request_id: str, pin_id: str, cache: str, block_id: int) -> bytes | None:
+        """The block's bytes, or None if the request's pin (`pin_id`, or any) does not (or no
+        longer) hold it."""
         with self._lock:
             pin = self._pins.get(request_id)
-            if pin is None or block_id not in pin.block_ids:
+            if pin is None or pin_id not in ("", pin.pin_id) or block_id not in pin.block_ids:
                 return None
             return read_block(self.caches[cache], block_id)
 
@@ -149,7 +160,7 @@ class KVTransferServicer(kv_pb2_grpc.KVTransferServicer):
         except KVLayoutMismatch as e:
             context.abort(grpc.StatusCode.FAILED_PRECONDITION, str(e))
         rid = request.request_id
-        pinned = self.source.pinned(rid)
+        pinned = self.source.pinned(rid, request.pin_id)
         if pinned is None:
             context.abort(grpc.StatusCode.NOT_FOUND, f"request {rid} is not pinned here (released or timed out)")
         outside = sorted(set(request.block_ids) - pinned)
@@ -157,10 +168,11 @@ class KVTransferServicer(kv_pb2_grpc.KVTransferServicer):
             context.abort(grpc.StatusCode.PERMISSION_DENIED, f"blocks {outside} are not pinned for request {rid}")
         for block_id in request.block_ids:
             for cache in self.source.caches:
-                yield self.chunk(rid, block_id, cache, context)
+                yield self.chunk(rid, request.pin_id, block_id, cache, context)
 
-    def chunk(self, request_id: str, block_id: int, cache: str, context: grpc.ServicerContext) -> kv_pb2.KVBlockChunk:
-        data = self.source.read_pinned(request_id, cache, block_id)
+    def chunk(self, request_id: str, pin_id: str, block_id: int, cache: str,
+              context: grpc.ServicerContext) -> kv_pb2.KVBlockChunk:
+        data = self.source.read_pinned(request_id, pin_id, cache, block_id)
         if data is None:
             context.abort(grpc.StatusCode.NOT_FOUND, f"request {request_id} was released or timed out during the fetch")
         return kv_pb2.KVBlockChunk(block_id=block_id, cache=cache, data=data, checksum=xxhash.xxh3_64_intdigest(data))
@@ -173,4 +185,4 @@ class KVTransferServicer(kv_pb2_grpc.KVTransferServicer):
         return self.source.nixl.metadata()
 
     def Release(self, request: kv_pb2.ReleaseRequest, context: grpc.ServicerContext) -> kv_pb2.ReleaseResponse:
-        return kv_pb2.ReleaseResponse(found=self.source.release(request.request_id))
+        return kv_pb2.ReleaseResponse(found=self.source.release(request.request_id, request.pin_id))

@@ -62,7 +62,7 @@ class PrefillServicer(worker_pb2_grpc.PrefillWorkerServicer):
             context.abort(grpc.StatusCode.UNAVAILABLE, f"prefill of {rid} ended: {why}")
         h = out.handle
         try:
-            self.source.pin(rid, h.block_table, on_release=lambda: self._free(rid))
+            pin_id = self.source.pin(rid, h.block_table, on_release=lambda: self._free(rid))
         except RuntimeError as e:  # shutting down: no new pins
             self._free(rid)
             context.abort(grpc.StatusCode.UNAVAILABLE, f"prefill of {rid}: its blocks could not be pinned: {e}")
@@ -74,5 +74,5 @@ class PrefillServicer(worker_pb2_grpc.PrefillWorkerServicer):
             seed=h.seed,
             draft_hidden=h.draft_hidden.float().numpy().tobytes() if h.draft_hidden is not None else b"",
             cached_prompt_tokens=h.cached_prompt_tokens, queue_seconds=h.queue_seconds,
-            nixl_agent=self.source.nixl.agent.name if self.source.nixl is not None else "",
+            nixl_agent=self.source.nixl.agent.name if self.source.nixl is not None else "", pin_id=pin_id,
         )

@@ -236,6 +236,7 @@ class RouterServicer(router_pb2_grpc.RouterServicer):
     def _attempt(self, req: ValidRequest, plan: _Plan, run: _Run, context) -> tuple[
             worker_pb2.DecodeResponse, Iterator[worker_pb2.DecodeResponse]]:
         """Prefill (if disaggregated), then open the decode stream up to its first response."""
+        handle = None
         try:
             handle = self._prefill(req, plan.prefill, run, context) if plan.prefill is not None else None
             return self._open_decode(req, plan, handle, run, context)
@@ -244,15 +245,17 @@ class RouterServicer(router_pb2_grpc.RouterServicer):
                 # If the prefill worker may serve the retry, let the Release land first: arriving
                 # late, it would unpin the retry's prefill of the same request id.
                 retry_may_reuse = isinstance(e, _WorkerFailed) and e.worker.worker_id != plan.prefill.worker_id
-                self._release(plan.prefill, req.request_id, wait=retry_may_reuse)
+                self._release(plan.prefill, req.request_id, handle.pin_id if handle else "", wait=retry_may_reuse)
             raise
         finally:
             if plan.prefill is not None:  # the decode worker has it now, or never will: its reports say
                 self._registry.note_arrived(plan.decode.worker_id)
 
-    def _release(self, worker: WorkerView, request_id: str, wait: bool) -> None:
+    def _release(self, worker: WorkerView, request_id: str, pin_id: str, wait: bool) -> None:
+        """`pin_id`: the handle's (empty: the prefill's answer was lost, so whichever pin it made)."""
         stub = kv_pb2_grpc.KVTransferStub(self._peers.channel(worker.address))
-        call = stub.Release.future(kv_pb2.ReleaseRequest(request_id=request_id), timeout=_BEST_EFFORT_TIMEOUT_S)
+        call = stub.Release.future(kv_pb2.ReleaseRequest(request_id=request_id, pin_id=pin_id),
+                                   timeout=_BEST_EFFORT_TIMEOUT_S)
         _fire_and_forget(call, f"Release of {request_id} on {worker.worker_id}")
         if wait:
             call.exception()  # blocks until done; a failure is logged, and the retry goes ahead anyway

@@ -43,8 +43,8 @@ class FaultyServicer(KVTransferServicer):
         super().__init__(source)
         self.report = report
 
-    def chunk(self, request_id, block_id, cache, context):
-        chunk = super().chunk(request_id, block_id, cache, context)
+    def chunk(self, request_id, pin_id, block_id, cache, context):
+        chunk = super().chunk(request_id, pin_id, block_id, cache, context)
         if request_id.startswith("corrupt"):
             chunk.data = bytes([chunk.data[0] ^ 0xFF]) + chunk.data[1:]
         if request_id.startswith("stall") and cache == "draft":  # the first block's target chunk was sent
@@ -72,8 +72,8 @@ def _serve_source(conn, pin_timeout_s: float, nixl: bool, faulty: bool) -> None:
     try:
         while True:
             request_id, block_ids = conn.recv()
-            source.pin(request_id, block_ids, on_release=lambda rid=request_id: report("released", rid))
-            report("pinned", request_id)
+            pin_id = source.pin(request_id, block_ids, on_release=lambda rid=request_id: report("released", rid))
+            report("pinned", (request_id, pin_id))
     except (EOFError, OSError):  # the test is done with this source
         server.stop(None).wait()
         source.close()
@@ -121,9 +121,10 @@ class SourceProcess(_Child):
 
     def pin(self, request_id: str, block_ids: list[int] = PIN) -> kv_pb2.KVHandle:
         self._conn.send((request_id, block_ids))
-        assert self.expect("pinned") == request_id
+        pinned, pin_id = self.expect("pinned")
+        assert pinned == request_id
         return kv_pb2.KVHandle(request_id=request_id, source_worker_id="prefill-test", source_address=self.address,
-                               layout=layout_to_proto(LAYOUT), block_ids=block_ids)
+                               layout=layout_to_proto(LAYOUT), block_ids=block_ids, pin_id=pin_id)
 
     def wait_released(self, request_id: str) -> None:
         while request_id not in self.released:

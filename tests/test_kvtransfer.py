@@ -76,6 +76,21 @@ def test_on_release_runs_once_on_release_or_close():
     assert calls == ["a", "b"]
 
 
+def test_a_pin_answers_only_to_its_own_id():
+    """A router retries a request under its id, maybe on the same prefill worker: the earlier
+    attempt's late Release (or pull) must not end (or read) the retry's pin."""
+    source = KVSource(LAYOUT, random_caches(LAYOUT, 4, 0), pin_timeout_s=3600, nixl=False)
+    earlier = source.pin("r", [0], lambda: None)
+    assert source.release("r", earlier)
+    retry = source.pin("r", [1], lambda: None)
+    assert retry != earlier
+    assert not source.release("r", earlier) and source.pinned("r", earlier) is None
+    assert source.read_pinned("r", earlier, "target", 1) is None
+    assert source.pinned("r", retry) == {1} and source.read_pinned("r", retry, "target", 1) is not None
+    assert source.release("r", retry)
+    source.close()
+
+
 def test_pin_timeout_runs_on_release_once():
     calls, ended = [], threading.Event()
     source = KVSource(LAYOUT, random_caches(LAYOUT, 4, 0), pin_timeout_s=0.05, nixl=False)

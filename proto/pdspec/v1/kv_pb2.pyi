@@ -61,7 +61,7 @@ class KVEvent(_message.Message):
     def __init__(self, stored: _Optional[_Union[BlockStored, _Mapping]] = ..., removed: _Optional[_Union[BlockRemoved, _Mapping]] = ..., cleared: _Optional[_Union[AllBlocksCleared, _Mapping]] = ...) -> None: ...
 
 class KVHandle(_message.Message):
-    __slots__ = ("request_id", "source_worker_id", "source_address", "layout", "block_ids", "num_prompt_tokens", "first_token", "seed", "draft_hidden", "cached_prompt_tokens", "queue_seconds", "nixl_agent")
+    __slots__ = ("request_id", "source_worker_id", "source_address", "layout", "block_ids", "num_prompt_tokens", "first_token", "seed", "draft_hidden", "cached_prompt_tokens", "queue_seconds", "nixl_agent", "pin_id")
     REQUEST_ID_FIELD_NUMBER: _ClassVar[int]
     SOURCE_WORKER_ID_FIELD_NUMBER: _ClassVar[int]
     SOURCE_ADDRESS_FIELD_NUMBER: _ClassVar[int]
@@ -74,6 +74,7 @@ class KVHandle(_message.Message):
     CACHED_PROMPT_TOKENS_FIELD_NUMBER: _ClassVar[int]
     QUEUE_SECONDS_FIELD_NUMBER: _ClassVar[int]
     NIXL_AGENT_FIELD_NUMBER: _ClassVar[int]
+    PIN_ID_FIELD_NUMBER: _ClassVar[int]
     request_id: str
     source_worker_id: str
     source_address: str
@@ -86,17 +87,20 @@ class KVHandle(_message.Message):
     cached_prompt_tokens: int
     queue_seconds: float
     nixl_agent: str
-    def __init__(self, request_id: _Optional[str] = ..., source_worker_id: _Optional[str] = ..., source_address: _Optional[str] = ..., layout: _Optional[_Union[KVLayout, _Mapping]] = ..., block_ids: _Optional[_Iterable[int]] = ..., num_prompt_tokens: _Optional[int] = ..., first_token: _Optional[int] = ..., seed: _Optional[int] = ..., draft_hidden: _Optional[bytes] = ..., cached_prompt_tokens: _Optional[int] = ..., queue_seconds: _Optional[float] = ..., nixl_agent: _Optional[str] = ...) -> None: ...
+    pin_id: str
+    def __init__(self, request_id: _Optional[str] = ..., source_worker_id: _Optional[str] = ..., source_address: _Optional[str] = ..., layout: _Optional[_Union[KVLayout, _Mapping]] = ..., block_ids: _Optional[_Iterable[int]] = ..., num_prompt_tokens: _Optional[int] = ..., first_token: _Optional[int] = ..., seed: _Optional[int] = ..., draft_hidden: _Optional[bytes] = ..., cached_prompt_tokens: _Optional[int] = ..., queue_seconds: _Optional[float] = ..., nixl_agent: _Optional[str] = ..., pin_id: _Optional[str] = ...) -> None: ...
 
 class PullBlocksRequest(_message.Message):
-    __slots__ = ("request_id", "block_ids", "expected_layout")
+    __slots__ = ("request_id", "block_ids", "expected_layout", "pin_id")
     REQUEST_ID_FIELD_NUMBER: _ClassVar[int]
     BLOCK_IDS_FIELD_NUMBER: _ClassVar[int]
     EXPECTED_LAYOUT_FIELD_NUMBER: _ClassVar[int]
+    PIN_ID_FIELD_NUMBER: _ClassVar[int]
     request_id: str
     block_ids: _containers.RepeatedScalarFieldContainer[int]
     expected_layout: KVLayout
-    def __init__(self, request_id: _Optional[str] = ..., block_ids: _Optional[_Iterable[int]] = ..., expected_layout: _Optional[_Union[KVLayout, _Mapping]] = ...) -> None: ...
+    pin_id: str
+    def __init__(self, request_id: _Optional[str] = ..., block_ids: _Optional[_Iterable[int]] = ..., expected_layout: _Optional[_Union[KVLayout, _Mapping]] = ..., pin_id: _Optional[str] = ...) -> None: ...
 
 class KVBlockChunk(_message.Message):
     __slots__ = ("block_id", "cache", "data", "checksum")
@@ -143,10 +147,12 @@ class NixlMetadataResponse(_message.Message):
     def __init__(self, agent_name: _Optional[str] = ..., agent_metadata: _Optional[bytes] = ..., regions: _Optional[_Iterable[_Union[NixlRegion, _Mapping]]] = ..., layout: _Optional[_Union[KVLayout, _Mapping]] = ...) -> None: ...
 
 class ReleaseRequest(_message.Message):
-    __slots__ = ("request_id",)
+    __slots__ = ("request_id", "pin_id")
     REQUEST_ID_FIELD_NUMBER: _ClassVar[int]
+    PIN_ID_FIELD_NUMBER: _ClassVar[int]
     request_id: str
-    def __init__(self, request_id: _Optional[str] = ...) -> None: ...
+    pin_id: str
+    def __init__(self, request_id: _Optional[str] = ..., pin_id: _Optional[str] = ...) -> None: ...
 
 class ReleaseResponse(_message.Message):
     __slots__ = ("found",)
