@@ -86,6 +86,10 @@ def remaining(deadline: float) -> float:
 class BaseConnector(abc.ABC):
     """Checks, Release and channels shared by the backends; each moves the bytes in `_move`."""
 
+    # Whether only the final Release (found=True) proves the bytes read were the pin's: a one-sided
+    # READ's are (NIXL); a source that sends each block under its pin's lock proves it per block.
+    needs_release_proof = True
+
     def __init__(self, layout: KVLayout, caches: dict[str, torch.Tensor], token: str | None, tls: Tls | None = None):
         check_caches(layout, caches)
         self.layout, self.caches, self.token, self.tls = layout, caches, token, tls
@@ -109,7 +113,7 @@ class BaseConnector(abc.ABC):
             with self._channels_lock:
                 used.users -= 1
                 used.last_used = time.monotonic()
-        if not found:
+        if not found and self.needs_release_proof:
             # Only a pin held until now proves the source did not reuse the blocks while we read them.
             reason = "Release failed" if found is None else "it was no longer pinned: its pin timed out"
             raise KVTransferError(f"{handle.source_address} did not confirm that {handle.request_id} stayed pinned "

@@ -14,6 +14,8 @@ from proto.pdspec.v1 import kv_pb2, kv_pb2_grpc
 
 
 class GrpcConnector(BaseConnector):
+    needs_release_proof = False  # the source read each chunk under its pin's lock (a pin gone: NOT_FOUND)
+
     def _move(self, stub: kv_pb2_grpc.KVTransferStub, handle: kv_pb2.KVHandle, remote_block_ids: list[int],
               local_block_ids: list[int], deadline: float) -> None:
         local_of = dict(zip(remote_block_ids, local_block_ids))

@@ -37,7 +37,8 @@ def random_caches(layout: KVLayout, num_blocks: int, seed: int) -> dict[str, tor
 
 class FaultyServicer(KVTransferServicer):
     """Faults on purpose, by request id: "corrupt*" flips a byte after the checksum was taken;
-    "stall*" reports that its first chunk went out, then never sends the next."""
+    "stall*" reports that its first chunk went out, then never sends the next; "lapsed*" ends its
+    pin at Release but answers that it had lapsed already (found=False)."""
 
     def __init__(self, source: KVSource, report):
         super().__init__(source)
@@ -51,6 +52,12 @@ class FaultyServicer(KVTransferServicer):
             self.report("streaming", request_id)
             threading.Event().wait()
         return chunk
+
+    def Release(self, request, context):
+        response = super().Release(request, context)
+        if request.request_id.startswith("lapsed"):
+            response.found = False
+        return response
 
 
 def _serve_source(conn, pin_timeout_s: float, nixl: bool, faulty: bool) -> None:

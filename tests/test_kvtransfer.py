@@ -159,6 +159,19 @@ def test_pin_timeout_releases_and_later_pull_fails(backend, reason, short_pin_so
     assert_local(dest, {}, undefined=LOCAL)
 
 
+@pytest.mark.parametrize("backend", BACKENDS)
+def test_a_pin_that_lapsed_by_the_release_fails_only_a_nixl_pull(backend, doomed_source, dest):
+    """A one-sided READ's bytes are the pin's only if it held until the Release; the gRPC source
+    read every block under its pin, so its pull stands."""
+    handle = doomed_source.pin(f"lapsed-{backend}")
+    error = dest.pull(backend, handle)
+    if backend == "grpc":
+        assert error is None
+        assert_local(dest, dict(zip(LOCAL, REMOTE)))
+    else:
+        assert error is not None and "no longer pinned" in str(error) and error.retryable
+
+
 def test_corrupted_chunk_fails_its_checksum(doomed_source, dest):
     error = dest.pull_error("grpc", doomed_source.pin("corrupt"))
     assert "checksum" in str(error) and error.retryable
