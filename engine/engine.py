@@ -208,7 +208,7 @@ class Engine:
     # ---- disaggregation: hand a prefilled request to another engine, or take one over ----
 
     def _prefilled_handle(self, seq: Sequence, first_token: int) -> RequestOutput:
-        draft_hidden = self.proposer.prefill_draft(seq)  # first: if it fails, an abort still finds seq running
+        draft_hidden = self.proposer.prefill_draft(seq, first_token)  # first: if it fails, an abort still finds seq running
         self.scheduler.detach(seq)
         handle = KVHandle(
             block_table=self.blocks.block_table(seq.seq_id),

@@ -179,6 +179,26 @@ def test_draft_caches_left_behind_catch_up_to_what_one_forward_computes(spec_pro
                                    atol=1e-4, rtol=1e-4)
 
 
+def test_a_handed_off_prompt_filling_its_last_block_leaves_that_blocks_draft_entries_written(spec_prompts):
+    """The prefill worker's prefix cache keeps a full last block, draft entries too: the last
+    position's (whose input is the first token) is written before the hand-off, not left stale
+    for a later request reusing the block."""
+    config = EngineConfig(num_kv_blocks=64, speculative={"adaptive": False, "method": "eagle3", "num_speculative_tokens": 5})
+    prefill, reference = Engine(config), Engine(config)
+    prompt = spec_prompts[0][:32]  # two full blocks
+    prefill.add_request(prompt, SamplingParams(max_tokens=1), prefill_only=True)
+    handle = [out for _ in range(4) if prefill.has_unfinished() for out in prefill.step()][-1].handle
+    tokens = prompt + [handle.first_token]
+    ref = reference.add_request(tokens, SamplingParams(max_tokens=1), prefill_only=True)
+    while reference.has_unfinished():
+        reference.step()
+    table, runner = reference.blocks.block_table(ref), reference.runner
+    aux = runner.forward([SeqChunk(tokens, 0, table, num_logits=0)], return_aux=True).aux_hidden
+    runner.forward_draft([SeqChunk(tokens[1:], 0, table, num_logits=0)], runner.draft.project(aux[:32]))
+    torch.testing.assert_close(_draft_kv(prefill, handle.block_table, 32), _draft_kv(reference, table, 32),
+                               atol=1e-4, rtol=1e-4)
+
+
 def _draft_kv(engine: Engine, block_table: list[int], num_positions: int) -> torch.Tensor:
     """The draft cache's keys and values at a block table's first positions: [positions, 2, heads, dim]."""
     table = torch.tensor(block_table)

@@ -120,12 +120,17 @@ class Eagle3Proposer:
         self.unprojected, self.unprojected_rows = [], 0
 
     @torch.inference_mode()
-    def prefill_draft(self, seq: Sequence) -> torch.Tensor | None:
+    def prefill_draft(self, seq: Sequence, first_token: int) -> torch.Tensor | None:
         self._project()
         self._catch_up([seq])
-        # Left pending: the prompt's last position, whose next token is not chosen yet here. A copy:
-        # pending rows may be views of a whole batch's projection.
-        return self.pending.pop(seq.seq_id)[1].clone()
+        # Handed over: the prompt's last position, whose input token (the first token) is not in
+        # seq.token_ids. A copy: pending rows may be views of a whole batch's projection.
+        last, hidden = self.pending.pop(seq.seq_id)
+        if (last + 1) % self.runner.config.block_size == 0:  # a full block: cached here, draft entries too
+            self.runner.write_draft_kv([SeqChunk([first_token], last, self.block_table(seq.seq_id), num_logits=0)],
+                                       hidden)
+            self.positions_drafted += 1
+        return hidden.clone()
 
     def adopt(self, seq: Sequence, position: int, hidden: torch.Tensor | None) -> None:
         if hidden is None:

@@ -68,8 +68,8 @@ class LookupBranch:
     def release(self, seq: Sequence) -> None:
         self.inner.release(seq)
 
-    def prefill_draft(self, seq: Sequence) -> torch.Tensor | None:
-        return self.inner.prefill_draft(seq)
+    def prefill_draft(self, seq: Sequence, first_token: int) -> torch.Tensor | None:
+        return self.inner.prefill_draft(seq, first_token)
 
     def adopt(self, seq: Sequence, position: int, hidden: torch.Tensor | None) -> None:
         self.inner.adopt(seq, position, hidden)

@@ -78,9 +78,11 @@ class Proposer(Protocol):
         later). Its blocks are still allocated until this returns."""
         ...
 
-    def prefill_draft(self, seq: Sequence) -> torch.Tensor | None:
+    def prefill_draft(self, seq: Sequence, first_token: int) -> torch.Tensor | None:
         """Disaggregated prefill: run the draft over the prompt but its last position; return
-        that position's draft input hidden state (it travels with the KV) or None."""
+        that position's draft input hidden state (it travels with the KV) or None. The last
+        position's entry, whose input is `first_token`, is written too where its block is full
+        (the prefix cache keeps it for later requests; the decode side computes its own)."""
         ...
 
     def adopt(self, seq: Sequence, position: int, hidden: torch.Tensor | None) -> None:
@@ -99,7 +101,7 @@ class StatelessProposer:
     def release(self, seq: Sequence) -> None:
         pass
 
-    def prefill_draft(self, seq: Sequence) -> torch.Tensor | None:
+    def prefill_draft(self, seq: Sequence, first_token: int) -> torch.Tensor | None:
         return None
 
     def adopt(self, seq: Sequence, position: int, hidden: torch.Tensor | None) -> None:
