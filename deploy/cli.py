@@ -163,8 +163,10 @@ def _train_eagle3(args: argparse.Namespace) -> int:
         distill(prompts, out / "data", args.target, max_new_tokens=args.max_new_tokens, batch_size=args.batch_size,
                 store_features=not args.tokens_only)
     if args.stage in ("train", "all"):
+        from tools.eagle3_training.distill import check_distilled
         from tools.eagle3_training.trainer import TrainConfig, train
 
+        check_distilled(out / "data", len(prompts))  # a cut-short distillation is not trained on
         train(TrainConfig(target=args.target, data_dir=out / "data", out_dir=out, draft_vocab_size=args.draft_vocab,
                           intermediate_size=args.draft_intermediate_size, num_layers=args.draft_layers,
                           aux_layer_ids=args.aux_layers, epochs=args.epochs, ttt_steps=args.ttt_steps, lr=args.lr,
@@ -391,8 +393,8 @@ def main(argv: list[str] | None = None) -> int:
         _catch_signals()
     try:
         return args.func(args)
-    except KeyboardInterrupt:  # a signal during start-up: what had started was stopped on the way out
-        return 0
+    except KeyboardInterrupt:  # a server's signal during start-up: what had started was stopped on the way out;
+        return 0 if server else 130  # other work was cut short (a recipe must not go on as if it ended)
     except (ValueError, RuntimeError, FileNotFoundError) as e:
         print(f"pdspec: error: {e}", file=sys.stderr)
         return 2

@@ -87,6 +87,18 @@ def test_max_hours_is_each_runs_own_budget(run_dir, tmp_path):
     train(replace(cfg, epochs=3.0, max_hours=1e-9))  # out of time before a step
     cut = json.loads((tmp_path / "training.json").read_text())
     assert cut["step"] == 2 * first and not cut["finished"] and cut["total_steps"] == 3 * first
+    with pytest.raises(ValueError, match="started on other data or settings \\(batch_tokens differ\\)"):
+        train(replace(cfg, epochs=3.0, batch_tokens=512))  # its steps would index other batches
+
+
+def test_training_refuses_a_distillation_cut_short(run_dir, tmp_path):
+    from deploy.cli import main
+
+    prompts = tmp_path / "prompts.jsonl"
+    prompts.write_text("".join(json.dumps({"prompt": q}) + "\n" for q in QUESTIONS + ["One more question."]))
+    (tmp_path / "data").symlink_to(run_dir / "data")  # answers to the first four only
+    assert main(["train-eagle3", "--prompts", str(prompts), "--out", str(tmp_path), "--stage", "train"]) == 2
+    assert not (tmp_path / "checkpoints").exists()
 
 
 def test_teacher_forced_accuracy_counts_every_answer_position(run_dir):

@@ -62,6 +62,17 @@ class FeatureRecorder:
         self.finished.append((seq, torch.cat([features, pad])))
 
 
+def check_distilled(out_dir: Path, num_prompts: int) -> None:
+    """Raises ValueError when `out_dir` holds a distillation of fewer than `num_prompts` prompts: a
+    head trained on it would fix its draft vocabulary and schedule from part of the data. (Data
+    without done.json, made elsewhere, is taken as it is.)"""
+    done_file = out_dir / "done.json"
+    done = sum(i < num_prompts for i in json.loads(done_file.read_text())) if done_file.exists() else num_prompts
+    if done < num_prompts:
+        raise ValueError(f"{out_dir} holds answers to {done} of the {num_prompts} prompts: finish the distillation "
+                         "first (--stage distill resumes it)")
+
+
 def distill(prompts: list[str | list[str]], out_dir: Path, target: str | None, max_new_tokens: int = 256,
             batch_size: int = 32, shard_size: int = 256, store_features: bool = True) -> None:
     out_dir.mkdir(parents=True, exist_ok=True)
@@ -79,7 +90,8 @@ def distill(prompts: list[str | list[str]], out_dir: Path, target: str | None, m
     if store_features:
         with_last_layer(engine)
     params = SamplingParams(max_tokens=max_new_tokens)
-    shard = len(list(out_dir.glob("shard-*.safetensors")))
+    # After the highest of this run's own shards (shard-NNNNN; others, e.g. linked ones, not counted).
+    shard = 1 + max((int(p.stem.split("-")[1]) for p in out_dir.glob("shard-[0-9]*.safetensors")), default=-1)
     progress = tqdm(total=len(todo), desc="distilling", unit="prompt")
     waiting = iter(todo)
     asking: dict[int, list[str]] = {}  # conversation -> its user turns not asked yet
@@ -119,7 +131,9 @@ def distill(prompts: list[str | list[str]], out_dir: Path, target: str | None, m
             _write_shard(out_dir / f"shard-{shard:05d}.safetensors", samples, engine.runner.model_config.hidden_size)
             shard += 1
             done.update(complete)
-            done_file.write_text(json.dumps(sorted(done)))
+            tmp = done_file.with_suffix(".json.tmp")  # replaced whole: an interrupt never leaves half a list
+            tmp.write_text(json.dumps(sorted(done)))
+            tmp.replace(done_file)
             progress.update(len(complete))
             complete = []
     progress.close()

@@ -38,7 +38,7 @@ random.Random(21).shuffle(mix)
                                        for m in mix))
 print(f"{len(mix)} conversations, {sum(1 if isinstance(m, str) else len(m) for m in mix)} answers")
 MIX
-for shard in "$RUN1"/data/shard-*.safetensors; do  # before distilling: it numbers its shards after them
+for shard in "$RUN1"/data/shard-*.safetensors; do  # part 1's shards, trained on beside part 2's
     ln -sf "$shard" "$RUN/data/shard-p1-$(basename "$shard" .safetensors | cut -d- -f2).safetensors"
 done
 $PY -m deploy.cli train-eagle3 --prompts "$RUN/mix.jsonl" --out "$RUN" --stage distill --tokens-only \

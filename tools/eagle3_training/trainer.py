@@ -178,6 +178,13 @@ def train(cfg: TrainConfig) -> Path:
     per_epoch = sum(len(_batches(_load_index(p), cfg, random.Random(0))) for p in shards)
     total_steps = max(1, int(per_epoch * cfg.epochs))
     progress = {"step": 0, "tokens": 0, "seconds": 0.0}
+    # What the step count indexes: resumed on other shards or batching, the skip of the steps done
+    # would land on other batches (some trained twice, others never). (More epochs go on in order.)
+    data = {"shards": sorted(p.name for p in shards), **{k: getattr(cfg, k) for k in ("batch_tokens", "max_len", "seed")}}
+    if state is not None and state.get("data", data) != data:  # (runs started before this check: not checked)
+        changed = ", ".join(k for k in data if state["data"].get(k) != data[k])
+        raise ValueError(f"the run in {cfg.out_dir} was started on other data or settings ({changed} differ): "
+                         "resuming would repeat or skip batches; give the same, or train into a new --out")
     if state is not None:
         model.load_state_dict(state["model"])
         optim.load_state_dict(state["optim"])
@@ -187,7 +194,8 @@ def train(cfg: TrainConfig) -> Path:
     # forward per batch.
     stored = aux == target.aux_layer_ids and all(has_features(p) for p in shards)
     recompute = None if stored else TargetFeatures(cfg.target, max(cfg.batch_tokens, cfg.max_len), aux)
-    _run(model, teacher, optim, schedule, shards, cfg, progress, total_steps, ckpt_dir, vocab, coverage, recompute)
+    meta = {"draft_vocab": vocab, "coverage": coverage, "data": data}  # kept in every checkpoint
+    _run(model, teacher, optim, schedule, shards, cfg, progress, total_steps, ckpt_dir, meta, recompute)
     model.export(cfg.out_dir)
     (cfg.out_dir / "training.json").write_text(json.dumps(
         {"config": {k: str(v) for k, v in asdict(cfg).items()}, "draft_vocab_coverage": coverage,
@@ -236,7 +244,7 @@ def _load_index(path: Path) -> dict[str, torch.Tensor]:
         return {k: f.get_tensor(k) for k in ("offsets", "prompt_lens")}
 
 
-def _run(model, teacher, optim, schedule, shards, cfg, progress, total_steps, ckpt_dir, vocab, coverage,
+def _run(model, teacher, optim, schedule, shards, cfg, progress, total_steps, ckpt_dir, meta: dict,
          recompute: TargetFeatures | None) -> None:
     bar = tqdm(total=total_steps, initial=progress["step"], desc="training eagle3", unit="step")
     started, last_ckpt, step = time.time() - progress["seconds"], time.time(), 0  # started: of the whole run
@@ -265,12 +273,12 @@ def _run(model, teacher, optim, schedule, shards, cfg, progress, total_steps, ck
                 bar.set_postfix(metrics)
                 _snapshots(model, cfg, seen, progress)
                 if time.time() - last_ckpt > cfg.checkpoint_every_s:
-                    _checkpoint(ckpt_dir, model, optim, progress, vocab, coverage)
+                    _checkpoint(ckpt_dir, model, optim, progress, meta)
                     last_ckpt = time.time()
         epoch += 1
         if _out_of_time(cfg, this_run):
             break
-    _checkpoint(ckpt_dir, model, optim, progress, vocab, coverage)
+    _checkpoint(ckpt_dir, model, optim, progress, meta)
     bar.close()
 
 
@@ -332,8 +340,8 @@ def _target_probs(teacher: TargetDistribution, final_hidden: torch.Tensor,
     return teacher.probs(final_hidden[needed]), row_of
 
 
-def _checkpoint(ckpt_dir: Path, model, optim, progress, vocab, coverage) -> None:
+def _checkpoint(ckpt_dir: Path, model, optim, progress, meta: dict) -> None:
     tmp = ckpt_dir / "latest.pt.tmp"
     torch.save({"model": model.state_dict(), "optim": optim.state_dict(), "progress": dict(progress),
-                "draft_vocab": vocab, "coverage": coverage, "aux_layer_ids": model.aux_layer_ids}, tmp)
+                "aux_layer_ids": model.aux_layer_ids, **meta}, tmp)
     tmp.replace(ckpt_dir / "latest.pt")
