@@ -97,8 +97,9 @@ class Engine:
         if request_id in self.incoming:
             # Its KV may be arriving right now, written into its blocks by a handler thread: they
             # are freed when the transfer has ended (admit_prefilled, drop_incoming), never under it.
-            self.incoming[request_id].finish_reason = "abort"
-            self.counters["finished_abort"] += 1
+            if self.incoming[request_id].finish_reason != "abort":  # aborted once, however often asked
+                self.incoming[request_id].finish_reason = "abort"
+                self.counters["finished_abort"] += 1
             return RequestOutput(request_id, [], "", finished=True, finish_reason="abort")
         seq = self.seqs.get(request_id)
         return self._finish(seq, reason, [], "") if seq else None

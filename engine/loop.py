@@ -10,6 +10,7 @@ import collections
 import logging
 import queue
 import threading
+import time
 from collections.abc import Callable
 from concurrent.futures import Future
 
@@ -34,6 +35,7 @@ class EngineLoop:
         self._wake = threading.Event()
         self.stepped = threading.Condition()  # notified after every step (back-pressure waits on it)
         self._stopped = False
+        self.progressed = time.monotonic()  # when the loop thread last came round (see stalled)
         self._thread = threading.Thread(target=self._run, name="engine-loop", daemon=True)
         self._thread.start()
 
@@ -45,6 +47,9 @@ class EngineLoop:
         """Queue `fn(*args)` for the loop thread without waiting for it (it runs before any later
         call's command); its Future holds the result or the exception."""
         future: Future = Future()
+        if self._stopped:
+            future.set_exception(RuntimeError("the engine loop has stopped"))
+            return future
         self._commands.put((fn, args, future))
         self._wake.set()
         return future
@@ -109,14 +114,27 @@ class EngineLoop:
         and a value one step stale is as good as any for routing or a scrape."""
         return self.engine.stats()
 
+    def stalled(self, limit_s: float) -> bool:
+        """The loop thread is dead, or has not come round in `limit_s` (a step that never ends: a
+        tensor-parallel rank gone, a collective waiting for it): heartbeats must stop then, so the
+        router stops routing here."""
+        return not self._thread.is_alive() or time.monotonic() - self.progressed > limit_s
+
     def wait_step(self, timeout: float) -> None:
         with self.stepped:
             self.stepped.wait(timeout)
 
     def stop(self) -> None:
+        """Stop stepping. Nobody is left waiting: commands still queued fail, and every request's
+        stream ends "abort" (a handler blocked on it would keep its process from exiting)."""
         self._stopped = True
         self._wake.set()
         self._thread.join(timeout=10)
+        while not self._commands.empty():
+            self._commands.get()[2].set_exception(RuntimeError("the engine loop has stopped"))
+        for request_id, outputs in list(self.outputs.items()):
+            outputs.put(RequestOutput(request_id, [], "", finished=True, finish_reason="abort"))
+        self.outputs.clear()
 
     def _dispatch(self, outputs: list[RequestOutput]) -> None:
         for out in outputs:
@@ -128,6 +146,7 @@ class EngineLoop:
 
     def _run(self) -> None:
         while not self._stopped:
+            self.progressed = time.monotonic()
             while not self._commands.empty():
                 fn, args, future = self._commands.get()
                 try:

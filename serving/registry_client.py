@@ -13,6 +13,7 @@ from proto.pdspec.v1 import kv_pb2, worker_pb2, worker_pb2_grpc
 from proto.rpc import Tls, channel
 
 log = logging.getLogger(__name__)
+STALL_LIMIT_S = 120.0  # an engine loop that has not come round this long is stuck: stop heartbeating
 
 
 class RegistryClient:
@@ -43,12 +44,20 @@ class RegistryClient:
         registered = False
         while not self._stop.is_set():
             try:
-                if not registered:
-                    self._register()
-                    registered = True
-                registered = self._heartbeat()
+                if self.loop.stalled(STALL_LIMIT_S):  # silent: the router evicts us, and routes elsewhere
+                    if registered:
+                        log.error("the engine loop is dead or stuck: heartbeats stop until it comes round")
+                    registered = False
+                else:
+                    if not registered:
+                        self._register()
+                        registered = True
+                    registered = self._heartbeat()
             except grpc.RpcError as e:
-                log.warning("router %s unreachable (%s); retrying", self.router_address, e.code())
+                log.warning("router %s: %s (%s); retrying", self.router_address, e.code(), e.details())
+                registered = False
+            except Exception:  # the thread must outlive it: without heartbeats the worker is evicted for good
+                log.exception("heartbeat to router %s failed; retrying", self.router_address)
                 registered = False
             self._stop.wait(self.interval_s)
 

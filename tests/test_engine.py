@@ -1,5 +1,6 @@
 """The engine loop: continuous batching, block accounting, preemption, stops and bad input."""
 
+import threading
 import time
 
 import pytest
@@ -310,3 +311,38 @@ def test_the_loop_waits_for_a_command_while_no_sequence_can_run(monkeypatch):
     finally:
         loop.stop()
 
+
+
+def test_a_stopped_loop_leaves_nobody_waiting(engine, prompts):
+    """Streams still running end "abort", and later commands fail: a handler blocked on either
+    kept its worker process from exiting after a drain that ran out of time."""
+    loop = EngineLoop(engine)
+    outputs = loop.submit("cut-off", prompts[0], SamplingParams(max_tokens=10_000, ignore_eos=True))
+    outputs.get(timeout=60)  # it runs
+    loop.stop()
+    while not (out := outputs.get(timeout=60)).finished:
+        pass
+    assert out.finish_reason == "abort"
+    with pytest.raises(RuntimeError, match="the engine loop has stopped"):
+        loop.call(engine.abort, "cut-off")
+    engine.abort("cut-off")  # the engine is the session's: leave it empty
+    assert not engine.has_unfinished()
+
+
+def test_a_loop_stuck_in_a_step_reports_itself_stalled(engine, prompts, monkeypatch):
+    """What stops a worker's heartbeats (serving/registry_client.py), so the router routes elsewhere."""
+    stuck, step = threading.Event(), engine.step
+    monkeypatch.setattr(engine, "step", lambda: stuck.wait(60) and step())
+    loop = EngineLoop(engine)
+    try:
+        assert not loop.stalled(30.0)
+        outputs = loop.submit("stuck", prompts[0], SamplingParams(max_tokens=1))
+        time.sleep(0.5)
+        assert loop.stalled(0.2) and not loop.stalled(30.0)
+        stuck.set()
+        assert outputs.get(timeout=60).finished
+        time.sleep(0.3)
+        assert not loop.stalled(0.2)  # it comes round again
+    finally:
+        stuck.set()
+        loop.stop()
