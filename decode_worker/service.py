@@ -21,6 +21,7 @@ from engine.errors import CapacityExceeded, InvalidRequest, RequestIdInUse
 from engine.loop import EngineLoop
 from engine.output import KVHandle, RequestOutput
 from kvtransfer.connector import KVConnector, KVTransferError
+from serving.call_limit import CallLimit, request_call_limit
 from serving.convert import acceptance, sampling_params
 from serving.metrics import HandoffMetrics
 from proto.pdspec.v1 import common_pb2, worker_pb2, worker_pb2_grpc
@@ -34,8 +35,13 @@ class DecodeServicer(worker_pb2_grpc.DecodeWorkerServicer):
                  transfer_timeout_s: float = 30.0, admission_timeout_s: float = 60.0):
         self.loop, self.connector, self.handoffs = loop, connector, handoffs
         self.transfer_timeout_s, self.admission_timeout_s = transfer_timeout_s, admission_timeout_s
+        self.calls = CallLimit(request_call_limit(loop.engine.config.max_num_seqs), "Decode")
 
     def Decode(self, request, context: grpc.ServicerContext) -> Iterator[worker_pb2.DecodeResponse]:
+        with self.calls.held(context):
+            yield from self._decode(request, context)
+
+    def _decode(self, request, context: grpc.ServicerContext) -> Iterator[worker_pb2.DecodeResponse]:
         rid = request.request_id
         try:
             params = sampling_params(request.sampling, request.speculation)

@@ -10,6 +10,7 @@ import grpc
 from engine.errors import CapacityExceeded, InvalidRequest, RequestIdInUse
 from engine.loop import EngineLoop
 from kvtransfer.source import KVSource
+from serving.call_limit import CallLimit, request_call_limit
 from serving.convert import sampling_params
 from proto.pdspec.v1 import kv_pb2, worker_pb2_grpc
 from proto.rpc import time_left
@@ -22,6 +23,7 @@ class PrefillServicer(worker_pb2_grpc.PrefillWorkerServicer):
     def __init__(self, loop: EngineLoop, source: KVSource, worker_id: str, address: str, layout: kv_pb2.KVLayout):
         self.loop, self.source = loop, source
         self.worker_id, self.address, self.layout = worker_id, address, layout
+        self.calls = CallLimit(request_call_limit(loop.engine.config.max_num_seqs), "Prefill")
 
     def _free(self, rid: str) -> None:
         """The pin ended (or none will be made): the engine frees the blocks at its next step
@@ -31,6 +33,10 @@ class PrefillServicer(worker_pb2_grpc.PrefillWorkerServicer):
         self.loop.post_logged(f"freeing the blocks of {rid}", self.loop.engine.release, rid)
 
     def Prefill(self, request, context: grpc.ServicerContext) -> kv_pb2.KVHandle:
+        with self.calls.held(context):
+            return self._prefill(request, context)
+
+    def _prefill(self, request, context: grpc.ServicerContext) -> kv_pb2.KVHandle:
         rid = request.request_id
         try:
             outputs = self.loop.submit(rid, list(request.prompt_token_ids), sampling_params(request.sampling),

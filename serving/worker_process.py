@@ -23,6 +23,7 @@ from kvtransfer.layout import layout_to_proto
 from proto.pdspec.v1 import kv_pb2
 from proto.rpc import Tls, serve
 from serving.metrics import serve_metrics
+from serving.call_limit import request_call_limit
 from serving.registry_client import RegistryClient, registration
 
 log = logging.getLogger(__name__)
@@ -111,11 +112,11 @@ def layout_message(loop: EngineLoop) -> kv_pb2.KVLayout:
 def bind(spec: WorkerSpec, services: list[Service]) -> tuple[grpc.Server, str]:
     """Serve `services` (all internal: the cluster token is required). Returns the server and the
     address other workers and the router dial."""
-    # Each running stream holds a server thread, and so does each request waiting for room (or a
-    # KV pull of one, on a prefill worker): room for twice a batch, and for the control RPCs
-    # (health checks, Abort, Release) beside them, which a full pool would queue behind streams.
+    # Threads for the request calls (serving/call_limit.py caps them), as many for KV pulls of a
+    # prefill worker's pinned requests, and the control RPCs (health checks, Abort, Release).
     server, bound = serve(services, f"{spec.host}:{spec.port}", spec.token, internal=[name for _, _, name in services],
-                          max_workers=2 * spec.engine.max_num_seqs + _CONTROL_THREADS, tls=spec.tls)
+                          max_workers=2 * request_call_limit(spec.engine.max_num_seqs) + _CONTROL_THREADS,
+                          tls=spec.tls)
     return server, f"{spec.advertise_host or spec.host}:{bound}"
 
 

@@ -3,6 +3,7 @@ faults injected on purpose (a KV transfer that fails: the real backends' failure
 tests/test_kvtransfer.py's; an engine step that raises)."""
 
 import math
+import time
 
 import grpc
 import pytest
@@ -93,6 +94,36 @@ def test_a_failed_engine_step_is_an_error_not_an_answer(chat_prompts, monkeypatc
         assert all(not r.finish_reason for r in received)
         assert loop.call(lambda: (engine.has_unfinished(), engine.blocks.num_used_blocks)) == (False, 0)
         assert engine.counters["finished_error"] == 1 and not engine.counters["finished_abort"]
+    finally:
+        server.stop(None)
+        loop.stop()
+
+
+def test_calls_past_twice_a_batch_are_refused_at_once(chat_prompts):
+    """Each call holds a server thread while it runs or waits for room: past twice the batch
+    (here 2 x max_num_seqs 1) a Decode is RESOURCE_EXHAUSTED (the router tries another worker),
+    so streams cannot take every thread from health checks, Abort and KV pulls."""
+    loop = EngineLoop(Engine(EngineConfig(num_kv_blocks=NUM_BLOCKS, max_num_seqs=1, speculative={"method": "none"})))
+    server, address = _serve(DecodeServicer(loop, None, HandoffMetrics("decode-test")))
+    try:
+        with grpc.insecure_channel(address) as channel:
+            stub = worker_pb2_grpc.DecodeWorkerStub(channel)
+
+            def request(i: int) -> worker_pb2.DecodeRequest:
+                return worker_pb2.DecodeRequest(request_id=f"r{i}", prompt_token_ids=chat_prompts[0],
+                                                sampling=common_pb2.SamplingOptions(max_tokens=4000, ignore_eos=True))
+            streams = [stub.Decode(request(i), timeout=60) for i in range(2)]
+            next(streams[0])  # running; the second waits for the batch's one slot
+            for _ in range(600):  # until the second has reached the engine (a liveness bound)
+                if len(loop.engine.seqs) == 2:
+                    break
+                time.sleep(0.05)
+            with pytest.raises(grpc.RpcError) as refused:
+                next(stub.Decode(request(2), timeout=60))
+            assert refused.value.code() == grpc.StatusCode.RESOURCE_EXHAUSTED
+            assert "serves 2 Decode calls already" in refused.value.details()
+            for stream in streams:
+                stream.cancel()
     finally:
         server.stop(None)
         loop.stop()
