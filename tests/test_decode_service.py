@@ -103,7 +103,7 @@ def test_calls_past_twice_a_batch_are_refused_at_once(chat_prompts):
     """Each call holds a server thread while it runs or waits for room: past twice the batch
     (here 2 x max_num_seqs 1) a Decode is RESOURCE_EXHAUSTED (the router tries another worker),
     so streams cannot take every thread from health checks, Abort and KV pulls."""
-    loop = EngineLoop(Engine(EngineConfig(num_kv_blocks=NUM_BLOCKS, max_num_seqs=1, speculative={"method": "none"})))
+    loop = EngineLoop(Engine(EngineConfig(num_kv_blocks=512, max_num_seqs=1, speculative={"method": "none"})))
     server, address = _serve(DecodeServicer(loop, None, HandoffMetrics("decode-test")))
     try:
         with grpc.insecure_channel(address) as channel:
@@ -111,19 +111,20 @@ def test_calls_past_twice_a_batch_are_refused_at_once(chat_prompts):
 
             def request(i: int) -> worker_pb2.DecodeRequest:
                 return worker_pb2.DecodeRequest(request_id=f"r{i}", prompt_token_ids=chat_prompts[0],
-                                                sampling=common_pb2.SamplingOptions(max_tokens=4000, ignore_eos=True))
-            streams = [stub.Decode(request(i), timeout=60) for i in range(2)]
-            next(streams[0])  # running; the second waits for the batch's one slot
-            for _ in range(600):  # until the second has reached the engine (a liveness bound)
-                if len(loop.engine.seqs) == 2:
+                                                sampling=common_pb2.SamplingOptions(max_tokens=8000, ignore_eos=True))
+            running = stub.Decode(request(0), timeout=120)
+            next(running)  # it holds the batch's one slot for thousands of tokens
+            waiting = stub.Decode(request(1), timeout=120)
+            for _ in range(600):  # until it waits in the engine (a liveness bound)
+                if "r1" in loop.engine.seqs:
                     break
                 time.sleep(0.05)
             with pytest.raises(grpc.RpcError) as refused:
                 next(stub.Decode(request(2), timeout=60))
             assert refused.value.code() == grpc.StatusCode.RESOURCE_EXHAUSTED
             assert "serves 2 Decode calls already" in refused.value.details()
-            for stream in streams:
-                stream.cancel()
+            running.cancel()
+            waiting.cancel()
     finally:
         server.stop(None)
         loop.stop()
