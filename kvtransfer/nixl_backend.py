@@ -95,10 +95,12 @@ class NixlMemory:
 
 @dataclass
 class _Source:
-    """A source's NIXL agent as loaded here, and the pulls reading through it now: a forgotten
-    one is removed from NIXL only when its last pull has ended (removal under a READ in flight
-    may free that READ's request)."""
-    agent_name: str
+    """A source's NIXL agent as loaded here, and the pulls reading through it now. NIXL knows a
+    remote agent by its name alone, so one name is loaded once: a forgotten agent (a READ from it
+    failed) is removed only when its last pull has ended (removal under a READ in flight may free
+    that READ's request), and taken up again meanwhile if its source still answers with it."""
+    name: str
+    nixl_name: str | bytes  # as NIXL's add_remote_agent returned it, for its calls
     regions: dict[str, kv_pb2.NixlRegion]
     users: int = 0
     forgotten: bool = False
@@ -110,10 +112,11 @@ class NixlConnector(BaseConnector):
         super().__init__(layout, caches, token, tls)
         self._memory = NixlMemory("kvdest", layout, caches, token)
         self._sources: dict[str, _Source] = {}  # by address: metadata is fetched once per source agent
-        # One lock per source address, held while its agent is added, counted or dropped: concurrent
-        # first pulls from a source add its agent once, and a slow source holds up no other's pulls.
+        self._agents: dict[str, _Source] = {}  # every agent loaded in NIXL, by name, forgotten ones too
+        self._lock = threading.Lock()  # the two maps and the sources' counts
+        # One lock per source address, held while its agent is fetched and loaded: concurrent first
+        # pulls from a source load it once, and a slow source holds up no other's pulls.
         self._address_locks: dict[str, threading.Lock] = {}
-        self._locks_lock = threading.Lock()
 
     def close(self) -> None:
         super().close()
@@ -131,28 +134,31 @@ class NixlConnector(BaseConnector):
             forget = e.retryable  # a restarted source has a new agent: fetch its metadata again next time
             raise
         finally:
-            with self._address_lock(address):
+            with self._lock:
                 source.users -= 1
                 source.last_used = time.monotonic()
                 if forget or source.forgotten:
                     self._forget(address, source)
 
-    def _address_lock(self, address: str) -> threading.Lock:
-        with self._locks_lock:
-            return self._address_locks.setdefault(address, threading.Lock())
-
     def _use(self, stub: kv_pb2_grpc.KVTransferStub, address: str, agent_name: str, deadline: float) -> _Source:
         """The source's agent, loaded if new or if the handle names another (restarted at the
         address); counted as in use until the pull ends."""
-        with self._address_lock(address):
-            source = self._sources.get(address)
-            if source is not None and agent_name and source.agent_name != agent_name:
-                self._forget(address, source)
-                source = None
-            if source is None:
-                source = self._sources[address] = self._connect(stub, address, agent_name, deadline)
-            source.users += 1
-            return source
+        with self._lock:
+            address_lock = self._address_locks.setdefault(address, threading.Lock())
+        with address_lock:
+            with self._lock:
+                source = self._sources.get(address)
+                if source is not None and agent_name and source.name != agent_name:
+                    self._forget(address, source)
+                    source = None
+                if source is not None:
+                    source.users += 1
+                    return source
+            source = self._connect(stub, address, agent_name, deadline)
+            with self._lock:
+                self._sources[address] = source
+                source.users += 1
+                return source
 
     def _connect(self, stub: kv_pb2_grpc.KVTransferStub, address: str, agent_name: str, deadline: float) -> _Source:
         try:
@@ -168,20 +174,28 @@ class NixlConnector(BaseConnector):
             if name not in regions or regions[name].block_bytes != block_bytes:
                 raise KVTransferError(f"{address} registered no {name} cache of {block_bytes}-byte blocks with NIXL",
                                       retryable=False)
+        with self._lock:
+            loaded = self._agents.get(meta.agent_name)
+            if loaded is not None:  # forgotten, but still read through: NIXL holds it, take it up again
+                loaded.forgotten, loaded.regions = False, regions
+                return loaded
         try:
-            return _Source(self._memory.agent.add_remote_agent(meta.agent_metadata), regions)
+            nixl_name = self._memory.agent.add_remote_agent(meta.agent_metadata)
         except NIXL_ERRORS as e:
             raise KVTransferError(f"NIXL could not load the agent of {address}: {e}", retryable=True) from None
+        with self._lock:
+            source = self._agents[meta.agent_name] = _Source(meta.agent_name, nixl_name, regions)
+            return source
 
     def _forget(self, address: str, source: _Source) -> None:
-        """Under the address's lock: no new pull uses `source`; NIXL drops it once none does."""
+        """Under self._lock: no new pull uses `source`; NIXL drops it once none does."""
         if self._sources.get(address) is source:
             del self._sources[address]
         source.forgotten = True
-        if source.users == 0:
-            source.users = -1  # dropped: never twice
+        if source.users == 0 and self._agents.get(source.name) is source:
+            del self._agents[source.name]
             try:
-                self._memory.agent.remove_remote_agent(source.agent_name)
+                self._memory.agent.remove_remote_agent(source.nixl_name)
             except NIXL_ERRORS as e:
                 log.warning("NIXL could not drop the agent of %s: %s", address, e)
 
@@ -189,11 +203,9 @@ class NixlConnector(BaseConnector):
         """Sources no pull used for SOURCE_IDLE_S (gone, or no longer routed here): their agents
         and UCX endpoints would otherwise stay loaded for the process's life."""
         now = time.monotonic()
-        idle = [a for a, s in list(self._sources.items()) if s.users == 0 and now - s.last_used > SOURCE_IDLE_S]
-        for address in idle:
-            with self._address_lock(address):
-                source = self._sources.get(address)
-                if source is not None and source.users == 0 and now - source.last_used > SOURCE_IDLE_S:
+        with self._lock:
+            for address, source in list(self._sources.items()):
+                if source.users == 0 and now - source.last_used > SOURCE_IDLE_S:
                     self._forget(address, source)
 
     def _read(self, source: _Source, handle: kv_pb2.KVHandle, remote_block_ids: list[int],
@@ -210,7 +222,7 @@ class NixlConnector(BaseConnector):
         try:  # check_caches keeps each side's caches on one device: one memory type per side
             xfer = agent.initialize_xfer(
                 "READ", agent.get_xfer_descs(local, self._memory.regions["target"].memory_type),
-                agent.get_xfer_descs(remote, source.regions["target"].memory_type), source.agent_name)
+                agent.get_xfer_descs(remote, source.regions["target"].memory_type), source.nixl_name)
         except NIXL_ERRORS as e:
             raise KVTransferError(f"{what} could not start: {e}", retryable=True) from None
         try:

@@ -75,7 +75,7 @@ def _serve_source(conn, pin_timeout_s: float, nixl: bool, faulty: bool) -> None:
     servicer = FaultyServicer(source, report) if faulty else source.servicer
     server, port = serve([(kv_pb2_grpc.add_KVTransferServicer_to_server, servicer, SERVICE_NAME)], "127.0.0.1:0",
                          TOKEN, internal=[SERVICE_NAME])
-    report("ready", port)
+    report("ready", (port, source.nixl.agent.name if source.nixl is not None else ""))
     try:
         while True:
             request_id, block_ids = conn.recv()
@@ -115,7 +115,8 @@ class SourceProcess(_Child):
     def __init__(self, pin_timeout_s: float = 600.0, nixl: bool = True, faulty: bool = False):
         super().__init__(_serve_source, pin_timeout_s, nixl, faulty)
         self.released: set[str] = set()
-        self.address = f"127.0.0.1:{self.expect('ready')}"
+        port, self.nixl_agent = self.expect("ready")
+        self.address = f"127.0.0.1:{port}"
 
     def expect(self, kind: str):
         """The value of the source's next `kind` message; "released" ones are collected meanwhile."""
@@ -131,7 +132,8 @@ class SourceProcess(_Child):
         pinned, pin_id = self.expect("pinned")
         assert pinned == request_id
         return kv_pb2.KVHandle(request_id=request_id, source_worker_id="prefill-test", source_address=self.address,
-                               layout=layout_to_proto(LAYOUT), block_ids=block_ids, pin_id=pin_id)
+                               layout=layout_to_proto(LAYOUT), block_ids=block_ids, pin_id=pin_id,
+                               nixl_agent=self.nixl_agent)
 
     def wait_released(self, request_id: str) -> None:
         while request_id not in self.released:
@@ -184,6 +186,24 @@ def _serve_destination(conn) -> None:
                     conn.send(None)
                 except KVTransferError as e:
                     conn.send((str(e), e.retryable, e.may_still_write))
+            elif command == "pulls":  # at once, from threads: [(handle, remote, local)] -> errors or None
+                backend, layout, token, pulls = args
+                key = (backend, layout, token)
+                if key not in connectors:
+                    connectors[key] = make_connector(backend, layout, local(layout), token)
+                errors = [None] * len(pulls)
+
+                def pull(i: int, handle: bytes, remote: list[int], local_ids: list[int]) -> None:
+                    try:
+                        connectors[key].pull(kv_pb2.KVHandle.FromString(handle), remote, local_ids, TIMEOUT_S)
+                    except KVTransferError as e:
+                        errors[i] = str(e)
+                threads = [threading.Thread(target=pull, args=(i, *p)) for i, p in enumerate(pulls)]
+                for t in threads:
+                    t.start()
+                for t in threads:
+                    t.join()
+                conn.send(errors)
             elif command == "caches":
                 conn.send({name: t.view(torch.uint8).numpy().copy() for name, t in local(args[0]).items()})
             elif command == "reset":  # in place: the NIXL connectors registered these tensors
@@ -218,6 +238,11 @@ class DestinationProcess(_Child):
         error = self.pull(*args, **kwargs)
         assert error is not None, "the pull succeeded"
         return error
+
+    def pull_together(self, backend: str, pulls: list[tuple[kv_pb2.KVHandle, list[int], list[int]]]) -> list:
+        """Every pull at once, each from a thread of its own: their errors (None: it succeeded)."""
+        self._conn.send(("pulls", backend, LAYOUT, TOKEN, [(h.SerializeToString(), r, l) for h, r, l in pulls]))
+        return self._recv()
 
     def caches(self, layout: KVLayout = LAYOUT) -> dict[str, torch.Tensor]:
         self._conn.send(("caches", layout))

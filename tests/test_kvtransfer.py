@@ -220,6 +220,17 @@ def test_a_handle_of_another_nixl_agent_at_the_address_is_a_restarted_source(sou
     assert_local(dest, dict(zip(LOCAL, REMOTE)))
 
 
+@pytest.mark.parametrize("backend", BACKENDS)
+def test_concurrent_pulls_from_one_source_all_land(backend, source, dest):
+    """Several handler threads pull from one prefill worker at once (a decode worker's usual
+    load): each READ goes through the one loaded agent, none drops it under another."""
+    handles = [source.pin(f"together-{backend}-{i}", [2 + i]) for i in range(4)]
+    assert dest.pull_together(backend, [(h, [2 + i], [i]) for i, h in enumerate(handles)]) == [None] * 4
+    assert_local(dest, {i: 2 + i for i in range(4)})
+    for h in handles:
+        source.wait_released(h.request_id)
+
+
 def test_nixl_needs_a_cluster_token():
     code = ("import torch; from kvtransfer.source import KVSource; from tests.test_kvtransfer import LAYOUT, random_caches\n"
             "try:\n    KVSource(LAYOUT, random_caches(LAYOUT, 4, 0), pin_timeout_s=60, nixl=True)\n"
