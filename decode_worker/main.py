@@ -22,4 +22,4 @@ def start_decode_worker(spec: WorkerSpec, kv_transfer: Literal["nixl", "grpc"] |
     server, address = bind(spec, [(worker_pb2_grpc.add_DecodeWorkerServicer_to_server, servicer,
                                    "pdspec.v1.DecodeWorker")])
     return announce(spec, loop, server, address, [connector] if connector else [], kv_transfer or "none",
-                    collectors=[handoffs])
+                    servicer.calls, collectors=[handoffs])

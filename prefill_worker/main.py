@@ -19,4 +19,4 @@ def start_prefill_worker(spec: WorkerSpec, kv_transfer: Literal["nixl", "grpc"],
         (kv_pb2_grpc.add_KVTransferServicer_to_server, source.servicer, "pdspec.v1.KVTransfer"),
     ])
     servicer.address = address  # handles name the address decode workers pull from
-    return announce(spec, loop, server, address, [source], kv_transfer)
+    return announce(spec, loop, server, address, [source], kv_transfer, servicer.calls)

@@ -6,6 +6,7 @@ RESOURCE_EXHAUSTED, which the router takes for a full worker and tries another."
 
 import contextlib
 import threading
+import time
 from collections.abc import Iterator
 
 import grpc
@@ -14,17 +15,24 @@ import grpc
 class CallLimit:
     def __init__(self, limit: int, what: str) -> None:
         self.limit, self._what = limit, what
-        self._slots = threading.BoundedSemaphore(limit)
+        self._lock = threading.Lock()
+        self.active = 0  # calls being served now
+        self.changed = time.monotonic()  # when one last arrived or ended (a drain waits for quiet)
 
     @contextlib.contextmanager
     def held(self, context: grpc.ServicerContext) -> Iterator[None]:
-        if not self._slots.acquire(blocking=False):
+        with self._lock:
+            full = self.active >= self.limit
+            if not full:
+                self.active, self.changed = self.active + 1, time.monotonic()
+        if full:
             context.abort(grpc.StatusCode.RESOURCE_EXHAUSTED,
                           f"this worker serves {self.limit} {self._what} calls already; retry on another")
         try:
             yield
         finally:
-            self._slots.release()
+            with self._lock:
+                self.active, self.changed = self.active - 1, time.monotonic()
 
 
 def request_call_limit(max_num_seqs: int) -> int:

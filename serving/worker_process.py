@@ -23,11 +23,12 @@ from kvtransfer.layout import layout_to_proto
 from proto.pdspec.v1 import kv_pb2
 from proto.rpc import Tls, serve
 from serving.metrics import serve_metrics
-from serving.call_limit import request_call_limit
+from serving.call_limit import CallLimit, request_call_limit
 from serving.registry_client import RegistryClient, registration
 
 log = logging.getLogger(__name__)
 _CONTROL_THREADS = 32  # server threads beyond the requests' (see bind)
+SETTLE_S = 2.0  # a draining worker waits this long after the last call came or ended (see RunningWorker.stop)
 
 # (add_XServicer_to_server, servicer, full service name): one gRPC service of the worker.
 Service = tuple[Callable[[Any, grpc.Server], None], Any, str]
@@ -66,31 +67,39 @@ class RunningWorker:
     loop: EngineLoop
     registry: RegistryClient
     metrics_server: Any
+    calls: CallLimit  # the Prefill or Decode calls being served
     closers: list[Closeable] = field(default_factory=list)  # KV sources and connectors
 
     def stop(self, drain_timeout_s: float = 0.0) -> None:
         """Deregister (the router routes nothing new here), let what runs finish for up to
         `drain_timeout_s` (requests in the engine, prefilled blocks awaiting their decode worker,
-        then the streams' last messages), then shut down."""
+        then the streams' last messages), then shut down. Calls routed here before the
+        Deregister may still arrive (a decode worker is chosen before its request's prefill
+        runs): the drain lasts until none came or ended for SETTLE_S."""
         self.registry.stop()
         log.info("worker %s stopping: deregistered, draining for up to %.0fs", self.worker_id, drain_timeout_s)
-        deadline = time.monotonic() + drain_timeout_s
-        while (busy := _busy(self.loop)) and time.monotonic() < deadline:
+        settle_from = time.monotonic()
+        deadline = settle_from + drain_timeout_s
+        while time.monotonic() < deadline and (_busy(self.loop, self.calls) or
+                                               time.monotonic() - max(settle_from, self.calls.changed) < SETTLE_S):
             time.sleep(0.05)
+        busy = _busy(self.loop, self.calls)
         if busy:
             log.warning("worker %s stopping with %s after its drain of %.0fs", self.worker_id, busy, drain_timeout_s)
         self.server.stop(grace=max(2.0, deadline - time.monotonic())).wait()
         self.metrics_server.shutdown()
+        self.metrics_server.server_close()  # its socket: a restart in this process binds the port again
         for part in self.closers:
             part.close()
         self.loop.stop()
         self.loop.engine.close()
 
 
-def _busy(loop: EngineLoop) -> str:
+def _busy(loop: EngineLoop, calls: CallLimit) -> str:
     """What the worker still runs ("" if nothing)."""
     stats = loop.stats()
-    counts = {"running": stats.running, "waiting": stats.waiting, "pinned for hand-off": stats.pinned}
+    counts = {"running": stats.running, "waiting": stats.waiting, "pinned for hand-off": stats.pinned,
+              "calls being served": calls.active}
     return ", ".join(f"{n} {what}" for what, n in counts.items() if n)
 
 
@@ -121,7 +130,7 @@ def bind(spec: WorkerSpec, services: list[Service]) -> tuple[grpc.Server, str]:
 
 
 def announce(spec: WorkerSpec, loop: EngineLoop, server: grpc.Server, address: str, closers: list[Closeable],
-             kv_transfer: str, collectors: Iterable[Collector] = ()) -> RunningWorker:
+             kv_transfer: str, calls: CallLimit, collectors: Iterable[Collector] = ()) -> RunningWorker:
     """Export metrics (the engine's, and `collectors`) and register with the router, which routes
     to the worker once the first heartbeat lands."""
     metrics_server, metrics_port = serve_metrics(loop, spec.role, spec.worker_id, spec.host, spec.metrics_port,
@@ -137,4 +146,4 @@ def announce(spec: WorkerSpec, loop: EngineLoop, server: grpc.Server, address: s
              spec.role, spec.worker_id, address, engine.runner.model_dir, spec.engine.speculative.model or
              ("embedded" if engine.runner.draft else "none"), engine.num_speculative_tokens, engine.blocks.num_blocks,
              kv_transfer)
-    return RunningWorker(spec.worker_id, spec.role, address, server, loop, registry, metrics_server, closers)
+    return RunningWorker(spec.worker_id, spec.role, address, server, loop, registry, metrics_server, calls, closers)

@@ -3,13 +3,15 @@ supervisor starts it again; no request fails, whether it was streaming from it o
 
 import concurrent.futures
 import threading
+import time
 
 import grpc
 import pytest
 
 from deploy.config import parse_config
 from deploy.local import LocalCluster
-from proto.pdspec.v1 import common_pb2, router_pb2, router_pb2_grpc
+from proto.pdspec.v1 import common_pb2, router_pb2, router_pb2_grpc, worker_pb2, worker_pb2_grpc
+from proto.rpc import channel
 from tests.test_cluster import _wait_restarted
 
 TOKENS = 48
@@ -55,6 +57,29 @@ def test_rolling_a_decode_worker_under_load_fails_no_request(cluster):
     assert any(worker == "decode-0" for worker, _ in results[:8])  # it finished the streams it had
     _wait_restarted(cluster, "decode-0", address)
     assert cluster.supervisor.restarts("decode-0") == 1
+
+
+def test_a_draining_decode_worker_still_serves_a_call_routed_before_it_left(cluster):
+    """The router picks a request's decode worker before its prefill runs: the Decode may reach a
+    worker that deregistered meanwhile. It is served (the drain waits until no call came for a
+    while), not refused by a server already stopped because the engine was idle."""
+    workers, token = cluster.workers(), cluster.config.token()
+    address = workers["decode-0"].address
+    prompt = [1, 2, 3, 4, 5] * 8
+    sampling = common_pb2.SamplingOptions(max_tokens=TOKENS, ignore_eos=True)
+    prefill = worker_pb2_grpc.PrefillWorkerStub(channel(workers["prefill-0"].address, token))
+    handle = prefill.Prefill(worker_pb2.PrefillRequest(request_id="late", prompt_token_ids=prompt, sampling=sampling),
+                             timeout=60)
+    cluster.roll("decode-0")
+    for _ in range(600):  # until it has deregistered (a liveness bound)
+        if "decode-0" not in cluster.workers():
+            break
+        time.sleep(0.05)
+    decode = worker_pb2_grpc.DecodeWorkerStub(channel(address, token))
+    responses = list(decode.Decode(worker_pb2.DecodeRequest(request_id="late", prompt_token_ids=prompt,
+                                                            sampling=sampling, prefilled=handle), timeout=60))
+    assert sum(len(r.token_ids) for r in responses) == TOKENS and responses[-1].finish_reason == "length"
+    _wait_restarted(cluster, "decode-0", address)
 
 
 def test_rolling_the_router_lets_its_running_streams_finish(cluster):
