@@ -91,6 +91,19 @@ def test_max_hours_is_each_runs_own_budget(run_dir, tmp_path):
         train(replace(cfg, epochs=3.0, batch_tokens=512))  # its steps would index other batches
 
 
+def test_a_sample_distilled_twice_is_trained_on_once(run_dir, tmp_path):
+    """Corpus part 2 asks part 1's prompts again, and greedy decoding answers them alike: a second
+    copy must not weigh them twice."""
+    (tmp_path / "data").mkdir()
+    for shard in shard_paths(run_dir / "data"):
+        for copy in (shard.name, shard.name.replace("shard-", "shard-copy-")):
+            (tmp_path / "data" / copy).symlink_to(shard)
+    train(TrainConfig(target=None, data_dir=tmp_path / "data", out_dir=tmp_path, draft_vocab_size=1024, epochs=1.0,
+                      ttt_steps=1, batch_tokens=256, warmup_steps=1))
+    report = json.loads((tmp_path / "training.json").read_text())
+    assert report["samples"] == len(QUESTIONS) == report["repeated_samples_skipped"]
+
+
 def test_training_refuses_a_distillation_cut_short(run_dir, tmp_path):
     from deploy.cli import main
 

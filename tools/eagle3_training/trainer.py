@@ -18,6 +18,7 @@ from pathlib import Path
 
 import torch
 import torch.nn.functional as F
+import xxhash
 from safetensors import safe_open
 from tqdm import tqdm
 
@@ -103,10 +104,29 @@ def draft_vocab(counts: torch.Tensor, size: int, init: dict[str, torch.Tensor] |
     return vocab, float(counts[vocab].sum() / counts.sum().clamp_min(1))
 
 
-def _batches(shard: dict[str, torch.Tensor], cfg: TrainConfig, rng: random.Random) -> list[list[int]]:
-    """Sample indices grouped by similar length, at most batch_tokens padded tokens per batch."""
+def repeated_samples(shards: list[Path]) -> dict[Path, frozenset[int]]:
+    """Per shard, the samples whose tokens (prompt and answer) an earlier sample already holds: a
+    conversation distilled again (corpus part 2 asks part 1's prompts again, and greedy decoding
+    answers them alike) would weigh twice."""
+    seen, repeated = set(), {}
+    for path in shards:
+        with safe_open(str(path), framework="pt") as f:
+            tokens, offsets = f.get_tensor("tokens").numpy(), f.get_tensor("offsets").tolist()
+        mine = set()
+        for i in range(len(offsets) - 1):
+            key = xxhash.xxh3_128_intdigest(tokens[offsets[i] : offsets[i + 1]].tobytes())
+            if key in seen:
+                mine.add(i)
+            seen.add(key)
+        repeated[path] = frozenset(mine)
+    return repeated
+
+
+def _batches(shard: dict[str, torch.Tensor], cfg: TrainConfig, rng: random.Random,
+             skip: frozenset[int] = frozenset()) -> list[list[int]]:
+    """Sample indices (but `skip`) grouped by similar length, at most batch_tokens padded tokens per batch."""
     lengths = (shard["offsets"][1:] - shard["offsets"][:-1]).clamp_max(cfg.max_len).tolist()
-    order = sorted(range(len(lengths)), key=lambda i: lengths[i])
+    order = sorted((i for i in range(len(lengths)) if i not in skip), key=lambda i: lengths[i])
     batches, current = [], []
     for i in order:
         if current and (len(current) + 1) * lengths[i] > cfg.batch_tokens:
@@ -175,12 +195,14 @@ def train(cfg: TrainConfig) -> Path:
             model.norm.copy_(teacher.norm)
             model.lm_head.weight.copy_(teacher.head_rows)
     optim = torch.optim.AdamW(model.parameters(), lr=cfg.lr, betas=(0.9, 0.95), weight_decay=0.0)
-    per_epoch = sum(len(_batches(_load_index(p), cfg, random.Random(0))) for p in shards)
+    repeated = repeated_samples(shards)
+    per_epoch = sum(len(_batches(_load_index(p), cfg, random.Random(0), repeated[p])) for p in shards)
     total_steps = max(1, int(per_epoch * cfg.epochs))
     progress = {"step": 0, "tokens": 0, "seconds": 0.0}
     # What the step count indexes: resumed on other shards or batching, the skip of the steps done
     # would land on other batches (some trained twice, others never). (More epochs go on in order.)
-    data = {"shards": sorted(p.name for p in shards), **{k: getattr(cfg, k) for k in ("batch_tokens", "max_len", "seed")}}
+    data = {"shards": sorted(p.name for p in shards), "repeated": sum(map(len, repeated.values())),
+            **{k: getattr(cfg, k) for k in ("batch_tokens", "max_len", "seed")}}
     if state is not None and state.get("data", data) != data:  # (runs started before this check: not checked)
         changed = ", ".join(k for k in data if state["data"].get(k) != data[k])
         raise ValueError(f"the run in {cfg.out_dir} was started on other data or settings ({changed} differ): "
@@ -195,11 +217,12 @@ def train(cfg: TrainConfig) -> Path:
     stored = aux == target.aux_layer_ids and all(has_features(p) for p in shards)
     recompute = None if stored else TargetFeatures(cfg.target, max(cfg.batch_tokens, cfg.max_len), aux)
     meta = {"draft_vocab": vocab, "coverage": coverage, "data": data}  # kept in every checkpoint
-    _run(model, teacher, optim, schedule, shards, cfg, progress, total_steps, ckpt_dir, meta, recompute)
+    _run(model, teacher, optim, schedule, repeated, cfg, progress, total_steps, ckpt_dir, meta, recompute)
     model.export(cfg.out_dir)
     (cfg.out_dir / "training.json").write_text(json.dumps(
         {"config": {k: str(v) for k, v in asdict(cfg).items()}, "draft_vocab_coverage": coverage,
-         "samples": sum(_load_index(p)["prompt_lens"].numel() for p in shards), **progress,
+         "samples": sum(_load_index(p)["prompt_lens"].numel() - len(repeated[p]) for p in shards),
+         "repeated_samples_skipped": data["repeated"], **progress,
          "total_steps": total_steps, "finished": progress["step"] >= total_steps}, indent=2) + "\n")
     return cfg.out_dir
 
@@ -244,19 +267,21 @@ def _load_index(path: Path) -> dict[str, torch.Tensor]:
         return {k: f.get_tensor(k) for k in ("offsets", "prompt_lens")}
 
 
-def _run(model, teacher, optim, schedule, shards, cfg, progress, total_steps, ckpt_dir, meta: dict,
-         recompute: TargetFeatures | None) -> None:
+def _run(model, teacher, optim, schedule, repeated: dict[Path, frozenset[int]], cfg, progress, total_steps,
+         ckpt_dir, meta: dict, recompute: TargetFeatures | None) -> None:
+    """Train until total_steps (or out of time), over the shards of `repeated` (each with the
+    samples it skips), in an order fixed by the seed and the epoch."""
     bar = tqdm(total=total_steps, initial=progress["step"], desc="training eagle3", unit="step")
     started, last_ckpt, step = time.time() - progress["seconds"], time.time(), 0  # started: of the whole run
     this_run = time.time()
     epoch = 0
     while progress["step"] < total_steps:
         rng = random.Random(cfg.seed + epoch)
-        order = list(shards)
+        order = list(repeated)
         rng.shuffle(order)
         for path in order:
             shard = load_shard(path)
-            for batch in _batches(shard, cfg, rng):
+            for batch in _batches(shard, cfg, rng, repeated[path]):
                 if step < progress["step"]:  # resuming: skip what the checkpoint already trained on
                     step += 1
                     continue
