@@ -33,6 +33,9 @@ class RegistryClient:
         """Stop heartbeating and tell the router to route nothing new here."""
         self._stop.set()
         self._thread.join(timeout=5)
+        self._deregister()
+
+    def _deregister(self) -> None:
         request = worker_pb2.DeregisterRequest(worker_id=self.registration.worker_id, address=self.registration.address,
                                                registration_id=self._registration_id)
         try:
@@ -72,6 +75,9 @@ class RegistryClient:
         # next heartbeat, which it then refuses: we register again).
         request.registration_id = self._registration_id = uuid.uuid4().hex
         response = self.stub.Register(request, timeout=5)
+        if self._stop.is_set():  # stop() gave up waiting and may have deregistered the last id: this one too
+            self._deregister()
+            return
         if response.heartbeat_interval_ms:
             self.interval_s = response.heartbeat_interval_ms / 1000
         log.info("registered %s (%s) with router %s", request.worker_id, request.role, self.router_address)
