@@ -148,7 +148,7 @@ def cuda_devices(config: DeploymentConfig, environ: dict[str, str]) -> dict[str,
         import torch
 
         visible = ",".join(str(i) for i in range(torch.cuda.device_count()))
-    devices = [d for d in visible.split(",") if d.strip()]
+    devices = [d.strip() for d in visible.split(",") if d.strip()]
     wanted = [(f"{role}-{i}", getattr(config, role).tensor_parallel_size)
               for role in WORKER_ROLES for i in range(getattr(config, role).replicas)]
     if sum(n for _, n in wanted) > len(devices):

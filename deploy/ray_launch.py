@@ -242,10 +242,10 @@ def stop_deployment(address: str | None = None) -> list[str]:
         actors = {name: ray.get_actor(name, namespace=NAMESPACE) for name in names}
         # The deployment's own drain times (its config is not here): the schema's were too short
         # for a deployment that raised them, whose streams were cut.
-        asked = [actor.drain_timeout.remote() for name, actor in actors.items() if name != ROUTER]
         try:
+            asked = [actor.drain_timeout.remote() for name, actor in actors.items() if name != ROUTER]
             drain_s = max(ray.get(asked, timeout=30), default=0.0)
-        except (ray.exceptions.RayError, TimeoutError):  # a worker that does not answer: the schema's
+        except (ray.exceptions.RayError, TimeoutError, AttributeError):  # no answer, or an older version's actors
             drain_s = RoleConfig.model_fields["drain_timeout_s"].default
         _drain_and_kill(actors, drain_s, set(actors))
         return names

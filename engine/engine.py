@@ -340,7 +340,8 @@ class Engine:
                         draft_parents=proposal.parents)
 
     def _append(self, seq: Sequence, new_tokens: list[int]) -> RequestOutput:
-        room = min(seq.params.max_tokens - seq.num_generated, self.context_limit() - len(seq.token_ids))
+        # (below 0 when retired blocks shrank the limit under the sequence: it ends now)
+        room = max(0, min(seq.params.max_tokens - seq.num_generated, self.context_limit() - len(seq.token_ids)))
         new_tokens = new_tokens[:room]
         ids, text, reason = self.streams[seq.seq_id].push(new_tokens)
         seq.token_ids.extend(ids)  # not accepted drafts after a stop token or string: the output ended before them

@@ -35,6 +35,7 @@ class EngineLoop:
         self._wake = threading.Event()
         self.stepped = threading.Condition()  # notified after every step (back-pressure waits on it)
         self._stopped = False
+        self._stopping = threading.Lock()  # post's check and put against stop's flag
         self.progressed = time.monotonic()  # when the loop thread last came round (see stalled)
         self._thread = threading.Thread(target=self._run, name="engine-loop", daemon=True)
         self._thread.start()
@@ -47,10 +48,11 @@ class EngineLoop:
         """Queue `fn(*args)` for the loop thread without waiting for it (it runs before any later
         call's command); its Future holds the result or the exception."""
         future: Future = Future()
-        if self._stopped:
-            future.set_exception(RuntimeError("the engine loop has stopped"))
-            return future
-        self._commands.put((fn, args, future))
+        with self._stopping:  # never queued after stop() emptied the queue: nobody would run it
+            if self._stopped:
+                future.set_exception(RuntimeError("the engine loop has stopped"))
+                return future
+            self._commands.put((fn, args, future))
         self._wake.set()
         return future
 
@@ -127,7 +129,8 @@ class EngineLoop:
     def stop(self) -> None:
         """Stop stepping. Nobody is left waiting: commands still queued fail, and every request's
         stream ends "abort" (a handler blocked on it would keep its process from exiting)."""
-        self._stopped = True
+        with self._stopping:
+            self._stopped = True
         self._wake.set()
         self._thread.join(timeout=10)
         while not self._commands.empty():

@@ -113,9 +113,9 @@ class NixlConnector(BaseConnector):
         self._memory = NixlMemory("kvdest", layout, caches, token)
         self._sources: dict[str, _Source] = {}  # by address: metadata is fetched once per source agent
         self._agents: dict[str, _Source] = {}  # every agent loaded in NIXL, by name, forgotten ones too
-        self._lock = threading.Lock()  # the two maps and the sources' counts
-        # One lock per source address, held while its agent is fetched and loaded: concurrent first
-        # pulls from a source load it once, and a slow source holds up no other's pulls.
+        self._lock = threading.Lock()  # the maps and the sources' counts
+        # One lock per source address, held while its agent is fetched, loaded or dropped: concurrent
+        # first pulls from a source load it once, and a slow source holds up no other's pulls.
         self._address_locks: dict[str, threading.Lock] = {}
 
     def close(self) -> None:
@@ -134,33 +134,33 @@ class NixlConnector(BaseConnector):
             forget = e.retryable  # a restarted source has a new agent: fetch its metadata again next time
             raise
         finally:
-            with self._lock:
+            with self._address_lock(address), self._lock:
                 source.users -= 1
                 source.last_used = time.monotonic()
                 if forget or source.forgotten:
                     self._forget(address, source)
 
+    # Locks: an address's lock, then self._lock, never the other way round. An agent is loaded and
+    # removed under its address's lock (NIXL knows it by name: never both at once).
+    def _address_lock(self, address: str) -> threading.Lock:
+        with self._lock:
+            return self._address_locks.setdefault(address, threading.Lock())
+
     def _use(self, stub: kv_pb2_grpc.KVTransferStub, address: str, agent_name: str, deadline: float) -> _Source:
         """The source's agent, loaded if new or if the handle names another (restarted at the
         address); counted as in use until the pull ends."""
-        with self._lock:
-            address_lock = self._address_locks.setdefault(address, threading.Lock())
-        with address_lock:
+        with self._address_lock(address):
             with self._lock:
                 source = self._sources.get(address)
-                if source is not None and agent_name and source.name != agent_name:
-                    self._forget(address, source)
-                    source = None
-                if source is not None:
+                if source is not None and (not agent_name or source.name == agent_name):
                     source.users += 1
                     return source
-            source = self._connect(stub, address, agent_name, deadline)
-            with self._lock:
-                self._sources[address] = source
-                source.users += 1
-                return source
+            return self._connect(stub, address, agent_name, deadline)
 
     def _connect(self, stub: kv_pb2_grpc.KVTransferStub, address: str, agent_name: str, deadline: float) -> _Source:
+        """Under the address's lock: the source's current agent (loaded unless NIXL holds it
+        still), made the address's and counted as in use; an earlier agent of the address is
+        forgotten. A handle of an agent the source no longer runs changes nothing."""
         try:
             meta = stub.GetNixlMetadata(kv_pb2.NixlMetadataRequest(), timeout=remaining(deadline))
         except grpc.RpcError as e:
@@ -175,37 +175,45 @@ class NixlConnector(BaseConnector):
                 raise KVTransferError(f"{address} registered no {name} cache of {block_bytes}-byte blocks with NIXL",
                                       retryable=False)
         with self._lock:
-            loaded = self._agents.get(meta.agent_name)
-            if loaded is not None:  # forgotten, but still read through: NIXL holds it, take it up again
-                loaded.forgotten, loaded.regions = False, regions
-                return loaded
-        try:
-            nixl_name = self._memory.agent.add_remote_agent(meta.agent_metadata)
-        except NIXL_ERRORS as e:
-            raise KVTransferError(f"NIXL could not load the agent of {address}: {e}", retryable=True) from None
+            source = self._agents.get(meta.agent_name)
+        if source is None:
+            try:
+                source = _Source(meta.agent_name, self._memory.agent.add_remote_agent(meta.agent_metadata), regions)
+            except NIXL_ERRORS as e:
+                raise KVTransferError(f"NIXL could not load the agent of {address}: {e}", retryable=True) from None
         with self._lock:
-            source = self._agents[meta.agent_name] = _Source(meta.agent_name, nixl_name, regions)
+            source.forgotten, source.regions = False, regions  # a forgotten one still loaded: taken up again
+            self._agents[source.name] = source
+            old = self._sources.get(address)
+            if old is not None and old is not source:  # the address's earlier agent (its source restarted)
+                self._forget(address, old)
+            self._sources[address] = source
+            source.users += 1
             return source
 
     def _forget(self, address: str, source: _Source) -> None:
-        """Under self._lock: no new pull uses `source`; NIXL drops it once none does."""
+        """Under the address's lock and self._lock: no new pull uses `source`; NIXL drops it once
+        none does (kept loaded if NIXL refuses, to be taken up again)."""
         if self._sources.get(address) is source:
             del self._sources[address]
         source.forgotten = True
         if source.users == 0 and self._agents.get(source.name) is source:
-            del self._agents[source.name]
             try:
                 self._memory.agent.remove_remote_agent(source.nixl_name)
+                del self._agents[source.name]
             except NIXL_ERRORS as e:
                 log.warning("NIXL could not drop the agent of %s: %s", address, e)
 
     def _forget_idle(self) -> None:
-        """Sources no pull used for SOURCE_IDLE_S (gone, or no longer routed here): their agents
-        and UCX endpoints would otherwise stay loaded for the process's life."""
+        """Sources no pull used for SOURCE_IDLE_S (gone, or no longer routed here), checked as
+        pulls start: their agents and UCX endpoints would otherwise stay loaded for good."""
         now = time.monotonic()
         with self._lock:
-            for address, source in list(self._sources.items()):
-                if source.users == 0 and now - source.last_used > SOURCE_IDLE_S:
+            idle = [a for a, s in self._sources.items() if s.users == 0 and now - s.last_used > SOURCE_IDLE_S]
+        for address in idle:
+            with self._address_lock(address), self._lock:
+                source = self._sources.get(address)
+                if source is not None and source.users == 0 and now - source.last_used > SOURCE_IDLE_S:
                     self._forget(address, source)
 
     def _read(self, source: _Source, handle: kv_pb2.KVHandle, remote_block_ids: list[int],
