@@ -187,6 +187,11 @@ class BlockManager:
     def num_used_blocks(self) -> int:
         return self.num_blocks - self.num_free_blocks
 
+    @property
+    def num_usable_blocks(self) -> int:
+        """The pool but the blocks retired for good."""
+        return self.num_blocks - self.num_retired_blocks
+
     def block_table(self, seq_id: SeqId) -> list[int]:
         return list(self._seq(seq_id).block_ids)
 

@@ -238,8 +238,7 @@ class Engine:
         that holds fewer tokens (blocks retired for good not counted): what `validate` refuses a
         prompt at, where a sequence ends with "length", and what a worker registers. A sequence
         past the pool could never be scheduled again once preempted, and would block the queue."""
-        usable = self.blocks.num_blocks - self.blocks.num_retired_blocks
-        return min(self.max_model_len, usable * self.config.block_size)
+        return min(self.max_model_len, self.blocks.num_usable_blocks * self.config.block_size)
 
     def take_over(self, request_id: str, prompt_token_ids: Seq[int], params: SamplingParams
                   ) -> tuple[int, list[int]] | None:
@@ -251,13 +250,17 @@ class Engine:
         busy = len(self.scheduler.running) + len(self.incoming)
         if self.scheduler.waiting or busy >= self.config.max_num_seqs or not self.blocks.can_allocate(prompt_token_ids):
             return None
-        return self.reserve_prefilled(request_id, prompt_token_ids, params)
+        return self._reserve_prefilled(request_id, prompt_token_ids, params)
 
     def reserve_prefilled(self, request_id: str, prompt_token_ids: Seq[int], params: SamplingParams) -> tuple[int, list[int]]:
         """Allocate blocks for a request prefilled elsewhere; returns (prompt tokens already cached
         here, block table). The caller fills the blocks past the cached ones, then calls
         `admit_prefilled` (or `drop_incoming` if the transfer failed)."""
         self.validate(request_id, prompt_token_ids, params)
+        return self._reserve_prefilled(request_id, prompt_token_ids, params)
+
+    def _reserve_prefilled(self, request_id: str, prompt_token_ids: Seq[int], params: SamplingParams
+                           ) -> tuple[int, list[int]]:
         cached = self.blocks.allocate(request_id, prompt_token_ids)
         seq = Sequence.new(request_id, prompt_token_ids, params)
         seq.num_cached_prompt = cached
@@ -381,8 +384,8 @@ class Engine:
             raise InvalidRequest("prompt", f"{len(prompt)} tokens leave no room to generate within the context limit of {self.max_model_len} tokens")
         if len(prompt) >= self.context_limit():
             blocks = -(-(len(prompt) + 1) // self.config.block_size)
-            usable = self.blocks.num_blocks - self.blocks.num_retired_blocks
-            raise CapacityExceeded(f"prompt needs {blocks} KV blocks; this worker's pool has {usable}")
+            raise CapacityExceeded(f"prompt needs {blocks} KV blocks; this worker's pool has "
+                                   f"{self.blocks.num_usable_blocks}")
 
 
 def _rows(hidden: torch.Tensor | None, first: int, rows: list[int]) -> torch.Tensor | None:
