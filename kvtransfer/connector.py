@@ -83,6 +83,17 @@ def remaining(deadline: float) -> float:
     return max(0.0, deadline - time.monotonic())
 
 
+class PerSource(Protocol):
+    """What a connector keeps per source (a channel, a NIXL agent) and lets go when idle."""
+    users: int  # pulls using it now
+    last_used: float  # time.monotonic() when the last one ended
+
+
+def idle(entry: PerSource, now: float) -> bool:
+    """No pull uses it, nor has for SOURCE_IDLE_S."""
+    return entry.users == 0 and now - entry.last_used > SOURCE_IDLE_S
+
+
 class BaseConnector(abc.ABC):
     """Checks, Release and channels shared by the backends; each moves the bytes in `_move`."""
 
@@ -134,7 +145,7 @@ class BaseConnector(abc.ABC):
         """The source's channel, counted as in use until the pull ends; idle ones closed."""
         now = time.monotonic()
         with self._channels_lock:
-            for gone in [a for a, c in self._channels.items() if c.users == 0 and now - c.last_used > SOURCE_IDLE_S]:
+            for gone in [a for a, c in self._channels.items() if idle(c, now)]:
                 self._channels.pop(gone).channel.close()
             if address not in self._channels:
                 self._channels[address] = _Channel(channel(address, self.token, self.tls))

@@ -23,7 +23,7 @@ from nixl_cu12 import _bindings as nixl_bindings
 from nixl_cu12._api import nixl_agent, nixl_agent_config, nixl_xfer_handle
 
 from engine.kv_layout import KVLayout
-from kvtransfer.connector import SOURCE_IDLE_S, BaseConnector, KVTransferError, check_layout, remaining, rpc_failure
+from kvtransfer.connector import BaseConnector, KVTransferError, check_layout, idle, remaining, rpc_failure
 from kvtransfer.layout import layout_to_proto
 from proto.pdspec.v1 import kv_pb2, kv_pb2_grpc
 from proto.rpc import Tls
@@ -205,15 +205,15 @@ class NixlConnector(BaseConnector):
                 log.warning("NIXL could not drop the agent of %s: %s", address, e)
 
     def _forget_idle(self) -> None:
-        """Sources no pull used for SOURCE_IDLE_S (gone, or no longer routed here), checked as
+        """Sources no pull used for a while (`idle`: gone, or no longer routed here), checked as
         pulls start: their agents and UCX endpoints would otherwise stay loaded for good."""
         now = time.monotonic()
         with self._lock:
-            idle = [a for a, s in self._sources.items() if s.users == 0 and now - s.last_used > SOURCE_IDLE_S]
-        for address in idle:
+            unused = [a for a, s in self._sources.items() if idle(s, now)]
+        for address in unused:
             with self._address_lock(address), self._lock:
                 source = self._sources.get(address)
-                if source is not None and source.users == 0 and now - source.last_used > SOURCE_IDLE_S:
+                if source is not None and idle(source, now):
                     self._forget(address, source)
 
     def _read(self, source: _Source, handle: kv_pb2.KVHandle, remote_block_ids: list[int],
