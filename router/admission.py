@@ -3,9 +3,10 @@
 At most `capacity()` requests run at once: the running batches of the workers that decode
 (Registry.capacity: the decode workers' `max_num_seqs`, or the aggregated workers'; a
 disaggregated request counts once, whether it is prefilling or decoding). Others wait here in
-arrival order, at most `max_queued` of them, each at most `max_wait_s`. A request that cannot be admitted is refused at once, not accepted to time out
-later: when the queue is full, or when the measured time a request holds its slot says it would
-wait longer than `max_wait_s`. The refusal names the limit and when to retry.
+arrival order, at most `max_queued` of them, each at most `max_wait_s`. A request that cannot be
+admitted is refused at once, not accepted to time out later: when the queue is full, or when the
+measured time a request holds its slot says it would wait longer than `max_wait_s`. The refusal
+names the limit and when to retry.
 
 With no capacity (no worker registered) requests pass through: routing answers UNAVAILABLE.
 """
