@@ -27,7 +27,10 @@ MAX_TOKENS = 24
 def cluster():
     config = parse_config({
         "engine": {"num_kv_blocks": 256, "max_num_seqs": 8,
-                   "speculative": {"method": "eagle3", "num_speculative_tokens": 4, "adaptive": False}},
+                   # Drafting at every batch size (the CPU default stops above 2 sequences): the load
+                   # test's tau needs a verification step however its 4 requests happen to overlap.
+                   "speculative": {"method": "eagle3", "num_speculative_tokens": 4, "adaptive": False,
+                                   "disable_by_batch_size": None}},
         "cluster_token": "pdspec-tests",
         "router": {"port": 0, "http_port": 0, "request_timeout_s": 900.0},
         "prefill": {"replicas": 1, "kv_transfer": "grpc"}, "decode": {"replicas": 1, "kv_transfer": "grpc"},
