@@ -4,7 +4,10 @@ For each chat prompt, taking turns (the order rotates per prompt): llama.cpp (ll
 in its own process so the two OpenMP runtimes never share a core), pdspec plain and pdspec with
 EAGLE3 at the shipped config's settings, each decoding NEW_TOKENS greedy tokens (end-of-turn
 ignored, so every run decodes the same count). A run's ms/token is (last token's time - first
-token's time) / (tokens - 1): decode only, prefill excluded. Then pdspec at batch 4 and 16
+token's time) / (tokens - 1): decode only, prefill excluded. Past the end of its turn the model goes
+on with text unlike chat (and EAGLE3's acceptance with it), so each run is also timed up to the
+position where pdspec plain's greedy answer ends (`ms_per_token_answer`, over the prompts whose
+answer holds at least MIN_ANSWER tokens), and the JSON gives the share of tokens past it. Then pdspec at batch 4 and 16
 (aggregate), each `--batch-reps` times in turn (a single pass swung 30-50 % on a shared host): the
 median, and the range in the JSON. Prints one JSON object, then a table; `x llama.cpp` is
 llama.cpp's batch-1 ms/token over the row's, `x batch 1` pdspec plain's.
@@ -42,6 +45,7 @@ from engine.params import SamplingParams
 ROOT = Path(__file__).resolve().parent.parent
 PROMPTS = ROOT / "bench" / "prompts" / "chat_eval.jsonl"
 CONFIG = ROOT / "deploy" / "configs" / "local.yaml"
+MIN_ANSWER = 16  # shorter answers give an answer-only ms/token from too few steps to mean much
 
 
 def _llama_worker(conn, gguf: str, threads: int) -> None:
@@ -85,6 +89,12 @@ def _engine_stamps(engine: Engine, tokens: list[int], n: int) -> list[float]:
     for out in engine.generate(tokens, SamplingParams(max_tokens=n, ignore_eos=True)):
         stamps += [time.perf_counter()] * len(out.token_ids)
     return stamps
+
+
+def _answer_length(engine: Engine, tokens: list[int], n: int) -> int:
+    """Tokens in the greedy answer up to and including its end of turn (n if it runs on)."""
+    answer = [t for out in engine.generate(tokens, SamplingParams(max_tokens=n)) for t in out.token_ids]
+    return len(answer)
 
 
 def _ms_per_token(stamps: list[float]) -> float:
@@ -135,13 +145,19 @@ def main() -> None:
     }
     for run in runs.values():  # warm-up: kernels built, caches and thread pools up
         run(prompts[0][:32])
+    answers = [_answer_length(plain, tokens, args.new_tokens) for tokens in prompts]
     ms: dict[str, list[float]] = {name: [] for name in runs}
+    ms_answer: dict[str, list[float]] = {name: [] for name in runs}
     names = list(runs)
     for i, tokens in enumerate(tqdm(prompts, desc="prompts", unit="prompt")):
         for name in names[i % len(names):] + names[: i % len(names)]:
-            ms[name].append(_ms_per_token(runs[name](tokens)))
+            stamps = runs[name](tokens)
+            ms[name].append(_ms_per_token(stamps))
+            if answers[i] >= MIN_ANSWER:
+                ms_answer[name].append(_ms_per_token(stamps[: answers[i]]))
     peer.close()
     median = {name: statistics.median(v) for name, v in ms.items()}
+    median_answer = {name: statistics.median(v) for name, v in ms_answer.items() if v}
     # Batch 1 again in the same passes: "x batch 1" compares runs taken in turn, not minutes apart.
     passes = {b: [] for b in dict.fromkeys([1, *args.batches])}
     for _ in tqdm(range(args.batch_reps), desc="batches", unit="pass"):
@@ -158,17 +174,26 @@ def main() -> None:
         "ms_per_token": {name: round(v, 2) for name, v in median.items()},
         "per_prompt_ms": {name: [round(x, 2) for x in v] for name, v in ms.items()},
         "speedup_vs_llama_cpp": {name: round(median["llama.cpp"] / v, 2) for name, v in median.items()},
+        "answer_tokens": answers,
+        "share_past_end_of_turn": round(1 - sum(answers) / (len(answers) * args.new_tokens), 3),
+        "ms_per_token_answer": {name: round(v, 2) for name, v in median_answer.items()},
+        "speedup_vs_llama_cpp_answer": {name: round(median_answer["llama.cpp"] / v, 2)
+                                        for name, v in median_answer.items()},
         "batch_ms_per_token": {str(b): round(v, 3) for b, v in batched.items()},
         "batch_ms_per_token_range": {str(b): [round(min(v), 3), round(max(v), 3)] for b, v in passes.items()},
         "batch_speedup_vs_llama_cpp_batch1": {str(b): round(median["llama.cpp"] / v, 2) for b, v in batched.items()},
         "batch_speedup_vs_pdspec_batch1": {str(b): round(batched[1] / v, 2) for b, v in batched.items()},
     }
     print(json.dumps(result))
-    print(f"\n{'run':<22}{'ms/token':>10}{'x llama.cpp':>13}{'x batch 1':>11}")
+    print(f"\n{'run':<22}{'ms/token':>10}{'x llama.cpp':>13}{'x batch 1':>11}{'answer only':>13}{'x llama.cpp':>13}")
     for name, v in median.items():
-        print(f"{name:<22}{v:>10.2f}{median['llama.cpp'] / v:>13.2f}")
+        answer = median_answer.get(name)
+        tail = f"{answer:>13.2f}{median_answer['llama.cpp'] / answer:>13.2f}" if answer else ""
+        print(f"{name:<22}{v:>10.2f}{median['llama.cpp'] / v:>13.2f}{'':>11}{tail}")
     for b, v in batched.items():
         print(f"{'pdspec batch ' + str(b):<22}{v:>10.3f}{median['llama.cpp'] / v:>13.2f}{batched[1] / v:>11.2f}")
+    print(f"answer only: up to the end of pdspec plain's greedy answer ({result['share_past_end_of_turn']:.0%} of "
+          f"the tokens are past it), prompts with >= {MIN_ANSWER} answer tokens")
     print("batch rows: aggregate ms/token (the batch's tokens together) against llama.cpp's batch 1, and against "
           "pdspec's batch 1 in the same passes")
 
