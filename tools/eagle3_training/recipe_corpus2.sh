@@ -44,4 +44,4 @@ done
 $PY -m deploy.cli train-eagle3 --prompts "$RUN/mix.jsonl" --out "$RUN" --stage distill --tokens-only \
     --max-new-tokens 192 --batch-size 48
 $PY -m deploy.cli train-eagle3 --prompts "$RUN/mix.jsonl" --out "$RUN" --stage train --epochs 1 --ttt-steps 4 \
-    --lr 5e-4 --max-hours "${HOURS:-1}" --snapshot-tokens 4e6 8e6 16e6 32e6
+    --lr 5e-4 --max-hours "${HOURS:-1}" --snapshot-tokens 1e6 2e6 4e6 8e6 16e6 32e6
