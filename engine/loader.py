@@ -11,7 +11,7 @@ import torch
 from safetensors import safe_open
 
 from engine.model_dir import weight_files
-from engine.quant import BLOCK_BYTES, BLOCK_WEIGHTS, BLOCKS_FILE, QuantizedTensor
+from engine.quant import BLOCK_BYTES, BLOCK_WEIGHTS, BLOCKS_FILE, Q4_0_MAX_SCALE, QuantizedTensor, fits_kernels
 
 log = logging.getLogger(__name__)
 
@@ -44,9 +44,13 @@ def _load_blocks(model_dir: Path, prefix: str, device: torch.device, int8_dot: b
                 data = fh.get_tensor(name).to(device)
                 cols = data.shape[1] // BLOCK_BYTES[qtypes[name]] * BLOCK_WEIGHTS[qtypes[name]]
                 blocks[name] = QuantizedTensor(qtypes[name], data, cols, int8_dot)
+    unfit = sorted(name for name, w in blocks.items() if not fits_kernels(w))
     dequantized = Counter(kind for name, kind in qtypes.items() if name.startswith(prefix) and name not in blocks)
     if dequantized:
         log.info("%s: running %s dequantized (no kernel for these types)", model_dir.name,
                  ", ".join(f"{n} {kind} tensors" for kind, n in sorted(dequantized.items())))
-    return blocks
+    if unfit:
+        log.info("%s: running %d Q4_0 tensors dequantized, their scales beyond %g (the Q4 kernels' fp16 min "
+                 "overflows): %s", model_dir.name, len(unfit), Q4_0_MAX_SCALE, ", ".join(unfit))
+    return {name: w for name, w in blocks.items() if name not in unfit}
 

@@ -33,6 +33,8 @@ PANEL_BLOCK_BYTES = {8: 34, 4: 20, 6: 24, 10: 40}
 # Bytes of a column kept together in a panel: one for the exact kernel (a vector of columns per k),
 # four for the int8 dot products (one 32-bit lane per column, its next 4 k values).
 GROUP = {False: 1, True: 4}
+# Q4_0 runs as Q4_1 with m = -8d in fp16 (kernel_blocks): a scale beyond this overflows that min.
+Q4_0_MAX_SCALE = 65504 / 8
 
 
 @dataclass(frozen=True)
@@ -155,6 +157,15 @@ def _nibbles(b: torch.Tensor) -> torch.Tensor:
     return torch.cat([b & 15, b >> 4], dim=-1)
 
 
+def fits_kernels(w: QuantizedTensor) -> bool:
+    """Whether w's blocks have a panel form: all do but Q4_0 with a scale beyond Q4_0_MAX_SCALE
+    (such a tensor runs dequantized; a NaN or infinite scale is garbage either way)."""
+    if w.qtype != "Q4_0":
+        return True
+    d = w.data.reshape(w.shape[0], -1, BLOCK_BYTES["Q4_0"])[..., 0:2].contiguous().view(torch.float16)
+    return not bool((d.float().abs() > Q4_0_MAX_SCALE).any())
+
+
 def kernel_blocks(w: QuantizedTensor) -> tuple[list[torch.Tensor], torch.Tensor]:
     """w's 32-blocks as its kernel format holds them: the scale fields (each [rows, blocks] or
     [rows, blocks, 2], fp16 or fp32) and the quant bytes [rows, blocks, 16 or 32] (nibble bytes
@@ -172,6 +183,8 @@ def kernel_blocks(w: QuantizedTensor) -> tuple[list[torch.Tensor], torch.Tensor]
         return [d], blocks[..., 2:]
     if w.qtype == "Q4_1":
         return [d, blocks[..., 2:4].contiguous().view(torch.float16)[..., 0]], blocks[..., 4:]
+    if not fits_kernels(w):
+        raise ValueError(f"Q4_0 scales beyond {Q4_0_MAX_SCALE:g} overflow the Q4 kernels' fp16 min: run it dequantized")
     return [d, d * -8], blocks[..., 2:]  # Q4_0 as Q4_1 with m = -8d (exact in fp16: a power-of-two scaling)
 
 

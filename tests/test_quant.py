@@ -141,6 +141,31 @@ def test_bad_shapes_are_refused():
         kernels.quant_gemm(torch.randn(1, 96), panels, "Q8_0", 4)
 
 
+def test_q4_0_beyond_the_kernels_fp16_min_runs_dequantized(tmp_path, caplog):
+    """The kernels hold Q4_0 as Q4_1 with m = -8d in fp16: a scale past 65504 / 8 would make m
+    infinite, so such a tensor is refused by the packing and loads as floats (and is named)."""
+    from safetensors.torch import save_file
+
+    from engine.loader import load_weights
+    from engine.quant import BLOCKS_FILE, pack_panels
+
+    ok, big = _quantized("Q4_0", 4, 64), _quantized("Q4_0", 4, 64, seed=1)
+    blocks = big.data.clone().view(4, 2, 18)
+    blocks[1, 0, 0:2] = torch.tensor([9000.0], dtype=torch.float16).view(torch.uint8)
+    big = QuantizedTensor("Q4_0", blocks.view(4, 36), 64)
+    with pytest.raises(ValueError, match="Q4_0 scales beyond 8188 overflow"):
+        pack_panels(big, 8)
+    (tmp_path / BLOCKS_FILE).parent.mkdir()
+    save_file({"ok.weight": ok.data, "big.weight": big.data}, tmp_path / BLOCKS_FILE,
+              metadata={"qtypes": '{"ok.weight": "Q4_0", "big.weight": "Q4_0"}'})
+    save_file({"ok.weight": ok.dequantize(), "big.weight": big.dequantize()}, tmp_path / "model.safetensors")
+    with caplog.at_level("INFO", logger="engine.loader"):
+        weights = load_weights(tmp_path, torch.float32, torch.device("cpu"), blocks="exact")
+    assert isinstance(weights["ok.weight"], QuantizedTensor)
+    assert torch.equal(weights["big.weight"], big.dequantize()) and weights["big.weight"][1, 0].abs() > 8188
+    assert "1 Q4_0 tensors dequantized" in caplog.text and "big.weight" in caplog.text
+
+
 @pytest.mark.parametrize("first", [0, 5, 32, 70])
 def test_quantized_linear_first_output_computes_a_tail(first):
     w = _quantized("Q4_0", 100, 64)
