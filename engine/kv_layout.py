@@ -37,7 +37,7 @@ def encode_rows(x: torch.Tensor, cache_dtype: torch.dtype) -> torch.Tensor:
         return x.to(cache_dtype)
     x = x.float()
     amax = x.abs().amax(-1, keepdim=True)
-    scale = amax / 127
+    scale = torch.where(amax.isfinite(), amax / 127, torch.nan)  # a NaN or inf in the row: it reads back NaN
     values = torch.where(scale > 0, torch.round(x / scale), 0).clamp(-127, 127).to(torch.int8)
     return torch.cat([values, scale.view(torch.int8)], -1)
 

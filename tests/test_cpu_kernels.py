@@ -98,6 +98,23 @@ def test_an_int8_cache_quantizes_and_multiplies_as_the_torch_path_does(isa):
 
 
 @pytest.mark.parametrize("isa", ISAS)
+def test_an_int8_cache_keeps_nan_as_the_torch_path_does(isa):
+    """A key row or a query holding a NaN or an infinity is stored (or quantized) with a NaN scale
+    and zero values in C as encode_rows does, so what reads it is NaN, not finite noise."""
+    q, layer_cache, meta = _case([1, 6, 1], [40, 37, 300], 9, 3, 64, 16, seed=5)
+    q[0, 2, 7] = float("nan")  # sequence 0's query, head 2
+    q[3, 4, 1] = float("inf")  # sequence 1's fourth query, head 4
+    rows = encode_rows(torch.tensor([[1.0, float("nan")], [float("inf"), 2.0], [3.0, -3.0]]), torch.int8)
+    scales = rows[:, -4:].contiguous().view(torch.float32).flatten()
+    assert scales[:2].isnan().all() and (rows[:2, :2] == 0).all() and scales[2] == 3 / 127
+    cache = encode_rows(layer_cache, torch.int8)
+    ours, ref = native_paged_attention(q, cache, meta, 0.125, isa), paged_attention(q, cache, meta, 0.125)
+    heads_nan = ours.view(*q.shape).isnan().any(-1)
+    assert torch.equal(ours.isnan(), ref.isnan()) and heads_nan.sum() == 2 and heads_nan[0, 2] and heads_nan[3, 4]
+    assert (ours.nan_to_num() - ref.nan_to_num()).abs().max() < 1e-4
+
+
+@pytest.mark.parametrize("isa", ISAS)
 def test_a_bf16_cache_rounds_the_queries_half_to_even(isa):
     """On a bf16 cache the queries are rounded to bf16 too (to nearest, ties to even, as torch rounds)
     before their products with the keys, in C as in the torch path: here every query element sits at

@@ -91,6 +91,26 @@ def test_int8_gemm_matches_its_reference_and_each_row_is_batch_invariant(isa, qt
 
 
 @pytest.mark.parametrize("isa", ISAS)
+def test_int8_gemm_keeps_nan_and_infinity_and_zeroes_subnormal_blocks(isa):
+    """A NaN or infinite activation makes its row's outputs NaN, as the exact kernel's (they were
+    large finite numbers); a block so small that 127 / max|x| overflows counts as zeros."""
+    kernels = cpu_kernels.kernels(isa)
+    w = _quantized("Q4_1", 8, 64, int8_dot=True)
+    panels = kernels.pack_quantized(w)
+    torch.manual_seed(1)
+    x = torch.randn(4, 64)
+    x[0, 5], x[1, 40] = float("nan"), float("-inf")
+    x[2, :32] = 1e-39
+    y = kernels.quant_gemm(x, panels, "Q4_1", 8, None, int8_dot=True)
+    exact = kernels.quant_gemm(x, kernels.pack_quantized(_quantized("Q4_1", 8, 64)), "Q4_1", 8)
+    assert y[:2].isnan().all() and exact[:2].isfinite().logical_not().all()
+    zeroed = x[2:3].clone()
+    zeroed[0, :32] = 0
+    assert torch.equal(y[2], kernels.quant_gemm(zeroed, panels, "Q4_1", 8, None, int8_dot=True)[0])
+    assert torch.equal(y[3], kernels.quant_gemm(x[3:], panels, "Q4_1", 8, None, int8_dot=True)[0])
+
+
+@pytest.mark.parametrize("isa", ISAS)
 @pytest.mark.parametrize("int8_dot", [False, True])
 @pytest.mark.parametrize("qtype", QUANT_TYPES)
 def test_rows_read_back_from_panels(isa, qtype, int8_dot):

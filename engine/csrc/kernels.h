@@ -32,12 +32,20 @@ static inline int pd_kv_esize(int kv_type) { return kv_type == PD_KV_F32 ? 4 : k
 static inline int pd_kv_row(int kv_type, int dim) { return kv_type == PD_KV_INT8 ? dim + 4 : dim; }
 
 /* x[n] as int8, q = round-half-even(x / s) within +-127, s = max|x| / 127 (an all-zero x: s = 0,
- * q = 0); returns s. An int8 cache's rows (engine/kv_layout.py's encode_rows writes the same
- * bytes), and the queries its scores are integer dot products with. The clamp matters only where
- * s is subnormal (x / s may round to 128); dot_i8 relies on |q| <= 127. */
+ * q = 0; an x holding a NaN or an infinity: s = NaN, q = 0, so it reads back as NaN); returns s.
+ * An int8 cache's rows (engine/kv_layout.py's encode_rows writes the same bytes), and the queries
+ * its scores are integer dot products with. The clamp matters only where s is subnormal (x / s
+ * may round to 128); dot_i8 relies on |q| <= 127. */
 static inline float pd_quantize_i8(const float *x, int n, int8_t *q) {
-    float amax = 0.0f;
-    for (int i = 0; i < n; i++) amax = fabsf(x[i]) > amax ? fabsf(x[i]) : amax;
+    float amax = 0.0f, probe = 0.0f;
+    for (int i = 0; i < n; i++) {
+        amax = fabsf(x[i]) > amax ? fabsf(x[i]) : amax;
+        probe += x[i] * 0.0f; /* NaN only if some x is NaN or infinite */
+    }
+    if (probe != probe) {
+        memset(q, 0, (size_t)n);
+        return NAN;
+    }
     float s = amax / 127.0f;
     for (int i = 0; i < n; i++) {
         float v = s > 0.0f ? nearbyintf(x[i] / s) : 0.0f;

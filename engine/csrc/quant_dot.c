@@ -57,17 +57,25 @@ typedef struct {
 } qrows;
 
 /* One row, per 32-block: d_x = max|x| / 127, q_x = round-half-even(x / d_x) (the magic-number
- * rounding is nearbyintf's in the default rounding mode, |x / d_x| <= 127). */
+ * rounding is nearbyintf's in the default rounding mode, |x / d_x| <= 127). A block holding a NaN
+ * or an infinity gets d_x = NaN and q_x = 0, so its row's outputs are NaN as the exact kernel's
+ * are; one so small that 127 / max|x| overflows (subnormal) is a zero block. */
 static void quantize_row(const float *x, int K, uint8_t *xb, float *d, float *ds, int32_t *s, int32_t *s16) {
     typedef int8_t vbyte __attribute__((vector_size(LANES)));
     for (int b = 0; b < K / QBLOCK; b++) {
         const float *xs = x + b * QBLOCK;
-        vfloat amax = splat(0.0f);
+        vfloat amax = splat(0.0f), probe = splat(0.0f);
         for (int i = 0; i < QBLOCK; i += LANES) {
             vfloat v = load_f32(xs + i), a = select_lanes(v < 0, -v, v);
             amax = select_lanes(a > amax, a, amax);
+            probe += v * 0.0f; /* NaN only where some x is NaN or infinite */
         }
         float m = hmax(amax), scale = m / 127.0f, inv = m > 0.0f ? 127.0f / m : 0.0f;
+        float finite = hsum(probe);
+        if (finite != finite)
+            scale = NAN, inv = 0.0f;
+        else if (inv > __FLT_MAX__)
+            inv = 0.0f;
         vint sum = splat_i(0);
         int8_t q[QBLOCK];
         for (int i = 0; i < QBLOCK; i += LANES) {
