@@ -1,7 +1,8 @@
 """Public API keys (router.api_key_file): who may call Generate and Abort.
 
 The file holds one key per line (blank lines and '#' comments ignored) and is re-read when it
-changes, so keys are added and revoked without a restart. Clients send `authorization: Bearer
+changes, so keys are added and revoked without a restart (an emptied, removed or unreadable
+file accepts no key). Clients send `authorization: Bearer
 <key>` (gRPC metadata, or the HTTP header the OpenAI front forwards). A request is owned by its
 key: Abort ends only requests made with the same one. Health, reflection and /metrics stay open.
 """
@@ -24,9 +25,14 @@ class ApiKeys:
     def __init__(self, path: Path) -> None:
         self._path = path
         self._lock = threading.Lock()
-        self._stamp: tuple[int, int] | None = None
         self._checked = 0.0
-        self._keys = self._read()  # a bad file fails the router's start, naming the field
+        try:  # a bad file fails the router's start, naming the field
+            self._stamp = self._stat()
+            self._keys = self._read()
+        except OSError as e:
+            raise ValueError(f"router.api_key_file: cannot read {path}: {e.strerror}") from None
+        if not self._keys:
+            raise ValueError(f"router.api_key_file: {path} holds no key (one per line)")
 
     def owner(self, authorization: str) -> str | None:
         """The caller's identity (a digest of its key) for an `authorization` value, or None if it
@@ -48,16 +54,24 @@ class ApiKeys:
         return MetadataGate(names, refusal)
 
     def _current(self) -> frozenset[str]:
+        """The keys the file holds now. Emptied, it revokes them all; gone or unreadable, no key is
+        accepted either (an operator deleting it means to shut the API, and a key leaked is not
+        kept working by a file that cannot be read)."""
         now = time.monotonic()
         with self._lock:
             if now - self._checked >= _RECHECK_S:
                 self._checked = now
                 try:
-                    if self._stat() != self._stamp:
-                        self._keys = self._read()
-                        log.info("re-read %d API keys from %s", len(self._keys), self._path)
-                except (OSError, ValueError) as e:  # keep serving with the keys we had
-                    log.warning("router.api_key_file: keeping the previous keys: %s", e)
+                    stamp = self._stat()
+                    if stamp != self._stamp:
+                        self._stamp, self._keys = stamp, self._read()
+                        log.log(logging.INFO if self._keys else logging.WARNING, "re-read %d API keys from %s%s",
+                                len(self._keys), self._path, "" if self._keys else ": every call is refused")
+                except OSError as e:
+                    if self._stamp is not None:
+                        log.error("router.api_key_file: cannot read %s (%s): every call is refused until it can",
+                                  self._path, e.strerror)
+                    self._stamp, self._keys = None, frozenset()
             return self._keys
 
     def _stat(self) -> tuple[int, int]:
@@ -65,12 +79,6 @@ class ApiKeys:
         return st.st_mtime_ns, st.st_size
 
     def _read(self) -> frozenset[str]:
-        try:
-            self._stamp = self._stat()
-            lines = self._path.read_text().splitlines()
-        except OSError as e:
-            raise ValueError(f"router.api_key_file: cannot read {self._path}: {e.strerror}") from None
+        lines = self._path.read_text().splitlines()
         keys = [line.strip() for line in lines if line.strip() and not line.strip().startswith("#")]
-        if not keys:
-            raise ValueError(f"router.api_key_file: {self._path} holds no key (one per line)")
         return frozenset(hashlib.sha256(k.encode()).hexdigest() for k in keys)

@@ -73,9 +73,11 @@ def run_router(rc: RouterConfig, token: str | None, model_dir: Path, model_name:
         [registry_service], f"{rc.host}:{rc.internal_port if internal_port is None else internal_port}", token,
         internal=["pdspec.v1.Registry"], tls=tls)
     address = f"{rc.host}:{rc.port if port is None else port}"
-    public = {f"{ROUTER_SERVICE}/Generate", f"{ROUTER_SERVICE}/Abort"}
+    # ListWorkers hands out internal addresses: only for callers with the cluster token, or without
+    # one (an open cluster), at least an API key.
+    public = {f"{ROUTER_SERVICE}/Generate", f"{ROUTER_SERVICE}/Abort"} | (
+        set() if token else {f"{ROUTER_SERVICE}/ListWorkers"})
     try:
-        # ListWorkers hands out internal addresses: only for callers with the cluster token.
         server, bound = serve([(router_pb2_grpc.add_RouterServicer_to_server, router, ROUTER_SERVICE)], address, token,
                               internal=[f"{ROUTER_SERVICE}/ListWorkers"], health_servicer=health_servicer,
                               not_ready=[ROUTER_SERVICE],

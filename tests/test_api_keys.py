@@ -100,6 +100,48 @@ def test_the_key_file_is_re_read_when_it_changes(tmp_path):
     assert keys.owner("Bearer new-key") is not None
 
 
+def test_without_a_cluster_token_list_workers_needs_an_api_key(key_file, model_dir):
+    """ListWorkers names every worker's internal address: the cluster token guards it, and in a
+    cluster without one the API keys do (it was open to anyone on the public port)."""
+    from router.config import RouterConfig
+    from router.main import run_router
+
+    router = run_router(RouterConfig(api_key_file=key_file), None, model_dir, "smollm2", port=0, internal_port=0)
+    try:
+        with grpc.insecure_channel(f"127.0.0.1:{router.port}") as channel:
+            stub = router_pb2_grpc.RouterStub(channel)
+            with pytest.raises(grpc.RpcError) as refused:
+                stub.ListWorkers(router_pb2.ListWorkersRequest(), timeout=10)
+            assert refused.value.code() == grpc.StatusCode.UNAUTHENTICATED
+            assert list(stub.ListWorkers(router_pb2.ListWorkersRequest(), metadata=_bearer("key-bob"),
+                                         timeout=10).workers) == []
+    finally:
+        router.stop(0)
+
+
+def _until(condition, what: str) -> None:
+    deadline = time.monotonic() + 10
+    while not condition():
+        assert time.monotonic() < deadline, what
+        time.sleep(0.1)
+
+
+def test_an_emptied_or_removed_key_file_accepts_no_key(tmp_path):
+    """Revoking the last key by emptying the file, or removing it, shuts the API: the old keys
+    were kept working before (the file was refused as holding no key)."""
+    path = tmp_path / "keys"
+    path.write_text("leaked-key\n")
+    keys = ApiKeys(path)
+    path.write_text("# revoked\n")
+    _until(lambda: keys.owner("Bearer leaked-key") is None, "the emptied file's key still works")
+    path.write_text("new-key\n")
+    _until(lambda: keys.owner("Bearer new-key") is not None, "a key added again is not taken")
+    path.unlink()
+    _until(lambda: keys.owner("Bearer new-key") is None, "the removed file's key still works")
+    path.write_text("new-key\n")
+    _until(lambda: keys.owner("Bearer new-key") is not None, "the file written again is not taken")
+
+
 @pytest.mark.parametrize("content, error", [(None, "cannot read"), ("# only a comment\n", "holds no key")])
 def test_a_bad_key_file_is_refused_naming_the_field(tmp_path, content, error):
     path = tmp_path / "keys"
