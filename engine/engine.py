@@ -26,7 +26,8 @@ from engine.batch import SeqChunk
 from engine.block_manager import BlockManager
 from engine.config import EngineConfig
 from engine.errors import CapacityExceeded, InvalidRequest, RequestIdInUse
-from engine.output import KVHandle, OutputStream, RequestOutput, Usage
+from engine.handoff import Handoff
+from engine.output import OutputStream, RequestOutput, Usage
 from engine.runner import ModelRunner
 from engine.params import SamplingParams
 from engine.scheduler import ScheduledSeq, Scheduler, context_cost
@@ -39,7 +40,7 @@ from engine.stats import EngineStats
 from engine.tokenizer import Tokenizer
 
 
-class Engine:
+class Engine(Handoff):
     def __init__(self, config: EngineConfig):
         self.config = config
         self.runner = ModelRunner(config)
@@ -131,10 +132,16 @@ class Engine:
                                                 [proposals[i].token_ids for i in sampling], out.logits,
                                                 [proposals[i].parents for i in sampling]))
         paths = dict(zip(sampling, verdict.paths))
+        # The output first: a stop inside an accepted run ends it there, and no KV may stay past it
+        # (a full block of it would be prefix-cached with draft entries never corrected).
+        pushed = {i: self._push(scheduled[i].seq, verdict.tokens[j]) for j, i in enumerate(sampling)
+                  if not scheduled[i].seq.prefill_only}
         row = 0
         for i, (s, chunk) in enumerate(zip(scheduled, chunks)):
             # KV stays for the chunk's real tokens and the accepted drafts; the rest rolls back.
             rows = self._kept_rows(chunk, len(proposals[i].token_ids), paths.get(i, []))
+            if i in pushed:  # the output's last token has no KV yet, nor anything after it
+                rows = rows[: len(s.seq.token_ids) - 1 - chunk.start]
             self.blocks.commit(s.seq.seq_id, [chunk.token_ids[r] for r in rows])
             if s.num_lookahead:
                 self.blocks.rollback(s.seq.seq_id)
@@ -145,12 +152,12 @@ class Engine:
         for j, i in enumerate(sampling):
             seq, a = scheduled[i].seq, len(paths[i])
             if scheduled[i].num_lookahead:
-                seq.acceptance.record(len(proposals[i].token_ids), a, depth=proposals[i].chain_length)
+                seq.acceptance.record(len(proposals[i].token_ids), a, depth=proposals[i].depth)
                 self.counters["draft_tokens"] += len(proposals[i].token_ids)
                 self.counters["accepted_tokens"] += a
                 self.counters["verify_steps"] += 1
-            tokens = verdict.tokens[j]
-            outputs.append(self._prefilled_handle(seq, tokens[0]) if seq.prefill_only else self._append(seq, tokens))
+            outputs.append(self._prefilled_handle(seq, verdict.tokens[j][0]) if seq.prefill_only
+                           else self._emit(seq, *pushed[i]))
         self._note_time(batch, scheduled, [proposals[i] for i in sampling], sum(map(len, verdict.paths)),
                         sum(len(c.token_ids) for c in chunks),
                         (start, scheduled_at, drafted_at, verified_at, time.perf_counter()))
@@ -206,102 +213,12 @@ class Engine:
                     if out.finished:
                         return
 
-    # ---- disaggregation: hand a prefilled request to another engine, or take one over ----
-
-    def _prefilled_handle(self, seq: Sequence, first_token: int) -> RequestOutput:
-        draft_hidden = self.proposer.prefill_draft(seq, first_token)  # first: if it fails, an abort still finds seq running
-        self.scheduler.detach(seq)
-        handle = KVHandle(
-            block_table=self.blocks.block_table(seq.seq_id),
-            first_token=first_token,
-            seed=seq.seed,
-            draft_hidden=draft_hidden,
-            cached_prompt_tokens=seq.num_cached_prompt,
-            queue_seconds=seq.queue_seconds,
-        )
-        seq.finish_reason = "prefilled"
-        self.counters["finished_prefilled"] += 1
-        self.proposer.release(seq)
-        del self.seqs[seq.seq_id], self.streams[seq.seq_id]
-        self.handed_off[seq.seq_id] = seq
-        return RequestOutput(seq.seq_id, [first_token], "", finished=True, finish_reason="prefilled", handle=handle)
-
-    def release(self, request_id: str) -> bool:
-        """Free a handed-off request's blocks (the decode side has its KV, or gave up)."""
-        seq = self.handed_off.pop(request_id, None)
-        if seq is not None:
-            self.blocks.free(request_id)
-        return seq is not None
-
     def context_limit(self) -> int:
         """The longest sequence this engine can ever hold: max_model_len, or its whole KV pool if
         that holds fewer tokens (blocks retired for good not counted): what `validate` refuses a
         prompt at, where a sequence ends with "length", and what a worker registers. A sequence
         past the pool could never be scheduled again once preempted, and would block the queue."""
         return min(self.max_model_len, self.blocks.num_usable_blocks * self.config.block_size)
-
-    def take_over(self, request_id: str, prompt_token_ids: Seq[int], params: SamplingParams
-                  ) -> tuple[int, list[int]] | None:
-        """`reserve_prefilled` if there is room now: a batch slot, the blocks its prompt still
-        needs, and no preempted sequence waiting to come back (new arrivals would take every
-        freed block first and starve it); else None. A request it can never take raises
-        (`validate`), rather than waiting for room."""
-        self.validate(request_id, prompt_token_ids, params)
-        busy = len(self.scheduler.running) + len(self.incoming)
-        if self.scheduler.waiting or busy >= self.config.max_num_seqs or not self.blocks.can_allocate(prompt_token_ids):
-            return None
-        return self._reserve_prefilled(request_id, prompt_token_ids, params)
-
-    def reserve_prefilled(self, request_id: str, prompt_token_ids: Seq[int], params: SamplingParams) -> tuple[int, list[int]]:
-        """Allocate blocks for a request prefilled elsewhere; returns (prompt tokens already cached
-        here, block table). The caller fills the blocks past the cached ones, then calls
-        `admit_prefilled` (or `drop_incoming` if the transfer failed)."""
-        self.validate(request_id, prompt_token_ids, params)
-        return self._reserve_prefilled(request_id, prompt_token_ids, params)
-
-    def _reserve_prefilled(self, request_id: str, prompt_token_ids: Seq[int], params: SamplingParams
-                           ) -> tuple[int, list[int]]:
-        cached = self.blocks.allocate(request_id, prompt_token_ids)
-        seq = Sequence.new(request_id, prompt_token_ids, params)
-        seq.num_cached_prompt = cached
-        self.incoming[request_id] = seq
-        return cached, self.blocks.block_table(request_id)
-
-    def drop_incoming(self, request_id: str) -> None:
-        """Free a request's blocks from `reserve_prefilled` once its transfer has ended without
-        `admit_prefilled` (it failed): nothing writes into them any more."""
-        if self.incoming.pop(request_id, None) is not None:
-            self.blocks.free(request_id)
-
-    def retire_incoming(self, request_id: str) -> None:
-        """Drop a request from `reserve_prefilled` whose transfer failed and could not be stopped:
-        its blocks never return to the pool, since the transfer may still write into them."""
-        if self.incoming.pop(request_id, None) is not None:
-            self.blocks.retire(request_id)
-
-    def admit_prefilled(self, request_id: str, handle: KVHandle) -> RequestOutput:
-        """The prompt's KV is in place: join the running batch; returns the first token's output
-        (a finished "abort" one if the request was aborted while its KV arrived)."""
-        seq = self.incoming[request_id]
-        if seq.finish_reason == "abort":
-            self.drop_incoming(request_id)
-            return RequestOutput(request_id, [], "", finished=True, finish_reason="abort")
-        try:  # the handle's state, before anything else changes: one that does not fit frees the blocks
-            self.proposer.adopt(seq, len(seq.token_ids) - 1, handle.draft_hidden)
-        except (RuntimeError, ValueError) as e:
-            self.drop_incoming(request_id)
-            raise InvalidRequest("prefilled", f"its draft hidden state does not fit this engine: {e}") from None
-        seq.seed = handle.seed  # the draws go on as the prefill side's began
-        del self.incoming[request_id]
-        self.blocks.commit(request_id, seq.token_ids[seq.num_cached_prompt :])
-        seq.num_computed = len(seq.token_ids)
-        seq.num_cached_prompt = handle.cached_prompt_tokens  # usage reports the prefill side's cache hits
-        seq.queue_seconds = handle.queue_seconds  # and its queue
-        seq.admitted = True  # kept if it is preempted here and admitted again
-        self.seqs[request_id] = seq
-        self.streams[request_id] = OutputStream(self.tokenizer, seq.params)
-        self.scheduler.add_running(seq)
-        return self._append(seq, [handle.first_token])
 
     def _lookahead(self, seq: Sequence) -> int:
         """Draft tokens to reserve for a decoding sequence: never more than it may still emit - 1,
@@ -342,7 +259,8 @@ class Engine:
         return SeqChunk(tokens, start, self.blocks.block_table(s.seq.seq_id), 1 + len(drafts) if s.yields_token else 0,
                         draft_parents=proposal.parents)
 
-    def _append(self, seq: Sequence, new_tokens: list[int]) -> RequestOutput:
+    def _push(self, seq: Sequence, new_tokens: list[int]) -> tuple[list[int], str, str | None]:
+        """The step's new tokens into the output, up to its end: (ids kept, their text, finish reason)."""
         # (below 0 when retired blocks shrank the limit under the sequence: it ends now)
         room = max(0, min(seq.params.max_tokens - seq.num_generated, self.context_limit() - len(seq.token_ids)))
         new_tokens = new_tokens[:room]
@@ -350,9 +268,10 @@ class Engine:
         seq.token_ids.extend(ids)  # not accepted drafts after a stop token or string: the output ended before them
         if reason is None and len(new_tokens) == room:
             reason = "length"
-        if reason is not None:
-            return self._finish(seq, reason, ids, text)
-        return RequestOutput(seq.seq_id, ids, text)
+        return ids, text, reason
+
+    def _emit(self, seq: Sequence, ids: list[int], text: str, reason: str | None) -> RequestOutput:
+        return self._finish(seq, reason, ids, text) if reason is not None else RequestOutput(seq.seq_id, ids, text)
 
     def _finish(self, seq: Sequence, reason: str, ids: list[int], text: str) -> RequestOutput:
         self.counters[f"finished_{reason}"] += 1

@@ -61,19 +61,27 @@ def test_ngram_accepts_drafts_on_copying_text(spec_engines, spec_prompts, spec_p
 
 
 @pytest.mark.parametrize("method", ["ngram", "eagle3"])
-def test_a_stop_token_inside_an_accepted_run_ends_the_output_there(spec_engines, spec_prompts, spec_plain_outputs, method):
-    """Drafts accepted after a stop token are not output, and usage counts only what was (eagle3:
-    the shipped head; when the request ends, writing its pending draft KV stops at the last kept
-    token: the positions after it have no next token)."""
+def test_a_stop_token_inside_an_accepted_run_ends_the_output_there(spec_engines, spec_prompts, spec_plain_outputs, method,
+                                                                  monkeypatch):
+    """Drafts accepted after a stop token are not output, and usage counts only what was; nor does
+    their KV stay (eagle3: the shipped head): committed, a block they filled was prefix-cached with
+    draft entries never corrected, and the request's end writes pending draft KV only up to the
+    last kept token (the positions after it have no next token)."""
     engine = spec_engines["ngram"] if method == "ngram" else Engine(EngineConfig(
         num_kv_blocks=256, speculative={"adaptive": False, "method": "eagle3", "num_speculative_tokens": 5}))
+    committed: list[int] = []
+    commit = engine.blocks.commit
+    monkeypatch.setattr(engine.blocks, "commit", lambda seq_id, tokens: (committed.extend(tokens), commit(seq_id, tokens))[1])
     plain = spec_plain_outputs[7]  # copying text: long accepted runs
     for end in range(4, len(plain) - 1):
         if plain[end] in plain[:end]:
             continue  # stop at the first occurrence only
+        committed.clear()
         outs = list(engine.generate(spec_prompts[7], SamplingParams(max_tokens=32, stop_token_ids=[plain[end]])))
         assert [t for o in outs for t in o.token_ids] == plain[: end + 1]
         assert outs[-1].finish_reason == "stop" and outs[-1].usage.completion_tokens == end + 1
+        with_kv = (spec_prompts[7] + plain[: end + 1])[:-1]  # the last token's KV is never computed
+        assert len(committed) >= end and with_kv[len(with_kv) - len(committed):] == committed, end
 
 
 def test_a_stop_string_inside_an_accepted_run_ends_the_tokens_where_plain_decoding_does(engine, spec_engines, spec_prompts):
