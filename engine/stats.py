@@ -19,7 +19,8 @@ class EngineStats:
 
 @dataclass
 class AcceptanceStats:
-    """Speculation outcome of one request, over the steps that drafted."""
+    """Speculation outcome of one request, over the steps that reserved draft slots (one whose
+    draft the confidence threshold cut to nothing counts too: a forward that emitted one token)."""
 
     steps: int = 0
     drafted: int = 0
@@ -28,7 +29,7 @@ class AcceptanceStats:
     accepted_at: list[int] = field(default_factory=list)  # per draft position: times accepted
 
     def record(self, num_drafted: int, num_accepted: int, depth: int | None = None) -> None:
-        """depth: draft positions reached (a tree's chain; default num_drafted, a chain)."""
+        """depth: draft positions reached (a tree's deepest path; default num_drafted, a chain)."""
         self.steps += 1
         self.drafted += num_drafted
         self.accepted += num_accepted

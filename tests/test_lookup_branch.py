@@ -31,6 +31,11 @@ def test_a_branch_merges_into_the_tree(tree, branch, max_tokens, tokens, parents
     assert (merged.token_ids, merged.parents) == (tokens, parents)
 
 
+def test_a_trees_depth_is_its_deepest_path():
+    assert (Proposal([1, 2, 3]).depth, Proposal([]).depth, CHAIN_AND_LEAVES.depth) == (3, 0, 3)
+    assert Proposal([1, 5, 6, 7], [-1, -1, 1, 2]).depth == 3  # a branch longer than the one-token chain
+
+
 def test_lookup_takes_the_longest_suffix_at_its_latest_occurrence():
     assert lookup([1, 2, 3, 9, 2, 3, 5, 1, 2, 3], 3, 1, 4) == [9, 2, 3]  # "1 2 3" beats the later "2 3"
     assert lookup([4, 2, 3, 9, 2, 3, 5, 1, 2, 3], 3, 1, 4) == [5, 1, 2]  # only "2 3": the latest one
@@ -61,6 +66,10 @@ def test_the_branch_is_accepted_where_the_head_fails_and_output_stays_lossless(e
         while spec.has_unfinished():
             for o in spec.step():
                 out[o.request_id].extend(o.token_ids)
+                if o.finished:  # positions counted to the tree's depth: an accepted branch may outrun the chain
+                    a = o.acceptance
+                    assert len(a.accepted_at) <= len(a.drafted_at), (a.drafted_at, a.accepted_at)
+                    assert all(n <= d for n, d in zip(a.accepted_at, a.drafted_at)), (a.drafted_at, a.accepted_at)
         assert [out[i] for i in ids] == plain[:batch]
         assert spec.blocks.num_used_blocks == 0
         return spec.counters["verify_steps"]

@@ -36,6 +36,16 @@ class Proposal:
             return len(self.token_ids)
         return next((i for i, p in enumerate(self.parents) if p != i - 1), len(self.parents))
 
+    @property
+    def depth(self) -> int:
+        """Draft positions its deepest path from the root reaches (a chain: its length)."""
+        if self.parents is None:
+            return len(self.token_ids)
+        depths: list[int] = []
+        for parent in self.parents:  # a node's parent comes before it
+            depths.append(1 if parent < 0 else depths[parent] + 1)
+        return max(depths, default=0)
+
     def chain(self) -> "Proposal":
         return Proposal(self.token_ids[: self.chain_length])
 
