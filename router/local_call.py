@@ -80,6 +80,10 @@ class LocalContext:
     def code(self) -> grpc.StatusCode | None:
         return self._code
 
+    def cancel(self) -> None:
+        """As grpc's: end the call now (the router's watchdog, on a call past its deadline)."""
+        self.end(grpc.StatusCode.CANCELLED)
+
     def end(self, code: grpc.StatusCode | None = None) -> None:
         """The call is over (`code`: how, when the caller or the deadline ended it)."""
         with self._lock:

@@ -14,7 +14,7 @@ import logging
 import threading
 import time
 from collections import Counter
-from collections.abc import Callable, Iterator
+from collections.abc import Iterator
 from dataclasses import asdict, dataclass
 from typing import NoReturn
 
@@ -23,6 +23,7 @@ from grpc_health.v1 import health_pb2, health_pb2_grpc
 
 from router.admission import Admission, LeftQueue, Overloaded, QueueDeadline
 from router.api_keys import AUTHORIZATION_METADATA_KEY, ApiKeys
+from router.calls import Peers, Run
 from router.config import RouterConfig
 from router.metrics import RouterMetrics
 from engine.tokenizer import Tokenizer
@@ -31,11 +32,15 @@ from proto.pdspec.v1 import common_pb2, kv_pb2, kv_pb2_grpc, router_pb2, router_
 from router.policy import PrefillPolicy, least_loaded, make_policy
 from router.registry import Registry, WorkerView
 from router.validation import InvalidRequest, ValidRequest, validate
+from router.watchdog import Watchdog
 from serving.roles import WORKER_ROLES
 
 log = logging.getLogger(__name__)
 _BEST_EFFORT_TIMEOUT_S = 5.0
 _PROBE_TIMEOUT_S = 1.0
+# A call still open this long past its request's deadline is stuck in a send to a client that
+# stopped reading (router/watchdog.py); the deadline's own ending, relayed, comes well before.
+_STUCK_AFTER_S = 10.0
 
 
 class _Cancelled(Exception):
@@ -57,59 +62,6 @@ class _Plan:
     decode: WorkerView
 
 
-class _Run:
-    """One running Generate: the internal call to cancel if the client leaves or calls Abort."""
-
-    def __init__(self, owner: str) -> None:
-        self.owner = owner  # the API key's digest it was made with ("" without API keys)
-        self._lock = threading.Lock()
-        self._call: grpc.Future | None = None
-        self._on_cancel: Callable[[], None] = lambda: None
-        self.cancelled = self.finished = False
-        self.queued_s = 0.0  # waited in the router's admission queue
-        self.deadline = float("inf")  # time.monotonic() by which it must be served, retries included
-
-    def time_left(self) -> float:
-        return max(self.deadline - time.monotonic(), 0.0)
-
-    def track(self, call: grpc.Future, on_cancel: Callable[[], None] = lambda: None) -> None:
-        """`call` is now the one in flight; cancel it at once if the run was cancelled meanwhile."""
-        with self._lock:
-            self._call, self._on_cancel = call, on_cancel
-            if not self.cancelled:
-                return
-        call.cancel()
-        on_cancel()
-
-    def cancel(self) -> None:
-        with self._lock:
-            if self.cancelled or self.finished:
-                return
-            self.cancelled = True
-            call, on_cancel = self._call, self._on_cancel
-        if call is not None:
-            call.cancel()
-            on_cancel()
-
-
-class _Peers:
-    """One channel per worker address, shared by all requests (gRPC multiplexes calls on it).
-
-    Never closed: closing cancels in-flight calls, and a worker evicted for a late heartbeat may
-    still be serving some; an idle channel costs little."""
-
-    def __init__(self, token: str | None, tls: rpc.Tls | None) -> None:
-        self._token, self._tls = token, tls
-        self._lock = threading.Lock()
-        self._channels: dict[str, grpc.Channel] = {}
-
-    def channel(self, address: str) -> grpc.Channel:
-        with self._lock:
-            if address not in self._channels:
-                self._channels[address] = rpc.channel(address, self._token, self._tls)
-            return self._channels[address]
-
-
 class RouterServicer(router_pb2_grpc.RouterServicer):
     def __init__(self, registry: Registry, tokenizer: Tokenizer, config: RouterConfig, token: str | None,
                  metrics: RouterMetrics, admission: Admission, api_keys: ApiKeys | None = None,
@@ -117,19 +69,22 @@ class RouterServicer(router_pb2_grpc.RouterServicer):
         self._registry, self._tokenizer, self._config, self._admission = registry, tokenizer, config, admission
         self._api_keys = api_keys
         self._policy = policy or make_policy(config)
-        self._peers = _Peers(token, tls)
+        self._peers = Peers(token, tls)
         self._metrics = metrics
         self._runs_lock = threading.Lock()
-        self._runs: dict[str, _Run] = {}
+        self._runs: dict[str, Run] = {}
+        self._watchdog = Watchdog(_STUCK_AFTER_S)
 
     def Generate(self, request, context) -> Iterator[router_pb2.GenerateResponse]:
         observer = self._metrics.start()
+        answered = False  # its last message sent: how the call closes after that changes nothing
         try:
             for response in self._generate(request, context):
                 observer.on_response(response)
                 yield response
+                answered = response.finish_reason not in ("", "abort")
         finally:
-            observer.finish(_status_name(context))
+            observer.finish("OK" if answered else _status_name(context))
 
     def _generate(self, request, context) -> Iterator[router_pb2.GenerateResponse]:
         try:
@@ -140,8 +95,9 @@ class RouterServicer(router_pb2_grpc.RouterServicer):
             if req.request_id in self._runs:
                 context.abort(grpc.StatusCode.INVALID_ARGUMENT,
                               f"request_id: {req.request_id!r} is already running; send a unique id or none")
-            run = self._runs[req.request_id] = _Run(self._owner(context))
-        context.add_callback(run.cancel)  # fires when the RPC ends: if the client left, stop the worker
+            run = self._runs[req.request_id] = Run(self._owner(context))
+        if not context.add_callback(run.cancel):  # fires when the RPC ends: if the client left, stop the worker
+            run.cancel()  # it ended already (the client left while the prompt was tokenized)
         try:
             yield from self._admitted(req, run, context)
         finally:
@@ -149,7 +105,7 @@ class RouterServicer(router_pb2_grpc.RouterServicer):
                 run.finished = True
                 del self._runs[req.request_id]
 
-    def _admitted(self, req: ValidRequest, run: _Run, context) -> Iterator[router_pb2.GenerateResponse]:
+    def _admitted(self, req: ValidRequest, run: Run, context) -> Iterator[router_pb2.GenerateResponse]:
         """Serve the request in a running slot, or refuse it: RESOURCE_EXHAUSTED (with the seconds to
         wait before a retry as retry-after metadata), DEADLINE_EXCEEDED, or an abort while it waited."""
         try:
@@ -166,9 +122,11 @@ class RouterServicer(router_pb2_grpc.RouterServicer):
         # One deadline for the request however many attempts it takes: router.request_timeout_s
         # from now, or the client's if sooner.
         run.deadline = time.monotonic() + min(self._config.request_timeout_s, context.time_remaining())
+        stop_watching = self._watchdog.watch(run.deadline, context.cancel)
         try:
             yield from self._serve(req, run, context)
         finally:
+            stop_watching()
             slot.release()
 
     def Abort(self, request, context) -> common_pb2.AbortResponse:
@@ -190,7 +148,7 @@ class RouterServicer(router_pb2_grpc.RouterServicer):
         return router_pb2.ListWorkersResponse(
             workers=[router_pb2.WorkerStatus(**asdict(w)) for w in self._registry.workers()])
 
-    def _serve(self, req: ValidRequest, run: _Run, context) -> Iterator[router_pb2.GenerateResponse]:
+    def _serve(self, req: ValidRequest, run: Run, context) -> Iterator[router_pb2.GenerateResponse]:
         suspects: set[str] = set()
         failure: _WorkerFailed | None = None
         for _ in range(self._config.max_retries + 1):
@@ -233,7 +191,7 @@ class RouterServicer(router_pb2_grpc.RouterServicer):
             self._registry.note_routed(plan.decode.worker_id, blocks, awaited=True)  # until _attempt ends
         return plan
 
-    def _attempt(self, req: ValidRequest, plan: _Plan, run: _Run, context) -> tuple[
+    def _attempt(self, req: ValidRequest, plan: _Plan, run: Run, context) -> tuple[
             worker_pb2.DecodeResponse, Iterator[worker_pb2.DecodeResponse]]:
         """Prefill (if disaggregated), then open the decode stream up to its first response."""
         handle = None
@@ -260,7 +218,7 @@ class RouterServicer(router_pb2_grpc.RouterServicer):
         if wait:
             call.exception()  # blocks until done; a failure is logged, and the retry goes ahead anyway
 
-    def _prefill(self, req: ValidRequest, worker: WorkerView, run: _Run, context) -> kv_pb2.KVHandle:
+    def _prefill(self, req: ValidRequest, worker: WorkerView, run: Run, context) -> kv_pb2.KVHandle:
         stub = worker_pb2_grpc.PrefillWorkerStub(self._peers.channel(worker.address))
         request = worker_pb2.PrefillRequest(request_id=req.request_id, prompt_token_ids=req.prompt_token_ids,
                                             sampling=req.sampling)
@@ -273,7 +231,7 @@ class RouterServicer(router_pb2_grpc.RouterServicer):
         except grpc.RpcError as e:
             raise (_Cancelled() if run.cancelled else _WorkerFailed(worker, "Prefill", e)) from None
 
-    def _open_decode(self, req: ValidRequest, plan: _Plan, handle: kv_pb2.KVHandle | None, run: _Run,
+    def _open_decode(self, req: ValidRequest, plan: _Plan, handle: kv_pb2.KVHandle | None, run: Run,
                      context) -> tuple[worker_pb2.DecodeResponse, Iterator[worker_pb2.DecodeResponse]]:
         worker = plan.decode
         stub = worker_pb2_grpc.DecodeWorkerStub(self._peers.channel(worker.address))
@@ -297,18 +255,24 @@ class RouterServicer(router_pb2_grpc.RouterServicer):
             raise _WorkerFailed(culprit, step, e) from None
 
     def _relay(self, req: ValidRequest, plan: _Plan, first: worker_pb2.DecodeResponse,
-               rest: Iterator[worker_pb2.DecodeResponse], run: _Run, context) -> Iterator[router_pb2.GenerateResponse]:
+               rest: Iterator[worker_pb2.DecodeResponse], run: Run, context) -> Iterator[router_pb2.GenerateResponse]:
         response = _response(first, run.queued_s)
         response.request_id = req.request_id  # the first message names the request and its route
         response.prefill_worker = (plan.prefill or plan.decode).worker_id
         response.decode_worker = plan.decode.worker_id
+        if first.finish_reason:
+            run.finish()
         yield response
         emitted = len(first.token_ids)
         try:
             for out in rest:
+                if out.finish_reason:
+                    run.finish()
                 yield _response(out, run.queued_s)
                 emitted += len(out.token_ids)
         except grpc.RpcError as e:
+            if run.finished:  # the stream failed after its last message: the answer is whole
+                return
             if not run.cancelled:
                 failure = _WorkerFailed(plan.decode, "Decode", e)
                 self._probe(plan.decode)

@@ -222,6 +222,29 @@ def test_a_request_moves_the_metrics_by_its_own_counts(cluster, client):
     assert metric(decode, "pdspec_kv_transfer_bytes_total") > bytes_before
 
 
+def test_streamed_answers_count_as_answers_not_cancels(cluster, client):
+    """The client closes its stream once it read the last event, often before the router's call saw
+    the decode worker's stream end: that is an answer (OK, counted once), not a cancel."""
+    root = f"{_root(cluster)}/metrics"
+    before = {s: metric(root, "pdspec_requests_total", status=s) for s in ("OK", "CANCELLED")}
+    aborts, prompt_before = metric(root, "pdspec_requests_total", finish_reason="abort"), \
+        metric(root, "pdspec_prompt_tokens_total")
+    prompt_tokens = 0
+    for _ in range(4):
+        for chunk in client.chat.completions.create(model=MODEL, messages=QUESTION, max_tokens=4, stream=True,
+                                                    stream_options={"include_usage": True}):
+            prompt_tokens += chunk.usage.prompt_tokens if chunk.usage else 0
+    deadline = time.monotonic() + 10
+    while sum(metric(root, "pdspec_requests_total", status=s) - n for s, n in before.items()) < 4:
+        assert time.monotonic() < deadline, "the router did not count the requests"
+        time.sleep(0.01)
+    time.sleep(0.2)  # a late cancel would count now
+    assert metric(root, "pdspec_requests_total", status="OK") - before["OK"] == 4
+    assert metric(root, "pdspec_requests_total", status="CANCELLED") == before["CANCELLED"]
+    assert metric(root, "pdspec_requests_total", finish_reason="abort") == aborts
+    assert metric(root, "pdspec_prompt_tokens_total") - prompt_before == prompt_tokens
+
+
 def _wait_blocks_free(cluster: LocalCluster, timeout_s: float = 60.0) -> float:
     url = _decode_metrics_url(cluster)
     deadline = time.monotonic() + timeout_s

@@ -1,0 +1,69 @@
+"""A Generate's calls to the workers: the channels they go over, and the handle that cancels the
+one in flight when the client leaves or calls Abort."""
+
+import threading
+import time
+from collections.abc import Callable
+
+import grpc
+
+from proto import rpc
+
+
+class Run:
+    """One running Generate: the internal call to cancel if the client leaves or calls Abort."""
+
+    def __init__(self, owner: str) -> None:
+        self.owner = owner  # the API key's digest it was made with ("" without API keys)
+        self._lock = threading.Lock()
+        self._call: grpc.Future | None = None
+        self._on_cancel: Callable[[], None] = lambda: None
+        self.cancelled = self.finished = False
+        self.queued_s = 0.0  # waited in the router's admission queue
+        self.deadline = float("inf")  # time.monotonic() by which it must be served, retries included
+
+    def time_left(self) -> float:
+        return max(self.deadline - time.monotonic(), 0.0)
+
+    def track(self, call: grpc.Future, on_cancel: Callable[[], None] = lambda: None) -> None:
+        """`call` is now the one in flight; cancel it at once if the run was cancelled meanwhile."""
+        with self._lock:
+            self._call, self._on_cancel = call, on_cancel
+            if not self.cancelled:
+                return
+        call.cancel()
+        on_cancel()
+
+    def finish(self) -> None:
+        """The answer's last message is out: a cancel now (the client closing its stream after
+        reading it) must not abort the worker's request or send a second last message."""
+        with self._lock:
+            self.finished = True
+
+    def cancel(self) -> None:
+        with self._lock:
+            if self.cancelled or self.finished:
+                return
+            self.cancelled = True
+            call, on_cancel = self._call, self._on_cancel
+        if call is not None:
+            call.cancel()
+            on_cancel()
+
+
+class Peers:
+    """One channel per worker address, shared by all requests (gRPC multiplexes calls on it).
+
+    Never closed: closing cancels in-flight calls, and a worker evicted for a late heartbeat may
+    still be serving some; an idle channel costs little."""
+
+    def __init__(self, token: str | None, tls: rpc.Tls | None) -> None:
+        self._token, self._tls = token, tls
+        self._lock = threading.Lock()
+        self._channels: dict[str, grpc.Channel] = {}
+
+    def channel(self, address: str) -> grpc.Channel:
+        with self._lock:
+            if address not in self._channels:
+                self._channels[address] = rpc.channel(address, self._token, self._tls)
+            return self._channels[address]
