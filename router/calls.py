@@ -10,11 +10,17 @@ import grpc
 from proto import rpc
 
 
+def run_key(owner: str, request_id: str) -> str:
+    """A request's id as the workers know it: one namespace per API key (`owner`, its digest; ""
+    without API keys), since two keys' clients may pick the same id."""
+    return f"{owner[:16]}.{request_id}" if owner else request_id
+
+
 class Run:
     """One running Generate: the internal call to cancel if the client leaves or calls Abort."""
 
-    def __init__(self, owner: str) -> None:
-        self.owner = owner  # the API key's digest it was made with ("" without API keys)
+    def __init__(self, key: str) -> None:
+        self.key = key  # run_key's: what the workers know the request by
         self._lock = threading.Lock()
         self._call: grpc.Future | None = None
         self._on_cancel: Callable[[], None] = lambda: None

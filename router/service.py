@@ -23,7 +23,7 @@ from grpc_health.v1 import health_pb2, health_pb2_grpc
 
 from router.admission import Admission, LeftQueue, Overloaded, QueueDeadline
 from router.api_keys import AUTHORIZATION_METADATA_KEY, ApiKeys
-from router.calls import Peers, Run
+from router.calls import Peers, Run, run_key
 from router.config import RouterConfig
 from router.metrics import RouterMetrics
 from engine.tokenizer import Tokenizer
@@ -91,11 +91,12 @@ class RouterServicer(router_pb2_grpc.RouterServicer):
             req = validate(request, self._tokenizer, self._registry.max_model_len())
         except InvalidRequest as e:
             context.abort(grpc.StatusCode.INVALID_ARGUMENT, str(e))
+        run = Run(run_key(self._owner(context), req.request_id))
         with self._runs_lock:
-            if req.request_id in self._runs:
+            if run.key in self._runs:
                 context.abort(grpc.StatusCode.INVALID_ARGUMENT,
                               f"request_id: {req.request_id!r} is already running; send a unique id or none")
-            run = self._runs[req.request_id] = Run(self._owner(context))
+            self._runs[run.key] = run
         if not context.add_callback(run.cancel):  # fires when the RPC ends: if the client left, stop the worker
             run.cancel()  # it ended already (the client left while the prompt was tokenized)
         try:
@@ -103,7 +104,7 @@ class RouterServicer(router_pb2_grpc.RouterServicer):
         finally:
             with self._runs_lock:
                 run.finished = True
-                del self._runs[req.request_id]
+                del self._runs[run.key]
 
     def _admitted(self, req: ValidRequest, run: Run, context) -> Iterator[router_pb2.GenerateResponse]:
         """Serve the request in a running slot, or refuse it: RESOURCE_EXHAUSTED (with the seconds to
@@ -132,8 +133,8 @@ class RouterServicer(router_pb2_grpc.RouterServicer):
     def Abort(self, request, context) -> common_pb2.AbortResponse:
         """Ends a running request made with the caller's API key; another key's is not found."""
         with self._runs_lock:
-            run = self._runs.get(request.request_id)
-        if run is not None and run.owner == self._owner(context):
+            run = self._runs.get(run_key(self._owner(context), request.request_id))
+        if run is not None:
             run.cancel()
             return common_pb2.AbortResponse(found=True)
         return common_pb2.AbortResponse(found=False)
@@ -203,7 +204,7 @@ class RouterServicer(router_pb2_grpc.RouterServicer):
                 # If the prefill worker may serve the retry, let the Release land first: arriving
                 # late, it would unpin the retry's prefill of the same request id.
                 retry_may_reuse = isinstance(e, _WorkerFailed) and e.worker.worker_id != plan.prefill.worker_id
-                self._release(plan.prefill, req.request_id, handle.pin_id if handle else "", wait=retry_may_reuse)
+                self._release(plan.prefill, run.key, handle.pin_id if handle else "", wait=retry_may_reuse)
             raise
         finally:
             if plan.prefill is not None:  # the decode worker has it now, or never will: its reports say
@@ -220,7 +221,7 @@ class RouterServicer(router_pb2_grpc.RouterServicer):
 
     def _prefill(self, req: ValidRequest, worker: WorkerView, run: Run, context) -> kv_pb2.KVHandle:
         stub = worker_pb2_grpc.PrefillWorkerStub(self._peers.channel(worker.address))
-        request = worker_pb2.PrefillRequest(request_id=req.request_id, prompt_token_ids=req.prompt_token_ids,
+        request = worker_pb2.PrefillRequest(request_id=run.key, prompt_token_ids=req.prompt_token_ids,
                                             sampling=req.sampling)
         call = stub.Prefill.future(request, timeout=run.time_left())
         run.track(call)
@@ -235,10 +236,10 @@ class RouterServicer(router_pb2_grpc.RouterServicer):
                      context) -> tuple[worker_pb2.DecodeResponse, Iterator[worker_pb2.DecodeResponse]]:
         worker = plan.decode
         stub = worker_pb2_grpc.DecodeWorkerStub(self._peers.channel(worker.address))
-        request = worker_pb2.DecodeRequest(request_id=req.request_id, prompt_token_ids=req.prompt_token_ids,
+        request = worker_pb2.DecodeRequest(request_id=run.key, prompt_token_ids=req.prompt_token_ids,
                                            sampling=req.sampling, speculation=req.speculation, prefilled=handle)
         call = stub.Decode(request, timeout=run.time_left())
-        abort = common_pb2.AbortRequest(request_id=req.request_id)
+        abort = common_pb2.AbortRequest(request_id=run.key)
         # Cancelling the stream frees the request on the worker; the Abort RPC covers a worker that
         # has not noticed the cancellation (e.g. still waiting to admit it).
         run.track(call, lambda: _fire_and_forget(stub.Abort.future(abort, timeout=_BEST_EFFORT_TIMEOUT_S),

@@ -82,6 +82,11 @@ def test_abort_ends_only_requests_made_with_the_same_key(cluster):
         next(call)  # running
         bob = stub.Abort(common_pb2.AbortRequest(request_id="alice-1"), metadata=_bearer("key-bob"))
         assert not bob.found
+        # Each key has its own request ids: bob's "alice-1" runs beside alice's (it was refused).
+        same_id = router_pb2.GenerateRequest(request_id="alice-1", prompt="Hi", sampling=common_pb2.SamplingOptions(
+            max_tokens=2))
+        answer = list(stub.Generate(same_id, metadata=_bearer("key-bob")))
+        assert answer[0].request_id == "alice-1" and answer[-1].finish_reason in ("stop", "length")
         alice = stub.Abort(common_pb2.AbortRequest(request_id="alice-1"), metadata=_bearer("key-alice"))
         assert alice.found
         assert list(call)[-1].finish_reason == "abort"
