@@ -17,14 +17,17 @@ class RouterConfig(BaseModel):
                                   description="OpenAI-compatible HTTP API port (null: off; 0: pick a free one)")
     served_model_name: str | None = Field(None, min_length=1, description="the model name the HTTP API serves "
                                           "(default: the model directory's name; the embedded model's own name)")
-    api_key_file: Path | None = Field(None, description="public API keys, one per line, re-read on change; clients "
-                                      "send 'authorization: Bearer <key>' (null: the public API is open)")
+    api_key_file: Path | None = Field(None, description="public API keys, one per line, re-read on change (emptied "
+                                      "or removed: no key is accepted); clients send 'authorization: Bearer <key>' "
+                                      "(null: the public API is open)")
     policy: Literal["kv", "round_robin", "random"] = "kv"
     overlap_weight: float = Field(1.0, ge=0.0, description="weight of prefill blocks to compute in the kv cost")
     temperature: float = Field(0.0, ge=0.0, description="softmax temperature over -cost; 0 = always the cheapest")
     heartbeat_interval_s: float = Field(0.5, gt=0)
     heartbeat_timeout_s: float = Field(3.0, gt=0, description="a worker silent this long is evicted")
-    request_timeout_s: float = Field(120.0, gt=0, description="deadline of internal prefill/decode calls")
+    request_timeout_s: float = Field(120.0, gt=0, description="deadline of a whole request: its prefill/decode calls, "
+                                     "retries and stream (a stream still open 10 s past it, its client not reading, "
+                                     "is cancelled)")
     max_retries: int = Field(2, ge=0, description="retries on another worker when one fails before the first token")
     max_queued_requests: int = Field(128, ge=0, le=1024, description="requests waiting for a running slot (the "
                                      "decoding workers' max_num_seqs, together) beyond which new ones are refused "
