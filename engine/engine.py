@@ -78,7 +78,8 @@ class Engine(Handoff):
         return EngineStats(kv_blocks_used=self.blocks.num_used_blocks, kv_blocks_total=self.blocks.num_blocks,
                            running=len(self.scheduler.running),
                            waiting=len(self.scheduler.waiting) + len(self.incoming),
-                           pinned=len(self.handed_off), counters=counters)
+                           pinned=len(self.handed_off), kv_blocks_waiting=self.scheduler.waiting_blocks,
+                           counters=counters)
 
     def add_request(self, prompt_token_ids: Seq[int], params: SamplingParams, request_id: str | None = None,
                     prefill_only: bool = False) -> str:

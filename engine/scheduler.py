@@ -61,11 +61,18 @@ class Scheduler:
         self.on_preempt = on_preempt
         self.context_cost = context_cost
         self.waiting: deque[Sequence] = deque()
+        # The blocks the waiting sequences' tokens fill (a cached prefix counted too): work queued
+        # here that load reports must show, kept as a count (stats read it from another thread).
+        self.waiting_blocks = 0
         self.running: list[Sequence] = []
         self._passed_over: set[str] = set()  # prompts that got no chunk in the last step
 
     def add(self, seq: Sequence) -> None:
         self.waiting.append(seq)
+        self.waiting_blocks += self._blocks(seq)
+
+    def _blocks(self, seq: Sequence) -> int:
+        return -(-len(seq.token_ids) // self.config.block_size)
 
     def has_unfinished(self) -> bool:
         return bool(self.waiting or self.running)
@@ -77,6 +84,7 @@ class Scheduler:
             self.blocks.free(seq.seq_id)
         elif seq in self.waiting:
             self.waiting.remove(seq)
+            self.waiting_blocks -= self._blocks(seq)
         seq.status = SeqStatus.FINISHED
 
     def detach(self, seq: Sequence) -> None:
@@ -116,6 +124,7 @@ class Scheduler:
             if not self.blocks.can_allocate(seq.token_ids):
                 break
             self.waiting.popleft()
+            self.waiting_blocks -= self._blocks(seq)
             cached = self.blocks.allocate(seq.seq_id, seq.token_ids)
             if not seq.admitted:  # its cache hits and queue time: a preempted one's recompute hits its own blocks
                 seq.admitted = True
@@ -177,3 +186,4 @@ class Scheduler:
         seq.num_computed = 0
         seq.status = SeqStatus.WAITING
         self.waiting.appendleft(seq)
+        self.waiting_blocks += self._blocks(seq)

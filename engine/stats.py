@@ -14,6 +14,7 @@ class EngineStats:
     running: int  # sequences in the running batch
     waiting: int  # sequences waiting for a batch slot, KV blocks, or KV arriving from a prefill worker
     pinned: int  # prefilled here, blocks held until the decode side has them
+    kv_blocks_waiting: int  # the blocks the waiting sequences' tokens fill: queued work, beside the used ones
     counters: dict[str, int]  # monotonic totals (tokens, finishes by reason, speculation)
 
 

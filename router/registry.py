@@ -38,7 +38,7 @@ class WorkerView:
     worker_id: str
     role: str
     address: str
-    active_blocks: int  # last heartbeat's, plus blocks routed here since (so a burst spreads out)
+    active_blocks: int  # last heartbeat's (used, and what queued requests fill), plus blocks routed here since
     total_blocks: int
     running: int  # likewise plus requests routed here since the last heartbeat
     waiting: int
@@ -192,7 +192,9 @@ class Registry:
         r, load = worker.registration, worker.load
         return WorkerView(
             worker_id=worker_id, role=r.role, address=r.address,
-            active_blocks=load.active_blocks + worker.routed_blocks, total_blocks=load.total_blocks,
+            # Queued requests are work too: without them a worker's backlog vanished from its cost
+            # at each heartbeat (its blocks not yet allocated), and it went on taking bursts.
+            active_blocks=load.active_blocks + load.waiting_blocks + worker.routed_blocks, total_blocks=load.total_blocks,
             running=load.running + worker.routed_requests + worker.awaited, waiting=load.waiting,
             cached_blocks=self._index.num_blocks(worker_id), seconds_since_heartbeat=now - worker.last_seen,
             metrics_address=r.metrics_address, registration_id=r.registration_id,

@@ -85,7 +85,7 @@ class RegistryClient:
     def _heartbeat(self) -> bool:
         stats = self.loop.stats()
         load = worker_pb2.Load(active_blocks=stats.kv_blocks_used, total_blocks=stats.kv_blocks_total,
-                               running=stats.running, waiting=stats.waiting)
+                               running=stats.running, waiting=stats.waiting, waiting_blocks=stats.kv_blocks_waiting)
         events = [kv_event(e) for e in self.loop.drain_events()]
         response = self.stub.Heartbeat(
             worker_pb2.HeartbeatRequest(worker_id=self.registration.worker_id, load=load, events=events,

@@ -27,7 +27,7 @@ def exported_samples() -> dict[str, set[str]]:
     request.finish("OK")
     handoff = HandoffMetrics("w")
     handoff.observe(0.002, 1 << 20)
-    stats = EngineStats(kv_blocks_used=3, kv_blocks_total=512, running=1, waiting=0, pinned=0,
+    stats = EngineStats(kv_blocks_used=3, kv_blocks_total=512, running=1, waiting=0, pinned=0, kv_blocks_waiting=0,
                         counters={"generated_tokens": 4})
     engine = EngineCollector(SimpleNamespace(stats=lambda: stats), "decode", "w")
     families = [*router.registry.collect(), *handoff.registry.collect(), *engine.collect()]

@@ -77,3 +77,23 @@ def test_a_burst_spreads_before_heartbeats_report_it():
         chosen.append(policy.choose(registry.workers(), overlaps, blocks).worker_id)
         registry.note_routed(chosen[-1], blocks)
     assert chosen == ["a", "b", "a", "b"]
+
+
+def test_a_workers_queue_counts_as_its_load_after_heartbeats():
+    """Queued requests' blocks are not allocated yet: a heartbeat reporting only the used ones made
+    a backlogged worker look idle, and it took the next burst too."""
+    registry = Registry()
+    layout = kv_pb2.KVLayout(model="m", dtype="float32", block_size=4)
+    for wid in ("a", "b"):
+        registry.register(worker_pb2.RegisterRequest(worker_id=wid, role="prefill", address=f"{wid}:1",
+                                                     layout=layout, total_blocks=100, max_model_len=64,
+                                                     max_num_seqs=4))
+    queued = worker_pb2.Load(active_blocks=2, total_blocks=100, running=1, waiting=3, waiting_blocks=12)
+    idle = worker_pb2.Load(active_blocks=4, total_blocks=100, running=1)
+    registry.heartbeat(worker_pb2.HeartbeatRequest(worker_id="a", load=queued))
+    registry.heartbeat(worker_pb2.HeartbeatRequest(worker_id="b", load=idle))
+    views = {v.worker_id: v for v in registry.workers()}
+    assert (views["a"].active_blocks, views["b"].active_blocks) == (14, 4)
+    overlaps, blocks = registry.prefix_overlaps(list(range(16)))
+    assert KVPolicy(overlap_weight=1.0, temperature=0.0).choose(registry.workers(), overlaps, blocks).worker_id == "b"
+

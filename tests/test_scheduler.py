@@ -100,3 +100,22 @@ def test_draft_slots_never_cost_a_younger_sequence_its_place():
     scheduled = scheduler.schedule(lambda seq: 16)
     assert [(s.seq.seq_id, s.num_tokens, s.num_lookahead) for s in scheduled] == [("a", 1, 0), ("b", 1, 0)]
     assert [s.seq_id for s in scheduler.running] == ["a", "b"]
+
+
+def test_the_blocks_queued_requests_fill_are_counted_through_admission_preemption_and_removal():
+    """A worker's load counts its queue's blocks (routing saw a backlog vanish at each heartbeat);
+    the count follows every way in and out of the queue, and ends at zero."""
+    config = EngineConfig(num_kv_blocks=6, max_num_seqs=2, enable_prefix_caching=False)
+    blocks = BlockManager(config.num_kv_blocks, config.block_size, enable_prefix_caching=False)
+    scheduler = Scheduler(config, blocks)
+    a, b, c = (_add(scheduler, name, n) for name, n in (("a", 20), ("b", 33), ("c", 5)))
+    assert scheduler.waiting_blocks == 2 + 3 + 1
+    _step(scheduler)  # a and b admitted (the batch holds two)
+    assert [s.seq_id for s in scheduler.waiting] == ["c"] and scheduler.waiting_blocks == 1
+    scheduler._preempt(b)  # back to the queue's front, its tokens to compute again (its new one too)
+    assert scheduler.waiting_blocks == 1 + 3
+    scheduler.remove(c)
+    scheduler.remove(b)
+    scheduler.remove(a)
+    assert scheduler.waiting_blocks == 0 and not scheduler.has_unfinished()
+

@@ -55,16 +55,18 @@ class RegisterResponse(_message.Message):
     def __init__(self, heartbeat_interval_ms: _Optional[int] = ...) -> None: ...
 
 class Load(_message.Message):
-    __slots__ = ("active_blocks", "total_blocks", "running", "waiting")
+    __slots__ = ("active_blocks", "total_blocks", "running", "waiting", "waiting_blocks")
     ACTIVE_BLOCKS_FIELD_NUMBER: _ClassVar[int]
     TOTAL_BLOCKS_FIELD_NUMBER: _ClassVar[int]
     RUNNING_FIELD_NUMBER: _ClassVar[int]
     WAITING_FIELD_NUMBER: _ClassVar[int]
+    WAITING_BLOCKS_FIELD_NUMBER: _ClassVar[int]
     active_blocks: int
     total_blocks: int
     running: int
     waiting: int
-    def __init__(self, active_blocks: _Optional[int] = ..., total_blocks: _Optional[int] = ..., running: _Optional[int] = ..., waiting: _Optional[int] = ...) -> None: ...
+    waiting_blocks: int
+    def __init__(self, active_blocks: _Optional[int] = ..., total_blocks: _Optional[int] = ..., running: _Optional[int] = ..., waiting: _Optional[int] = ..., waiting_blocks: _Optional[int] = ...) -> None: ...
 
 class HeartbeatRequest(_message.Message):
     __slots__ = ("worker_id", "load", "events", "registration_id")
