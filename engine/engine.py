@@ -115,7 +115,9 @@ class Engine(Handoff):
 
     def step(self) -> list[RequestOutput]:
         batch, start = len(self.scheduler.running), time.perf_counter()
-        self._drafting = self.governor is None or self.governor.should_draft(batch)
+        # Above disable_by_batch_size nothing drafts, whatever the governor would choose: it neither
+        # chooses nor measures there (its "draft" figures were plain steps).
+        self._drafting = self.governor is None or not self._draftable(batch) or self.governor.should_draft(batch)
         scheduled = self.scheduler.schedule(self._lookahead)
         self.stalled = not scheduled
         if not scheduled:
@@ -179,12 +181,17 @@ class Engine(Handoff):
             self.counters["verify_rows"] += len(proposals) + sum(len(p.token_ids) for p in proposals)
         if not all(s.num_tokens == 1 for s in scheduled):
             return  # a prefill chunk's cost would skew the figures below
-        limit = self.config.speculative.disable_by_batch_size
-        if self.row_price is not None and (limit is None or batch <= limit):  # priced where drafting may run
+        if not self._draftable(batch):  # the figures below are for where drafting may run
+            return
+        if self.row_price is not None:
             self.row_price.observe(rows, verified_at - drafted_at)
             self.proposer.confidence_threshold = self.row_price.threshold()
         if self.governor is not None and len(scheduled) == batch:  # a decode step of the whole running batch
             self.governor.record(batch, self._drafting, end - start, emitted)
+
+    def _draftable(self, batch: int) -> bool:
+        limit = self.config.speculative.disable_by_batch_size
+        return limit is None or batch <= limit
 
     @property
     def draft_confidence_threshold(self) -> float:
@@ -227,8 +234,7 @@ class Engine(Handoff):
         speculative.disable_by_batch_size, and none for a
         prefill that is handed off after its first token (a chunked prefill whose last chunk is
         one token looks like a decoding sequence)."""
-        limit = self.config.speculative.disable_by_batch_size
-        if not self._drafting or seq.prefill_only or (limit is not None and len(self.scheduler.running) > limit):
+        if not self._drafting or seq.prefill_only or not self._draftable(len(self.scheduler.running)):
             return 0
         k = seq.params.num_speculative_tokens
         k = self.num_speculative_tokens if k is None else min(k, self.num_speculative_tokens)

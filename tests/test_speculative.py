@@ -108,6 +108,14 @@ def test_adaptive_speculation_measures_both_ways_and_stays_lossless(spec_prompts
     assert set(engine.governor.figures()[1]) == {"draft", "plain"} and engine.counters["draft_tokens"] > 0
 
 
+def test_the_governor_neither_chooses_nor_measures_where_nothing_may_draft(spec_prompts, spec_plain_outputs):
+    """Above disable_by_batch_size drafting is off whatever the governor chooses: it kept "draft"
+    figures there that were plain steps, and each of them broke its run of same-mode steps."""
+    engine = Engine(EngineConfig(num_kv_blocks=256, speculative={"method": "eagle3", "disable_by_batch_size": 1}))
+    assert run_requests(engine, spec_prompts[:2], [SamplingParams(max_tokens=32)] * 2) == spec_plain_outputs[:2]
+    assert 2 not in engine.governor.figures() and engine.counters["draft_tokens"] > 0  # drafted once one was left
+
+
 @pytest.mark.parametrize("kv_cache_dtype", ["bfloat16", "int8"])
 def test_a_low_precision_kv_cache_keeps_speculation_lossless(spec_prompts, kv_cache_dtype):
     """engine.kv_cache_dtype bfloat16 or int8: target and draft caches hold that type (the C
