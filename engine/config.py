@@ -69,6 +69,11 @@ class ModelConfig:
             )
         if raw.get("hidden_act", "silu") != "silu":
             raise ModelConfigError(f"{source}: hidden_act {raw['hidden_act']!r} not supported; supported: silu")
+        if raw.get("quantization_config"):  # fp8 weights would load without their scales: garbage
+            method = raw["quantization_config"].get("quant_method", "?")
+            raise ModelConfigError(f"{source}: quantization_config (quant_method {method!r}) not supported: pdspec loads "
+                                   "float (fp32, fp16, bf16) safetensors, quantizing them itself with engine.quantization: "
+                                   "int8, or a GGUF's Q8_0/Q4_0/Q4_1/Q4_K/Q6_K blocks; use the unquantized checkpoint")
         num_heads = raw["num_attention_heads"]
         rope_scaling = raw.get("rope_scaling") or raw.get("rope_parameters")
         rope_kind = (rope_scaling or {}).get("rope_type", (rope_scaling or {}).get("type", "default"))  # "type": older configs
@@ -90,7 +95,10 @@ class ModelConfig:
             rope_scaling=rope_scaling if rope_kind != "default" else None,
             max_position_embeddings=min(max_positions, window or max_positions),
             tie_word_embeddings=raw.get("tie_word_embeddings", False),
-            attention_bias=raw.get("attention_bias", arch == "Qwen2ForCausalLM"),
+            # As transformers reads it: Qwen2's q/k/v always have biases and Mistral's never, whatever
+            # the key says (export tools add it); Llama and Qwen3 follow the key.
+            attention_bias={"Qwen2ForCausalLM": True, "MistralForCausalLM": False}.get(
+                arch, raw.get("attention_bias", False)),
             qk_norm=arch == "Qwen3ForCausalLM",
         )
 

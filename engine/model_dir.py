@@ -13,8 +13,8 @@ def model_name(model: str | None) -> str:
     directory's (a GGUF file's: its name without .gguf)."""
     if model is None:
         return EMBEDDED_NAME
-    path = Path(model).expanduser().resolve()
-    return path.stem if path.suffix == ".gguf" else path.name
+    path = Path(model).expanduser()  # a link's own name: a hub cache's file links to a blob named by its hash
+    return path.stem if path.suffix == ".gguf" else path.resolve().name
 
 
 def resolve_model_dir(model: str | None) -> Path:
@@ -31,7 +31,7 @@ def resolve_model_dir(model: str | None) -> Path:
         from engine.gguf_convert import converted_model_dir
 
         try:
-            return converted_model_dir(path)
+            return converted_model_dir(path, path.stem)
         except ValueError as e:  # an architecture or tokenizer the converter does not take
             raise ModelConfigError(f"model {path}: {e}") from None
     if not path.is_dir():

@@ -11,6 +11,7 @@ from pathlib import Path
 from typing import Any
 
 import jinja2
+import jinja2.ext
 from jinja2.ext import loopcontrols
 from jinja2.sandbox import ImmutableSandboxedEnvironment
 from tokenizers import Tokenizer as HFTokenizer
@@ -110,7 +111,8 @@ class Tokenizer:
             raise ValueError(
                 f"{self._source} has no chat template (looked in tokenizer_config.json and chat_template.jinja)"
             )
-        variables = {**self._special_tokens, **template_kwargs}
+        # transformers passes tools and documents always (None without them): templates test `is defined`.
+        variables = {"tools": None, "documents": None, **self._special_tokens, **template_kwargs}
         return self._template.render(messages=messages, add_generation_prompt=add_generation_prompt, **variables)
 
     def encode_chat(self, messages: list[dict[str, str]], add_generation_prompt: bool = True) -> list[int]:
@@ -225,6 +227,17 @@ def _chat_template(model_dir: Path, config: dict[str, Any]) -> str | None:
     return template
 
 
+class _GenerationTag(jinja2.ext.Extension):
+    """`{% generation %}...{% endgeneration %}` renders its body (transformers marks the assistant's
+    tokens with it for training masks; templates fine-tuned that way carry it)."""
+
+    tags = {"generation"}
+
+    def parse(self, parser: jinja2.parser.Parser) -> list[jinja2.nodes.Node]:
+        next(parser.stream)
+        return parser.parse_statements(("name:endgeneration",), drop_needle=True)
+
+
 def _compile_template(source: str) -> jinja2.Template:
     """Compile like transformers: sandboxed (templates come from model repos) and whitespace-trimmed."""
 
@@ -241,7 +254,7 @@ def _compile_template(source: str) -> jinja2.Template:
         # Jinja's own tojson HTML-escapes; templates expect plain JSON.
         return json.dumps(value, ensure_ascii=ensure_ascii, indent=indent, separators=separators, sort_keys=sort_keys)
 
-    env = ImmutableSandboxedEnvironment(trim_blocks=True, lstrip_blocks=True, extensions=[loopcontrols])
+    env = ImmutableSandboxedEnvironment(trim_blocks=True, lstrip_blocks=True, extensions=[loopcontrols, _GenerationTag])
     env.filters["tojson"] = tojson
     env.globals["raise_exception"] = raise_exception
     env.globals["strftime_now"] = lambda fmt: datetime.now().strftime(fmt)

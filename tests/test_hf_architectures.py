@@ -8,6 +8,7 @@ import shutil
 
 import pytest
 import torch
+from safetensors.torch import load_file, save_file
 
 from engine.batch import SeqChunk
 from engine.config import EngineConfig, ModelConfigError
@@ -63,11 +64,33 @@ def test_a_tiny_model_of_each_architecture_computes_transformers_logits(tmp_path
 @pytest.mark.parametrize("fields, message", [
     ({"rope_scaling": {"type": "linear", "factor": 4.0}}, "rope_scaling type 'linear' not supported"),  # older key
     ({"hidden_act": "gelu"}, "hidden_act 'gelu' not supported"),
+    # fp8 weights loaded without their scales served garbage; GPTQ/AWQ failed on a missing weight's name
+    ({"quantization_config": {"quant_method": "fp8"}}, "quant_method 'fp8'.* not supported"),
+    ({"tie_word_embeddings": False, "drop": "lm_head.weight"}, "no lm_head.weight"),  # not tied silently
 ])
 def test_config_fields_we_cannot_honour_are_refused_by_name(tmp_path, model_dir, fields, message):
     """As config.json holds them (transformers rewrites some fields on saving: written here as is)."""
     path, _ = _tiny(tmp_path, model_dir, "LlamaConfig")
+    fields = dict(fields)
+    if (dropped := fields.pop("drop", None)) is not None:
+        weights = load_file(path / "model.safetensors")
+        save_file({k: v for k, v in weights.items() if k != dropped}, path / "model.safetensors", metadata={"format": "pt"})
     config = json.loads((path / "config.json").read_text())
     (path / "config.json").write_text(json.dumps(config | fields))
     with pytest.raises(ModelConfigError, match=message):
         _engine(path)
+
+
+@pytest.mark.parametrize("config_class, key", [("Qwen2Config", False), ("MistralConfig", True)])
+def test_attention_bias_follows_the_architecture_as_transformers_reads_it(tmp_path, model_dir, config_class, key):
+    """Qwen2 always has q/k/v biases and Mistral never, whatever an exported config.json's
+    attention_bias says (the biases were dropped, or looked for and not found)."""
+    path, model = _tiny(tmp_path, model_dir, config_class)
+    config = json.loads((path / "config.json").read_text())
+    (path / "config.json").write_text(json.dumps(config | {"attention_bias": key}))
+    engine = _engine(path)
+    engine.blocks.allocate("p", PROMPT)
+    ours = engine.runner.forward([SeqChunk(PROMPT, 0, engine.blocks.block_table("p"), num_logits=len(PROMPT))]).logits
+    with torch.no_grad():
+        ref = model(torch.tensor([PROMPT])).logits[0]
+    assert ((ours - ref).abs().max() / ref.abs().max()).item() <= 1e-4

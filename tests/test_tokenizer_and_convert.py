@@ -12,7 +12,8 @@ import pytest
 import torch
 from safetensors.torch import load_file
 
-from engine.gguf_convert import SOURCE_FILE, convert_gguf, default_model_dir, embedded_gguf_path, prune_stale_conversions
+from engine.conversions import SOURCE_FILE, build_dir, prune_stale_conversions
+from engine.gguf_convert import convert_gguf, default_model_dir, embedded_gguf_path
 from engine.tokenizer import IncrementalDetokenizer, Tokenizer
 
 ENCODE_CASES = [
@@ -177,6 +178,27 @@ def test_chat_template_from_jinja_file(converted_dir: Path, tmp_path: Path) -> N
     assert rendered == "[user] hi<|im_end|>\n"  # trim_blocks/lstrip_blocks drop the block tags' lines
 
 
+def test_a_template_with_generation_tags_and_tool_branches_renders_as_transformers_does(converted_dir: Path,
+                                                                                        tmp_path: Path) -> None:
+    """Fine-tunes' templates mark the assistant's turn with {% generation %} (the engine and the
+    router refused to start on them) and test `tools is defined`, which transformers always makes
+    true (as None)."""
+    from transformers import PreTrainedTokenizerFast
+
+    (tmp_path / "tokenizer.json").symlink_to(converted_dir / "tokenizer.json")
+    (tmp_path / "tokenizer_config.json").write_text(json.dumps({"eos_token": "<|im_end|>"}))
+    (tmp_path / "chat_template.jinja").write_text(
+        "{% if tools is defined %}[tools: {{ tools }}]{% endif %}"
+        "{% for m in messages %}{% if m['role'] == 'assistant' %}{% generation %}"
+        "A: {{ m['content'] }}{{ eos_token }}{% endgeneration %}{% else %}U: {{ m['content'] }}\n{% endif %}"
+        "{% endfor %}")
+    chat = [{"role": "user", "content": "hi"}, {"role": "assistant", "content": "hello"}]
+    ours = Tokenizer.from_dir(tmp_path).apply_chat_template(chat, add_generation_prompt=False)
+    assert ours == "[tools: None]U: hi\nA: hello<|im_end|>"
+    theirs = PreTrainedTokenizerFast.from_pretrained(tmp_path)
+    assert ours == theirs.apply_chat_template(chat, tokenize=False, add_generation_prompt=False)
+
+
 @pytest.mark.parametrize("text", DETOKENIZE_CASES)
 @pytest.mark.parametrize("chunk", [1, 3])
 def test_incremental_detokenizer(tokenizer: Tokenizer, text: str, chunk: int) -> None:
@@ -300,12 +322,55 @@ def test_conversions_of_a_gone_or_changed_gguf_are_pruned(tmp_path: Path) -> Non
     kept = [conversion("Model-aaa", elsewhere), conversion("Model-ddd", None), conversion("Other-eee", gone),
             conversion("Model-hhh", live), models / f".Model-fff.{os.getpid()}.x1.partial"]  # one running now
     crashed = models / ".Model-ggg.999999999.x2.partial"  # no such process
-    for build in (kept[-1], crashed):
-        build.mkdir()
+    reused = models / f".Model-iii.{os.getpid()}-1.x3.partial"  # this pid, but a process started at tick 1
+    kept.append(build_dir(models / "Model-jjj"))  # this process's, named as conversions name it
+    for build in (kept[-2], kept[-1], crashed, reused):
+        build.mkdir(exist_ok=True)
         os.utime(build, (time.time() - 2 * 3600,) * 2)
     stale = [conversion("Model-bbb", gone), conversion("Model-ccc", changed)]
     new = conversion("Model-fff", live)
     gone.unlink()
     changed.write_bytes(b"gguf, reinstalled")
-    assert sorted(prune_stale_conversions(models, "Model", keep=new)) == sorted(stale + [crashed])
-    assert all(d.is_dir() for d in kept + [new]) and not any(d.exists() for d in stale + [crashed])
+    assert sorted(prune_stale_conversions(models, "Model", keep=new)) == sorted(stale + [crashed, reused])
+    assert all(d.is_dir() for d in kept + [new]) and not any(d.exists() for d in stale + [crashed, reused])
+
+
+def _metadata_only_gguf(path: Path, fields: dict[str, int | float]) -> Path:
+    from gguf import GGUFWriter
+
+    writer = GGUFWriter(str(path), "llama")
+    for key, value in fields.items():
+        (writer.add_uint32 if isinstance(value, int) else writer.add_float32)(key, value)
+    writer.write_header_to_file()
+    writer.write_kv_data_to_file()
+    writer.write_tensors_to_file()
+    writer.close()
+    return path
+
+
+@pytest.mark.parametrize("fields, message", [
+    ({"split.count": 2, "split.no": 0}, "part 1 of a GGUF split into 2 files; merge them first"),
+    # llama.cpp scales linearly by a factor given without a type (and by older files' scale_linear)
+    ({"llama.rope.scaling.factor": 4.0}, "RoPE scaling 'none' \\(factor 4.0\\)"),
+    ({"llama.rope.scale_linear": 2.0}, "RoPE scaling 'none' \\(factor 2.0\\)"),
+])
+def test_gguf_files_we_cannot_convert_faithfully_are_refused_by_what_they_hold(tmp_path: Path, fields, message):
+    path = _metadata_only_gguf(tmp_path / "model.gguf", fields)
+    with pytest.raises(ValueError, match=message):
+        convert_gguf(path, tmp_path / "out")
+    assert not (tmp_path / "out").exists()
+
+
+def test_a_linked_gguf_is_named_by_its_link(tmp_path: Path) -> None:
+    """A hub cache links snapshots/<rev>/<name>.gguf to blobs/<sha256>: the model is served under
+    the link's name (it was served as the hash, and requests naming the file got 404)."""
+    from engine.model_dir import model_name
+
+    blob = tmp_path / "blobs" / ("ab" * 32)
+    blob.parent.mkdir()
+    blob.write_bytes(b"GGUF")
+    link = tmp_path / "snapshots" / "SmolLM2-135M.Q4_1.gguf"
+    link.parent.mkdir()
+    link.symlink_to(blob)
+    assert model_name(str(link)) == "SmolLM2-135M.Q4_1"
+
