@@ -115,9 +115,9 @@ class Engine(Handoff):
 
     def step(self) -> list[RequestOutput]:
         batch, start = len(self.scheduler.running), time.perf_counter()
-        # Above disable_by_batch_size nothing drafts, whatever the governor would choose: it neither
-        # chooses nor measures there (its "draft" figures were plain steps).
-        self._drafting = self.governor is None or not self._draftable(batch) or self.governor.should_draft(batch)
+        # Above disable_by_batch_size nothing drafts: the governor neither chooses nor measures there
+        # (its "draft" figures were plain steps), and the run of steps it measures is broken.
+        self._drafting = self._draftable(batch) and (self.governor is None or self.governor.should_draft(batch))
         scheduled = self.scheduler.schedule(self._lookahead)
         self.stalled = not scheduled
         if not scheduled:
@@ -148,7 +148,8 @@ class Engine(Handoff):
             self.blocks.commit(s.seq.seq_id, [chunk.token_ids[r] for r in rows])
             if s.num_lookahead:
                 self.blocks.rollback(s.seq.seq_id)
-            self.proposer.observe(s.seq, chunk.start, _rows(out.aux_hidden, row, rows))
+            if rows:  # none where the sequence ended at once (no room left: retired blocks shrank its limit)
+                self.proposer.observe(s.seq, chunk.start, _rows(out.aux_hidden, row, rows))
             s.seq.num_computed += len(rows)
             row += len(chunk.token_ids)
         outputs = []
@@ -182,6 +183,8 @@ class Engine(Handoff):
         if not all(s.num_tokens == 1 for s in scheduled):
             return  # a prefill chunk's cost would skew the figures below
         if not self._draftable(batch):  # the figures below are for where drafting may run
+            if self.governor is not None:
+                self.governor.interrupt()  # the draft cache falls behind meanwhile: catching up is no step to average
             return
         if self.row_price is not None:
             self.row_price.observe(rows, verified_at - drafted_at)

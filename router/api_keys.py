@@ -67,10 +67,10 @@ class ApiKeys:
                         self._stamp, self._keys = stamp, self._read()
                         log.log(logging.INFO if self._keys else logging.WARNING, "re-read %d API keys from %s%s",
                                 len(self._keys), self._path, "" if self._keys else ": every call is refused")
-                except OSError as e:
+                except (OSError, ValueError) as e:  # ValueError: not UTF-8 (a torn write, a Latin-1 comment)
                     if self._stamp is not None:
                         log.error("router.api_key_file: cannot read %s (%s): every call is refused until it can",
-                                  self._path, e.strerror)
+                                  self._path, e)
                     self._stamp, self._keys = None, frozenset()
             return self._keys
 

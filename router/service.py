@@ -77,12 +77,12 @@ class RouterServicer(router_pb2_grpc.RouterServicer):
 
     def Generate(self, request, context) -> Iterator[router_pb2.GenerateResponse]:
         observer = self._metrics.start()
-        answered = False  # its last message out: how the call closes after that changes nothing
+        answered = False  # its last message sent: how the call closes after that changes nothing
         try:
             for response in self._generate(request, context):
                 observer.on_response(response)
-                answered = response.finish_reason not in ("", "abort")  # before the yield: gRPC may close us there
-                yield response
+                yield response  # gRPC comes back for the next one only once this one was sent
+                answered = response.finish_reason not in ("", "abort")
         finally:
             observer.finish("OK" if answered else _status_name(context))
 

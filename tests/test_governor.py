@@ -103,3 +103,16 @@ def test_the_governor_compares_time_per_token_over_steps_not_per_step():
         g.record(1, False, 0.003, 1)
     assert g.should_draft(1)
     assert g.figures()[1]["draft"] < g.figures()[1]["plain"]
+
+
+def test_a_step_it_did_not_choose_starts_a_new_run():
+    """Above disable_by_batch_size the engine runs plain steps the governor neither chose nor
+    records; the first drafting step after them (the draft cache's catch-up in it) is not averaged."""
+    g = SpeculationGovernor()
+    for _ in range(3):
+        g.record(1, True, 0.004, 2)
+    g.interrupt()
+    g.record(1, True, 0.050, 2)  # the catch-up: skipped
+    g.record(1, True, 0.004, 2)
+    assert g.figures()[1]["draft"] == pytest.approx(2.0)
+

@@ -76,6 +76,11 @@ class SpeculationGovernor:
         f.steps_since_probe += 1
         return best
 
+    def interrupt(self) -> None:
+        """A step it did not choose ran (nothing may draft at that batch size): the next recorded
+        step starts a new run, as after a switch (its cost may hold the draft cache's catch-up)."""
+        self._last_drafted = None
+
     def record(self, batch: int, drafted: bool, seconds: float, tokens: int) -> None:
         """One decode step of `batch` sequences (no prefill in it) that emitted `tokens` tokens."""
         switched, self._last_drafted = drafted != self._last_drafted, drafted
