@@ -25,7 +25,7 @@ import grpc
 import torch
 
 from engine.kv_layout import KVLayout, KVLayoutMismatch
-from kvtransfer.layout import check_caches, layout_from_proto
+from kvtransfer.layout import block_checksums, check_caches, layout_from_proto
 from proto.pdspec.v1 import kv_pb2, kv_pb2_grpc
 from proto.rpc import Tls, channel
 
@@ -129,6 +129,23 @@ class BaseConnector(abc.ABC):
             reason = "Release failed" if found is None else "it was no longer pinned: its pin timed out"
             raise KVTransferError(f"{handle.source_address} did not confirm that {handle.request_id} stayed pinned "
                                   f"through the transfer ({reason}): prefill it again", retryable=True)
+        self._check_pinned_contents(handle, remote_block_ids, local_block_ids)
+
+    def _check_pinned_contents(self, handle: kv_pb2.KVHandle, remote: list[int], local: list[int]) -> None:
+        """The blocks written hold what the source pinned (its checksums, when it sent them)."""
+        names = list(self.layout.caches())
+        expected = list(handle.block_checksums)
+        if not expected or not remote:
+            return
+        if len(expected) != len(names) * len(handle.block_ids):
+            raise KVTransferError(f"{handle.source_address} sent {len(expected)} block checksums for "
+                                  f"{len(handle.block_ids)} blocks of {len(names)} caches", retryable=False)
+        at = {b: i for i, b in enumerate(handle.block_ids)}
+        wanted = [expected[c * len(handle.block_ids) + at[b]] for c in range(len(names)) for b in remote]
+        if block_checksums(self.caches, names, local) not in ([], wanted):
+            raise KVTransferError(f"the KV of {handle.request_id} pulled from {handle.source_address} does not match "
+                                  "the checksums of its pinned blocks: corrupted on the way, or changed under its pin",
+                                  retryable=True)
 
     def close(self) -> None:
         with self._channels_lock:

@@ -2,6 +2,7 @@
 
 import numpy as np
 import torch
+import xxhash
 
 from engine.kv_layout import CacheShape, KVLayout
 from proto.pdspec.v1 import kv_pb2
@@ -66,3 +67,12 @@ def write_block(cache: torch.Tensor, block_id: int, data: bytes) -> None:
         dst.numpy()[:] = src
     else:
         dst.copy_(torch.tensor(src))
+
+
+def block_checksums(caches: dict[str, torch.Tensor], names: list[str], block_ids: list[int]) -> list[int]:
+    """XXH3-64 of each block, cache by cache in `names`' order, block by block (KVHandle.block_checksums);
+    [] where the caches are in device memory (hashing them would copy every block out)."""
+    if any(caches[name].device.type != "cpu" for name in names):
+        return []
+    return [xxhash.xxh3_64_intdigest(block_view(caches[name], b).numpy()) for name in names for b in block_ids]
+

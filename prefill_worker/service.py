@@ -9,6 +9,7 @@ import grpc
 
 from engine.errors import CapacityExceeded, InvalidRequest, RequestIdInUse
 from engine.loop import EngineLoop
+from kvtransfer.layout import block_checksums
 from kvtransfer.source import KVSource
 from serving.call_limit import CallLimit, request_call_limit
 from serving.convert import sampling_params
@@ -81,4 +82,5 @@ class PrefillServicer(worker_pb2_grpc.PrefillWorkerServicer):
             draft_hidden=h.draft_hidden.float().numpy().tobytes() if h.draft_hidden is not None else b"",
             cached_prompt_tokens=h.cached_prompt_tokens, queue_seconds=h.queue_seconds,
             nixl_agent=self.source.nixl.agent.name if self.source.nixl is not None else "", pin_id=pin_id,
+            block_checksums=block_checksums(self.source.caches, list(self.source.layout.caches()), h.block_table),
         )

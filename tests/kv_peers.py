@@ -14,7 +14,7 @@ import torch
 from engine.kv_layout import CacheShape, KVLayout
 from kvtransfer.backends import make_connector
 from kvtransfer.connector import KVTransferError
-from kvtransfer.layout import layout_to_proto
+from kvtransfer.layout import block_checksums, layout_to_proto
 from kvtransfer.source import SERVICE_NAME, KVSource, KVTransferServicer
 from proto.pdspec.v1 import kv_pb2, kv_pb2_grpc
 from proto.rpc import serve
@@ -36,7 +36,8 @@ def random_caches(layout: KVLayout, num_blocks: int, seed: int) -> dict[str, tor
 
 
 class FaultyServicer(KVTransferServicer):
-    """Faults on purpose, by request id: "corrupt*" flips a byte after the checksum was taken;
+    """Faults on purpose, by request id: "corrupt*" flips a byte after the checksum was taken
+    ("changed*", in _serve_source: a pinned block changes after the handle's checksums were taken);
     "stall*" reports that its first chunk went out, then never sends the next; "lapsed*" ends its
     pin at Release but answers that it had lapsed already (found=False)."""
 
@@ -80,7 +81,10 @@ def _serve_source(conn, pin_timeout_s: float, nixl: bool, faulty: bool) -> None:
         while True:
             request_id, block_ids = conn.recv()
             pin_id = source.pin(request_id, block_ids, on_release=lambda rid=request_id: report("released", rid))
-            report("pinned", (request_id, pin_id))
+            checksums = block_checksums(source.caches, list(LAYOUT.caches()), block_ids)  # as a prefill worker's handle
+            if faulty and request_id.startswith("changed"):  # a pinned block changes after its checksum was taken
+                source.caches["draft"][block_ids[-1]].view(-1)[-1] += 1
+            report("pinned", (request_id, pin_id, checksums))
     except (EOFError, OSError):  # the test is done with this source
         server.stop(None).wait()
         source.close()
@@ -129,11 +133,11 @@ class SourceProcess(_Child):
 
     def pin(self, request_id: str, block_ids: list[int] = PIN) -> kv_pb2.KVHandle:
         self._conn.send((request_id, block_ids))
-        pinned, pin_id = self.expect("pinned")
+        pinned, pin_id, checksums = self.expect("pinned")
         assert pinned == request_id
         return kv_pb2.KVHandle(request_id=request_id, source_worker_id="prefill-test", source_address=self.address,
                                layout=layout_to_proto(LAYOUT), block_ids=block_ids, pin_id=pin_id,
-                               nixl_agent=self.nixl_agent)
+                               nixl_agent=self.nixl_agent, block_checksums=checksums)
 
     def wait_released(self, request_id: str) -> None:
         while request_id not in self.released:

@@ -178,6 +178,15 @@ def test_corrupted_chunk_fails_its_checksum(doomed_source, dest):
     assert_local(dest, {}, undefined=LOCAL)
 
 
+@pytest.mark.parametrize("backend", BACKENDS)
+def test_blocks_changed_under_their_pin_fail_the_handles_checksums(backend, doomed_source, dest):
+    """A NIXL READ has no checksum of its own, and gRPC checksums each chunk as it is sent: only
+    the handle's checksums, taken when the blocks were pinned, see a block that changed (or was
+    corrupted) between the pin and the read."""
+    error = dest.pull_error(backend, doomed_source.pin("changed"))
+    assert "does not match the checksums of its pinned blocks" in str(error) and error.retryable
+
+
 def test_source_killed_mid_stream_is_retryable(doomed_source, dest):
     dest.start_pull("grpc", doomed_source.pin("stall"))
     doomed_source.expect("streaming")
