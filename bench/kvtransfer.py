@@ -4,9 +4,11 @@ same-process torch copy of the same blocks.
 Layout: SmolLM2-135M (30 layers, 3 KV heads, head dim 64), block size 16, fp32: 737,280 bytes per
 target block, plus a 1-layer EAGLE3 draft cache (24,576 bytes per block). The source process pins
 the blocks and serves KVTransfer on 127.0.0.1; this process pulls them, scattered, into scattered
-local blocks, timing the whole `pull` (transfer, checks, Release). Prints one JSON object, then a table.
+local blocks, timing the whole `pull` (transfer, checks, Release, and the blocks checked against
+the handle's checksums, as a prefill worker's handle carries them; --no-checksums leaves them out).
+Prints one JSON object, then a table.
 
-    python -m bench.kvtransfer [--blocks 64] [--reps 5]
+    python -m bench.kvtransfer [--blocks 64] [--reps 5] [--no-checksums]
 
 UCX takes its settings from the environment, which the source process inherits: try a tuning
 with e.g. `UCX_CMA_SEG_SIZE=4m python -m bench.kvtransfer`. On the 2-core CPU dev machine UCX's
@@ -26,7 +28,7 @@ import torch
 
 from engine.kv_layout import CacheShape, KVLayout
 from kvtransfer.backends import make_connector
-from kvtransfer.layout import layout_to_proto
+from kvtransfer.layout import block_checksums, layout_to_proto
 from kvtransfer.source import SERVICE_NAME, KVSource
 from proto.pdspec.v1 import kv_pb2, kv_pb2_grpc
 from proto.rpc import serve
@@ -57,7 +59,7 @@ def _serve_source(conn, num_blocks: int, threads: int) -> None:
         while True:
             request_id, block_ids = conn.recv()
             source.pin(request_id, block_ids, on_release=lambda: None)
-            conn.send(request_id)
+            conn.send(block_checksums(source.caches, list(LAYOUT.caches()), block_ids))
     except (EOFError, OSError):  # the benchmark is done
         server.stop(None).wait()
         source.close()
@@ -76,15 +78,15 @@ def _result(times: list[float], nbytes: int) -> dict:
 
 
 def _pull_times(backend: str, conn, address: str, local: dict[str, torch.Tensor], pinned: list[int],
-                local_ids: list[int], reps: int) -> list[float]:
+                local_ids: list[int], reps: int, checksums: bool) -> list[float]:
     connector = make_connector(backend, LAYOUT, local, TOKEN)
     times = []
     for rep in range(reps + 1):
         request_id = f"{backend}-{rep}"
         conn.send((request_id, pinned))
-        conn.recv()
+        sums = conn.recv()
         handle = kv_pb2.KVHandle(request_id=request_id, source_address=address, layout=layout_to_proto(LAYOUT),
-                                 block_ids=pinned)
+                                 block_ids=pinned, block_checksums=sums if checksums else [])
         times.append(_seconds(lambda: connector.pull(handle, pinned, local_ids, timeout_s=120)))
     connector.close()
     return times[1:]  # the first pull also sets up the connection and fetches NIXL metadata
@@ -95,6 +97,7 @@ def main() -> None:
     ap.add_argument("--blocks", type=int, default=64, help="blocks per pull (default 64, about 49 MB)")
     ap.add_argument("--reps", type=int, default=5)
     ap.add_argument("--threads", type=int, default=1, help="torch threads in each process")
+    ap.add_argument("--no-checksums", action="store_true", help="handles without the pinned blocks' checksums")
     args = ap.parse_args()
     _quiet_nixl()
     torch.set_num_threads(args.threads)
@@ -120,7 +123,8 @@ def main() -> None:
     for backend in BACKENDS:
         for cache in local.values():
             cache.zero_()
-        results[backend] = _result(_pull_times(backend, conn, address, local, pinned, local_ids, args.reps), nbytes)
+        times = _pull_times(backend, conn, address, local, pinned, local_ids, args.reps, not args.no_checksums)
+        results[backend] = _result(times, nbytes)
         assert all(torch.equal(local[n][l], source_caches[n][r]) for n in local for r, l in zip(pinned, local_ids))
     conn.close()
     process.join()
@@ -128,7 +132,7 @@ def main() -> None:
 
 
 def _report(args: argparse.Namespace, nbytes: int, results: dict[str, dict]) -> None:
-    report = {"blocks": args.blocks, "bytes": nbytes,
+    report = {"blocks": args.blocks, "bytes": nbytes, "checksums": not args.no_checksums,
               "block_bytes": {n: LAYOUT.block_bytes(s) for n, s in LAYOUT.caches().items()},
               "ucx_env": {k: v for k, v in os.environ.items() if k.startswith("UCX_")}, "results": results,
               "nixl_vs_memcpy": round(results["nixl"]["gb_per_s"] / results["memcpy"]["gb_per_s"], 3)}
