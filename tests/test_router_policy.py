@@ -63,13 +63,18 @@ def test_decode_choice_is_the_emptiest_pool_then_fewest_running():
     assert least_loaded([view("a", active=10, running=3), view("b", active=10, running=2)]).worker_id == "b"
 
 
-def test_a_burst_spreads_before_heartbeats_report_it():
+def _two_prefill_workers() -> Registry:
     registry = Registry()
     layout = kv_pb2.KVLayout(model="m", dtype="float32", block_size=4)
     for wid in ("a", "b"):
         registry.register(worker_pb2.RegisterRequest(worker_id=wid, role="prefill", address=f"{wid}:1",
                                                      layout=layout, total_blocks=100, max_model_len=64,
                                                      max_num_seqs=4))
+    return registry
+
+
+def test_a_burst_spreads_before_heartbeats_report_it():
+    registry = _two_prefill_workers()
     policy = KVPolicy(overlap_weight=1.0, temperature=0.0)
     chosen = []
     for _ in range(4):
@@ -82,12 +87,7 @@ def test_a_burst_spreads_before_heartbeats_report_it():
 def test_a_workers_queue_counts_as_its_load_after_heartbeats():
     """Queued requests' blocks are not allocated yet: a heartbeat reporting only the used ones made
     a backlogged worker look idle, and it took the next burst too."""
-    registry = Registry()
-    layout = kv_pb2.KVLayout(model="m", dtype="float32", block_size=4)
-    for wid in ("a", "b"):
-        registry.register(worker_pb2.RegisterRequest(worker_id=wid, role="prefill", address=f"{wid}:1",
-                                                     layout=layout, total_blocks=100, max_model_len=64,
-                                                     max_num_seqs=4))
+    registry = _two_prefill_workers()
     queued = worker_pb2.Load(active_blocks=2, total_blocks=100, running=1, waiting=3, waiting_blocks=12)
     idle = worker_pb2.Load(active_blocks=4, total_blocks=100, running=1)
     registry.heartbeat(worker_pb2.HeartbeatRequest(worker_id="a", load=queued))
