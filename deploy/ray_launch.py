@@ -16,7 +16,6 @@ import logging
 import math
 import os
 import signal
-from pathlib import Path
 
 # Ray rewrites 127.0.0.1 to the host's outward address (so that other machines could join)
 # unless this is off, and the private Ray of start() would then listen beyond loopback. It only
@@ -30,6 +29,7 @@ from ray.util.scheduling_strategies import NodeAffinitySchedulingStrategy
 
 from deploy.config import ConfigError, DeploymentConfig, RoleConfig, check_launchable, with_fixed_ports
 from deploy.readiness import list_workers, wait_for_workers
+from engine.procfs import child_pids
 from proto.pdspec.v1 import router_pb2
 from proto.rpc import free_port, wait_healthy
 from serving.roles import WORKER_ROLES
@@ -290,7 +290,7 @@ def _start_local_ray(attempts: int = 2) -> None:
     a loaded 2-core host sometimes misses: that attempt's processes are killed, and Ray started
     once more."""
     for attempt in range(1, attempts + 1):
-        before = _child_pids()
+        before = child_pids()
         try:
             ray.init(address="local", _node_ip_address="127.0.0.1", include_dashboard=False, namespace=NAMESPACE)
             return
@@ -299,19 +299,9 @@ def _start_local_ray(attempts: int = 2) -> None:
                 raise
             log.warning("Ray's local node missed its start-up window (%s); starting it again", e)
             ray.shutdown()
-            for pid in _child_pids() - before:  # the half-started GCS and raylet (theirs die with them)
+            for pid in child_pids() - before:  # the half-started GCS and raylet (theirs die with them)
                 with contextlib.suppress(ProcessLookupError):
                     os.kill(pid, signal.SIGKILL)
-
-
-def _child_pids() -> set[int]:
-    """This process's children, from /proc (field 4 of a stat line, after the name in parentheses)."""
-    pids = set()
-    for stat in Path("/proc").glob("[0-9]*/stat"):
-        with contextlib.suppress(OSError, IndexError, ValueError):
-            if int(stat.read_text().rsplit(")", 1)[1].split()[1]) == os.getpid():
-                pids.add(int(stat.parent.name))
-    return pids
 
 
 def _deployed() -> list[str]:

@@ -10,6 +10,8 @@ import tempfile
 import time
 from pathlib import Path
 
+from engine.procfs import stat_fields
+
 SOURCE_FILE = "source.json"  # the GGUF a conversion came from (path, size, mtime)
 
 
@@ -24,11 +26,8 @@ def build_dir(out_dir: Path) -> Path:
 
 def _start_time(pid: int) -> str:
     """When process `pid` started, in clock ticks since boot ("" where /proc does not tell)."""
-    try:
-        stat = Path(f"/proc/{pid}/stat").read_text()
-        return stat.rsplit(")", 1)[1].split()[19]  # field 22; the name in parentheses may hold spaces
-    except (OSError, IndexError):
-        return ""
+    fields = stat_fields(pid)
+    return fields[19] if fields is not None and len(fields) > 19 else ""
 
 
 PARTIAL_AGE_S = 3600.0  # a build directory this old, whose process is gone, is a crashed conversion's

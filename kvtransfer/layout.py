@@ -75,4 +75,3 @@ def block_checksums(caches: dict[str, torch.Tensor], names: list[str], block_ids
     if any(caches[name].device.type != "cpu" for name in names):
         return []
     return [xxhash.xxh3_64_intdigest(block_view(caches[name], b).numpy()) for name in names for b in block_ids]
-

@@ -103,7 +103,7 @@ class RouterServicer(router_pb2_grpc.RouterServicer):
             yield from self._admitted(req, run, context)
         finally:
             with self._runs_lock:
-                run.finished = True
+                run.finish()
                 del self._runs[run.key]
 
     def _admitted(self, req: ValidRequest, run: Run, context) -> Iterator[router_pb2.GenerateResponse]:
