@@ -134,6 +134,7 @@ static inline vfloat dot_bf16(const char *key, const uint16_t *q, int dim) {
 }
 #else
 #define HAVE_BF16_DOTS 0
+#define BF16_DOTS(dim) 0
 #endif
 
 /* The query's `dim` floats in key_chunk's order for a bf16 cache, rounded to bf16. */
@@ -161,6 +162,21 @@ static inline void store_chunks(float *row, const vfloat *a, int chunks, int bf1
     }
 }
 
+/* A bf16 partition's keys (or values: `offset` bytes further) widened once for all of a tile's rows,
+ * `n` rows of `dim` floats in key_chunk's order, so each row's arithmetic reads the same floats in
+ * the same order as widening in registers would give it (its bits do not change). Widened per row
+ * instead, an 18-row tile (a 6-token verification span) widened every key 18 times: the scores
+ * and values took 1.35x the time (AVX2, keys in cache). Tiles of fewer than WIDEN_ROWS rows (a
+ * decode step's) widen in registers: a pass ahead of the arithmetic waits for the partition's
+ * lines from DRAM all at once, and cold attention at batch 16 took 1.03-1.10x the time. */
+#define WIDEN_ROWS 6
+static inline void widen_rows(const char *const *rows, long offset, int n, int dim, float *out) {
+    const int chunks = dim / LANES;
+    for (int o = 0; o < n; o++)
+        for (int c = 0; c < chunks; c++)
+            store_f32(out + (size_t)o * dim + LANES * c, key_chunk(rows[o] + offset, c, chunks, PD_KV_BF16));
+}
+
 /* Keys per step of the values pass: one FMA chain per chunk; with fewer than 8 chunks (wide
  * vectors, small heads) a second set of sums takes every other key, so 8 chains keep the FMAs busy. */
 static inline int key_stride(int chunks) { return chunks >= 8 ? 1 : 2; }
@@ -186,7 +202,7 @@ static inline int key_stride(int chunks) { return chunks >= 8 ? 1 : 2; }
 static inline __attribute__((always_inline)) void weigh_values(
     const char *const *keys, long value_offset, const float *exps, const float *vscale, float *part, int r,
     const int rows, const int *pos, int nrows, int k0, int k1, const int dim, const int kv_type,
-    const part_keys *next) {
+    const part_keys *next, const float *widened) {
     const int chunks = dim / LANES, stride = key_stride(chunks), bytes = pd_kv_row(kv_type, dim) * pd_kv_esize(kv_type);
     const int row_exps = PART_KEYS / KEYS * KEYS;  /* floats from one row's exps to the next's */
     vfloat a[2][2][MAX_DIM / LANES];              /* [row][key parity][chunk] */
@@ -210,7 +226,8 @@ static inline __attribute__((always_inline)) void weigh_values(
                                                : exps[(size_t)(i) * row_exps + o + (k)])
 #define WEIGH(k)                                                                              \
         for (int c = 0; c < chunks; c++) {                                                    \
-            vfloat v = key_chunk(keys[o + (k)] + value_offset, c, chunks, kv_type);           \
+            vfloat v = widened ? load_f32(widened + (size_t)(o + (k)) * dim + LANES * c)       \
+                               : key_chunk(keys[o + (k)] + value_offset, c, chunks, kv_type);  \
             for (int i = 0; i < rows; i++) a[i][k][c] += WEIGHT(i, k) * v;                    \
         }
         WEIGH(0)
@@ -278,6 +295,11 @@ static inline __attribute__((always_inline)) void attend_tile(
             kscale[o] = row_scale(keys[o], dim) * scale;
             vscale[o] = row_scale(keys[o] + value_offset, dim);
         }
+    /* A bf16 cache without dot_bf16: keys, then values, widened once (widen_rows). */
+    static __thread float widened[PART_KEYS * MAX_DIM];
+    const int widen = bf16 && !BF16_DOTS(dim) && nrows >= WIDEN_ROWS;
+    if (widen) widen_rows(keys, 0, steps * KEYS, dim, widened);
+#define SCORE_KV(o, c) (widen ? load_f32(widened + (size_t)(st * KEYS + (o)) * dim + LANES * (c)) : KV(kv[o], c))
     for (int st = 0; st < steps; st++) {
         const char *const *kv = keys + st * KEYS;
         const vfloat key_scale = int8 ? load_f32(kscale + st * KEYS) : splat(scale);
@@ -304,10 +326,10 @@ static inline __attribute__((always_inline)) void attend_tile(
             else {  /* each chunk of the query loaded once, against that chunk of every key (an int8
                        * cache's here too, for other head sizes: its integer products sum exactly) */
                 vfloat qc = load_f32(q[r]);
-                for (int o = 0; o < KEYS; o++) d[o] = qc * KV(kv[o], 0);
+                for (int o = 0; o < KEYS; o++) d[o] = qc * SCORE_KV(o, 0);
                 for (int c = 1; c < chunks; c++) {
                     qc = load_f32(q[r] + LANES * c);
-                    for (int o = 0; o < KEYS; o++) d[o] += qc * KV(kv[o], c);
+                    for (int o = 0; o < KEYS; o++) d[o] += qc * SCORE_KV(o, c);
                 }
             }
             vint valid = lane < visible;
@@ -337,15 +359,18 @@ static inline __attribute__((always_inline)) void attend_tile(
      * its bits are its own whichever rows share its loop. Rows in pairs where a tile has more than
      * one token's heads (a span's or a prefill chunk's): a decode tile's three rows, memory-bound,
      * ran 1-3 % slower in pairs at batch 16 (bench.kernel_ab). */
+    if (widen) widen_rows(keys, value_offset, steps * KEYS, dim, widened);
+    const float *values = widen ? widened : NULL;
     const int pair = 2 * key_stride(chunks) * chunks <= PAIRED_SUMS && nrows >= 4;
     int r = 0;
     for (; pair && r + 1 < nrows; r += 2)
         weigh_values(keys, value_offset, (const float *)scores[r], vscale, part, r, 2, pos, nrows, k0, k1, dim, kv_type,
-                     next);
+                     next, values);
     for (; r < nrows; r++)
         weigh_values(keys, value_offset, (const float *)scores[r], vscale, part, r, 1, pos, nrows, k0, k1, dim, kv_type,
-                     next);
+                     next, values);
 #undef VISIBLE
+#undef SCORE_KV
 #undef KV
 }
 
