@@ -15,6 +15,7 @@ from deploy.flags import add_field_flags, field_values, flags_for
 from deploy.supervisor import die_with_parent
 from engine.params import SamplingParams
 from serving.roles import WORKER_ROLES
+from tools.eagle3_training.command import add_train_eagle3
 
 if TYPE_CHECKING:  # gRPC is imported by the commands that talk to servers, not by every command
     from proto.rpc import Tls
@@ -151,62 +152,6 @@ def _add_bench(sub: argparse._SubParsersAction) -> None:
     p.add_argument("--api-key", default=None, help="a key of the router's api_key_file (default: $PDSPEC_API_KEY)")
     p.add_argument("--json", action="store_true")
     p.set_defaults(func=_bench_serve)
-
-
-def _train_eagle3(args: argparse.Namespace) -> int:
-    from tools.prompts import read_conversations
-    from tools.eagle3_training.distill import distill
-
-    out = Path(args.out)
-    prompts = read_conversations(Path(args.prompts))[: args.max_prompts]
-    if args.stage in ("distill", "all"):
-        distill(prompts, out / "data", args.target, max_new_tokens=args.max_new_tokens, batch_size=args.batch_size,
-                store_features=not args.tokens_only)
-    if args.stage in ("train", "all"):
-        from tools.eagle3_training.distill import check_distilled
-        from tools.eagle3_training.trainer import TrainConfig, train
-
-        check_distilled(out / "data", len(prompts))  # a cut-short distillation is not trained on
-        train(TrainConfig(target=args.target, data_dir=out / "data", out_dir=out, draft_vocab_size=args.draft_vocab,
-                          intermediate_size=args.draft_intermediate_size, num_layers=args.draft_layers,
-                          aux_layer_ids=args.aux_layers, epochs=args.epochs, ttt_steps=args.ttt_steps, lr=args.lr,
-                          max_hours=args.max_hours, init_from=Path(args.init_from) if args.init_from else None,
-                          snapshot_tokens=tuple(int(t) for t in args.snapshot_tokens)))
-    return 0
-
-
-def _add_train_eagle3(sub: argparse._SubParsersAction) -> None:
-    p = sub.add_parser("train-eagle3", help="train an EAGLE3 draft head for a target by self-distillation")
-    p.add_argument("--target", default=None, help="target HF model directory (default: embedded SmolLM2-135M-Instruct)")
-    p.add_argument("--prompts", required=True,
-                   help="JSONL prompts: 'prompt', or MT-bench 'turns' (each turn answered after the previous answers)")
-    p.add_argument("--out", required=True, help="output directory: data/, checkpoints/, and the exported head")
-    p.add_argument("--stage", choices=["distill", "train", "all"], default="all",
-                   help="distill: the target answers the prompts; train: fit the head on that data (both resume)")
-    p.add_argument("--max-prompts", type=int, default=None)
-    p.add_argument("--max-new-tokens", type=int, default=256, help="answer length cap during distillation")
-    p.add_argument("--batch-size", type=int, default=32, help="sequences decoded together during distillation")
-    p.add_argument("--tokens-only", action="store_true",
-                   help="distill the answers' tokens only (4 bytes a token instead of ~4.6 KB of features); "
-                        "training recomputes the features with the target, one forward per batch")
-    p.add_argument("--draft-vocab", type=int, default=8192, help="draft vocabulary: the most frequent target tokens")
-    p.add_argument("--draft-intermediate-size", type=int, default=None,
-                   help="the head's MLP width (default: the target's; wider: more capacity, more work a draft row)")
-    p.add_argument("--draft-layers", type=int, default=None,
-                   help="the head's layers (default 1, EAGLE3's; more: a capacity experiment the engine does not serve)")
-    p.add_argument("--aux-layers", type=int, nargs=3, default=None, metavar="LAYER",
-                   help="the three target layers whose inputs the head reads (default: EAGLE3's 2, L/2, L-3; "
-                        "L: the last layer's output)")
-    p.add_argument("--epochs", type=float, default=2.0)
-    p.add_argument("--ttt-steps", type=int, default=3, help="training-time-test unroll depth")
-    p.add_argument("--lr", type=float, default=5e-4)
-    p.add_argument("--max-hours", type=float, default=None,
-                   help="stop this invocation's training after this long (a checkpoint; run again to go on)")
-    p.add_argument("--init-from", default=None, help="an exported head to continue training from (keeps its vocabulary)")
-    p.add_argument("--snapshot-tokens", type=float, nargs="*", default=[],
-                   help="export the head once training has seen each of these many tokens, to OUT/snapshots/ "
-                        "(a data-vs-acceptance curve from one run, e.g. 1e6 2e6 4e6)")
-    p.set_defaults(func=_train_eagle3)
 
 
 def _interrupt(signum, frame) -> None:
@@ -383,7 +328,7 @@ def main(argv: list[str] | None = None) -> int:
     sub = parser.add_subparsers(dest="command", required=True)
     _add_generate(sub)
     _add_bench(sub)
-    _add_train_eagle3(sub)
+    add_train_eagle3(sub)
     _add_cluster(sub)
     die_with_parent()  # a process the local launcher started: before anything else
     args = parser.parse_args(argv)
