@@ -287,12 +287,14 @@ class Engine(Handoff):
         self.counters[f"finished_{reason}"] += 1
         self.counters["generated_tokens"] += seq.num_generated
         seq.finish_reason = reason
-        self.proposer.release(seq)  # before the blocks are freed: it may still write into them
-        self.scheduler.remove(seq)
-        stream = self.streams.pop(seq.seq_id)
+        try:
+            self.proposer.release(seq)  # before the blocks are freed: it may still write into them
+        finally:  # failed (as after a failed step in the proposer): the sequence must not run on, its blocks held
+            self.scheduler.remove(seq)
+            stream = self.streams.pop(seq.seq_id)
+            del self.seqs[seq.seq_id]
         if reason != "stop":
             text += stream.finish()
-        del self.seqs[seq.seq_id]
         return RequestOutput(seq.seq_id, ids, text, finished=True, finish_reason=reason,
                              acceptance=seq.acceptance if self.num_speculative_tokens else None,
                              usage=Usage(seq.num_prompt_tokens, seq.num_generated, seq.num_cached_prompt,

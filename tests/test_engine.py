@@ -113,6 +113,24 @@ def test_abort_frees_blocks(engine, prompts):
     assert engine.blocks.num_free_blocks == free_before and not engine.has_unfinished()
 
 
+def test_a_request_whose_draft_release_fails_still_ends_and_frees_its_blocks(engine, prompts, monkeypatch):
+    """A step that failed inside the proposer fails again when its requests are ended (the engine
+    loop aborts them all): the error surfaces, but the sequence stops running and its blocks are
+    freed, instead of decoding on for nobody until its max_tokens."""
+    free_before = engine.blocks.num_free_blocks
+    rid = engine.add_request(prompts[1], SamplingParams(max_tokens=100))
+    engine.step()
+
+    def failing_release(seq):
+        raise RuntimeError("injected: the draft cache write failed")
+
+    monkeypatch.setattr(engine.proposer, "release", failing_release)
+    with pytest.raises(RuntimeError, match="injected"):
+        engine.abort(rid, reason="error")
+    assert rid not in engine.seqs and not engine.has_unfinished()
+    assert engine.blocks.num_free_blocks == free_before
+
+
 @pytest.mark.parametrize(
     "prompt, field",
     [([], "prompt"), ([1, -5], "token_ids"), ([1, 10**6], "token_ids"), ([1] * 9000, "prompt")],
