@@ -56,6 +56,9 @@ class DecodeServicer(worker_pb2_grpc.DecodeWorkerServicer):
             else:
                 context.abort(grpc.StatusCode.FAILED_PRECONDITION, "this decode worker only takes prefilled requests")
         except InvalidRequest as e:
+            if e.field.partition(".")[0] == "prefilled":  # the prefill worker's handle, not the client's request:
+                # named, so the router retries on another prefill worker (e.g. one of the same version)
+                context.set_trailing_metadata([(FAILED_KV_SOURCE_METADATA_KEY, request.prefilled.source_worker_id)])
             context.abort(grpc.StatusCode.INVALID_ARGUMENT, str(e))
         except CapacityExceeded as e:
             context.abort(grpc.StatusCode.RESOURCE_EXHAUSTED, str(e))

@@ -79,7 +79,7 @@ class PrefillServicer(worker_pb2_grpc.PrefillWorkerServicer):
             request_id=rid, source_worker_id=self.worker_id, source_address=self.address, layout=self.layout,
             block_ids=h.block_table, num_prompt_tokens=len(request.prompt_token_ids), first_token=h.first_token,
             seed=h.seed,
-            draft_hidden=h.draft_hidden.float().numpy().tobytes() if h.draft_hidden is not None else b"",
+            draft_hidden=h.draft_hidden.float().cpu().numpy().tobytes() if h.draft_hidden is not None else b"",
             cached_prompt_tokens=h.cached_prompt_tokens, queue_seconds=h.queue_seconds,
             nixl_agent=self.source.nixl.agent.name if self.source.nixl is not None else "", pin_id=pin_id,
             block_checksums=block_checksums(self.source.caches, list(self.source.layout.caches()), h.block_table),

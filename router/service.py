@@ -48,9 +48,12 @@ class _Cancelled(Exception):
 
 
 class _WorkerFailed(Exception):
-    def __init__(self, worker: WorkerView, step: str, error: grpc.RpcError | str) -> None:
+    def __init__(self, worker: WorkerView, step: str, error: grpc.RpcError | str, relayed: bool = False) -> None:
         self.worker = worker
         self.code = error.code() if isinstance(error, grpc.RpcError) else grpc.StatusCode.UNAVAILABLE
+        # The worker called refused the request itself (no worker will take it), rather than relaying
+        # another worker's fault (`relayed`: a decode worker refusing the prefill worker's handle).
+        self.request_refused = self.code == grpc.StatusCode.INVALID_ARGUMENT and not relayed
         details = error.details() if isinstance(error, grpc.RpcError) else error
         super().__init__(f"{step} on {worker.role} worker {worker.worker_id} ({worker.address}) failed: "
                          f"{self.code.name}: {details}")
@@ -162,7 +165,7 @@ class RouterServicer(router_pb2_grpc.RouterServicer):
                 yield _aborted(req, completion_tokens=0)
                 return
             except _WorkerFailed as e:
-                if e.code == grpc.StatusCode.INVALID_ARGUMENT:  # the request itself: no worker will take it
+                if e.request_refused:
                     context.abort(e.code, str(e))
                 if e.code == grpc.StatusCode.DEADLINE_EXCEEDED and run.time_left() <= 0:  # no time left to retry in
                     context.abort(e.code, f"{e}{self._deadline_note(context)}")
@@ -252,8 +255,8 @@ class RouterServicer(router_pb2_grpc.RouterServicer):
             if run.cancelled:
                 raise _Cancelled() from None
             culprit = _culprit(e, plan)
-            step = "Decode" if culprit is worker else f"KV transfer to decode worker {worker.worker_id}"
-            raise _WorkerFailed(culprit, step, e) from None
+            step = "Decode" if culprit is worker else f"KV hand-off to decode worker {worker.worker_id}"
+            raise _WorkerFailed(culprit, step, e, relayed=culprit is not worker) from None
 
     def _relay(self, req: ValidRequest, plan: _Plan, first: worker_pb2.DecodeResponse,
                rest: Iterator[worker_pb2.DecodeResponse], run: Run, context) -> Iterator[router_pb2.GenerateResponse]:
@@ -348,7 +351,7 @@ def _client_code(code: grpc.StatusCode) -> grpc.StatusCode:
 
 def _culprit(e: grpc.RpcError, plan: _Plan) -> WorkerView:
     """The worker to avoid on the retry: the prefill worker if the decode worker names it as the
-    KV source that failed (it died after prefilling), else the decode worker."""
+    KV source that failed (it died after prefilling, or its handle was unfit), else the decode worker."""
     failed_source = dict(e.trailing_metadata() or ()).get(rpc.FAILED_KV_SOURCE_METADATA_KEY)
     if plan.prefill is not None and failed_source == plan.prefill.worker_id:
         return plan.prefill

@@ -268,6 +268,8 @@ def test_a_decode_refuses_a_handle_that_is_not_its_requests(grpc_cluster, forge,
                                                     sampling=common_pb2.SamplingOptions(max_tokens=4)), timeout=60))
     kv_pb2_grpc.KVTransferStub(prefill_channel).Release(kv_pb2.ReleaseRequest(request_id=rid), timeout=10)
     assert e.value.code() == grpc.StatusCode.INVALID_ARGUMENT and field in e.value.details()
+    # the handle's author named: the router retries on another prefill worker rather than refuse the request
+    assert dict(e.value.trailing_metadata())[FAILED_KV_SOURCE_METADATA_KEY] == "prefill-1"
     assert _wait_idle(grpc_cluster, "decode")["decode-0"].active_blocks == 0
 
 

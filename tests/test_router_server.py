@@ -15,8 +15,8 @@ from grpc_reflection.v1alpha import reflection_pb2, reflection_pb2_grpc
 
 from deploy.config import DeploymentConfig
 from router.config import RouterConfig
-from proto.pdspec.v1 import common_pb2, kv_pb2, router_pb2, router_pb2_grpc, worker_pb2, worker_pb2_grpc
-from proto.rpc import channel
+from proto.pdspec.v1 import common_pb2, kv_pb2, kv_pb2_grpc, router_pb2, router_pb2_grpc, worker_pb2, worker_pb2_grpc
+from proto.rpc import FAILED_KV_SOURCE_METADATA_KEY, channel
 from router.main import run_router
 
 TOKEN = "s3cret"
@@ -212,6 +212,71 @@ class _SlowDecodeWorker(worker_pb2_grpc.DecodeWorkerServicer):
             yield worker_pb2.DecodeResponse(token_ids=[42], text="x")
         while context.is_active():
             time.sleep(0.05)
+
+
+class _PrefillWorker(worker_pb2_grpc.PrefillWorkerServicer, kv_pb2_grpc.KVTransferServicer):
+    """A prefill worker that only hands out handles naming itself (what it is asked is counted)."""
+
+    def __init__(self, worker_id: str):
+        self.worker_id, self.prefills = worker_id, 0
+
+    def Prefill(self, request, context):
+        self.prefills += 1
+        return kv_pb2.KVHandle(request_id=request.request_id, source_worker_id=self.worker_id, seed=7,
+                               num_prompt_tokens=len(request.prompt_token_ids))
+
+    def Release(self, request, context):
+        return kv_pb2.ReleaseResponse(found=True)
+
+
+class _HandleRefusingDecodeWorker(worker_pb2_grpc.DecodeWorkerServicer):
+    """An injected fault: the first handle comes from an incompatible prefill worker (as an older
+    version's would): refused as the decode worker refuses one, naming its source; the next is served."""
+
+    def __init__(self):
+        self.sources = []
+
+    def Decode(self, request, context):
+        self.sources.append(request.prefilled.source_worker_id)
+        if len(self.sources) == 1:
+            context.set_trailing_metadata([(FAILED_KV_SOURCE_METADATA_KEY, request.prefilled.source_worker_id)])
+            context.abort(grpc.StatusCode.INVALID_ARGUMENT, "prefilled.seed: missing: run prefill and decode "
+                          "workers of the same pdspec version")
+        yield worker_pb2.DecodeResponse(token_ids=[42], text="x", finish_reason="length")
+
+
+def test_a_handle_its_decode_worker_refuses_is_prefilled_again_on_another_prefill_worker(model_dir):
+    """INVALID_ARGUMENT from a decode worker that names the KV source is the prefill worker's fault
+    (its handle), not the client's request: retried on the other prefill worker, not refused."""
+    prefills = [_PrefillWorker("prefill-a"), _PrefillWorker("prefill-b")]
+    decode = _HandleRefusingDecodeWorker()
+    servers, addresses = [], {}
+    for worker_id, servicer in [(p.worker_id, p) for p in prefills] + [("decode", decode)]:
+        server = grpc.server(futures.ThreadPoolExecutor(max_workers=2))
+        if servicer is decode:
+            worker_pb2_grpc.add_DecodeWorkerServicer_to_server(servicer, server)
+        else:
+            worker_pb2_grpc.add_PrefillWorkerServicer_to_server(servicer, server)
+            kv_pb2_grpc.add_KVTransferServicer_to_server(servicer, server)
+        addresses[worker_id] = f"127.0.0.1:{server.add_insecure_port('127.0.0.1:0')}"
+        server.start()
+        servers.append(server)
+    config = RouterConfig(heartbeat_interval_s=30.0, heartbeat_timeout_s=60.0, max_retries=1)
+    router = run_router(config, TOKEN, model_dir, "smollm2", port=0, internal_port=0)
+    try:
+        with channel(f"127.0.0.1:{router.port}", TOKEN) as internal, \
+                channel(f"127.0.0.1:{router.internal_port}", TOKEN) as registry:
+            for worker_id, address in addresses.items():
+                worker_pb2_grpc.RegistryStub(registry).Register(
+                    registration(worker_id, address, role="decode" if worker_id == "decode" else "prefill"), timeout=10)
+            answer = list(router_pb2_grpc.RouterStub(internal).Generate(HELLO, timeout=30))
+            assert [r.text for r in answer] == ["x"] and answer[-1].finish_reason == "length"
+            assert sorted(decode.sources) == ["prefill-a", "prefill-b"]  # the second attempt on the other one
+            assert [p.prefills for p in prefills] == [1, 1]
+    finally:
+        router.stop(0)
+        for server in servers:
+            server.stop(0)
 
 
 @pytest.mark.parametrize("first", [0, 1])
