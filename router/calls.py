@@ -3,7 +3,8 @@ one in flight when the client leaves or calls Abort."""
 
 import threading
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
+from contextlib import contextmanager
 
 import grpc
 
@@ -73,3 +74,36 @@ class Peers:
             if address not in self._channels:
                 self._channels[address] = rpc.channel(address, self._token, self._tls)
             return self._channels[address]
+
+
+class CallSlots:
+    """The calls this router has open on each worker, held within the worker's own limit
+    (serving/call_limit.py): a burst that limit would refuse waits here instead, in its request's
+    own time (a decode worker waits for KV room alike). Prefill calls are brief and admission counts
+    the decode workers' batches, so with more decode than prefill capacity a burst reaches a prefill
+    worker's limit: refused there, each excess request failed at once (RESOURCE_EXHAUSTED)."""
+
+    def __init__(self) -> None:
+        self._open: dict[str, int] = {}
+        self._freed = threading.Condition()
+
+    @contextmanager
+    def held(self, worker_id: str, limit: int | None, run: Run) -> Iterator[None]:
+        """A slot on `worker_id` (`limit`: None, a worker gone, waits for nothing) while the block
+        runs; waiting ends when one frees, or the run is cancelled or out of time (its call then
+        ends at once, as it would anyway)."""
+        with self._freed:
+            while limit is not None and self._open.get(worker_id, 0) >= limit and not run.cancelled:
+                left = run.time_left()
+                if left <= 0:
+                    break
+                self._freed.wait(min(left, 0.1))  # a cancel does not notify: looked at again soon
+            self._open[worker_id] = self._open.get(worker_id, 0) + 1
+        try:
+            yield
+        finally:
+            with self._freed:
+                self._open[worker_id] -= 1
+                if not self._open[worker_id]:
+                    del self._open[worker_id]
+                self._freed.notify_all()

@@ -18,6 +18,7 @@ from google.protobuf.text_format import MessageToString
 from engine.hashing import hash_blocks
 from proto.pdspec.v1 import kv_pb2, worker_pb2, worker_pb2_grpc
 from router.kv_index import KVIndex
+from serving.call_limit import request_call_limit
 from serving.roles import WORKER_ROLES
 
 log = logging.getLogger(__name__)
@@ -178,6 +179,12 @@ class Registry:
             seqs = {role: sum(w.registration.max_num_seqs for w in self._workers.values() if w.registration.role == role)
                     for role in WORKER_ROLES}
         return seqs["decode"] if seqs["prefill"] and seqs["decode"] else seqs["aggregated"]
+
+    def call_limit(self, worker_id: str) -> int | None:
+        """Calls `worker_id` takes at once (serving/call_limit.py), or None if it is not registered."""
+        with self._lock:
+            worker = self._workers.get(worker_id)
+            return request_call_limit(worker.registration.max_num_seqs) if worker is not None else None
 
     def _changed(self) -> None:
         with self._change_lock:

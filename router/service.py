@@ -23,7 +23,7 @@ from grpc_health.v1 import health_pb2, health_pb2_grpc
 
 from router.admission import Admission, LeftQueue, Overloaded, QueueDeadline
 from router.api_keys import AUTHORIZATION_METADATA_KEY, ApiKeys
-from router.calls import Peers, Run, run_key
+from router.calls import CallSlots, Peers, Run, run_key
 from router.config import RouterConfig
 from router.metrics import RouterMetrics
 from engine.tokenizer import Tokenizer
@@ -73,6 +73,7 @@ class RouterServicer(router_pb2_grpc.RouterServicer):
         self._api_keys = api_keys
         self._policy = policy or make_policy(config)
         self._peers = Peers(token, tls)
+        self._prefill_slots = CallSlots()
         self._metrics = metrics
         self._runs_lock = threading.Lock()
         self._runs: dict[str, Run] = {}
@@ -226,14 +227,15 @@ class RouterServicer(router_pb2_grpc.RouterServicer):
         stub = worker_pb2_grpc.PrefillWorkerStub(self._peers.channel(worker.address))
         request = worker_pb2.PrefillRequest(request_id=run.key, prompt_token_ids=req.prompt_token_ids,
                                             sampling=req.sampling)
-        call = stub.Prefill.future(request, timeout=run.time_left())
-        run.track(call)
-        try:
-            return call.result()
-        except grpc.FutureCancelledError:
-            raise _Cancelled() from None
-        except grpc.RpcError as e:
-            raise (_Cancelled() if run.cancelled else _WorkerFailed(worker, "Prefill", e)) from None
+        with self._prefill_slots.held(worker.worker_id, self._registry.call_limit(worker.worker_id), run):
+            call = stub.Prefill.future(request, timeout=run.time_left())
+            run.track(call)
+            try:
+                return call.result()
+            except grpc.FutureCancelledError:
+                raise _Cancelled() from None
+            except grpc.RpcError as e:
+                raise (_Cancelled() if run.cancelled else _WorkerFailed(worker, "Prefill", e)) from None
 
     def _open_decode(self, req: ValidRequest, plan: _Plan, handle: kv_pb2.KVHandle | None, run: Run,
                      context) -> tuple[worker_pb2.DecodeResponse, Iterator[worker_pb2.DecodeResponse]]:

@@ -3,6 +3,7 @@
 import socket
 import subprocess
 import sys
+import threading
 import time
 from concurrent import futures
 from pathlib import Path
@@ -230,15 +231,16 @@ class _PrefillWorker(worker_pb2_grpc.PrefillWorkerServicer, kv_pb2_grpc.KVTransf
 
 
 class _HandleRefusingDecodeWorker(worker_pb2_grpc.DecodeWorkerServicer):
-    """An injected fault: the first handle comes from an incompatible prefill worker (as an older
-    version's would): refused as the decode worker refuses one, naming its source; the next is served."""
+    """An injected fault: the first `refusals` handles come from an incompatible prefill worker (as an
+    older version's would): refused as the decode worker refuses one, naming its source; the others
+    are served (one token)."""
 
-    def __init__(self):
-        self.sources = []
+    def __init__(self, refusals: int):
+        self.refusals, self.sources = refusals, []
 
     def Decode(self, request, context):
         self.sources.append(request.prefilled.source_worker_id)
-        if len(self.sources) == 1:
+        if len(self.sources) <= self.refusals:
             context.set_trailing_metadata([(FAILED_KV_SOURCE_METADATA_KEY, request.prefilled.source_worker_id)])
             context.abort(grpc.StatusCode.INVALID_ARGUMENT, "prefilled.seed: missing: run prefill and decode "
                           "workers of the same pdspec version")
@@ -249,7 +251,7 @@ def test_a_handle_its_decode_worker_refuses_is_prefilled_again_on_another_prefil
     """INVALID_ARGUMENT from a decode worker that names the KV source is the prefill worker's fault
     (its handle), not the client's request: retried on the other prefill worker, not refused."""
     prefills = [_PrefillWorker("prefill-a"), _PrefillWorker("prefill-b")]
-    decode = _HandleRefusingDecodeWorker()
+    decode = _HandleRefusingDecodeWorker(refusals=1)
     servers, addresses = [], {}
     for worker_id, servicer in [(p.worker_id, p) for p in prefills] + [("decode", decode)]:
         server = grpc.server(futures.ThreadPoolExecutor(max_workers=2))
@@ -273,6 +275,68 @@ def test_a_handle_its_decode_worker_refuses_is_prefilled_again_on_another_prefil
             assert [r.text for r in answer] == ["x"] and answer[-1].finish_reason == "length"
             assert sorted(decode.sources) == ["prefill-a", "prefill-b"]  # the second attempt on the other one
             assert [p.prefills for p in prefills] == [1, 1]
+    finally:
+        router.stop(0)
+        for server in servers:
+            server.stop(0)
+
+
+class _BusyPrefillWorker(_PrefillWorker):
+    """A prefill worker that takes 0.3 s a prompt and, as serving/call_limit.py does, refuses calls
+    beyond 2 x its max_num_seqs of 4 (the most it saw at once is recorded)."""
+
+    def __init__(self, worker_id: str):
+        super().__init__(worker_id)
+        self.open = self.most_open = 0
+        self.lock = threading.Lock()
+
+    def Prefill(self, request, context):
+        with self.lock:
+            full = self.open >= 8
+            if not full:
+                self.open += 1
+                self.most_open = max(self.most_open, self.open)
+        if full:
+            context.abort(grpc.StatusCode.RESOURCE_EXHAUSTED, "this worker serves 8 prefill calls already")
+        try:
+            time.sleep(0.3)
+            return super().Prefill(request, context)
+        finally:
+            with self.lock:
+                self.open -= 1
+
+
+def test_a_burst_beyond_a_prefill_workers_call_limit_waits_for_it(model_dir):
+    """Admission counts the decode workers' batches (16 here); the one prefill worker takes 8 calls
+    at once. A burst of 12 requests waits at the router for its prefill calls instead of having 4
+    refused there (each one a RESOURCE_EXHAUSTED at once, the only prefill worker a suspect)."""
+    prefill, decode = _BusyPrefillWorker("prefill-a"), _HandleRefusingDecodeWorker(refusals=0)
+    servers, addresses = [], {}
+    for worker_id, add, servicer in [("prefill-a", worker_pb2_grpc.add_PrefillWorkerServicer_to_server, prefill),
+                                     ("decode", worker_pb2_grpc.add_DecodeWorkerServicer_to_server, decode)]:
+        server = grpc.server(futures.ThreadPoolExecutor(max_workers=16))
+        add(servicer, server)
+        if servicer is prefill:
+            kv_pb2_grpc.add_KVTransferServicer_to_server(servicer, server)
+        addresses[worker_id] = f"127.0.0.1:{server.add_insecure_port('127.0.0.1:0')}"
+        server.start()
+        servers.append(server)
+    config = RouterConfig(heartbeat_interval_s=30.0, heartbeat_timeout_s=60.0, max_retries=1)
+    router = run_router(config, TOKEN, model_dir, "smollm2", port=0, internal_port=0)
+    try:
+        with channel(f"127.0.0.1:{router.port}", TOKEN) as internal, \
+                channel(f"127.0.0.1:{router.internal_port}", TOKEN) as registry:
+            stub = worker_pb2_grpc.RegistryStub(registry)
+            stub.Register(registration("prefill-a", addresses["prefill-a"], role="prefill"), timeout=10)
+            decode_registration = registration("decode", addresses["decode"], role="decode")
+            decode_registration.max_num_seqs = 16
+            stub.Register(decode_registration, timeout=10)
+            generate = router_pb2_grpc.RouterStub(internal).Generate
+            with futures.ThreadPoolExecutor(max_workers=12) as pool:
+                answers = list(pool.map(lambda i: list(generate(router_pb2.GenerateRequest(
+                    prompt=f"Hello {i}"), timeout=30)), range(12)))
+            assert all([r.text for r in answer] == ["x"] for answer in answers)
+            assert prefill.prefills == 12 and prefill.most_open == 8
     finally:
         router.stop(0)
         for server in servers:
