@@ -48,12 +48,14 @@ class _Cancelled(Exception):
 
 
 class _WorkerFailed(Exception):
-    def __init__(self, worker: WorkerView, step: str, error: grpc.RpcError | str, relayed: bool = False) -> None:
+    def __init__(self, worker: WorkerView, step: str, error: grpc.RpcError | str,
+                 reported_by: WorkerView | None = None) -> None:
         self.worker = worker
+        self.reported_by = reported_by  # the decode worker that blamed `worker`, its KV source
         self.code = error.code() if isinstance(error, grpc.RpcError) else grpc.StatusCode.UNAVAILABLE
-        # The worker called refused the request itself (no worker will take it), rather than relaying
-        # another worker's fault (`relayed`: a decode worker refusing the prefill worker's handle).
-        self.request_refused = self.code == grpc.StatusCode.INVALID_ARGUMENT and not relayed
+        # The worker called refused the request itself (no worker will take it), rather than reporting
+        # another worker's fault (a decode worker refusing the prefill worker's handle).
+        self.request_refused = self.code == grpc.StatusCode.INVALID_ARGUMENT and reported_by is None
         details = error.details() if isinstance(error, grpc.RpcError) else error
         super().__init__(f"{step} on {worker.role} worker {worker.worker_id} ({worker.address}) failed: "
                          f"{self.code.name}: {details}")
@@ -154,11 +156,17 @@ class RouterServicer(router_pb2_grpc.RouterServicer):
             workers=[router_pb2.WorkerStatus(**asdict(w)) for w in self._registry.workers()])
 
     def _serve(self, req: ValidRequest, run: Run, context) -> Iterator[router_pb2.GenerateResponse]:
+        # Workers a retry skips (a failed call's), and workers it prefers to skip: a KV hand-off's two
+        # sides, since the decode worker that blames its source may share the fault (its own NIXL/UCX
+        # path broken, a pull timed out while it was overloaded) and would otherwise, idle and so the
+        # least loaded, take every retry.
         suspects: set[str] = set()
+        avoid: set[str] = set()
         failure: _WorkerFailed | None = None
-        for _ in range(self._config.max_retries + 1):
-            plan = self._plan(req, suspects)
+        for attempts in range(1, self._config.max_retries + 2):
+            plan = self._plan(req, suspects, avoid)
             if plan is None:
+                attempts -= 1
                 break
             try:
                 first, rest = self._attempt(req, plan, run, context)
@@ -173,17 +181,22 @@ class RouterServicer(router_pb2_grpc.RouterServicer):
                 log.warning("request %s: %s; retrying on another worker", req.request_id, e)
                 if e.code != grpc.StatusCode.RESOURCE_EXHAUSTED:  # a full worker is a healthy one
                     self._probe(e.worker)
-                suspects.add(e.worker.worker_id)
+                if e.reported_by is None:
+                    suspects.add(e.worker.worker_id)
+                else:
+                    avoid |= {e.worker.worker_id, e.reported_by.worker_id}
                 failure = e
                 continue
             yield from self._relay(req, plan, first, rest, run, context)
             return
-        self._give_up(req, failure, len(suspects), context)
+        self._give_up(req, failure, attempts, context)
 
-    def _plan(self, req: ValidRequest, suspects: set[str]) -> _Plan | None:
-        """Disaggregated if a prefill and a decode worker are available, else aggregated, else None."""
+    def _plan(self, req: ValidRequest, suspects: set[str], avoid: set[str]) -> _Plan | None:
+        """Disaggregated if a prefill and a decode worker are available, else aggregated, else None;
+        of each role, workers outside `avoid` where there are any."""
         workers = [w for w in self._registry.workers() if w.worker_id not in suspects]
         by_role = {role: [w for w in workers if w.role == role] for role in WORKER_ROLES}
+        by_role = {role: [w for w in ws if w.worker_id not in avoid] or ws for role, ws in by_role.items()}
         overlaps, blocks = self._registry.prefix_overlaps(req.prompt_token_ids)
         if by_role["prefill"] and by_role["decode"]:
             plan = _Plan(self._policy.choose(by_role["prefill"], overlaps, blocks), least_loaded(by_role["decode"]))
@@ -258,7 +271,7 @@ class RouterServicer(router_pb2_grpc.RouterServicer):
                 raise _Cancelled() from None
             culprit = _culprit(e, plan)
             step = "Decode" if culprit is worker else f"KV hand-off to decode worker {worker.worker_id}"
-            raise _WorkerFailed(culprit, step, e, relayed=culprit is not worker) from None
+            raise _WorkerFailed(culprit, step, e, reported_by=worker if culprit is not worker else None) from None
 
     def _relay(self, req: ValidRequest, plan: _Plan, first: worker_pb2.DecodeResponse,
                rest: Iterator[worker_pb2.DecodeResponse], run: Run, context) -> Iterator[router_pb2.GenerateResponse]:

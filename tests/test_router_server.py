@@ -230,32 +230,30 @@ class _PrefillWorker(worker_pb2_grpc.PrefillWorkerServicer, kv_pb2_grpc.KVTransf
         return kv_pb2.ReleaseResponse(found=True)
 
 
-class _HandleRefusingDecodeWorker(worker_pb2_grpc.DecodeWorkerServicer):
-    """An injected fault: the first `refusals` handles come from an incompatible prefill worker (as an
-    older version's would): refused as the decode worker refuses one, naming its source; the others
-    are served (one token)."""
+class _SourceBlamingDecodeWorker(worker_pb2_grpc.DecodeWorkerServicer):
+    """An injected fault: the first `refusals` calls fail with `code`, naming the handle's source as
+    the decode worker does for a failed pull (UNAVAILABLE) or an unfit handle (INVALID_ARGUMENT, as
+    an older prefill worker's would be); the others are served (one token)."""
 
-    def __init__(self, refusals: int):
-        self.refusals, self.sources = refusals, []
+    def __init__(self, refusals: int, code: grpc.StatusCode = grpc.StatusCode.INVALID_ARGUMENT):
+        self.refusals, self.code, self.sources = refusals, code, []
 
     def Decode(self, request, context):
         self.sources.append(request.prefilled.source_worker_id)
         if len(self.sources) <= self.refusals:
             context.set_trailing_metadata([(FAILED_KV_SOURCE_METADATA_KEY, request.prefilled.source_worker_id)])
-            context.abort(grpc.StatusCode.INVALID_ARGUMENT, "prefilled.seed: missing: run prefill and decode "
-                          "workers of the same pdspec version")
+            context.abort(self.code, "prefilled.seed: missing: run prefill and decode workers of the same pdspec "
+                          "version" if self.code == grpc.StatusCode.INVALID_ARGUMENT else
+                          f"KV transfer from {request.prefilled.source_worker_id} failed: NIXL_ERR_BACKEND")
         yield worker_pb2.DecodeResponse(token_ids=[42], text="x", finish_reason="length")
 
 
-def test_a_handle_its_decode_worker_refuses_is_prefilled_again_on_another_prefill_worker(model_dir):
-    """INVALID_ARGUMENT from a decode worker that names the KV source is the prefill worker's fault
-    (its handle), not the client's request: retried on the other prefill worker, not refused."""
-    prefills = [_PrefillWorker("prefill-a"), _PrefillWorker("prefill-b")]
-    decode = _HandleRefusingDecodeWorker(refusals=1)
+def _serve_fakes(servicers: dict) -> tuple[list[grpc.Server], dict[str, str]]:
+    """Each fake worker (id -> servicer) on its own server: started servers, and id -> address."""
     servers, addresses = [], {}
-    for worker_id, servicer in [(p.worker_id, p) for p in prefills] + [("decode", decode)]:
-        server = grpc.server(futures.ThreadPoolExecutor(max_workers=2))
-        if servicer is decode:
+    for worker_id, servicer in servicers.items():
+        server = grpc.server(futures.ThreadPoolExecutor(max_workers=16))
+        if isinstance(servicer, worker_pb2_grpc.DecodeWorkerServicer):
             worker_pb2_grpc.add_DecodeWorkerServicer_to_server(servicer, server)
         else:
             worker_pb2_grpc.add_PrefillWorkerServicer_to_server(servicer, server)
@@ -263,6 +261,15 @@ def test_a_handle_its_decode_worker_refuses_is_prefilled_again_on_another_prefil
         addresses[worker_id] = f"127.0.0.1:{server.add_insecure_port('127.0.0.1:0')}"
         server.start()
         servers.append(server)
+    return servers, addresses
+
+
+def test_a_handle_its_decode_worker_refuses_is_prefilled_again_on_another_prefill_worker(model_dir):
+    """INVALID_ARGUMENT from a decode worker that names the KV source is the prefill worker's fault
+    (its handle), not the client's request: retried on the other prefill worker, not refused."""
+    prefills = [_PrefillWorker("prefill-a"), _PrefillWorker("prefill-b")]
+    decode = _SourceBlamingDecodeWorker(refusals=1)
+    servers, addresses = _serve_fakes({p.worker_id: p for p in prefills} | {"decode": decode})
     config = RouterConfig(heartbeat_interval_s=30.0, heartbeat_timeout_s=60.0, max_retries=1)
     router = run_router(config, TOKEN, model_dir, "smollm2", port=0, internal_port=0)
     try:
@@ -275,6 +282,31 @@ def test_a_handle_its_decode_worker_refuses_is_prefilled_again_on_another_prefil
             assert [r.text for r in answer] == ["x"] and answer[-1].finish_reason == "length"
             assert sorted(decode.sources) == ["prefill-a", "prefill-b"]  # the second attempt on the other one
             assert [p.prefills for p in prefills] == [1, 1]
+    finally:
+        router.stop(0)
+        for server in servers:
+            server.stop(0)
+
+
+def test_a_decode_worker_that_blames_its_kv_source_is_not_retried_first(model_dir):
+    """A decode worker whose own KV path is broken blames each source: the retry prefers the other
+    decode worker (it would otherwise, idle, be the least loaded again), and keeps the only prefill
+    worker, which may be healthy (blamed, it was written off and the request failed)."""
+    prefill = _PrefillWorker("prefill-a")
+    broken = _SourceBlamingDecodeWorker(refusals=10, code=grpc.StatusCode.UNAVAILABLE)
+    healthy = _SourceBlamingDecodeWorker(refusals=0)
+    servers, addresses = _serve_fakes({"prefill-a": prefill, "decode-a": broken, "decode-b": healthy})
+    config = RouterConfig(heartbeat_interval_s=30.0, heartbeat_timeout_s=60.0, max_retries=1)
+    router = run_router(config, TOKEN, model_dir, "smollm2", port=0, internal_port=0)
+    try:
+        with channel(f"127.0.0.1:{router.port}", TOKEN) as internal, \
+                channel(f"127.0.0.1:{router.internal_port}", TOKEN) as registry:
+            for worker_id, address in addresses.items():
+                worker_pb2_grpc.RegistryStub(registry).Register(
+                    registration(worker_id, address, role=worker_id.split("-")[0]), timeout=10)
+            answer = list(router_pb2_grpc.RouterStub(internal).Generate(HELLO, timeout=30))
+            assert [r.text for r in answer] == ["x"]
+            assert (broken.sources, healthy.sources, prefill.prefills) == (["prefill-a"], ["prefill-a"], 2)
     finally:
         router.stop(0)
         for server in servers:
@@ -310,17 +342,8 @@ def test_a_burst_beyond_a_prefill_workers_call_limit_waits_for_it(model_dir):
     """Admission counts the decode workers' batches (16 here); the one prefill worker takes 8 calls
     at once. A burst of 12 requests waits at the router for its prefill calls instead of having 4
     refused there (each one a RESOURCE_EXHAUSTED at once, the only prefill worker a suspect)."""
-    prefill, decode = _BusyPrefillWorker("prefill-a"), _HandleRefusingDecodeWorker(refusals=0)
-    servers, addresses = [], {}
-    for worker_id, add, servicer in [("prefill-a", worker_pb2_grpc.add_PrefillWorkerServicer_to_server, prefill),
-                                     ("decode", worker_pb2_grpc.add_DecodeWorkerServicer_to_server, decode)]:
-        server = grpc.server(futures.ThreadPoolExecutor(max_workers=16))
-        add(servicer, server)
-        if servicer is prefill:
-            kv_pb2_grpc.add_KVTransferServicer_to_server(servicer, server)
-        addresses[worker_id] = f"127.0.0.1:{server.add_insecure_port('127.0.0.1:0')}"
-        server.start()
-        servers.append(server)
+    prefill = _BusyPrefillWorker("prefill-a")
+    servers, addresses = _serve_fakes({"prefill-a": prefill, "decode": _SourceBlamingDecodeWorker(refusals=0)})
     config = RouterConfig(heartbeat_interval_s=30.0, heartbeat_timeout_s=60.0, max_retries=1)
     router = run_router(config, TOKEN, model_dir, "smollm2", port=0, internal_port=0)
     try:
