@@ -111,7 +111,12 @@ class Scheduler:
                 budget -= 1
         # Draft slots once every decoding sequence has its token's: an older sequence's drafts
         # never cost a younger one its place (speculation degrades, sequences are not preempted).
-        scheduled = [ScheduledSeq(seq, 1, self._draft_slots(seq, lookahead(seq))) for seq in decoding]
+        # Their verification rows are the forward's too, so they come out of its token budget.
+        scheduled = []
+        for seq in decoding:
+            drafts = self._draft_slots(seq, min(lookahead(seq), budget))
+            budget -= drafts
+            scheduled.append(ScheduledSeq(seq, 1, drafts))
         if budget > 0:
             self._admit()
         scheduled += self._prefill_chunks(budget)

@@ -102,6 +102,22 @@ def test_draft_slots_never_cost_a_younger_sequence_its_place():
     assert [s.seq_id for s in scheduler.running] == ["a", "b"]
 
 
+def test_draft_slots_come_out_of_the_steps_token_budget():
+    """A verification row is a row of the step's forward like a prompt token: 3 decoding sequences
+    wanting 8 drafts each in a 16-token budget get 13 draft slots between them (oldest first), and a
+    waiting prompt waits for the next step instead of lengthening this one."""
+    config = EngineConfig(num_kv_blocks=64, max_num_batched_tokens=16)
+    scheduler = Scheduler(config, BlockManager(config.num_kv_blocks, config.block_size))
+    for name in "abc":
+        _add(scheduler, name, 4)
+    assert _step(scheduler) == {"a": 4, "b": 4, "c": 4}
+    _add(scheduler, "late", 8)
+    scheduled = scheduler.schedule(lambda seq: 8)
+    assert [(s.seq.seq_id, s.num_tokens, s.num_lookahead) for s in scheduled] == [("a", 1, 8), ("b", 1, 5),
+                                                                                 ("c", 1, 0)]
+    assert sum(s.num_tokens + s.num_lookahead for s in scheduled) == 16
+
+
 def test_the_blocks_queued_requests_fill_are_counted_through_admission_preemption_and_removal():
     """A worker's load counts its queue's blocks (routing saw a backlog vanish at each heartbeat);
     the count follows every way in and out of the queue, and ends at zero."""
