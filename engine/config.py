@@ -254,7 +254,7 @@ class EngineConfig(BaseModel):
     block_size: int = Field(16, ge=1, le=256, description="tokens per KV block")
     num_kv_blocks: int = Field(2048, ge=2, description="KV blocks in the pool (target and draft share block ids)")
     max_num_seqs: int = Field(16, ge=1, description="sequences in one running batch")
-    max_num_batched_tokens: int = Field(2048, ge=16, description="token budget of one forward (prefill chunks)")
+    max_num_batched_tokens: int = Field(2048, ge=16, description="token budget of one forward: decode tokens, their drafts' verification rows, prefill chunks")
     long_prefill_token_threshold: int | None = Field(
         None, ge=1, description="most prompt tokens computed per forward (vLLM's name), so a request that arrives "
         "while a long prompt prefills waits one short step; on cpu a token counts at its attention's cost (a token "
