@@ -66,15 +66,17 @@ _UNSUPPORTED = {"logprobs": (None, False), "top_logprobs": (None, 0), "logit_bia
                 "tool_choice": (None, "none"), "functions": (None, []), "function_call": (None, "none"),
                 "response_format": (None, {"type": "text"}), "echo": (None, False), "best_of": (None, 1),
                 "suffix": (None, ""), "min_p": (None, 0), "repetition_penalty": (None, 1), "min_tokens": (None, 0),
-                "prompt_logprobs": (None, 0)}
+                "prompt_logprobs": (None, 0), "structured_outputs": (None,), "guided_json": (None,),
+                "guided_regex": (None,), "guided_choice": (None,), "guided_grammar": (None,),
+                "include_stop_str_in_output": (None, False), "chat_template_kwargs": (None, {})}
 OPENAI_TEMPERATURE = 1.0  # OpenAI's default
 UNTIL_CONTEXT_LIMIT = 2**31 - 1  # a chat's max_tokens when omitted: the engine stops at the context limit ("length")
 COMPLETION_MAX_TOKENS = 16  # OpenAI's default for /v1/completions
 
 
 def _is_unused(value: Any, unused: tuple) -> bool:
-    """Whether value is one of `unused`, type for type (0 is not False, 1 is not True)."""
-    return any(value is u or (type(value) is type(u) and value == u) for u in unused)
+    """Whether value is one of `unused`, booleans apart (0 is not False, 1 is not True; 0.0 is 0)."""
+    return any(value is u or (isinstance(value, bool) == isinstance(u, bool) and value == u) for u in unused)
 
 
 class _Sampling(BaseModel):
@@ -82,9 +84,10 @@ class _Sampling(BaseModel):
 
     model: str | None = None
     max_tokens: Int32 | None = None
+    max_completion_tokens: Int32 | None = None  # OpenAI's newer name for max_tokens; wins if both are set
     temperature: float | None = None
     top_p: float | None = None
-    top_k: Int32 | None = None  # not OpenAI's; vLLM and SGLang take it too
+    top_k: Int32 | None = None  # not OpenAI's; vLLM and SGLang take it too (-1 there: no top-k, as 0 here)
     seed: UInt64 | None = None
     stop: str | list[str] | None = None
     stop_token_ids: list[Int32] = []  # vLLM's name for stopping on token ids
@@ -107,12 +110,20 @@ class _Sampling(BaseModel):
             if not _is_unused(value, unused):
                 raise invalid(name, f"not supported by pdspec (got {value!r}); leave it out")
 
-    def sampling(self, max_tokens: int) -> common_pb2.SamplingOptions:
+    def sampling(self, default_max_tokens: int) -> common_pb2.SamplingOptions:
+        """The Router's sampling options; `default_max_tokens` where neither max_tokens nor
+        max_completion_tokens is given."""
+        max_tokens = default_max_tokens if self.max_tokens is None else self.max_tokens
+        if self.max_completion_tokens is not None:
+            if self.max_completion_tokens < 1:
+                raise invalid("max_completion_tokens", f"must be >= 1, got {self.max_completion_tokens}")
+            max_tokens = self.max_completion_tokens
         stop = [self.stop] if isinstance(self.stop, str) else self.stop or []
         options = common_pb2.SamplingOptions(stop=stop, stop_token_ids=self.stop_token_ids, ignore_eos=self.ignore_eos)
         temperature = OPENAI_TEMPERATURE if self.temperature is None else self.temperature
+        top_k = 0 if self.top_k == -1 else self.top_k
         for name, value in (("max_tokens", max_tokens), ("temperature", temperature), ("top_p", self.top_p),
-                            ("top_k", self.top_k), ("seed", self.seed)):
+                            ("top_k", top_k), ("seed", self.seed)):
             if value is not None:
                 setattr(options, name, value)
         return options
@@ -120,19 +131,13 @@ class _Sampling(BaseModel):
 
 class ChatCompletionRequest(_Sampling):
     messages: list[Message]
-    max_completion_tokens: Int32 | None = None  # OpenAI's newer name for max_tokens; wins if both are set
 
     def generate_request(self, request_id: str) -> router_pb2.GenerateRequest:
         self.check_supported()
-        max_tokens = UNTIL_CONTEXT_LIMIT if self.max_tokens is None else self.max_tokens
-        if self.max_completion_tokens is not None:
-            if self.max_completion_tokens < 1:
-                raise invalid("max_completion_tokens", f"must be >= 1, got {self.max_completion_tokens}")
-            max_tokens = self.max_completion_tokens
         roles = {"developer": "system"}  # OpenAI's newer name for the system role
         messages = [common_pb2.ChatMessage(role=roles.get(m.role, m.role), content=m.text()) for m in self.messages]
         return router_pb2.GenerateRequest(request_id=request_id, messages=router_pb2.MessageList(messages=messages),
-                                          sampling=self.sampling(max_tokens))
+                                          sampling=self.sampling(UNTIL_CONTEXT_LIMIT))
 
 
 class CompletionRequest(_Sampling):
@@ -145,8 +150,7 @@ class CompletionRequest(_Sampling):
             if len(prompt) != 1:
                 raise invalid("prompt", f"one prompt per request is supported, got a batch of {len(prompt)}")
             prompt = prompt[0]
-        max_tokens = COMPLETION_MAX_TOKENS if self.max_tokens is None else self.max_tokens
-        request = router_pb2.GenerateRequest(request_id=request_id, sampling=self.sampling(max_tokens))
+        request = router_pb2.GenerateRequest(request_id=request_id, sampling=self.sampling(COMPLETION_MAX_TOKENS))
         if isinstance(prompt, str):
             request.prompt = prompt
         else:

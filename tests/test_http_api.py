@@ -139,6 +139,25 @@ def test_omitted_fields_take_openais_defaults_and_nulls_are_omissions():
     assert (chosen.generate_request("r").sampling.temperature, chosen.generate_request("r").sampling.max_tokens) == (0, 5)
 
 
+def test_values_that_mean_off_pass_and_fields_that_would_change_the_answer_are_refused():
+    """A float 0.0 penalty, min_p 0.0 and repetition_penalty 1.0 are "off" as their integer forms
+    are (they were refused); vLLM's top_k -1 is no top-k; max_completion_tokens holds for a text
+    completion as for a chat. vLLM's guided decoding, structured outputs, stop strings kept in the
+    output and chat template arguments would change the answer: refused by name, not dropped."""
+    from router.openai_schema import ChatCompletionRequest, CompletionRequest, OpenAIError
+
+    off = {"presence_penalty": 0.0, "frequency_penalty": 0.0, "min_p": 0.0, "repetition_penalty": 1.0,
+           "include_stop_str_in_output": False, "top_k": -1}
+    assert ChatCompletionRequest(messages=QUESTION, **off).generate_request("r").sampling.top_k == 0
+    assert CompletionRequest(prompt="Hi", max_completion_tokens=40).generate_request("r").sampling.max_tokens == 40
+    for field, value in [("guided_choice", ["yes", "no"]), ("guided_json", {"type": "object"}),
+                         ("guided_regex", "[0-9]+"), ("structured_outputs", {"choice": ["a"]}),
+                         ("include_stop_str_in_output", True), ("chat_template_kwargs", {"enable_thinking": False})]:
+        with pytest.raises(OpenAIError) as e:
+            ChatCompletionRequest(messages=QUESTION, **{field: value}).generate_request("r")
+        assert (e.value.status, e.value.param) == (400, field)
+
+
 @pytest.mark.parametrize("fields, param", [
     ({"temperature": 3}, "temperature"),
     ({"n": 2}, "n"),
