@@ -119,7 +119,7 @@ def _bench_serve(args: argparse.Namespace) -> int:
     workload = make_workload(read_prompts(Path(args.prompts)), args.num_requests, args.num_prefixes, args.prefix_tokens)
     target = args.http or args.router
     summary = summarize(*run_load(target, workload, args.rate, args.max_tokens, args.seed,
-                                  api_key=args.api_key or os.environ.get("PDSPEC_API_KEY")))
+                                  api_key=_api_key(args)))
     if args.json:
         print(json.dumps(summary))
     else:
@@ -149,7 +149,7 @@ def _add_bench(sub: argparse._SubParsersAction) -> None:
     p.add_argument("--num-prefixes", type=int, default=0, help="long shared system prompts, each request gets one at random")
     p.add_argument("--prefix-tokens", type=int, default=600, help="approximate length of each shared prefix")
     p.add_argument("--seed", type=int, default=0, help="arrival times")
-    p.add_argument("--api-key", default=None, help="a key of the router's api_key_file (default: $PDSPEC_API_KEY)")
+    _add_api_key(p)
     p.add_argument("--json", action="store_true")
     p.set_defaults(func=_bench_serve)
 
@@ -201,7 +201,7 @@ def _serve(args: argparse.Namespace) -> int:
         http = f", OpenAI API at {cluster.http_url}" if cluster.http_url else ""
         print(f"pdspec: router ready at {cluster.router_address}{http}{logs}", flush=True)
         if args.once is not None:
-            _answer(cluster.router_address, args.once, cluster.tls)
+            _answer(cluster.router_address, args.once, cluster.tls, _api_key(args))
         elif args.launcher == "ray" and cluster.detached:
             cluster.disconnect()  # stop() below then has nothing left to end
             print("pdspec: deployed on the Ray cluster; `pdspec stop --address ADDR` ends it", flush=True)
@@ -228,10 +228,23 @@ def _stop(args: argparse.Namespace) -> int:
     return 0
 
 
-def _answer(router_address: str, prompt: str, tls: "Tls | None") -> None:
+def _add_api_key(p: argparse.ArgumentParser) -> None:
+    p.add_argument("--api-key", default=None, help="a key of the router's api_key_file (default: $PDSPEC_API_KEY)")
+
+
+def _api_key(args: argparse.Namespace) -> str | None:
+    return args.api_key or os.environ.get("PDSPEC_API_KEY")
+
+
+def _answer(router_address: str, prompt: str, tls: "Tls | None", api_key: str | None) -> None:
+    import grpc
+
     from deploy.client import print_chat
 
-    last = print_chat(router_address, prompt, tls=tls)
+    try:
+        last = print_chat(router_address, prompt, tls=tls, api_key=api_key)
+    except grpc.RpcError as e:  # the router's answer, not a crash: said as the CLI's other errors are
+        raise RuntimeError(f"the router at {router_address} answered {e.code().name}: {e.details()}") from None
     print(f"pdspec: finish_reason={last.finish_reason} prompt_tokens={last.usage.prompt_tokens} "
           f"completion_tokens={last.usage.completion_tokens} "
           f"mean_acceptance_length={last.acceptance.mean_acceptance_length:.2f}", flush=True)
@@ -240,7 +253,7 @@ def _answer(router_address: str, prompt: str, tls: "Tls | None") -> None:
 def _chat(args: argparse.Namespace) -> int:
     from proto.rpc import Tls
 
-    _answer(args.router, args.prompt, Tls.load(None, None, args.ca_file) if args.ca_file else None)
+    _answer(args.router, args.prompt, Tls.load(None, None, args.ca_file) if args.ca_file else None, _api_key(args))
     return 0
 
 
@@ -281,6 +294,7 @@ def _add_cluster(sub: argparse._SubParsersAction) -> None:
                         "command returns, until `pdspec stop`. Default: a private Ray on this machine, on loopback")
     p.add_argument("--once", default=None, metavar="PROMPT",
                    help="answer this chat prompt through the router, then shut down (instead of serving until Ctrl-C)")
+    _add_api_key(p)
     p.add_argument("--start-timeout", type=float, default=900.0, metavar="SECONDS",
                    help="how long every process may take to come up: loading a large model, converting a GGUF")
     p.set_defaults(func=_serve)
@@ -291,6 +305,7 @@ def _add_cluster(sub: argparse._SubParsersAction) -> None:
     p.add_argument("--router", default="127.0.0.1:50051")
     p.add_argument("--prompt", required=True)
     p.add_argument("--ca-file", default=None, help="the router's CA (PEM): talk TLS, as a router with tls set needs")
+    _add_api_key(p)
     p.set_defaults(func=_chat)
     p = sub.add_parser("router", help="run the router (one process)")
     p.add_argument("--config", required=True)

@@ -45,6 +45,19 @@ def _bearer(key: str) -> tuple[tuple[str, str], ...]:
     return (("authorization", f"Bearer {key}"),)
 
 
+def test_pdspec_chat_sends_its_api_key_and_says_a_refusal_as_an_error(cluster, capsys, monkeypatch):
+    from deploy.cli import main
+
+    chat = ["chat", "--router", cluster.router_address, "--prompt", "Hello"]
+    monkeypatch.delenv("PDSPEC_API_KEY", raising=False)
+    assert main(chat) == 2  # no key: the router's refusal, said in one line (it was a traceback)
+    assert "UNAUTHENTICATED" in capsys.readouterr().err
+    assert main(chat + ["--api-key", "key-bob"]) == 0
+    assert "finish_reason=" in capsys.readouterr().out
+    monkeypatch.setenv("PDSPEC_API_KEY", "key-alice")
+    assert main(chat) == 0
+
+
 def test_grpc_needs_a_current_key_and_health_stays_open(cluster):
     with grpc.insecure_channel(cluster.router_address) as channel:
         stub = router_pb2_grpc.RouterStub(channel)
