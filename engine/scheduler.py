@@ -119,7 +119,7 @@ class Scheduler:
             scheduled.append(ScheduledSeq(seq, 1, drafts))
         if budget > 0:
             self._admit()
-        scheduled += self._prefill_chunks(budget)
+        scheduled += self._prefill_chunks(budget, decoding)
         return scheduled
 
     def _admit(self) -> None:
@@ -139,13 +139,16 @@ class Scheduler:
             seq.status = SeqStatus.RUNNING
             self.running.append(seq)
 
-    def _prefill_chunks(self, budget: int) -> list[ScheduledSeq]:
+    def _prefill_chunks(self, budget: int, decoding: list[Sequence]) -> list[ScheduledSeq]:
         """This step's prompt chunks: those passed over in the last step first, then shortest
         remaining first, within `budget` tokens, each within the cost cap. When some prompt
         finishes in this step, chunks that leave their prompt unfinished wait (unless they were
-        passed over already): a newcomer's step is not lengthened by a long prompt's chunk."""
-        prefilling = sorted((s for s in self.running if s.num_pending > 1),
-                            key=lambda s: (s.seq_id not in self._passed_over, s.num_pending))
+        passed over already): a newcomer's step is not lengthened by a long prompt's chunk. A prompt
+        admitted with one token left (a 1-token prompt, or one cached but for its last token) is a
+        1-token chunk here: it missed this step's decoding, and waited a step (on an idle engine,
+        the loop's 0.1 s nap) for the next."""
+        prompts = [s for s in self.running if s.num_pending > 1 or (s.num_pending == 1 and s not in decoding)]
+        prefilling = sorted(prompts, key=lambda s: (s.seq_id not in self._passed_over, s.num_pending))
         cap = self.config.prefill_chunk()
         plan: list[ScheduledSeq] = []
         for seq in prefilling:

@@ -102,6 +102,15 @@ def test_draft_slots_never_cost_a_younger_sequence_its_place():
     assert [s.seq_id for s in scheduler.running] == ["a", "b"]
 
 
+def test_a_prompt_admitted_with_one_token_left_runs_in_the_step_that_admits_it():
+    """A 1-token prompt (or one cached but for its last token) is computed in the step that admits
+    it; it used to miss both that step's decoding and its prompt chunks (nothing scheduled: the
+    engine loop then naps 0.1 s)."""
+    scheduler = _scheduler(context_cost=None)
+    _add(scheduler, "one", 1)
+    assert _step(scheduler) == {"one": 1}
+
+
 def test_draft_slots_come_out_of_the_steps_token_budget():
     """A verification row is a row of the step's forward like a prompt token: 3 decoding sequences
     wanting 8 drafts each in a 16-token budget get 13 draft slots between them (oldest first), and a
