@@ -118,10 +118,11 @@ class Engine(Handoff):
         # Above disable_by_batch_size nothing drafts: the governor neither chooses nor measures there
         # (its "draft" figures were plain steps), and the run of steps it measures is broken.
         self._drafting = self._draftable(batch) and (self.governor is None or self.governor.should_draft(batch))
+        ended = self._end_unfit_waiting()
         scheduled = self.scheduler.schedule(self._lookahead)
-        self.stalled = not scheduled
+        self.stalled = not scheduled and not ended
         if not scheduled:
-            return []
+            return ended
         scheduled_at = time.perf_counter()
         proposals = self._propose(scheduled)
         chunks = [self._chunk(s, p) for s, p in zip(scheduled, proposals)]
@@ -165,7 +166,17 @@ class Engine(Handoff):
         self._note_time(batch, scheduled, [proposals[i] for i in sampling], sum(map(len, verdict.paths)),
                         sum(len(c.token_ids) for c in chunks),
                         (start, scheduled_at, drafted_at, verified_at, time.perf_counter()))
-        return outputs
+        return ended + outputs
+
+    def _end_unfit_waiting(self) -> list[RequestOutput]:
+        """End ("length") the waiting sequences at the queue's head that the pool can no longer
+        hold: blocks retired for good (a transfer that may still write) shrink it under a
+        preempted sequence, which admission, in order, would then wait on forever, and every
+        request behind it (a decode worker takes no hand-off while one waits)."""
+        ended = []
+        while self.scheduler.waiting and len(self.scheduler.waiting[0].token_ids) > self.context_limit():
+            ended.append(self._finish(self.scheduler.waiting[0], "length", [], ""))
+        return ended
 
     def _note_time(self, batch: int, scheduled: list[ScheduledSeq], proposals: list[Proposal], accepted: int,
                    rows: int, times: tuple[float, ...]) -> None:

@@ -186,6 +186,26 @@ def test_a_sequence_ends_where_the_pool_ends_and_retired_blocks_shorten_it():
         tiny.add_request(prompt[:24] + prompt[:16], SamplingParams())
 
 
+def test_a_preempted_sequence_the_shrunk_pool_cannot_hold_ends_instead_of_blocking_the_queue():
+    """4 blocks of 16: a sequence past 48 tokens needs its 4th block while an arriving request holds
+    it, so it preempts itself; that request's transfer fails unstoppably (its block retired): the
+    pool now holds 48 tokens, the sequence 49. It ends "length", and the queue behind it moves (it
+    waited at the head for good, and the engine took no hand-off meanwhile)."""
+    tiny = Engine(EngineConfig(num_kv_blocks=4, block_size=16))
+    rid = tiny.add_request(list(range(100, 140)), SamplingParams(max_tokens=100, ignore_eos=True))
+    while len(tiny.seqs[rid].token_ids) < 49:  # the next step writes position 48: the 4th block
+        tiny.step()
+    tiny.reserve_prefilled("arriving", list(range(200, 210)), SamplingParams())  # the 4th block
+    outs = tiny.step()
+    assert [s.seq_id for s in tiny.scheduler.waiting] == [rid] and not outs  # preempted
+    tiny.retire_incoming("arriving")
+    assert tiny.context_limit() == 48 < len(tiny.seqs[rid].token_ids)
+    later = tiny.add_request(list(range(300, 310)), SamplingParams(max_tokens=2))
+    outs = [out for _ in range(10) if tiny.has_unfinished() for out in tiny.step()]
+    assert [(o.request_id, o.finish_reason) for o in outs if o.finished] == [(rid, "length"), (later, "length")]
+    assert tiny.blocks.num_used_blocks == 1  # the retired one
+
+
 def _teacher_forced_top1(engine: Engine, prompt: list[int], continuation: list[int]) -> list[int]:
     """The engine's argmax at every position of `continuation`, fed the continuation itself."""
     from engine.batch import SeqChunk
