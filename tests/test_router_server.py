@@ -1,5 +1,6 @@
 """The real router server on a free port: health, reflection, errors, registry, eviction, retries."""
 
+import contextlib
 import socket
 import subprocess
 import sys
@@ -248,10 +249,12 @@ class _SourceBlamingDecodeWorker(worker_pb2_grpc.DecodeWorkerServicer):
         yield worker_pb2.DecodeResponse(token_ids=[42], text="x", finish_reason="length")
 
 
-def _serve_fakes(servicers: dict) -> tuple[list[grpc.Server], dict[str, str]]:
-    """Each fake worker (id -> servicer) on its own server: started servers, and id -> address."""
+@contextlib.contextmanager
+def _router_over_fakes(model_dir, fakes: dict, max_num_seqs: dict[str, int] | None = None):
+    """A real router (max_retries 1) over fake workers (id -> servicer, each on its own server and
+    registered in its role; `max_num_seqs` overrides the registration's 4 by id): yields its stub."""
     servers, addresses = [], {}
-    for worker_id, servicer in servicers.items():
+    for worker_id, servicer in fakes.items():
         server = grpc.server(futures.ThreadPoolExecutor(max_workers=16))
         if isinstance(servicer, worker_pb2_grpc.DecodeWorkerServicer):
             worker_pb2_grpc.add_DecodeWorkerServicer_to_server(servicer, server)
@@ -261,7 +264,21 @@ def _serve_fakes(servicers: dict) -> tuple[list[grpc.Server], dict[str, str]]:
         addresses[worker_id] = f"127.0.0.1:{server.add_insecure_port('127.0.0.1:0')}"
         server.start()
         servers.append(server)
-    return servers, addresses
+    config = RouterConfig(heartbeat_interval_s=30.0, heartbeat_timeout_s=60.0, max_retries=1)
+    router = run_router(config, TOKEN, model_dir, "smollm2", port=0, internal_port=0)
+    try:
+        with channel(f"127.0.0.1:{router.port}", TOKEN) as internal, \
+                channel(f"127.0.0.1:{router.internal_port}", TOKEN) as registry:
+            for worker_id, servicer in fakes.items():
+                role = "decode" if isinstance(servicer, worker_pb2_grpc.DecodeWorkerServicer) else "prefill"
+                request = registration(worker_id, addresses[worker_id], role=role)
+                request.max_num_seqs = (max_num_seqs or {}).get(worker_id, request.max_num_seqs)
+                worker_pb2_grpc.RegistryStub(registry).Register(request, timeout=10)
+            yield router_pb2_grpc.RouterStub(internal)
+    finally:
+        router.stop(0)
+        for server in servers:
+            server.stop(0)
 
 
 def test_a_handle_its_decode_worker_refuses_is_prefilled_again_on_another_prefill_worker(model_dir):
@@ -269,23 +286,11 @@ def test_a_handle_its_decode_worker_refuses_is_prefilled_again_on_another_prefil
     (its handle), not the client's request: retried on the other prefill worker, not refused."""
     prefills = [_PrefillWorker("prefill-a"), _PrefillWorker("prefill-b")]
     decode = _SourceBlamingDecodeWorker(refusals=1)
-    servers, addresses = _serve_fakes({p.worker_id: p for p in prefills} | {"decode": decode})
-    config = RouterConfig(heartbeat_interval_s=30.0, heartbeat_timeout_s=60.0, max_retries=1)
-    router = run_router(config, TOKEN, model_dir, "smollm2", port=0, internal_port=0)
-    try:
-        with channel(f"127.0.0.1:{router.port}", TOKEN) as internal, \
-                channel(f"127.0.0.1:{router.internal_port}", TOKEN) as registry:
-            for worker_id, address in addresses.items():
-                worker_pb2_grpc.RegistryStub(registry).Register(
-                    registration(worker_id, address, role="decode" if worker_id == "decode" else "prefill"), timeout=10)
-            answer = list(router_pb2_grpc.RouterStub(internal).Generate(HELLO, timeout=30))
-            assert [r.text for r in answer] == ["x"] and answer[-1].finish_reason == "length"
-            assert sorted(decode.sources) == ["prefill-a", "prefill-b"]  # the second attempt on the other one
-            assert [p.prefills for p in prefills] == [1, 1]
-    finally:
-        router.stop(0)
-        for server in servers:
-            server.stop(0)
+    with _router_over_fakes(model_dir, {p.worker_id: p for p in prefills} | {"decode": decode}) as router:
+        answer = list(router.Generate(HELLO, timeout=30))
+    assert [r.text for r in answer] == ["x"] and answer[-1].finish_reason == "length"
+    assert sorted(decode.sources) == ["prefill-a", "prefill-b"]  # the second attempt on the other one
+    assert [p.prefills for p in prefills] == [1, 1]
 
 
 def test_a_decode_worker_that_blames_its_kv_source_is_not_retried_first(model_dir):
@@ -295,22 +300,10 @@ def test_a_decode_worker_that_blames_its_kv_source_is_not_retried_first(model_di
     prefill = _PrefillWorker("prefill-a")
     broken = _SourceBlamingDecodeWorker(refusals=10, code=grpc.StatusCode.UNAVAILABLE)
     healthy = _SourceBlamingDecodeWorker(refusals=0)
-    servers, addresses = _serve_fakes({"prefill-a": prefill, "decode-a": broken, "decode-b": healthy})
-    config = RouterConfig(heartbeat_interval_s=30.0, heartbeat_timeout_s=60.0, max_retries=1)
-    router = run_router(config, TOKEN, model_dir, "smollm2", port=0, internal_port=0)
-    try:
-        with channel(f"127.0.0.1:{router.port}", TOKEN) as internal, \
-                channel(f"127.0.0.1:{router.internal_port}", TOKEN) as registry:
-            for worker_id, address in addresses.items():
-                worker_pb2_grpc.RegistryStub(registry).Register(
-                    registration(worker_id, address, role=worker_id.split("-")[0]), timeout=10)
-            answer = list(router_pb2_grpc.RouterStub(internal).Generate(HELLO, timeout=30))
-            assert [r.text for r in answer] == ["x"]
-            assert (broken.sources, healthy.sources, prefill.prefills) == (["prefill-a"], ["prefill-a"], 2)
-    finally:
-        router.stop(0)
-        for server in servers:
-            server.stop(0)
+    with _router_over_fakes(model_dir, {"prefill-a": prefill, "decode-a": broken, "decode-b": healthy}) as router:
+        answer = list(router.Generate(HELLO, timeout=30))
+    assert [r.text for r in answer] == ["x"]
+    assert (broken.sources, healthy.sources, prefill.prefills) == (["prefill-a"], ["prefill-a"], 2)
 
 
 class _BusyPrefillWorker(_PrefillWorker):
@@ -343,27 +336,13 @@ def test_a_burst_beyond_a_prefill_workers_call_limit_waits_for_it(model_dir):
     at once. A burst of 12 requests waits at the router for its prefill calls instead of having 4
     refused there (each one a RESOURCE_EXHAUSTED at once, the only prefill worker a suspect)."""
     prefill = _BusyPrefillWorker("prefill-a")
-    servers, addresses = _serve_fakes({"prefill-a": prefill, "decode": _SourceBlamingDecodeWorker(refusals=0)})
-    config = RouterConfig(heartbeat_interval_s=30.0, heartbeat_timeout_s=60.0, max_retries=1)
-    router = run_router(config, TOKEN, model_dir, "smollm2", port=0, internal_port=0)
-    try:
-        with channel(f"127.0.0.1:{router.port}", TOKEN) as internal, \
-                channel(f"127.0.0.1:{router.internal_port}", TOKEN) as registry:
-            stub = worker_pb2_grpc.RegistryStub(registry)
-            stub.Register(registration("prefill-a", addresses["prefill-a"], role="prefill"), timeout=10)
-            decode_registration = registration("decode", addresses["decode"], role="decode")
-            decode_registration.max_num_seqs = 16
-            stub.Register(decode_registration, timeout=10)
-            generate = router_pb2_grpc.RouterStub(internal).Generate
-            with futures.ThreadPoolExecutor(max_workers=12) as pool:
-                answers = list(pool.map(lambda i: list(generate(router_pb2.GenerateRequest(
-                    prompt=f"Hello {i}"), timeout=30)), range(12)))
-            assert all([r.text for r in answer] == ["x"] for answer in answers)
-            assert prefill.prefills == 12 and prefill.most_open == 8
-    finally:
-        router.stop(0)
-        for server in servers:
-            server.stop(0)
+    fakes = {"prefill-a": prefill, "decode": _SourceBlamingDecodeWorker(refusals=0)}
+    with _router_over_fakes(model_dir, fakes, max_num_seqs={"decode": 16}) as router, \
+            futures.ThreadPoolExecutor(max_workers=12) as pool:
+        answers = list(pool.map(lambda i: list(router.Generate(router_pb2.GenerateRequest(prompt=f"Hello {i}"),
+                                                               timeout=30)), range(12)))
+    assert all([r.text for r in answer] == ["x"] for answer in answers)
+    assert prefill.prefills == 12 and prefill.most_open == 8
 
 
 @pytest.mark.parametrize("first", [0, 1])
