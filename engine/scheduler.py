@@ -147,7 +147,9 @@ class Scheduler:
         admitted with one token left (a 1-token prompt, or one cached but for its last token) is a
         1-token chunk here: it missed this step's decoding, and waited a step (on an idle engine,
         the loop's 0.1 s nap) for the next."""
-        prompts = [s for s in self.running if s.num_pending > 1 or (s.num_pending == 1 and s not in decoding)]
+        decoding_ids = {s.seq_id for s in decoding}
+        prompts = [s for s in self.running
+                   if s.num_pending > 1 or (s.num_pending == 1 and s.seq_id not in decoding_ids)]
         prefilling = sorted(prompts, key=lambda s: (s.seq_id not in self._passed_over, s.num_pending))
         cap = self.config.prefill_chunk()
         plan: list[ScheduledSeq] = []
