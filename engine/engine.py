@@ -153,6 +153,9 @@ class Engine(Handoff):
                 self.proposer.observe(s.seq, chunk.start, _rows(out.aux_hidden, row, rows))
             s.seq.num_computed += len(rows)
             row += len(chunk.token_ids)
+        mid_prompt = [s.seq for s in scheduled if not s.yields_token]
+        if mid_prompt:
+            self.proposer.write_prompt_blocks(mid_prompt)
         outputs = []
         for j, i in enumerate(sampling):
             seq, a = scheduled[i].seq, len(paths[i])

@@ -195,6 +195,27 @@ def test_draft_caches_left_behind_catch_up_to_what_one_forward_computes(spec_pro
                                    atol=1e-4, rtol=1e-4)
 
 
+def test_a_prompts_blocks_hold_their_draft_entries_as_its_chunks_fill_them(spec_prompts):
+    """A block enters the prefix cache when a prompt's chunk fills it: its draft entries must be in
+    it then, not at the prompt's last chunk (a request reusing the block meanwhile drafted from
+    stale entries, and its hand-off shipped them so to a decode worker's prefix cache)."""
+    config = EngineConfig(num_kv_blocks=64, long_prefill_token_threshold=16,
+                          speculative={"adaptive": False, "method": "eagle3", "num_speculative_tokens": 5})
+    chunked, reference = Engine(config), Engine(config)
+    prompt = (spec_prompts[0] + spec_prompts[1])[:48]  # three chunks of 16
+    rid = chunked.add_request(prompt, SamplingParams(max_tokens=4))
+    chunked.step()
+    assert chunked.seqs[rid].num_computed == 16  # one chunk in: block 0 full (and cached), the prompt not
+    ref = reference.add_request(prompt, SamplingParams(max_tokens=1), prefill_only=True)
+    while reference.has_unfinished():
+        reference.step()
+    table, runner = reference.blocks.block_table(ref), reference.runner
+    aux = runner.forward([SeqChunk(prompt, 0, table, num_logits=0)], return_aux=True).aux_hidden
+    runner.forward_draft([SeqChunk(prompt[1:], 0, table, num_logits=0)], runner.draft.project(aux[:47]))
+    torch.testing.assert_close(_draft_kv(chunked, chunked.blocks.block_table(rid), 16), _draft_kv(reference, table, 16),
+                               atol=1e-4, rtol=1e-4)
+
+
 def test_a_handed_off_prompt_filling_its_last_block_leaves_that_blocks_draft_entries_written(spec_prompts):
     """The prefill worker's prefix cache keeps a full last block, draft entries too: the last
     position's (whose input is the first token) is written before the hand-off, not left stale

@@ -27,9 +27,10 @@ draft cache up to date for when it drafts again. Once some sequence lags more th
 positions behind, every sequence's pending positions but the last get their draft KV written in
 one batched call that computes only the keys and values (not attention, MLP or logits: about a
 tenth of a draft forward's arithmetic; on CPU one native call, Eagle3Draft.write_kv) and reads the
-weights once instead of once per step. The same call covers a prompt before its first draft, a
-prompt whose prefill is handed off, and what is still pending when a sequence leaves (its full
-blocks stay in the prefix cache, and a request that reuses them reads their draft entries too).
+weights once instead of once per step. The same call covers the blocks a prompt's chunk fills (they
+enter the prefix cache then), a prompt whose prefill is handed off, and what is still pending when a
+sequence leaves (its full blocks stay in the prefix cache, and a request that reuses them reads
+their draft entries too).
 While a sequence lags, up to CATCH_UP of its positions have no draft entries yet; a request
 reusing those blocks meanwhile drafts from stale ones there, which costs acceptance, never
 correctness (verification decides every token).
@@ -94,9 +95,17 @@ class Eagle3Proposer:
         last, partial block is freed as it is: entries written there would never be read.)"""
         self._project()
         if seq.seq_id in self.pending and seq.status is SeqStatus.RUNNING:  # else it holds no blocks
-            block_size = self.runner.config.block_size
-            self._catch_up([seq], keep_last=False, end=seq.num_computed // block_size * block_size)
+            self._catch_up([seq], keep_last=False, full_blocks=True)
         self.pending.pop(seq.seq_id, None)
+
+    @torch.inference_mode()
+    def write_prompt_blocks(self, seqs: list[Sequence]) -> None:
+        """The draft KV of the full blocks a prompt's chunk has filled (`seqs`: mid-prompt this step).
+        Their target KV enters the prefix cache as they fill; left pending until the prompt's last
+        chunk, a request reusing them meanwhile drafted from stale entries there, and a hand-off of
+        that request shipped them so, into the decode worker's prefix cache."""
+        self._project()
+        self._catch_up([s for s in seqs if s.seq_id in self.pending], keep_last=False, full_blocks=True)
 
     def _project(self) -> None:
         """Move the observed target features into `pending`, through one `fc` for all of them."""
@@ -154,20 +163,23 @@ class Eagle3Proposer:
         trees = self._draft(drafting) if drafting and self.confidence_threshold * len(drafting) < 1.0 else {}
         return [trees.get(s.seq_id, Proposal([])) for s in seqs]
 
-    def _catch_up(self, seqs: list[Sequence], keep_last: bool = True, end: int | None = None) -> None:
-        """Write the draft cache's KV for the pending positions (those before `end`, if given), in one
-        batched call that computes nothing else. keep_last: leave the last position pending (the
-        next draft step reads it)."""
+    def _catch_up(self, seqs: list[Sequence], keep_last: bool = True, full_blocks: bool = False) -> None:
+        """Write the draft cache's KV for the pending positions (full_blocks: those in the sequence's
+        full blocks only), in one batched call that computes nothing else. keep_last: leave the last
+        position unwritten. The newest position stays pending even when written (a prompt's chunk
+        ending at a block's end): the next draft step reads its row, and writes it again alike."""
         chunks, hidden = [], []
+        block_size = self.runner.config.block_size
         for seq in seqs:
             first, h = self.pending[seq.seq_id]
             # Position p needs token p+1: after a stop token, accepted drafts beyond it are not kept.
-            room = h.shape[0] if end is None else end - first
+            room = seq.num_computed // block_size * block_size - first if full_blocks else h.shape[0]
             n = min(h.shape[0] - keep_last, len(seq.token_ids) - 1 - first, room)
             if n > 0:
                 chunks.append(self._chunk(seq, first, n, num_logits=0))
                 hidden.append(h[:n])
-                self.pending[seq.seq_id] = (first + n, h[n:])
+                kept = min(n, h.shape[0] - 1)
+                self.pending[seq.seq_id] = (first + kept, h[kept:])
         if chunks:
             hidden = torch.cat(hidden)
             self.runner.write_draft_kv(chunks, hidden)

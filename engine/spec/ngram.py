@@ -68,6 +68,9 @@ class LookupBranch:
     def release(self, seq: Sequence) -> None:
         self.inner.release(seq)
 
+    def write_prompt_blocks(self, seqs: list[Sequence]) -> None:
+        self.inner.write_prompt_blocks(seqs)
+
     def prefill_draft(self, seq: Sequence, first_token: int) -> torch.Tensor | None:
         return self.inner.prefill_draft(seq, first_token)
 

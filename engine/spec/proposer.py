@@ -88,6 +88,11 @@ class Proposer(Protocol):
         later). Its blocks are still allocated until this returns."""
         ...
 
+    def write_prompt_blocks(self, seqs: list[Sequence]) -> None:
+        """`seqs` are mid-prompt, their chunks computed this step: the blocks they filled enter the
+        prefix cache now, so whatever draft state a block holds must be in it now too."""
+        ...
+
     def prefill_draft(self, seq: Sequence, first_token: int) -> torch.Tensor | None:
         """Disaggregated prefill: run the draft over the prompt but its last position; return
         that position's draft input hidden state (it travels with the KV) or None. The last
@@ -109,6 +114,9 @@ class StatelessProposer:
         pass
 
     def release(self, seq: Sequence) -> None:
+        pass
+
+    def write_prompt_blocks(self, seqs: list[Sequence]) -> None:
         pass
 
     def prefill_draft(self, seq: Sequence, first_token: int) -> torch.Tensor | None:
