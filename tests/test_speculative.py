@@ -152,6 +152,19 @@ def test_bad_draft_top_k_names_the_field(spec, message):
         SpeculativeConfig(**spec)
 
 
+def _reference_draft_cache(reference: Engine, tokens: list[int]) -> list[int]:
+    """What one full draft forward writes over every position of `tokens` whose next token is known,
+    from the target's features over the same tokens, in blocks a prefill's KV handle pins on
+    `reference`: their block table."""
+    ref = reference.add_request(tokens, SamplingParams(max_tokens=1), prefill_only=True)
+    while reference.has_unfinished():
+        reference.step()
+    table, runner = reference.blocks.block_table(ref), reference.runner
+    aux = runner.forward([SeqChunk(tokens, 0, table, num_logits=0)], return_aux=True).aux_hidden
+    runner.forward_draft([SeqChunk(tokens[1:], 0, table, num_logits=0)], runner.draft.project(aux[:len(tokens) - 1]))
+    return table
+
+
 def test_draft_caches_left_behind_catch_up_to_what_one_forward_computes(spec_prompts):
     """Sequences that draft nothing (here: K=0 for the request) get their draft caches brought up
     to date only past CATCH_UP positions, and when they finish, by a call that writes keys and
@@ -182,14 +195,7 @@ def test_draft_caches_left_behind_catch_up_to_what_one_forward_computes(spec_pro
         tokens = seq.token_ids
         n = len(tokens) - 1
         full = n // config.block_size * config.block_size  # the positions of its full blocks
-        # The reference: one full draft forward over positions [0, n), from the target's features
-        # over the same tokens (in blocks a prefill's KV handle pins).
-        ref = reference.add_request(tokens, SamplingParams(max_tokens=1), prefill_only=True)
-        while reference.has_unfinished():
-            reference.step()
-        table, runner = reference.blocks.block_table(ref), reference.runner
-        aux = runner.forward([SeqChunk(tokens, 0, table, num_logits=0)], return_aux=True).aux_hidden
-        runner.forward_draft([SeqChunk(tokens[1:], 0, table, num_logits=0)], runner.draft.project(aux[:n]))
+        table = _reference_draft_cache(reference, tokens)
         assert 0 < full < n  # a partial block left, unwritten
         torch.testing.assert_close(_draft_kv(lagging, tables[rid], full), _draft_kv(reference, table, full),
                                    atol=1e-4, rtol=1e-4)
@@ -206,12 +212,7 @@ def test_a_prompts_blocks_hold_their_draft_entries_as_its_chunks_fill_them(spec_
     rid = chunked.add_request(prompt, SamplingParams(max_tokens=4))
     chunked.step()
     assert chunked.seqs[rid].num_computed == 16  # one chunk in: block 0 full (and cached), the prompt not
-    ref = reference.add_request(prompt, SamplingParams(max_tokens=1), prefill_only=True)
-    while reference.has_unfinished():
-        reference.step()
-    table, runner = reference.blocks.block_table(ref), reference.runner
-    aux = runner.forward([SeqChunk(prompt, 0, table, num_logits=0)], return_aux=True).aux_hidden
-    runner.forward_draft([SeqChunk(prompt[1:], 0, table, num_logits=0)], runner.draft.project(aux[:47]))
+    table = _reference_draft_cache(reference, prompt)
     torch.testing.assert_close(_draft_kv(chunked, chunked.blocks.block_table(rid), 16), _draft_kv(reference, table, 16),
                                atol=1e-4, rtol=1e-4)
 
@@ -226,12 +227,7 @@ def test_a_handed_off_prompt_filling_its_last_block_leaves_that_blocks_draft_ent
     prefill.add_request(prompt, SamplingParams(max_tokens=1), prefill_only=True)
     handle = [out for _ in range(4) if prefill.has_unfinished() for out in prefill.step()][-1].handle
     tokens = prompt + [handle.first_token]
-    ref = reference.add_request(tokens, SamplingParams(max_tokens=1), prefill_only=True)
-    while reference.has_unfinished():
-        reference.step()
-    table, runner = reference.blocks.block_table(ref), reference.runner
-    aux = runner.forward([SeqChunk(tokens, 0, table, num_logits=0)], return_aux=True).aux_hidden
-    runner.forward_draft([SeqChunk(tokens[1:], 0, table, num_logits=0)], runner.draft.project(aux[:32]))
+    table = _reference_draft_cache(reference, tokens)
     torch.testing.assert_close(_draft_kv(prefill, handle.block_table, 32), _draft_kv(reference, table, 32),
                                atol=1e-4, rtol=1e-4)
 
