@@ -25,13 +25,14 @@ from engine.config import EngineConfig
 from engine.engine import Engine
 from engine.params import SamplingParams
 from engine.sequence import Sequence
-from engine.spec.proposer import Proposal
+from engine.spec.proposer import Proposal, StatelessProposer
 from tools.eagle3_training.features import FEATURE_DTYPE, with_last_layer
 
 
-class FeatureRecorder:
+class FeatureRecorder(StatelessProposer):
     """A proposer that drafts nothing and keeps each finished sequence, with the target's features
-    of every committed position when needs_aux."""
+    of every committed position when needs_aux (no draft cache: the rest of a proposer's work is
+    none)."""
 
     def __init__(self, needs_aux: bool):
         self.needs_aux = needs_aux
