@@ -31,7 +31,11 @@ def test_a_client_that_stops_reading_is_cut_off_after_the_deadline():
             call = router_pb2_grpc.RouterStub(channel).Generate(request)
             next(call)  # then never read again
             deadline = time.monotonic() + TIMEOUT_S + 60
-            while not metric(metrics, "pdspec_requests_total", status="CANCELLED"):
+            # Cancelled by the watchdog where the router's send was blocked by then; where the
+            # client's window still had room at the deadline, the router ended it itself
+            # (DEADLINE_EXCEEDED; 2 runs of 6 on a 2-vCPU AVX2 host). Either way it is over.
+            while not any(metric(metrics, "pdspec_requests_total", status=status)
+                          for status in ("CANCELLED", "DEADLINE_EXCEEDED")):
                 assert time.monotonic() < deadline, "the stalled call still holds its slot"
                 time.sleep(0.5)
             call.cancel()
