@@ -93,14 +93,15 @@ class Eagle3Proposer:
         """Write the draft KV still pending in the sequence's full blocks: they become prefix-cacheable,
         and a request that reuses them later reads their draft entries as well as the target's. (Its
         last, partial block is freed as it is: entries written there would never be read.)"""
-        self._project()
-        if seq.seq_id in self.pending and seq.status is SeqStatus.RUNNING:  # else it holds no blocks
-            self._catch_up([seq], keep_last=False, full_blocks=True)
+        self._project()  # first, so none of its observed rows outlive it in `unprojected`
+        if seq.status is SeqStatus.RUNNING:  # else it holds no blocks
+            self.write_prompt_blocks([seq])
         self.pending.pop(seq.seq_id, None)
 
     @torch.inference_mode()
     def write_prompt_blocks(self, seqs: list[Sequence]) -> None:
-        """The draft KV of the full blocks a prompt's chunk has filled (`seqs`: mid-prompt this step).
+        """The draft KV of the full blocks a prompt's chunk has filled (`seqs`: mid-prompt this step, or
+        one being released).
         Their target KV enters the prefix cache as they fill; left pending until the prompt's last
         chunk, a request reusing them meanwhile drafted from stale entries there, and a hand-off of
         that request shipped them so, into the decode worker's prefix cache."""
