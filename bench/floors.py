@@ -5,15 +5,16 @@ figures (and a speed goal) against.
 Measured (2 threads unless noted):
 - DRAM reads: a plain stream (torch summing 512 MB), and the KV cache's pieces as attention
   reads them (bench.attention's read floor, `--context` positions of 16 sequences);
-- one core's vector units, from a C probe (bench/probe.c) built with the kernels' compiler and
-  the ISA flags of the kernels in use: int8 multiply-adds (what the quantized GEMMs are made of)
-  and fp32 FMA lanes (attention), in independent chains;
+- the threads' vector units, running together, from a C probe (bench/probe.c) built with the
+  kernels' compiler and the ISA flags of the kernels in use: int8 multiply-adds (what the
+  quantized GEMMs are made of) and fp32 FMA lanes (attention), in independent chains (two vCPUs
+  can share one core's units: then two threads get one core's rate, not twice it);
 - an OpenMP region's and a barrier's cost (the kernels open ~5 regions a layer).
 For the model (default the embedded one), per step of B sequences of S query tokens each over
 C cached positions:
   memory  = weight bytes / stream rate + B x C x KV bytes per position / KV read rate
   compute = B x S x weight multiply-adds / (int8 rate, or the FMA rate for matrices the
-            fp32 GEMM runs, x threads) + B x S x C x attention FMAs per position / (FMA rate x threads)
+            fp32 GEMM runs) + B x S x C x attention FMAs per position / FMA rate
   floor   = the larger (both overlapped perfectly; no norms, sampling or Python)
 and what the floors allow: batch B's aggregate speedup over batch 1 (B x floor(1) / floor(B)),
 and a forward over S tokens' time against one token's (floor(1, S) / floor(1, 1)). The KV read
@@ -78,12 +79,12 @@ def model_costs(engine: Engine) -> dict[str, float]:
     }
 
 
-def step_floor_ms(costs: dict, rates: dict, threads: int, batch: int, span: int, context: int) -> dict[str, float]:
+def step_floor_ms(costs: dict, rates: dict, batch: int, span: int, context: int) -> dict[str, float]:
     rows = batch * span
     memory = costs["weight_bytes"] / rates["stream_gb_s"] / 1e6 \
         + batch * context * costs["kv_bytes_per_position"] / rates["kv_read_gb_s"] / 1e6
     fmas = costs["fp32_macs"] + context * costs["attention_fmas_per_position"]
-    compute = rows * (costs["int8_macs"] / rates["int8_macs_per_ns"] + fmas / rates["fma_lanes_per_ns"]) / threads / 1e6
+    compute = rows * (costs["int8_macs"] / rates["int8_macs_per_ns"] + fmas / rates["fma_lanes_per_ns"]) / 1e6
     return {"memory_ms": memory, "compute_ms": compute, "floor_ms": max(memory, compute)}
 
 
@@ -106,19 +107,20 @@ def main() -> None:
     read, read_bytes = read_floor(16, args.context, getattr(torch, engine.runner.cache_dtype))
     read_ms = alternated_median_ms({"read": read}, reps=15, warmup=3)["read"]
     rates = {**probe(isa, args.threads), "stream_gb_s": stream_gb_s(), "kv_read_gb_s": read_bytes / read_ms / 1e6}
-    one = step_floor_ms(costs, rates, args.threads, 1, 1, args.context)["floor_ms"]
+    one = step_floor_ms(costs, rates, 1, 1, args.context)["floor_ms"]
     steps = {}
     for b in args.batches:
-        steps[f"batch {b}"] = floor = step_floor_ms(costs, rates, args.threads, b, 1, args.context)
+        steps[f"batch {b}"] = floor = step_floor_ms(costs, rates, b, 1, args.context)
         floor["speedup_over_batch_1"] = b * one / floor["floor_ms"]
     for span in args.spans:
-        steps[f"{span} tokens"] = floor = step_floor_ms(costs, rates, args.threads, 1, span, args.context)
+        steps[f"{span} tokens"] = floor = step_floor_ms(costs, rates, 1, span, args.context)
         floor["time_over_one_token"] = floor["floor_ms"] / one
     print(json.dumps({"isa": isa, "threads": args.threads, "context": args.context,
                       "kv_cache_dtype": engine.runner.cache_dtype, "rates": rates, "model": costs,
                       "steps": {k: {n: round(v, 3) for n, v in s.items()} for k, s in steps.items()}}))
     print(f"{isa}, {args.threads} threads: int8 {rates['int8_macs_per_ns']:.0f} MAC/ns and fp32 "
-          f"{rates['fma_lanes_per_ns']:.0f} FMA/ns a core; stream {rates['stream_gb_s']:.1f} GB/s, KV pieces "
+          f"{rates['fma_lanes_per_ns']:.0f} FMA/ns together (one thread alone: "
+          f"{rates['int8_macs_per_ns_one_thread']:.0f} and {rates['fma_lanes_per_ns_one_thread']:.0f}); stream {rates['stream_gb_s']:.1f} GB/s, KV pieces "
           f"{rates['kv_read_gb_s']:.1f} GB/s; OpenMP region {rates['region_us']:.2f} us, barrier "
           f"{rates['barrier_us']:.2f} us")
     print(f"{'step':12}{'memory ms':>11}{'compute ms':>12}{'floor ms':>10}  at best: batch's speedup over batch 1, "

@@ -1,7 +1,8 @@
-/* One core's vector rates and the OpenMP costs the kernels pay, for bench/floors.py. Built with
- * the kernels' compiler and ISA flags; prints one JSON object.
+/* The vector rates the kernels' threads get and the OpenMP costs they pay, for bench/floors.py.
+ * Built with the kernels' compiler and ISA flags; prints one JSON object.
  *
- * int8_macs_per_ns: int8 multiply-adds a core retires per ns in independent chains, with the
+ * int8_macs_per_ns: int8 multiply-adds `threads` threads retire per ns together (each in
+ *   independent chains; *_one_thread: one thread alone), with the
  *   instructions the quantized GEMM tiles are made of (quant_dot.c): vpdpbusd (64 a zmm
  *   instruction) with AVX-512 VNNI, vpmaddubsw + vpaddw (64 a zmm pair) with AVX-512BW, the same
  *   on ymm (32) with AVX2, scalar int32 multiply-adds in the portable build;
@@ -87,9 +88,21 @@ static double fma_lanes_per_ns(void) {
 #endif
 }
 
+/* rate() on `threads` threads at once, summed: the vector units the kernels' threads actually
+ * get. Two vCPUs can share one core's vector units (hyperthreads, or a host that runs both on one
+ * core for a while: on Machine E, once, an FMA loop ran at 1.94 per cycle alone and 1.01 per thread
+ * on two; minutes later at 1.97 and 1.98), so one thread's rate times the threads can overstate them. */
+static double together(double (*rate)(void), int threads) {
+    double sum = 0.0;
+    #pragma omp parallel num_threads(threads) reduction(+: sum)
+    sum = rate();
+    return sum;
+}
+
 int main(int argc, char **argv) {
     int threads = argc > 1 ? atoi(argv[1]) : 2, reps = 20000;
-    double int8 = int8_macs_per_ns(), fma = fma_lanes_per_ns();
+    double int8_one = int8_macs_per_ns(), fma_one = fma_lanes_per_ns();
+    double int8 = together(int8_macs_per_ns, threads), fma = together(fma_lanes_per_ns, threads);
     for (int i = 0; i < 1000; i++) {
         #pragma omp parallel num_threads(threads)
         __asm__ volatile("");
@@ -106,7 +119,8 @@ int main(int argc, char **argv) {
         #pragma omp barrier
     }
     double barrier = (now() - start) / reps * 1e6;
-    printf("{\"int8_macs_per_ns\": %.2f, \"fma_lanes_per_ns\": %.2f, \"region_us\": %.2f, \"barrier_us\": %.2f}\n",
-           int8, fma, region, barrier);
+    printf("{\"int8_macs_per_ns\": %.2f, \"fma_lanes_per_ns\": %.2f, \"int8_macs_per_ns_one_thread\": %.2f, "
+           "\"fma_lanes_per_ns_one_thread\": %.2f, \"region_us\": %.2f, \"barrier_us\": %.2f}\n",
+           int8, fma, int8_one, fma_one, region, barrier);
     return 0;
 }
