@@ -57,8 +57,9 @@ class _WorkerFailed(Exception):
         # another worker's fault (a decode worker refusing the prefill worker's handle).
         self.request_refused = self.code == grpc.StatusCode.INVALID_ARGUMENT and reported_by is None
         details = error.details() if isinstance(error, grpc.RpcError) else error
-        super().__init__(f"{step} on {worker.role} worker {worker.worker_id} ({worker.address}) failed: "
-                         f"{self.code.name}: {details}")
+        # What the client reads names the worker by id; its network address is for the router's log.
+        super().__init__(f"{step} on {worker.role} worker {worker.worker_id} failed: {self.code.name}: {details}")
+        self.logged = f"{self} (worker address {worker.address})"
 
 
 @dataclass(frozen=True)
@@ -178,7 +179,7 @@ class RouterServicer(router_pb2_grpc.RouterServicer):
                     context.abort(e.code, str(e))
                 if e.code == grpc.StatusCode.DEADLINE_EXCEEDED and run.time_left() <= 0:  # no time left to retry in
                     context.abort(e.code, f"{e}{self._deadline_note(context)}")
-                log.warning("request %s: %s; retrying on another worker", req.request_id, e)
+                log.warning("request %s: %s; retrying on another worker", req.request_id, e.logged)
                 if e.code != grpc.StatusCode.RESOURCE_EXHAUSTED:  # a full worker is a healthy one
                     self._probe(e.worker)
                 if e.reported_by is None:
@@ -294,6 +295,7 @@ class RouterServicer(router_pb2_grpc.RouterServicer):
                 return
             if not run.cancelled:
                 failure = _WorkerFailed(plan.decode, "Decode", e)
+                log.warning("request %s: %s after %d streamed tokens", req.request_id, failure.logged, emitted)
                 self._probe(plan.decode)
                 context.abort(_client_code(failure.code), f"{failure} after {emitted} tokens were streamed; not retried, "
                               f"the output was already sent{self._deadline_note(context, failure.code)}")
@@ -305,6 +307,8 @@ class RouterServicer(router_pb2_grpc.RouterServicer):
             context.abort(grpc.StatusCode.UNAVAILABLE,
                           "no prefill/decode workers registered: need a prefill and a decode worker, or an "
                           f"aggregated one (registered: {dict(roles) or 'none'})")
+        log.warning("request %s: gave up after %d failed attempt(s); the last: %s", req.request_id, attempts,
+                    failure.logged)
         context.abort(_client_code(failure.code),
                       f"request {req.request_id}: {failure}; gave up after {attempts} failed attempt(s) "
                       f"(router.max_retries={self._config.max_retries}){self._deadline_note(context, failure.code)}")

@@ -306,6 +306,18 @@ def test_a_decode_worker_that_blames_its_kv_source_is_not_retried_first(model_di
     assert (broken.sources, healthy.sources, prefill.prefills) == (["prefill-a"], ["prefill-a"], 2)
 
 
+def test_a_client_reads_a_failed_workers_id_not_its_network_address(model_dir):
+    """Giving up, the router names the worker that failed by id; its address is internal (the
+    router's log has it)."""
+    prefill, decode = _PrefillWorker("prefill-a"), _SourceBlamingDecodeWorker(refusals=10, code=grpc.StatusCode.UNAVAILABLE)
+    with _router_over_fakes(model_dir, {"prefill-a": prefill, "decode-a": decode}) as router:
+        with pytest.raises(grpc.RpcError) as failed:
+            list(router.Generate(HELLO, timeout=30))
+    assert failed.value.code() == grpc.StatusCode.UNAVAILABLE
+    assert "on prefill worker prefill-a failed" in failed.value.details()
+    assert "127.0.0.1" not in failed.value.details(), failed.value.details()
+
+
 class _BusyPrefillWorker(_PrefillWorker):
     """A prefill worker that takes 0.3 s a prompt and, as serving/call_limit.py does, refuses calls
     beyond 2 x its max_num_seqs of 4 (the most it saw at once is recorded)."""
