@@ -92,6 +92,24 @@ def fsync_tree(directory: Path) -> None:
             os.fsync(f.fileno())
 
 
+def replace_durably(tmp: Path, path: Path) -> None:
+    """`tmp` (a file written in full) into `path`, flushed, renamed and the rename flushed: after a
+    power loss `path` is the old file or the new one, never an empty or a truncated one (ext4
+    flushes a file renamed onto an existing one early, but not one renamed to a new name)."""
+    with open(tmp, "rb") as f:
+        os.fsync(f.fileno())
+    os.replace(tmp, path)
+    _fsync_dir(path.parent)
+
+
+def _fsync_dir(directory: Path) -> None:
+    dir_fd = os.open(directory, os.O_RDONLY)
+    try:
+        os.fsync(dir_fd)
+    finally:
+        os.close(dir_fd)
+
+
 def rename_into_place(tmp_dir: Path, out_dir: Path) -> None:
     try:
         os.rename(tmp_dir, out_dir)
@@ -99,8 +117,4 @@ def rename_into_place(tmp_dir: Path, out_dir: Path) -> None:
         if e.errno in (errno.EEXIST, errno.ENOTEMPTY):
             raise FileExistsError(f"{out_dir} appeared while converting into it") from e
         raise
-    dir_fd = os.open(out_dir.parent, os.O_RDONLY)
-    try:
-        os.fsync(dir_fd)
-    finally:
-        os.close(dir_fd)
+    _fsync_dir(out_dir.parent)

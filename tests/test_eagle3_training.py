@@ -13,6 +13,7 @@ from engine.loader import load_weights
 from engine.params import SamplingParams
 from tools.eagle3_training.distill import distill
 from tools.eagle3_training.features import TargetFeatures
+from tools.eagle3_training.run_dir import held
 from tools.eagle3_training.trainer import (TargetDistribution, TrainConfig, _head_shape, collate, load_shard,
                                           shard_paths, train)
 
@@ -56,6 +57,7 @@ def test_training_resumes_and_exports_a_head_that_drafts_losslessly(run_dir, eng
     snapshot = run_dir / "snapshots" / "1e-06M"  # taken after the first step, the only size reached
     taken = json.loads((snapshot / "progress.json").read_text())
     assert taken["step"] == 1 and (snapshot / "model.safetensors").exists()
+    assert 0 < taken["answer_tokens"] < taken["tokens"]  # sizes count answers, not the prompts before them
     assert [p.name for p in (run_dir / "snapshots").iterdir()] == ["1e-06M"]
     train(replace(cfg, epochs=2.0))  # resumes at the checkpoint's step
     second = json.loads((run_dir / "training.json").read_text())
@@ -170,13 +172,18 @@ def test_recomputed_features_do_not_depend_on_how_many_samples_share_the_pool():
 
 def test_a_conversation_is_answered_turn_by_turn_after_the_targets_own_answers(engine, tmp_path):
     """A prompt given as turns: one sample per answer; the second's prompt is the conversation as a
-    chat client would send it (the first answer as text), and its answer is the target's greedy one."""
-    turns = [QUESTIONS[0], "Now name three secondary colors."]
-    distill([turns, QUESTIONS[2]], tmp_path / "data", None, max_new_tokens=16, batch_size=4, store_features=False)
+    chat client would send it (the first answer as text), and its answer is the target's greedy one.
+    An answer cut at max_new_tokens ends its conversation: sent back as a whole turn, it would be
+    history the target never wrote."""
+    turns = [QUESTIONS[0], "Now name three secondary colors."]  # the first answer ends in 22 tokens
+    cut = ["Write a long story about a dragon.", "Now make it shorter."]  # cut at 32
+    distill([turns, cut, QUESTIONS[2]], tmp_path / "data", None, max_new_tokens=32, batch_size=4, store_features=False)
     shard = load_shard(next((tmp_path / "data").glob("shard-*.safetensors")))
     samples = [shard["tokens"][a:b].tolist() for a, b in zip(shard["offsets"][:-1], shard["offsets"][1:])]
-    assert len(samples) == 3 and json.loads((tmp_path / "data" / "done.json").read_text()) == [0, 1]
-    params = SamplingParams(max_tokens=16)
+    assert len(samples) == 4 and json.loads((tmp_path / "data" / "done.json").read_text()) == [0, 1, 2]
+    dragon = engine.tokenizer.encode_chat([{"role": "user", "content": cut[0]}])
+    assert sum(s[: len(dragon)] == dragon for s in samples) == 1  # its first answer only
+    params = SamplingParams(max_tokens=32)
     first = engine.tokenizer.encode_chat([{"role": "user", "content": turns[0]}])
     answer = [t for o in engine.generate(first, params) for t in o.token_ids]
     assert first + answer in samples
@@ -243,3 +250,19 @@ def test_the_engine_refuses_a_head_naming_layers_the_target_lacks(tmp_path, laye
     (tmp_path / "config.json").write_text(json.dumps(config))
     with pytest.raises(ModelConfigError, match=r"auxiliary layers .*three rising layer ids in 0\.\.30"):
         Engine(EngineConfig(num_kv_blocks=64, speculative={"method": "eagle3", "model": str(tmp_path)}))
+
+
+def test_a_shard_written_before_its_run_recorded_it_is_not_distilled_again(tmp_path):
+    """Killed between writing a shard and updating done.json, a run finds the shard's own record of
+    its conversations: resumed, it does not answer them again into a second copy."""
+    data = tmp_path / "data"
+    distill(QUESTIONS[:2], data, None, max_new_tokens=8, batch_size=4, store_features=False)
+    (data / "done.json").unlink()  # as if killed right after the shard's rename
+    distill(QUESTIONS[:2], data, None, max_new_tokens=8, batch_size=4, store_features=False)
+    assert len(shard_paths(data)) == 1
+
+
+def test_one_run_at_a_time_works_in_a_directory(tmp_path):
+    with held(tmp_path / "data"), pytest.raises(RuntimeError, match="another process is distilling or training"):
+        distill(QUESTIONS[:1], tmp_path / "data", None, max_new_tokens=8, batch_size=4, store_features=False)
+    assert not list((tmp_path / "data").glob("shard-*"))

@@ -7,19 +7,26 @@ Output: `shard-NNNNN.safetensors` files, each with `tokens` [T] int32 (samples c
 [T, H] fp16 (the rows of a sample's last token are zero: the target never ran on it). With
 store_features=False only the tokens, offsets and prompt lengths (4 bytes a token instead of
 ~4.6 KB): training recomputes the rest (features.py).
-`done.json` lists the finished prompt indices, so an interrupted run resumes where it stopped.
+`done.json` lists the finished prompt indices, and each shard names its own in its metadata
+(`conversations`), so an interrupted run resumes where it stopped, even if it was killed between
+writing a shard and done.json. Both are flushed to disk before the run goes on.
 
 A prompt may be a conversation: a list of user turns. The target answers the first, then each
 next turn after its own previous answers (rendered as text, as a chat client would send them),
-and every answer is a sample whose prompt is the whole conversation before it.
+and every answer is a sample whose prompt is the whole conversation before it. An answer cut at
+max_new_tokens ends its conversation: rendered as a whole turn, the history would hold what the
+target never said (a chat client sends back whole answers).
 """
 
 import json
 from pathlib import Path
 
 import torch
+from safetensors import safe_open
 from safetensors.torch import save_file
 from tqdm import tqdm
+
+from engine.conversions import replace_durably
 
 from engine.config import EngineConfig
 from engine.engine import Engine
@@ -27,6 +34,7 @@ from engine.params import SamplingParams
 from engine.sequence import Sequence
 from engine.spec.proposer import Proposal, StatelessProposer
 from tools.eagle3_training.features import FEATURE_DTYPE, with_last_layer
+from tools.eagle3_training.run_dir import held
 
 
 class FeatureRecorder(StatelessProposer):
@@ -76,9 +84,29 @@ def check_distilled(out_dir: Path, num_prompts: int) -> None:
 
 def distill(prompts: list[str | list[str]], out_dir: Path, target: str | None, max_new_tokens: int = 256,
             batch_size: int = 32, shard_size: int = 256, store_features: bool = True) -> None:
-    out_dir.mkdir(parents=True, exist_ok=True)
+    with held(out_dir):
+        _distill(prompts, out_dir, target, max_new_tokens, batch_size, shard_size, store_features)
+
+
+def _own_shards(out_dir: Path) -> list[Path]:
+    """This run's shards (shard-NNNNN; others, e.g. linked ones, not counted)."""
+    return sorted(out_dir.glob("shard-[0-9]*.safetensors"))
+
+
+def _done(out_dir: Path) -> set[int]:
+    """The prompts answered in full: done.json's, and those of shards written after it."""
     done_file = out_dir / "done.json"
     done = set(json.loads(done_file.read_text())) if done_file.exists() else set()
+    for path in _own_shards(out_dir):
+        with safe_open(str(path), framework="pt") as f:
+            done.update(json.loads((f.metadata() or {}).get("conversations", "[]")))
+    return done
+
+
+def _distill(prompts: list[str | list[str]], out_dir: Path, target: str | None, max_new_tokens: int,
+             batch_size: int, shard_size: int, store_features: bool) -> None:
+    done_file = out_dir / "done.json"
+    done = _done(out_dir)
     todo = [i for i in range(len(prompts)) if i not in done]
     if not todo:
         return
@@ -91,8 +119,7 @@ def distill(prompts: list[str | list[str]], out_dir: Path, target: str | None, m
     if store_features:
         with_last_layer(engine)
     params = SamplingParams(max_tokens=max_new_tokens)
-    # After the highest of this run's own shards (shard-NNNNN; others, e.g. linked ones, not counted).
-    shard = 1 + max((int(p.stem.split("-")[1]) for p in out_dir.glob("shard-[0-9]*.safetensors")), default=-1)
+    shard = 1 + max((int(p.stem.split("-")[1]) for p in _own_shards(out_dir)), default=-1)
     progress = tqdm(total=len(todo), desc="distilling", unit="prompt")
     waiting = iter(todo)
     asking: dict[int, list[str]] = {}  # conversation -> its user turns not asked yet
@@ -121,7 +148,7 @@ def distill(prompts: list[str | list[str]], out_dir: Path, target: str | None, m
             answered[i].append((seq, features))
             answer = engine.tokenizer.decode(seq.token_ids[seq.num_prompt_tokens :], skip_special_tokens=True)
             chats[i].append({"role": "assistant", "content": answer})
-            if asking[i]:
+            if asking[i] and seq.finish_reason == "stop":
                 ask(i)
             else:
                 del asking[i], chats[i]
@@ -129,18 +156,20 @@ def distill(prompts: list[str | list[str]], out_dir: Path, target: str | None, m
         recorder.finished.clear()
         if len(complete) >= shard_size or (complete and not asking):
             samples = [sample for i in complete for sample in answered.pop(i)]
-            _write_shard(out_dir / f"shard-{shard:05d}.safetensors", samples, engine.runner.model_config.hidden_size)
+            _write_shard(out_dir / f"shard-{shard:05d}.safetensors", samples, complete,
+                         engine.runner.model_config.hidden_size)
             shard += 1
             done.update(complete)
             tmp = done_file.with_suffix(".json.tmp")  # replaced whole: an interrupt never leaves half a list
             tmp.write_text(json.dumps(sorted(done)))
-            tmp.replace(done_file)
+            replace_durably(tmp, done_file)
             progress.update(len(complete))
             complete = []
     progress.close()
 
 
-def _write_shard(path: Path, samples: list[tuple[Sequence, torch.Tensor | None]], hidden_size: int) -> None:
+def _write_shard(path: Path, samples: list[tuple[Sequence, torch.Tensor | None]], conversations: list[int],
+                 hidden_size: int) -> None:
     lengths = torch.tensor([len(seq.token_ids) for seq, _ in samples])
     tensors = {
         "tokens": torch.tensor([t for seq, _ in samples for t in seq.token_ids], dtype=torch.int32),
@@ -151,5 +180,5 @@ def _write_shard(path: Path, samples: list[tuple[Sequence, torch.Tensor | None]]
         recorded = torch.cat([f for _, f in samples])
         tensors |= {"features": recorded[:, :-hidden_size].contiguous(),
                     "final_hidden": recorded[:, -hidden_size:].contiguous()}
-    save_file(tensors, str(path.with_suffix(".tmp")))
-    path.with_suffix(".tmp").rename(path)
+    save_file(tensors, str(path.with_suffix(".tmp")), metadata={"conversations": json.dumps(sorted(conversations))})
+    replace_durably(path.with_suffix(".tmp"), path)

@@ -23,12 +23,14 @@ from safetensors import safe_open
 from tqdm import tqdm
 
 from engine.config import ModelConfig
+from engine.conversions import fsync_tree, replace_durably
 from engine.layers import rms_norm
 from engine.loader import load_weights
 from engine.model_dir import resolve_model_dir
 from engine.spec.eagle3_model import head_aux_layer_ids
 from tools.eagle3_training.features import TargetFeatures
 from tools.eagle3_training.model import TrainableEagle3, exported_depth, exported_mlp_width, exported_vocab
+from tools.eagle3_training.run_dir import held
 
 
 @dataclass
@@ -46,12 +48,12 @@ class TrainConfig:
     max_hours: float | None = None  # this run's budget: a resumed run gets it afresh
     init_from: Path | None = None  # an exported head to continue from (its draft vocabulary is kept)
     batch_tokens: int = 4096  # padded tokens per batch
-    max_len: int = 512  # longer samples are truncated
+    max_len: int = 1024  # longer samples are truncated (a third turn's prompt alone is ~430 tokens)
     warmup_steps: int = 100
     seed: int = 0
     checkpoint_every_s: float = 600.0
-    # Export the head as it is once training has seen each of these many tokens (a data-vs-
-    # acceptance curve from one run), to out_dir/snapshots/<millions>M.
+    # Export the head as it is once training has seen each of these many answer tokens (a data-
+    # vs-acceptance curve from one run), to out_dir/snapshots/<millions>M.
     snapshot_tokens: tuple[int, ...] = ()
 
 
@@ -170,6 +172,11 @@ def collate(shard: dict[str, torch.Tensor], indices: list[int], max_len: int,
 
 
 def train(cfg: TrainConfig) -> Path:
+    with held(cfg.out_dir):
+        return _train(cfg)
+
+
+def _train(cfg: TrainConfig) -> Path:
     torch.manual_seed(cfg.seed)
     shards = shard_paths(cfg.data_dir)
     ckpt_dir = cfg.out_dir / "checkpoints"
@@ -198,7 +205,7 @@ def train(cfg: TrainConfig) -> Path:
     repeated = repeated_samples(shards)
     per_epoch = sum(len(_batches(_load_index(p), cfg, random.Random(0), repeated[p])) for p in shards)
     total_steps = max(1, int(per_epoch * cfg.epochs))
-    progress = {"step": 0, "tokens": 0, "seconds": 0.0}
+    progress = {"step": 0, "tokens": 0, "answer_tokens": 0, "seconds": 0.0}
     # What the step count indexes: resumed on other shards or batching, the skip of the steps done
     # would land on other batches (some trained twice, others never). (More epochs go on in order.)
     data = {"shards": sorted(p.name for p in shards), "repeated": sum(map(len, repeated.values())),
@@ -289,10 +296,11 @@ def _run(model, teacher, optim, schedule, repeated: dict[Path, frozenset[int]], 
                     break
                 tensors = collate(shard, batch, cfg.max_len, recompute)
                 metrics = _train_step(model, teacher, optim, schedule(progress["step"]), *tensors, cfg)
-                seen = progress["tokens"]
+                seen = progress.get("answer_tokens", 0)
                 step += 1
                 progress["step"] = step
                 progress["tokens"] += metrics.pop("tokens")
+                progress["answer_tokens"] = seen + metrics.pop("answer_tokens")
                 progress["seconds"] = time.time() - started
                 bar.update(1)
                 bar.set_postfix(metrics)
@@ -308,13 +316,15 @@ def _run(model, teacher, optim, schedule, repeated: dict[Path, frozenset[int]], 
 
 
 def _snapshots(model, cfg: TrainConfig, seen_before: int, progress: dict) -> None:
-    """The head exported at each snapshot size this step took training past (a size passed before
-    this run resumed, or added after it was passed, is not taken later under its name)."""
+    """The head exported at each snapshot size (answer tokens) this step took training past (a size
+    passed before this run resumed, or added after it was passed, is not taken later under its name)."""
     for tokens in cfg.snapshot_tokens:
         out = cfg.out_dir / "snapshots" / f"{tokens / 1e6:g}M"
-        if seen_before < tokens <= progress["tokens"] and not (out / "progress.json").exists():
+        if seen_before < tokens <= progress["answer_tokens"] and not (out / "progress.json").exists():
             model.export(out)
-            (out / "progress.json").write_text(json.dumps(progress) + "\n")  # last: marks it complete
+            fsync_tree(out)
+            (out / "progress.json.tmp").write_text(json.dumps(progress) + "\n")
+            replace_durably(out / "progress.json.tmp", out / "progress.json")  # last: marks it complete
 
 
 def _out_of_time(cfg: TrainConfig, since: float) -> bool:
@@ -327,7 +337,7 @@ def _train_step(model, teacher, optim, lr_scale, features, final_hidden, tokens,
     # bf16 GEMMs (AVX512-BF16/AMX where the CPU has them) with fp32 master weights and loss.
     with torch.autocast("cpu", dtype=torch.bfloat16):
         logits = model.unroll(features, tokens, valid, cfg.ttt_steps)
-    loss, metrics = 0.0, {"tokens": int(valid.sum())}
+    loss, metrics = 0.0, {"tokens": int(valid.sum()), "answer_tokens": int(loss_mask.sum())}
     labels_at = [model.labels(tokens, loss_mask, k) for k in range(len(logits))]
     masks = [labels >= 0 for labels in labels_at]
     target_p, row_of = _target_probs(teacher, final_hidden, masks)
@@ -369,4 +379,4 @@ def _checkpoint(ckpt_dir: Path, model, optim, progress, meta: dict) -> None:
     tmp = ckpt_dir / "latest.pt.tmp"
     torch.save({"model": model.state_dict(), "optim": optim.state_dict(), "progress": dict(progress),
                 "aux_layer_ids": model.aux_layer_ids, **meta}, tmp)
-    tmp.replace(ckpt_dir / "latest.pt")
+    replace_durably(tmp, ckpt_dir / "latest.pt")
