@@ -85,5 +85,7 @@ if __name__ == "__main__":
     ap.add_argument("--seed", type=int, default=0)
     ap.add_argument("--batch-size", type=int, default=48)
     args = ap.parse_args()
-    args.out.write_text("".join(json.dumps({"source": "synthetic/model-written", "prompt": p}) + "\n"
-                                for p in model_prompts(args.count, args.seed, args.batch_size)))
+    tmp = args.out.with_name(args.out.name + ".tmp")
+    tmp.write_text("".join(json.dumps({"source": "synthetic/model-written", "prompt": p}) + "\n"
+                           for p in model_prompts(args.count, args.seed, args.batch_size)))
+    tmp.replace(args.out)  # whole or not at all: the recipes skip a file that is there

@@ -151,6 +151,20 @@ CODE_TASKS = [
 ]
 CODE_TEMPLATES = ["Write a Python function that {t}.", "Show me how to write code that {t}, and explain it."]
 
+# Topics of the tiers above that came close to held-out evaluation prompts' own (chat_eval.jsonl:
+# focus while studying, weather and climate, a lighthouse keeper's story, a camping trip, a poem
+# about the moon). The tiers keep them (earlier heads' data was drawn from them in this order);
+# corpora built since leave their prompts out (away_from_held_out). (Coding tasks stay: the two
+# held-out Python prompts ask for none of them.)
+NEAR_HELD_OUT = ("studying for exams", "climate change", "weather forecasts", "lighthouses at sea",
+                 "camping cooking", "the moon landing")
+
+
+def away_from_held_out(prompts: list[str]) -> list[str]:
+    """`prompts` without those about a topic of NEAR_HELD_OUT."""
+    return [p for p in prompts if not any(topic in p for topic in NEAR_HELD_OUT)]
+
+
 def synthetic_prompts(count: int, seed: int = 0, skip: int = 0) -> list[str]:
     """`count` prompts after the first `skip` (to draw new ones beyond an earlier run's)."""
     rng = random.Random(seed)
