@@ -5,11 +5,15 @@ The source's agent metadata is a pickle, so it is only ever taken from the token
 GetNixlMetadata RPC, never from a NIXL listener or a metadata server; so NIXL needs a cluster
 token (without one, anyone could send a decode worker a handle naming their own "source"). The
 token is a bearer secret: only TLS (mutual, `tls` in the config) proves who answers at a source's
-address before it is sent. A READ is one-sided: the source cannot refuse blocks outside a pin, so
+address before it is sent. So the handle, which comes from the router, carries the SHA-256 of
+the source's metadata, and a destination loads only metadata that hashes to it: whatever answers
+at the address without TLS (a pod that took over a gone worker's address) cannot hand it a pickle
+of its own. A READ is one-sided: the source cannot refuse blocks outside a pin, so
 the token is the trust boundary, and only the final Release (found=True) proves the blocks were
 still pinned, unchanged, while we read them.
 """
 
+import hashlib
 import logging
 import threading
 import time
@@ -82,9 +86,13 @@ class NixlMemory:
                         for name, shape in layout.caches().items()}
         self._registered = [self.agent.register_memory([(r.base_address, r.length, r.device_id, "")], r.memory_type)
                             for r in self.regions.values()]
+        # Taken once, with every region registered (it does not change as peers read), so that the
+        # bytes served are those the handles' digest vouches for.
+        self.agent_metadata = self.agent.get_agent_metadata()
+        self.metadata_sha256 = hashlib.sha256(self.agent_metadata).digest()
 
     def metadata(self) -> kv_pb2.NixlMetadataResponse:
-        return kv_pb2.NixlMetadataResponse(agent_name=self.agent.name, agent_metadata=self.agent.get_agent_metadata(),
+        return kv_pb2.NixlMetadataResponse(agent_name=self.agent.name, agent_metadata=self.agent_metadata,
                                            regions=list(self.regions.values()), layout=layout_to_proto(self.layout))
 
     def close(self) -> None:
@@ -101,6 +109,7 @@ class _Source:
     that READ's request), and taken up again meanwhile if its source still answers with it."""
     name: str
     nixl_name: str | bytes  # as NIXL's add_remote_agent returned it, for its calls
+    sha256: bytes  # of the metadata it was loaded from
     regions: dict[str, kv_pb2.NixlRegion]
     users: int = 0
     forgotten: bool = False
@@ -126,7 +135,7 @@ class NixlConnector(BaseConnector):
               local_block_ids: list[int], deadline: float) -> None:
         address = handle.source_address
         self._forget_idle()
-        source = self._use(stub, address, handle.nixl_agent, deadline)
+        source = self._use(stub, handle, deadline)
         forget = False
         try:
             self._read(source, handle, remote_block_ids, local_block_ids, deadline)
@@ -146,28 +155,41 @@ class NixlConnector(BaseConnector):
         with self._lock:
             return self._address_locks.setdefault(address, threading.Lock())
 
-    def _use(self, stub: kv_pb2_grpc.KVTransferStub, address: str, agent_name: str, deadline: float) -> _Source:
+    def _use(self, stub: kv_pb2_grpc.KVTransferStub, handle: kv_pb2.KVHandle, deadline: float) -> _Source:
         """The source's agent, loaded if new or if the handle names another (restarted at the
         address); counted as in use until the pull ends."""
+        address, agent_name = handle.source_address, handle.nixl_agent
         with self._address_lock(address):
             with self._lock:
                 source = self._sources.get(address)
-                if source is not None and (not agent_name or source.name == agent_name):
+                if source is not None and source.name == agent_name and source.sha256 == handle.nixl_metadata_sha256:
                     source.users += 1
                     return source
-            return self._connect(stub, address, agent_name, deadline)
+            return self._connect(stub, handle, deadline)
 
-    def _connect(self, stub: kv_pb2_grpc.KVTransferStub, address: str, agent_name: str, deadline: float) -> _Source:
+    def _connect(self, stub: kv_pb2_grpc.KVTransferStub, handle: kv_pb2.KVHandle, deadline: float) -> _Source:
         """Under the address's lock: the source's current agent (loaded unless NIXL holds it
-        still), made the address's and counted as in use; an earlier agent of the address is
-        forgotten. A handle of an agent the source no longer runs changes nothing."""
+        still, and only from metadata the handle vouches for), made the address's and counted as
+        in use; an earlier agent of the address is forgotten. A handle of an agent the source no
+        longer runs changes nothing."""
+        address, agent_name = handle.source_address, handle.nixl_agent
+        if not agent_name or len(handle.nixl_metadata_sha256) != hashlib.sha256().digest_size:
+            raise KVTransferError(f"the handle from {handle.source_worker_id} names no NIXL agent and digest of its "
+                                  "metadata (a prefill worker without NIXL, or of an older pdspec): its blocks are not "
+                                  "read over NIXL; run prefill and decode workers of one version with kv_transfer nixl",
+                                  retryable=True)
         try:
             meta = stub.GetNixlMetadata(kv_pb2.NixlMetadataRequest(), timeout=remaining(deadline))
         except grpc.RpcError as e:
             raise rpc_failure(e, "GetNixlMetadata", address) from None
-        if agent_name and meta.agent_name != agent_name:  # its pins went with the process that made them
+        if meta.agent_name != agent_name:  # its pins went with the process that made them
             raise KVTransferError(f"{address} restarted after prefilling (NIXL agent {meta.agent_name}, the "
                                   f"handle's {agent_name}): prefill again", retryable=True)
+        sha256 = hashlib.sha256(meta.agent_metadata).digest()
+        if sha256 != handle.nixl_metadata_sha256:
+            raise KVTransferError(f"{address} served NIXL agent metadata whose SHA-256 is not the one "
+                                  f"{handle.source_worker_id} put in the handle: not loaded (it is a pickle); whoever "
+                                  "answers there is not the worker that prefilled", retryable=True)
         check_layout(self.layout, meta.layout, address)
         regions = {r.cache: r for r in meta.regions}
         for name, block_bytes in self.block_bytes.items():
@@ -178,7 +200,8 @@ class NixlConnector(BaseConnector):
             source = self._agents.get(meta.agent_name)
         if source is None:
             try:
-                source = _Source(meta.agent_name, self._memory.agent.add_remote_agent(meta.agent_metadata), regions)
+                source = _Source(meta.agent_name, self._memory.agent.add_remote_agent(meta.agent_metadata), sha256,
+                                 regions)
             except NIXL_ERRORS as e:
                 raise KVTransferError(f"NIXL could not load the agent of {address}: {e}", retryable=True) from None
         with self._lock:

@@ -82,5 +82,6 @@ class PrefillServicer(worker_pb2_grpc.PrefillWorkerServicer):
             draft_hidden=h.draft_hidden.float().cpu().numpy().tobytes() if h.draft_hidden is not None else b"",
             cached_prompt_tokens=h.cached_prompt_tokens, queue_seconds=h.queue_seconds,
             nixl_agent=self.source.nixl.agent.name if self.source.nixl is not None else "", pin_id=pin_id,
+            nixl_metadata_sha256=self.source.nixl.metadata_sha256 if self.source.nixl is not None else b"",
             block_checksums=block_checksums(self.source.caches, list(self.source.layout.caches()), h.block_table),
         )

@@ -76,7 +76,8 @@ def _serve_source(conn, pin_timeout_s: float, nixl: bool, faulty: bool) -> None:
     servicer = FaultyServicer(source, report) if faulty else source.servicer
     server, port = serve([(kv_pb2_grpc.add_KVTransferServicer_to_server, servicer, SERVICE_NAME)], "127.0.0.1:0",
                          TOKEN, internal=[SERVICE_NAME])
-    report("ready", (port, source.nixl.agent.name if source.nixl is not None else ""))
+    report("ready", (port, source.nixl.agent.name if source.nixl is not None else "",
+                     source.nixl.metadata_sha256 if source.nixl is not None else b""))
     try:
         while True:
             request_id, block_ids = conn.recv()
@@ -119,7 +120,7 @@ class SourceProcess(_Child):
     def __init__(self, pin_timeout_s: float = 600.0, nixl: bool = True, faulty: bool = False):
         super().__init__(_serve_source, pin_timeout_s, nixl, faulty)
         self.released: set[str] = set()
-        port, self.nixl_agent = self.expect("ready")
+        port, self.nixl_agent, self.nixl_metadata_sha256 = self.expect("ready")
         self.address = f"127.0.0.1:{port}"
 
     def expect(self, kind: str):
@@ -137,7 +138,8 @@ class SourceProcess(_Child):
         assert pinned == request_id
         return kv_pb2.KVHandle(request_id=request_id, source_worker_id="prefill-test", source_address=self.address,
                                layout=layout_to_proto(LAYOUT), block_ids=block_ids, pin_id=pin_id,
-                               nixl_agent=self.nixl_agent, block_checksums=checksums)
+                               nixl_agent=self.nixl_agent, nixl_metadata_sha256=self.nixl_metadata_sha256,
+                               block_checksums=checksums)
 
     def wait_released(self, request_id: str) -> None:
         while request_id not in self.released:

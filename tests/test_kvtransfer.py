@@ -229,6 +229,22 @@ def test_a_handle_of_another_nixl_agent_at_the_address_is_a_restarted_source(sou
     assert_local(dest, dict(zip(LOCAL, REMOTE)))
 
 
+def test_nixl_metadata_the_handle_does_not_vouch_for_is_never_loaded(source, dest):
+    """NIXL's agent metadata is a pickle: a destination loads it only if it hashes to the digest the
+    prefill worker put in the handle, whoever answers at the source's address (without TLS, a pod
+    that took over a gone worker's address answers there)."""
+    handle = source.pin("unvouched")
+    handle.nixl_metadata_sha256 = bytes(32)  # as if another process answered at the address
+    error = dest.pull_error("nixl", handle)
+    assert "not loaded" in str(error) and error.retryable, error
+    source.wait_released(handle.request_id)
+    handle = source.pin("undigested")
+    handle.ClearField("nixl_metadata_sha256")  # a handle that vouches for nothing
+    assert "digest" in str(dest.pull_error("nixl", handle))
+    source.wait_released(handle.request_id)
+    assert dest.pull("nixl", source.pin("vouched")) is None
+
+
 @pytest.mark.parametrize("backend", BACKENDS)
 def test_concurrent_pulls_from_one_source_all_land(backend, source, dest):
     """Several handler threads pull from one prefill worker at once (a decode worker's usual

@@ -166,7 +166,7 @@ def test_a_destination_never_takes_nixl_metadata_from_a_peer_of_another_ca(pki, 
         tls = Tls.load({cluster['cert_file']!r}, {cluster['key_file']!r}, {cluster['ca_file']!r})
         connector = make_connector("nixl", LAYOUT, random_caches(LAYOUT, 4, 0), {TOKEN!r}, tls)
         handle = kv_pb2.KVHandle(request_id="r", source_address="127.0.0.1:{port}", layout=layout_to_proto(LAYOUT),
-                                 block_ids=[1])
+                                 block_ids=[1], nixl_agent="pdspec-kvsource-0", nixl_metadata_sha256=bytes(32))
         try:
             connector.pull(handle, [1], [2], timeout_s=10)
         except KVTransferError as e:

@@ -24,7 +24,7 @@ _sym_db = _symbol_database.Default()
 
 
 
-DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n\x18proto/pdspec/v1/kv.proto\x12\tpdspec.v1\"H\n\nCacheShape\x12\x12\n\nnum_layers\x18\x01 \x01(\x05\x12\x14\n\x0cnum_kv_heads\x18\x02 \x01(\x05\x12\x10\n\x08head_dim\x18\x03 \x01(\x05\"\xad\x01\n\x08KVLayout\x12\r\n\x05model\x18\x01 \x01(\t\x12\r\n\x05\x64type\x18\x02 \x01(\t\x12\x12\n\nblock_size\x18\x03 \x01(\x05\x12%\n\x06target\x18\x04 \x01(\x0b\x32\x15.pdspec.v1.CacheShape\x12)\n\x05\x64raft\x18\x05 \x01(\x0b\x32\x15.pdspec.v1.CacheShapeH\x00\x88\x01\x01\x12\x13\n\x0b\x64raft_model\x18\x06 \x01(\tB\x08\n\x06_draft\"8\n\x0b\x42lockStored\x12\x14\n\x0c\x62lock_hashes\x18\x01 \x03(\x04\x12\x13\n\x0bparent_hash\x18\x02 \x01(\x04\"$\n\x0c\x42lockRemoved\x12\x14\n\x0c\x62lock_hashes\x18\x01 \x03(\x04\"\x12\n\x10\x41llBlocksCleared\"\x98\x01\n\x07KVEvent\x12(\n\x06stored\x18\x01 \x01(\x0b\x32\x16.pdspec.v1.BlockStoredH\x00\x12*\n\x07removed\x18\x02 \x01(\x0b\x32\x17.pdspec.v1.BlockRemovedH\x00\x12.\n\x07\x63leared\x18\x03 \x01(\x0b\x32\x1b.pdspec.v1.AllBlocksClearedH\x00\x42\x07\n\x05\x65vent\"\xe2\x02\n\x08KVHandle\x12\x12\n\nrequest_id\x18\x01 \x01(\t\x12\x18\n\x10source_worker_id\x18\x02 \x01(\t\x12\x16\n\x0esource_address\x18\x03 \x01(\t\x12#\n\x06layout\x18\x04 \x01(\x0b\x32\x13.pdspec.v1.KVLayout\x12\x11\n\tblock_ids\x18\x05 \x03(\x05\x12\x19\n\x11num_prompt_tokens\x18\x06 \x01(\x05\x12\x13\n\x0b\x66irst_token\x18\x07 \x01(\x05\x12\x11\n\x04seed\x18\x0c \x01(\x04H\x00\x88\x01\x01\x12\x14\n\x0c\x64raft_hidden\x18\t \x01(\x0c\x12\x1c\n\x14\x63\x61\x63hed_prompt_tokens\x18\n \x01(\x05\x12\x15\n\rqueue_seconds\x18\x0b \x01(\x01\x12\x12\n\nnixl_agent\x18\r \x01(\t\x12\x0e\n\x06pin_id\x18\x0e \x01(\t\x12\x17\n\x0f\x62lock_checksums\x18\x0f \x03(\x06\x42\x07\n\x05_seedJ\x04\x08\x08\x10\t\"x\n\x11PullBlocksRequest\x12\x12\n\nrequest_id\x18\x01 \x01(\t\x12\x11\n\tblock_ids\x18\x02 \x03(\x05\x12,\n\x0f\x65xpected_layout\x18\x03 \x01(\x0b\x32\x13.pdspec.v1.KVLayout\x12\x0e\n\x06pin_id\x18\x04 \x01(\t\"O\n\x0cKVBlockChunk\x12\x10\n\x08\x62lock_id\x18\x01 \x01(\x05\x12\r\n\x05\x63\x61\x63he\x18\x02 \x01(\t\x12\x0c\n\x04\x64\x61ta\x18\x03 \x01(\x0c\x12\x10\n\x08\x63hecksum\x18\x04 \x01(\x04\"\x15\n\x13NixlMetadataRequest\"~\n\nNixlRegion\x12\r\n\x05\x63\x61\x63he\x18\x01 \x01(\t\x12\x14\n\x0c\x62\x61se_address\x18\x02 \x01(\x04\x12\x0e\n\x06length\x18\x03 \x01(\x04\x12\x13\n\x0b\x62lock_bytes\x18\x04 \x01(\x04\x12\x11\n\tdevice_id\x18\x05 \x01(\x05\x12\x13\n\x0bmemory_type\x18\x06 \x01(\t\"\x8f\x01\n\x14NixlMetadataResponse\x12\x12\n\nagent_name\x18\x01 \x01(\t\x12\x16\n\x0e\x61gent_metadata\x18\x02 \x01(\x0c\x12&\n\x07regions\x18\x03 \x03(\x0b\x32\x15.pdspec.v1.NixlRegion\x12#\n\x06layout\x18\x04 \x01(\x0b\x32\x13.pdspec.v1.KVLayout\"4\n\x0eReleaseRequest\x12\x12\n\nrequest_id\x18\x01 \x01(\t\x12\x0e\n\x06pin_id\x18\x02 \x01(\t\" \n\x0fReleaseResponse\x12\r\n\x05\x66ound\x18\x01 \x01(\x08\x32\xe9\x01\n\nKVTransfer\x12\x45\n\nPullBlocks\x12\x1c.pdspec.v1.PullBlocksRequest\x1a\x17.pdspec.v1.KVBlockChunk0\x01\x12R\n\x0fGetNixlMetadata\x12\x1e.pdspec.v1.NixlMetadataRequest\x1a\x1f.pdspec.v1.NixlMetadataResponse\x12@\n\x07Release\x12\x19.pdspec.v1.ReleaseRequest\x1a\x1a.pdspec.v1.ReleaseResponseb\x06proto3')
+DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n\x18proto/pdspec/v1/kv.proto\x12\tpdspec.v1\"H\n\nCacheShape\x12\x12\n\nnum_layers\x18\x01 \x01(\x05\x12\x14\n\x0cnum_kv_heads\x18\x02 \x01(\x05\x12\x10\n\x08head_dim\x18\x03 \x01(\x05\"\xad\x01\n\x08KVLayout\x12\r\n\x05model\x18\x01 \x01(\t\x12\r\n\x05\x64type\x18\x02 \x01(\t\x12\x12\n\nblock_size\x18\x03 \x01(\x05\x12%\n\x06target\x18\x04 \x01(\x0b\x32\x15.pdspec.v1.CacheShape\x12)\n\x05\x64raft\x18\x05 \x01(\x0b\x32\x15.pdspec.v1.CacheShapeH\x00\x88\x01\x01\x12\x13\n\x0b\x64raft_model\x18\x06 \x01(\tB\x08\n\x06_draft\"8\n\x0b\x42lockStored\x12\x14\n\x0c\x62lock_hashes\x18\x01 \x03(\x04\x12\x13\n\x0bparent_hash\x18\x02 \x01(\x04\"$\n\x0c\x42lockRemoved\x12\x14\n\x0c\x62lock_hashes\x18\x01 \x03(\x04\"\x12\n\x10\x41llBlocksCleared\"\x98\x01\n\x07KVEvent\x12(\n\x06stored\x18\x01 \x01(\x0b\x32\x16.pdspec.v1.BlockStoredH\x00\x12*\n\x07removed\x18\x02 \x01(\x0b\x32\x17.pdspec.v1.BlockRemovedH\x00\x12.\n\x07\x63leared\x18\x03 \x01(\x0b\x32\x1b.pdspec.v1.AllBlocksClearedH\x00\x42\x07\n\x05\x65vent\"\x80\x03\n\x08KVHandle\x12\x12\n\nrequest_id\x18\x01 \x01(\t\x12\x18\n\x10source_worker_id\x18\x02 \x01(\t\x12\x16\n\x0esource_address\x18\x03 \x01(\t\x12#\n\x06layout\x18\x04 \x01(\x0b\x32\x13.pdspec.v1.KVLayout\x12\x11\n\tblock_ids\x18\x05 \x03(\x05\x12\x19\n\x11num_prompt_tokens\x18\x06 \x01(\x05\x12\x13\n\x0b\x66irst_token\x18\x07 \x01(\x05\x12\x11\n\x04seed\x18\x0c \x01(\x04H\x00\x88\x01\x01\x12\x14\n\x0c\x64raft_hidden\x18\t \x01(\x0c\x12\x1c\n\x14\x63\x61\x63hed_prompt_tokens\x18\n \x01(\x05\x12\x15\n\rqueue_seconds\x18\x0b \x01(\x01\x12\x12\n\nnixl_agent\x18\r \x01(\t\x12\x0e\n\x06pin_id\x18\x0e \x01(\t\x12\x17\n\x0f\x62lock_checksums\x18\x0f \x03(\x06\x12\x1c\n\x14nixl_metadata_sha256\x18\x10 \x01(\x0c\x42\x07\n\x05_seedJ\x04\x08\x08\x10\t\"x\n\x11PullBlocksRequest\x12\x12\n\nrequest_id\x18\x01 \x01(\t\x12\x11\n\tblock_ids\x18\x02 \x03(\x05\x12,\n\x0f\x65xpected_layout\x18\x03 \x01(\x0b\x32\x13.pdspec.v1.KVLayout\x12\x0e\n\x06pin_id\x18\x04 \x01(\t\"O\n\x0cKVBlockChunk\x12\x10\n\x08\x62lock_id\x18\x01 \x01(\x05\x12\r\n\x05\x63\x61\x63he\x18\x02 \x01(\t\x12\x0c\n\x04\x64\x61ta\x18\x03 \x01(\x0c\x12\x10\n\x08\x63hecksum\x18\x04 \x01(\x04\"\x15\n\x13NixlMetadataRequest\"~\n\nNixlRegion\x12\r\n\x05\x63\x61\x63he\x18\x01 \x01(\t\x12\x14\n\x0c\x62\x61se_address\x18\x02 \x01(\x04\x12\x0e\n\x06length\x18\x03 \x01(\x04\x12\x13\n\x0b\x62lock_bytes\x18\x04 \x01(\x04\x12\x11\n\tdevice_id\x18\x05 \x01(\x05\x12\x13\n\x0bmemory_type\x18\x06 \x01(\t\"\x8f\x01\n\x14NixlMetadataResponse\x12\x12\n\nagent_name\x18\x01 \x01(\t\x12\x16\n\x0e\x61gent_metadata\x18\x02 \x01(\x0c\x12&\n\x07regions\x18\x03 \x03(\x0b\x32\x15.pdspec.v1.NixlRegion\x12#\n\x06layout\x18\x04 \x01(\x0b\x32\x13.pdspec.v1.KVLayout\"4\n\x0eReleaseRequest\x12\x12\n\nrequest_id\x18\x01 \x01(\t\x12\x0e\n\x06pin_id\x18\x02 \x01(\t\" \n\x0fReleaseResponse\x12\r\n\x05\x66ound\x18\x01 \x01(\x08\x32\xe9\x01\n\nKVTransfer\x12\x45\n\nPullBlocks\x12\x1c.pdspec.v1.PullBlocksRequest\x1a\x17.pdspec.v1.KVBlockChunk0\x01\x12R\n\x0fGetNixlMetadata\x12\x1e.pdspec.v1.NixlMetadataRequest\x1a\x1f.pdspec.v1.NixlMetadataResponse\x12@\n\x07Release\x12\x19.pdspec.v1.ReleaseRequest\x1a\x1a.pdspec.v1.ReleaseResponseb\x06proto3')
 
 _globals = globals()
 _builder.BuildMessageAndEnumDescriptors(DESCRIPTOR, _globals)
@@ -44,21 +44,21 @@ if not _descriptor._USE_C_DESCRIPTORS:
   _globals['_KVEVENT']._serialized_start=406
   _globals['_KVEVENT']._serialized_end=558
   _globals['_KVHANDLE']._serialized_start=561
-  _globals['_KVHANDLE']._serialized_end=915
-  _globals['_PULLBLOCKSREQUEST']._serialized_start=917
-  _globals['_PULLBLOCKSREQUEST']._serialized_end=1037
-  _globals['_KVBLOCKCHUNK']._serialized_start=1039
-  _globals['_KVBLOCKCHUNK']._serialized_end=1118
-  _globals['_NIXLMETADATAREQUEST']._serialized_start=1120
-  _globals['_NIXLMETADATAREQUEST']._serialized_end=1141
-  _globals['_NIXLREGION']._serialized_start=1143
-  _globals['_NIXLREGION']._serialized_end=1269
-  _globals['_NIXLMETADATARESPONSE']._serialized_start=1272
-  _globals['_NIXLMETADATARESPONSE']._serialized_end=1415
-  _globals['_RELEASEREQUEST']._serialized_start=1417
-  _globals['_RELEASEREQUEST']._serialized_end=1469
-  _globals['_RELEASERESPONSE']._serialized_start=1471
-  _globals['_RELEASERESPONSE']._serialized_end=1503
-  _globals['_KVTRANSFER']._serialized_start=1506
-  _globals['_KVTRANSFER']._serialized_end=1739
+  _globals['_KVHANDLE']._serialized_end=945
+  _globals['_PULLBLOCKSREQUEST']._serialized_start=947
+  _globals['_PULLBLOCKSREQUEST']._serialized_end=1067
+  _globals['_KVBLOCKCHUNK']._serialized_start=1069
+  _globals['_KVBLOCKCHUNK']._serialized_end=1148
+  _globals['_NIXLMETADATAREQUEST']._serialized_start=1150
+  _globals['_NIXLMETADATAREQUEST']._serialized_end=1171
+  _globals['_NIXLREGION']._serialized_start=1173
+  _globals['_NIXLREGION']._serialized_end=1299
+  _globals['_NIXLMETADATARESPONSE']._serialized_start=1302
+  _globals['_NIXLMETADATARESPONSE']._serialized_end=1445
+  _globals['_RELEASEREQUEST']._serialized_start=1447
+  _globals['_RELEASEREQUEST']._serialized_end=1499
+  _globals['_RELEASERESPONSE']._serialized_start=1501
+  _globals['_RELEASERESPONSE']._serialized_end=1533
+  _globals['_KVTRANSFER']._serialized_start=1536
+  _globals['_KVTRANSFER']._serialized_end=1769
 # @@protoc_insertion_point(module_scope)

@@ -61,7 +61,7 @@ class KVEvent(_message.Message):
     def __init__(self, stored: _Optional[_Union[BlockStored, _Mapping]] = ..., removed: _Optional[_Union[BlockRemoved, _Mapping]] = ..., cleared: _Optional[_Union[AllBlocksCleared, _Mapping]] = ...) -> None: ...
 
 class KVHandle(_message.Message):
-    __slots__ = ("request_id", "source_worker_id", "source_address", "layout", "block_ids", "num_prompt_tokens", "first_token", "seed", "draft_hidden", "cached_prompt_tokens", "queue_seconds", "nixl_agent", "pin_id", "block_checksums")
+    __slots__ = ("request_id", "source_worker_id", "source_address", "layout", "block_ids", "num_prompt_tokens", "first_token", "seed", "draft_hidden", "cached_prompt_tokens", "queue_seconds", "nixl_agent", "pin_id", "block_checksums", "nixl_metadata_sha256")
     REQUEST_ID_FIELD_NUMBER: _ClassVar[int]
     SOURCE_WORKER_ID_FIELD_NUMBER: _ClassVar[int]
     SOURCE_ADDRESS_FIELD_NUMBER: _ClassVar[int]
@@ -76,6 +76,7 @@ class KVHandle(_message.Message):
     NIXL_AGENT_FIELD_NUMBER: _ClassVar[int]
     PIN_ID_FIELD_NUMBER: _ClassVar[int]
     BLOCK_CHECKSUMS_FIELD_NUMBER: _ClassVar[int]
+    NIXL_METADATA_SHA256_FIELD_NUMBER: _ClassVar[int]
     request_id: str
     source_worker_id: str
     source_address: str
@@ -90,7 +91,8 @@ class KVHandle(_message.Message):
     nixl_agent: str
     pin_id: str
     block_checksums: _containers.RepeatedScalarFieldContainer[int]
-    def __init__(self, request_id: _Optional[str] = ..., source_worker_id: _Optional[str] = ..., source_address: _Optional[str] = ..., layout: _Optional[_Union[KVLayout, _Mapping]] = ..., block_ids: _Optional[_Iterable[int]] = ..., num_prompt_tokens: _Optional[int] = ..., first_token: _Optional[int] = ..., seed: _Optional[int] = ..., draft_hidden: _Optional[bytes] = ..., cached_prompt_tokens: _Optional[int] = ..., queue_seconds: _Optional[float] = ..., nixl_agent: _Optional[str] = ..., pin_id: _Optional[str] = ..., block_checksums: _Optional[_Iterable[int]] = ...) -> None: ...
+    nixl_metadata_sha256: bytes
+    def __init__(self, request_id: _Optional[str] = ..., source_worker_id: _Optional[str] = ..., source_address: _Optional[str] = ..., layout: _Optional[_Union[KVLayout, _Mapping]] = ..., block_ids: _Optional[_Iterable[int]] = ..., num_prompt_tokens: _Optional[int] = ..., first_token: _Optional[int] = ..., seed: _Optional[int] = ..., draft_hidden: _Optional[bytes] = ..., cached_prompt_tokens: _Optional[int] = ..., queue_seconds: _Optional[float] = ..., nixl_agent: _Optional[str] = ..., pin_id: _Optional[str] = ..., block_checksums: _Optional[_Iterable[int]] = ..., nixl_metadata_sha256: _Optional[bytes] = ...) -> None: ...
 
 class PullBlocksRequest(_message.Message):
     __slots__ = ("request_id", "block_ids", "expected_layout", "pin_id")
