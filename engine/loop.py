@@ -21,6 +21,9 @@ from engine.params import SamplingParams
 from engine.stats import EngineStats
 
 log = logging.getLogger(__name__)
+STALL_LIMIT_S = 120.0  # a loop that has not come round this long is stuck in a step
+FAILED_STEPS_LIMIT = 3  # this many failed steps in a row, the last of them recent, is trouble too
+FAILURE_MEMORY_S = 60.0  # recent: a worker out of routing this long is let back to try again
 
 
 class EngineLoop:
@@ -36,7 +39,8 @@ class EngineLoop:
         self.stepped = threading.Condition()  # notified after every step (back-pressure waits on it)
         self._stopped = False
         self._stopping = threading.Lock()  # post's check and put against stop's flag
-        self.progressed = time.monotonic()  # when the loop thread last came round (see stalled)
+        self.progressed = time.monotonic()  # when the loop thread last came round (see trouble)
+        self._failed_steps, self._failed_at = 0, 0.0  # steps failed in a row, and when the last did
         self._thread = threading.Thread(target=self._run, name="engine-loop", daemon=True)
         self._thread.start()
 
@@ -116,11 +120,18 @@ class EngineLoop:
         and a value one step stale is as good as any for routing or a scrape."""
         return self.engine.stats()
 
-    def stalled(self, limit_s: float) -> bool:
-        """The loop thread is dead, or has not come round in `limit_s` (a step that never ends: a
-        tensor-parallel rank gone, a collective waiting for it): heartbeats must stop then, so the
-        router stops routing here."""
-        return not self._thread.is_alive() or time.monotonic() - self.progressed > limit_s
+    def trouble(self, stall_limit_s: float = STALL_LIMIT_S) -> str:
+        """Why the loop cannot serve now, or "": its thread is dead, has not come round in
+        `stall_limit_s` (a step that never ends: a tensor-parallel rank gone, a collective waiting
+        for it), or its last FAILED_STEPS_LIMIT steps failed (a poisoned device fails them all).
+        Heartbeats stop and health checks answer NOT_SERVING then, so the router routes elsewhere."""
+        if not self._thread.is_alive():
+            return "the engine loop's thread has died"
+        if time.monotonic() - self.progressed > stall_limit_s:
+            return f"the engine loop has been in one step for over {stall_limit_s:g} s"
+        if self._failed_steps >= FAILED_STEPS_LIMIT and time.monotonic() - self._failed_at < FAILURE_MEMORY_S:
+            return f"the engine's last {self._failed_steps} steps failed"
+        return ""
 
     def wait_step(self, timeout: float) -> None:
         with self.stepped:
@@ -167,7 +178,9 @@ class EngineLoop:
     def _step(self) -> None:
         try:
             self._dispatch(self.engine.step())
+            self._failed_steps = 0
         except Exception:  # a bug in a step must not leave every client waiting forever
+            self._failed_steps, self._failed_at = self._failed_steps + 1, time.monotonic()
             log.exception("engine step failed; ending its requests with an error")
             for request_id in list(self.engine.seqs):
                 try:

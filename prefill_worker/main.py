@@ -14,9 +14,9 @@ def start_prefill_worker(spec: WorkerSpec, kv_transfer: Literal["nixl", "grpc"],
     source = KVSource(loop.engine.runner.layout, kv_caches(loop), pin_timeout_s, nixl=kv_transfer == "nixl",
                       token=spec.token)
     servicer = PrefillServicer(loop, source, spec.worker_id, "", layout_message(loop))
-    server, address = bind(spec, [
+    bound = bind(spec, [
         (worker_pb2_grpc.add_PrefillWorkerServicer_to_server, servicer, "pdspec.v1.PrefillWorker"),
         (kv_pb2_grpc.add_KVTransferServicer_to_server, source.servicer, "pdspec.v1.KVTransfer"),
     ])
-    servicer.address = address  # handles name the address decode workers pull from
-    return announce(spec, loop, server, address, [source], kv_transfer, servicer.calls)
+    servicer.address = bound.address  # handles name the address decode workers pull from
+    return announce(spec, loop, bound, [source], kv_transfer, servicer.calls)

@@ -323,16 +323,18 @@ class RouterServicer(router_pb2_grpc.RouterServicer):
                 "retries and stream included: raise it for long generations")
 
     def _probe(self, worker: WorkerView) -> None:
-        """A call to `worker` failed: check its health now, and if that fails too, stop routing to it
-        at once (rather than when its heartbeats are missed); it registers again if it lives."""
+        """A call to `worker` failed: check its health now, and if that fails too (or answers
+        NOT_SERVING: its engine is in trouble), stop routing to it at once (rather than when its
+        heartbeats are missed); it registers again if it lives."""
         stub = health_pb2_grpc.HealthStub(self._peers.channel(worker.address))
         check = stub.Check.future(health_pb2.HealthCheckRequest(), timeout=_PROBE_TIMEOUT_S)
 
         def done(call: grpc.Future) -> None:
-            if call.code() != grpc.StatusCode.OK and self._registry.evict(worker.worker_id, worker.address,
-                                                                          worker.registration_id):
+            ok = call.code() == grpc.StatusCode.OK
+            status = health_pb2.HealthCheckResponse.ServingStatus.Name(call.result().status) if ok else call.code().name
+            if status != "SERVING" and self._registry.evict(worker.worker_id, worker.address, worker.registration_id):
                 log.warning("dropped %s worker %s (%s) from routing: a call failed and so did its health check "
-                            "(%s)", worker.role, worker.worker_id, worker.address, call.code().name)
+                            "(%s)", worker.role, worker.worker_id, worker.address, status)
 
         check.add_done_callback(done)
 

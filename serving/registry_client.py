@@ -13,7 +13,6 @@ from proto.pdspec.v1 import kv_pb2, worker_pb2, worker_pb2_grpc
 from proto.rpc import Tls, channel
 
 log = logging.getLogger(__name__)
-STALL_LIMIT_S = 120.0  # an engine loop that has not come round this long is stuck: stop heartbeating
 
 
 class RegistryClient:
@@ -47,9 +46,10 @@ class RegistryClient:
         registered = False
         while not self._stop.is_set():
             try:
-                if self.loop.stalled(STALL_LIMIT_S):  # silent: the router evicts us, and routes elsewhere
+                trouble = self.loop.trouble()
+                if trouble:  # silent: the router evicts us, and routes elsewhere
                     if registered:
-                        log.error("the engine loop is dead or stuck: heartbeats stop until it comes round")
+                        log.error("%s: heartbeats stop until the engine serves again", trouble)
                     registered = False
                 else:
                     if not registered:

@@ -128,3 +128,45 @@ def test_calls_past_twice_a_batch_are_refused_at_once(chat_prompts):
     finally:
         server.stop(None)
         loop.stop()
+
+
+def test_a_worker_whose_engine_fails_every_step_answers_health_checks_not_serving(chat_prompts):
+    """Its heartbeats stop and its health checks (the router's probe after a failed call, Kubernetes'
+    liveness) answer NOT_SERVING: they said SERVING whatever the engine did."""
+    from grpc_health.v1 import health_pb2, health_pb2_grpc
+
+    from decode_worker.main import start_decode_worker
+    from engine.loop import FAILED_STEPS_LIMIT
+    from serving.worker_process import WorkerSpec
+
+    spec = WorkerSpec(role="aggregated", engine=EngineConfig(num_kv_blocks=NUM_BLOCKS, speculative={"method": "none"}),
+                      router_address="127.0.0.1:9", token=None, heartbeat_interval_s=60.0)  # no router: none needed
+    worker = start_decode_worker(spec, None, admission_timeout_s=5.0)
+    engine = worker.loop.engine
+
+    def fail():
+        raise RuntimeError("injected: the device is gone")
+
+    try:
+        with grpc.insecure_channel(worker.address) as channel:
+            health_check = health_pb2_grpc.HealthStub(channel).Check
+
+            def statuses() -> set[int]:
+                return {health_check(health_pb2.HealthCheckRequest(service=s), timeout=5).status
+                        for s in ("", "pdspec.v1.DecodeWorker")}
+
+            assert statuses() == {health_pb2.HealthCheckResponse.SERVING}
+            engine.step = fail  # every step from now on
+            stub = worker_pb2_grpc.DecodeWorkerStub(channel)
+            for i in range(FAILED_STEPS_LIMIT):
+                request = worker_pb2.DecodeRequest(request_id=f"r{i}", prompt_token_ids=chat_prompts[0],
+                                                   sampling=common_pb2.SamplingOptions(max_tokens=4))
+                with pytest.raises(grpc.RpcError):
+                    list(stub.Decode(request, timeout=60))
+            deadline = time.monotonic() + 10
+            while statuses() != {health_pb2.HealthCheckResponse.NOT_SERVING} and time.monotonic() < deadline:
+                time.sleep(0.2)
+            assert statuses() == {health_pb2.HealthCheckResponse.NOT_SERVING}
+    finally:
+        del engine.step
+        worker.stop()

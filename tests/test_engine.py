@@ -367,20 +367,41 @@ def test_a_stopped_loop_leaves_nobody_waiting(engine, prompts):
     assert not engine.has_unfinished()
 
 
-def test_a_loop_stuck_in_a_step_reports_itself_stalled(engine, prompts, monkeypatch):
-    """What stops a worker's heartbeats (serving/registry_client.py), so the router routes elsewhere."""
+def test_a_loop_stuck_in_a_step_reports_trouble(engine, prompts, monkeypatch):
+    """What stops a worker's heartbeats (serving/registry_client.py) and turns its health checks
+    NOT_SERVING (serving/health_watch.py), so the router routes elsewhere."""
     stuck, step = threading.Event(), engine.step
     monkeypatch.setattr(engine, "step", lambda: stuck.wait(60) and step())
     loop = EngineLoop(engine)
     try:
-        assert not loop.stalled(30.0)
+        assert not loop.trouble(30.0)
         outputs = loop.submit("stuck", prompts[0], SamplingParams(max_tokens=1))
         time.sleep(0.5)
-        assert loop.stalled(0.2) and not loop.stalled(30.0)
+        assert "in one step for over 0.2 s" in loop.trouble(0.2) and not loop.trouble(30.0)
         stuck.set()
         assert outputs.get(timeout=60).finished
         time.sleep(0.3)
-        assert not loop.stalled(0.2)  # it comes round again
+        assert not loop.trouble(0.2)  # it comes round again
     finally:
         stuck.set()
+        loop.stop()
+
+
+def test_a_loop_whose_steps_keep_failing_reports_trouble_until_one_succeeds(engine, prompts, monkeypatch):
+    """A poisoned device fails every step, while the loop itself keeps coming round."""
+    from engine.loop import FAILED_STEPS_LIMIT
+
+    failing, step = threading.Event(), engine.step
+    monkeypatch.setattr(engine, "step", lambda: step() if not failing.is_set() else 1 / 0)
+    loop = EngineLoop(engine)
+    try:
+        failing.set()
+        for i in range(FAILED_STEPS_LIMIT):
+            assert not loop.trouble()
+            assert loop.submit(f"doomed-{i}", prompts[0], SamplingParams(max_tokens=2)).get(timeout=60).finish_reason == "error"
+        assert loop.trouble() == f"the engine's last {FAILED_STEPS_LIMIT} steps failed"
+        failing.clear()
+        assert loop.submit("fine", prompts[0], SamplingParams(max_tokens=1)).get(timeout=60).finish_reason == "length"
+        assert not loop.trouble()
+    finally:
         loop.stop()

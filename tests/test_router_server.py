@@ -261,6 +261,8 @@ def _router_over_fakes(model_dir, fakes: dict, max_num_seqs: dict[str, int] | No
         else:
             worker_pb2_grpc.add_PrefillWorkerServicer_to_server(servicer, server)
             kv_pb2_grpc.add_KVTransferServicer_to_server(servicer, server)
+        if hasattr(servicer, "health"):
+            health_pb2_grpc.add_HealthServicer_to_server(servicer.health, server)
         addresses[worker_id] = f"127.0.0.1:{server.add_insecure_port('127.0.0.1:0')}"
         server.start()
         servers.append(server)
@@ -304,6 +306,41 @@ def test_a_decode_worker_that_blames_its_kv_source_is_not_retried_first(model_di
         answer = list(router.Generate(HELLO, timeout=30))
     assert [r.text for r in answer] == ["x"]
     assert (broken.sources, healthy.sources, prefill.prefills) == (["prefill-a"], ["prefill-a"], 2)
+
+
+class _TroubledDecodeWorker(worker_pb2_grpc.DecodeWorkerServicer):
+    """A decode worker whose engine is in trouble: its calls fail, its health checks answer
+    NOT_SERVING (serving/health_watch.py)."""
+
+    def __init__(self):
+        from grpc_health.v1 import health
+
+        self.health, self.calls = health.HealthServicer(), 0
+        self.health.set("", health_pb2.HealthCheckResponse.NOT_SERVING)
+
+    def Decode(self, request, context):
+        self.calls += 1
+        context.abort(grpc.StatusCode.UNAVAILABLE, "injected: the engine's last 3 steps failed")
+        yield
+
+
+def test_a_worker_answering_not_serving_is_dropped_after_a_failed_call(model_dir):
+    """The router's probe after a failed call drops a worker whose health check answers NOT_SERVING
+    at once, not when its heartbeats are missed (it only dropped one whose check failed)."""
+    prefill, troubled, healthy = _PrefillWorker("prefill-a"), _TroubledDecodeWorker(), _SourceBlamingDecodeWorker(0)
+    with _router_over_fakes(model_dir, {"prefill-a": prefill, "decode-a": troubled, "decode-b": healthy}) as router:
+        for _ in range(4):  # until one lands on decode-a (and is retried on decode-b)
+            assert [r.text for r in router.Generate(HELLO, timeout=30)] == ["x"]
+            if troubled.calls:
+                break
+        deadline = time.monotonic() + 10
+        while time.monotonic() < deadline and "decode-a" in _listed(router):
+            time.sleep(0.1)
+        assert troubled.calls == 1 and "decode-a" not in _listed(router)
+
+
+def _listed(router) -> set[str]:
+    return {w.worker_id for w in router.ListWorkers(router_pb2.ListWorkersRequest(), timeout=10).workers}
 
 
 def test_a_client_reads_a_failed_workers_id_not_its_network_address(model_dir):
