@@ -20,7 +20,7 @@ from pydantic import ValidationError
 from engine.errors import CapacityExceeded, InvalidRequest, RequestIdInUse
 from engine.loop import EngineLoop
 from engine.output import KVHandle, RequestOutput
-from kvtransfer.connector import KVConnector, KVTransferError
+from kvtransfer.connector import KVConnector, KVTransferError, check_layout
 from serving.call_limit import CallLimit, request_call_limit
 from serving.convert import acceptance, sampling_params
 from serving.metrics import HandoffMetrics
@@ -90,6 +90,11 @@ class DecodeServicer(worker_pb2_grpc.DecodeWorkerServicer):
             context.abort(grpc.StatusCode.FAILED_PRECONDITION, "this aggregated worker prefills prompts itself: "
                           "send it no prefilled handle")
         _check_handle(handle, rid, prompt, self.loop.engine)
+        try:  # before waiting for room: a pair that cannot hand over would wait, then fail anyway
+            check_layout(self.loop.engine.runner.layout, handle.layout, handle.source_worker_id)
+        except KVTransferError as e:  # the pair's: the router retries on others (both sides avoided)
+            context.set_trailing_metadata([(FAILED_KV_SOURCE_METADATA_KEY, handle.source_worker_id)])
+            context.abort(grpc.StatusCode.FAILED_PRECONDITION, f"KV transfer from {handle.source_worker_id} refused: {e}")
         cached, table = self._reserve(rid, prompt, params, context)
         first, end = cached // block_size, math.ceil(len(prompt) / block_size)
         started, admitted = time.perf_counter(), False

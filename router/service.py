@@ -11,6 +11,7 @@ for full workers) naming the worker.
 """
 
 import logging
+import re
 import threading
 import time
 from collections import Counter
@@ -41,6 +42,8 @@ _PROBE_TIMEOUT_S = 1.0
 # A call still open this long past its request's deadline is stuck in a send to a client that
 # stopped reading (router/watchdog.py); the deadline's own ending, relayed, comes well before.
 _STUCK_AFTER_S = 10.0
+# An IP address, bare or as gRPC writes a peer (ipv4:10.0.0.5:50051, ipv6:[fe80::1]:50051), with its port.
+_NETWORK_ADDRESS = re.compile(r"(?:ipv[46]:)?(?:\[[0-9a-fA-F:.]+\]|\b\d{1,3}(?:\.\d{1,3}){3}\b)(?::\d+)?")
 
 
 class _Cancelled(Exception):
@@ -56,10 +59,12 @@ class _WorkerFailed(Exception):
         # The worker called refused the request itself (no worker will take it), rather than reporting
         # another worker's fault (a decode worker refusing the prefill worker's handle).
         self.request_refused = self.code == grpc.StatusCode.INVALID_ARGUMENT and reported_by is None
-        details = error.details() if isinstance(error, grpc.RpcError) else error
-        # What the client reads names the worker by id; its network address is for the router's log.
-        super().__init__(f"{step} on {worker.role} worker {worker.worker_id} failed: {self.code.name}: {details}")
-        self.logged = f"{self} (worker address {worker.address})"
+        details = (error.details() or "") if isinstance(error, grpc.RpcError) else error
+        # What the client reads names workers by id; network addresses (the worker's, and those its
+        # report names: a KV source's, gRPC's "ipv4:..." peers) are for the router's log.
+        head = f"{step} on {worker.role} worker {worker.worker_id} failed: {self.code.name}: "
+        super().__init__(head + _NETWORK_ADDRESS.sub("<address>", details.replace(worker.address, "<address>")))
+        self.logged = f"{head}{details} (worker address {worker.address})"
 
 
 @dataclass(frozen=True)

@@ -170,3 +170,30 @@ def test_a_worker_whose_engine_fails_every_step_answers_health_checks_not_servin
     finally:
         del engine.step
         worker.stop()
+
+
+def test_a_handle_of_another_kv_layout_is_refused_before_it_waits_for_room(chat_prompts):
+    """A pair that cannot hand over is told at once (FAILED_PRECONDITION, naming the source so the
+    router avoids both), not after waiting for blocks (with the pool full here, that wait ended
+    RESOURCE_EXHAUSTED: retried as if the worker were busy)."""
+    loop = EngineLoop(Engine(EngineConfig(num_kv_blocks=NUM_BLOCKS, speculative={"method": "none"})))
+    servicer = DecodeServicer(loop, FailingConnector(False), HandoffMetrics("decode-test"), admission_timeout_s=1.0)
+    server, address = _serve(servicer)
+    try:
+        prompt, engine = chat_prompts[0], loop.engine
+        layout = layout_to_proto(engine.runner.layout)
+        layout.dtype = "float32" if layout.dtype != "float32" else "bfloat16"
+        handle = kv_pb2.KVHandle(request_id="r", num_prompt_tokens=len(prompt), layout=layout, seed=7,
+                                 block_ids=list(range(math.ceil(len(prompt) / engine.config.block_size))),
+                                 source_worker_id="prefill-test", source_address="127.0.0.1:1")
+        loop.call(lambda: engine.blocks.allocate("hog", list(range(NUM_BLOCKS * engine.config.block_size - 1))))
+        request = worker_pb2.DecodeRequest(request_id="r", prompt_token_ids=prompt, prefilled=handle,
+                                           sampling=common_pb2.SamplingOptions(max_tokens=4))
+        with grpc.insecure_channel(address) as channel:
+            with pytest.raises(grpc.RpcError) as failed:
+                list(worker_pb2_grpc.DecodeWorkerStub(channel).Decode(request, timeout=60))
+        assert failed.value.code() == grpc.StatusCode.FAILED_PRECONDITION and "dtype" in failed.value.details()
+        assert (FAILED_KV_SOURCE_METADATA_KEY, "prefill-test") in failed.value.trailing_metadata()
+    finally:
+        server.stop(None)
+        loop.stop()

@@ -312,15 +312,15 @@ class _TroubledDecodeWorker(worker_pb2_grpc.DecodeWorkerServicer):
     """A decode worker whose engine is in trouble: its calls fail, its health checks answer
     NOT_SERVING (serving/health_watch.py)."""
 
-    def __init__(self):
+    def __init__(self, message: str = "injected: the engine's last 3 steps failed"):
         from grpc_health.v1 import health
 
-        self.health, self.calls = health.HealthServicer(), 0
+        self.health, self.calls, self.message = health.HealthServicer(), 0, message
         self.health.set("", health_pb2.HealthCheckResponse.NOT_SERVING)
 
     def Decode(self, request, context):
         self.calls += 1
-        context.abort(grpc.StatusCode.UNAVAILABLE, "injected: the engine's last 3 steps failed")
+        context.abort(grpc.StatusCode.UNAVAILABLE, self.message)
         yield
 
 
@@ -353,6 +353,14 @@ def test_a_client_reads_a_failed_workers_id_not_its_network_address(model_dir):
     assert failed.value.code() == grpc.StatusCode.UNAVAILABLE
     assert "on prefill worker prefill-a failed" in failed.value.details()
     assert "127.0.0.1" not in failed.value.details(), failed.value.details()
+
+
+def test_addresses_in_a_workers_report_do_not_reach_the_client(model_dir):
+    troubled = _TroubledDecodeWorker("injected: pull failed: UNKNOWN: ipv4:10.9.8.7:50051: Connection refused")
+    with _router_over_fakes(model_dir, {"prefill-a": _PrefillWorker("prefill-a"), "decode-a": troubled}) as router:
+        with pytest.raises(grpc.RpcError) as failed:
+            list(router.Generate(HELLO, timeout=30))
+    assert "pull failed: UNKNOWN: <address>: Connection refused" in failed.value.details(), failed.value.details()
 
 
 class _BusyPrefillWorker(_PrefillWorker):
