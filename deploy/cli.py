@@ -183,8 +183,8 @@ def _serve(args: argparse.Namespace) -> int:
     from deploy.config import load_config
     from deploy.local import LocalCluster
 
-    config = _with_http_port(load_config(Path(args.config)), args.http_port)
-    port = args.port if args.port is not None else config.router.port
+    config = _with_router_ports(load_config(Path(args.config)), args.port, args.http_port)
+    port = config.router.port
     if args.launcher == "local":
         if args.address is not None:
             raise ValueError("--address: a Ray cluster address needs --launcher ray")
@@ -212,11 +212,13 @@ def _serve(args: argparse.Namespace) -> int:
     return 0
 
 
-def _with_http_port(config, http_port: int | None):
-    """--http-port overrides router.http_port as --port does router.port."""
+def _with_router_ports(config, port: int | None, http_port: int | None):
+    """--port and --http-port override router.port and router.http_port, checked as the config's own
+    (a clash with internal_port names the fields, not a taken address)."""
     from deploy.config import with_router
 
-    return config if http_port is None else with_router(config, "--http-port", http_port=http_port)
+    given = {field: value for field, value in (("port", port), ("http_port", http_port)) if value is not None}
+    return with_router(config, " and ".join(f"--{f.replace('_', '-')}" for f in given), **given) if given else config
 
 
 def _stop(args: argparse.Namespace) -> int:
@@ -262,9 +264,9 @@ def _router(args: argparse.Namespace) -> int:
     from engine.model_dir import resolve_model_dir
     from router.main import run_router
 
-    config = _with_http_port(load_config(Path(args.config)), args.http_port)
+    config = _with_router_ports(load_config(Path(args.config)), args.port, args.http_port)
     router = run_router(config.router, config.token(), resolve_model_dir(config.engine.model),
-                        config.served_model_name(), args.port, tls=config.tls_identity())
+                        config.served_model_name(), tls=config.tls_identity())
     _wait_for_signal()
     router.stop(config.router.drain_timeout_s)
     return 0

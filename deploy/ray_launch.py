@@ -58,12 +58,16 @@ class RouterActor:
 
         self.router = run_router(config.router, config.token(), resolve_model_dir(config.engine.model),
                                  config.served_model_name(), port, tls=config.tls_identity())
+        self.drain_timeout_s = config.router.drain_timeout_s
 
     def info(self) -> dict:
         return _where()
 
+    def drain_timeout(self) -> float:
+        return self.drain_timeout_s
+
     def stop(self) -> None:
-        self.router.stop()
+        self.router.stop(self.drain_timeout_s)
 
 
 @ray.remote(max_restarts=-1)
@@ -199,7 +203,8 @@ class RayCluster:
         if self._ready:
             done, _ = ray.wait(list(self._ready.values()), num_returns=len(self._ready), timeout=0)
             started = {name for name, ref in self._ready.items() if ref in done}
-            _drain_and_kill(self.actors, max(getattr(self.config, role).drain_timeout_s for role in WORKER_ROLES),
+            _drain_and_kill(self.actors, max(self.config.router.drain_timeout_s,
+                                             *(getattr(self.config, role).drain_timeout_s for role in WORKER_ROLES)),
                             started)
         self.disconnect()
 
@@ -249,7 +254,7 @@ def stop_deployment(address: str | None = None) -> list[str]:
         # The deployment's own drain times (its config is not here): the schema's were too short
         # for a deployment that raised them, whose streams were cut.
         try:
-            asked = [actor.drain_timeout.remote() for name, actor in actors.items() if name != ROUTER]
+            asked = [actor.drain_timeout.remote() for actor in actors.values()]
             drain_s = max(ray.get(asked, timeout=30), default=0.0)
         except (ray.exceptions.RayError, TimeoutError, AttributeError):  # no answer, or an older version's actors
             drain_s = RoleConfig.model_fields["drain_timeout_s"].default
@@ -263,7 +268,7 @@ def stop_deployment(address: str | None = None) -> list[str]:
 def _drain_and_kill(actors: dict[str, ActorHandle], drain_s: float, started: set[str]) -> None:
     """The `started` workers drain first (they deregister and finish their streams while the
     router still relays them), then the router stops; every actor is killed after, also one that
-    did not drain in time (`drain_s`, the longest drain_timeout_s, plus 15 s)."""
+    did not drain in time (`drain_s`, the longest drain_timeout_s, the router's too, plus 15 s)."""
     ours = {name: actor for name, actor in actors.items() if name in started}
     for method, group in (("drain", [a for n, a in ours.items() if n != ROUTER]), ("stop", [ours.get(ROUTER)])):
         refs = [getattr(actor, method).remote() for actor in group if actor is not None]

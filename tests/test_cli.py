@@ -60,3 +60,13 @@ def test_bench_spec_usage_errors_are_clear(tmp_path):
     result = _pdspec("bench", "spec", "--prompts", str(prompts), "--max-prompts", "0")
     assert result.returncode == 2
     assert "no prompts to run" in result.stderr
+
+
+def test_a_port_flag_is_checked_as_the_configs_own_port(tmp_path):
+    """--port is router.port: one that clashes with router.internal_port names the fields before
+    anything starts (it failed to bind, naming an address)."""
+    config = tmp_path / "cluster.yaml"
+    config.write_text("router: {port: 50061, internal_port: 50062}\n")
+    result = _pdspec("serve", "--config", str(config), "--port", "50062")
+    assert result.returncode == 2, result.stderr
+    assert "--port" in result.stderr and "internal_port (50062)" in result.stderr and "must differ" in result.stderr
