@@ -54,8 +54,14 @@ def test_tls_comes_from_a_secret_every_pod_mounts_where_the_config_says(helm, tm
         assert next(v for v in pod["volumes"] if v["name"] == "tls")["secret"]["secretName"] == "certs"
         for field, key in (("cert_file", "tls.crt"), ("key_file", "tls.key"), ("ca_file", "ca.crt")):
             assert tls[field] == f"{mount['mountPath']}/{key}"
-        # The kubelet's gRPC probes cannot speak TLS: they would fail every pod.
-        assert all("tcpSocket" in container[probe] for probe in ("startupProbe", "readinessProbe", "livenessProbe"))
+        # The kubelet's gRPC probes cannot speak TLS: they would fail every pod. The router's HTTP
+        # API answers HTTPS probes, its readiness following its route (a port open said nothing).
+        probes = {probe: container[probe] for probe in ("startupProbe", "readinessProbe", "livenessProbe")}
+        if deployment["metadata"]["name"].endswith("-router"):
+            assert probes["readinessProbe"]["httpGet"] == {"path": "/ready", "port": "http", "scheme": "HTTPS"}
+            assert probes["livenessProbe"]["httpGet"] == {"path": "/health", "port": "http", "scheme": "HTTPS"}
+        else:
+            assert all("tcpSocket" in probe for probe in probes.values())
     plain = render(helm, tmp_path=tmp_path)
     assert "tls" not in yaml.safe_load(by_kind(plain, "ConfigMap")["rel-pdspec-config"]["data"]["config.yaml"])
     assert all("grpc" in d["spec"]["template"]["spec"]["containers"][0]["readinessProbe"]

@@ -147,14 +147,18 @@ imagePullSecrets:
 {{- end -}}
 
 {{/* Native gRPC probes: kubelet calls grpc.health.v1.Health (service "") on the port. The
-kubelet's gRPC probes speak plaintext only: with TLS on, the probes check that the port accepts
-connections (tcpSocket), and readiness no longer follows the router's route (see values.yaml). */}}
+kubelet's gRPC probes speak plaintext only: with TLS on, a router with its HTTP API is probed
+there over HTTPS (/health, and /ready, which follows its route as the gRPC readiness does; the
+kubelet checks no certificate, the API asks none), and the other probes check that the port
+accepts connections (tcpSocket; see values.yaml). */}}
 {{- define "pdspec.probes" -}}
 {{- $port := .port -}}
 {{- $check := printf "grpc: {port: %v}" $port -}}
 {{- $ready := $check -}}
 {{- if .readyService }}{{ $ready = printf "grpc: {port: %v, service: %s}" $port .readyService }}{{ end -}}
-{{- if .root.Values.tls.existingSecret }}{{ $check = printf "tcpSocket: {port: %v}" $port }}{{ $ready = $check }}{{ end -}}
+{{- if and .root.Values.tls.existingSecret .httpPort }}
+{{- $check = "httpGet: {path: /health, port: http, scheme: HTTPS}" }}{{ $ready = "httpGet: {path: /ready, port: http, scheme: HTTPS}" }}
+{{- else if .root.Values.tls.existingSecret }}{{ $check = printf "tcpSocket: {port: %v}" $port }}{{ $ready = $check }}{{ end -}}
 startupProbe:
   {{ $check }}
   periodSeconds: {{ .root.Values.startupProbe.periodSeconds }}
