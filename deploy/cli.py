@@ -265,8 +265,9 @@ def _router(args: argparse.Namespace) -> int:
     from router.main import run_router
 
     config = _with_router_ports(load_config(Path(args.config)), args.port, args.http_port)
-    router = run_router(config.router, config.token(), resolve_model_dir(config.engine.model),
-                        config.served_model_name(), tls=config.tls_identity())
+    tokenizer_dir = resolve_model_dir(config.engine.model, tokenizer_only=True)
+    router = run_router(config.router, config.token(), tokenizer_dir, config.served_model_name(),
+                        tls=config.tls_identity())
     _wait_for_signal()
     router.stop(config.router.drain_timeout_s)
     return 0

@@ -56,8 +56,9 @@ class RouterActor:
         from engine.model_dir import resolve_model_dir
         from router.main import run_router
 
-        self.router = run_router(config.router, config.token(), resolve_model_dir(config.engine.model),
-                                 config.served_model_name(), port, tls=config.tls_identity())
+        tokenizer_dir = resolve_model_dir(config.engine.model, tokenizer_only=True)
+        self.router = run_router(config.router, config.token(), tokenizer_dir, config.served_model_name(), port,
+                                 tls=config.tls_identity())
         self.drain_timeout_s = config.router.drain_timeout_s
 
     def info(self) -> dict:

@@ -97,28 +97,34 @@ def embedded_gguf_path() -> Path:
     return path
 
 
-def default_model_dir() -> Path:
+def default_model_dir(tokenizer_only: bool = False) -> Path:
     """The embedded model converted into `pdspec_home()/models`, converting on first use only."""
-    return converted_model_dir(embedded_gguf_path(), EMBEDDED_NAME)
+    return converted_model_dir(embedded_gguf_path(), EMBEDDED_NAME, tokenizer_only)
 
 
-def converted_model_dir(gguf_path: Path, name: str | None = None) -> Path:
+def converted_model_dir(gguf_path: Path, name: str | None = None, tokenizer_only: bool = False) -> Path:
     """`gguf_path` converted into `pdspec_home()/models/<name>-<key>` (name: the resolved file's stem),
     converting on first use only. The key hashes the file's path, size, mtime, inode and ctime and
     the converter's format version, so a changed file or converter gets a fresh conversion (a file
     replaced in place keeping its size and mtime, as `cp -p` does, still has a new inode or ctime;
-    hashing its content would read gigabytes of a large model at every start)."""
+    hashing its content would read gigabytes of a large model at every start).
+
+    `tokenizer_only` (a router: it tokenizes and never loads weights): the whole conversion if it
+    is there, else `<name>-<key>-tokenizer`, the tokenizer and config files alone (a router pod
+    converting every weight to fp32 needed ~4x the GGUF's size in memory)."""
     gguf_path = Path(gguf_path).resolve()
     stat = gguf_path.stat()
     identity = f"{gguf_path}:{stat.st_size}:{stat.st_mtime_ns}:{stat.st_ino}:{stat.st_ctime_ns}:{_FORMAT_VERSION}"
     key = hashlib.sha256(identity.encode()).hexdigest()[:12]
     out_dir = pdspec_home() / "models" / f"{name or gguf_path.stem}-{key}"
+    if tokenizer_only and not out_dir.is_dir():
+        out_dir = out_dir.with_name(f"{out_dir.name}-tokenizer")
     if out_dir.is_dir():
         if not (out_dir / SOURCE_FILE).is_file():  # made before conversions recorded their source
             record_source(out_dir, gguf_path)
         return out_dir
     try:
-        convert_gguf(gguf_path, out_dir)
+        convert_gguf(gguf_path, out_dir, tokenizer_only=tokenizer_only)
         prune_stale_conversions(out_dir.parent, name or gguf_path.stem, keep=out_dir)
         return out_dir
     except FileExistsError:
@@ -128,9 +134,10 @@ def converted_model_dir(gguf_path: Path, name: str | None = None) -> Path:
         raise
 
 
-def convert_gguf(gguf_path: Path, out_dir: Path, shard_bytes: int = SHARD_BYTES) -> Path:
+def convert_gguf(gguf_path: Path, out_dir: Path, shard_bytes: int = SHARD_BYTES, tokenizer_only: bool = False) -> Path:
     """Dequantize `gguf_path` to fp32 and write an HF Llama directory at `out_dir`; returns `out_dir`.
-    The fp32 weights go to shards of at most `shard_bytes`, each written once full.
+    The fp32 weights go to shards of at most `shard_bytes`, each written once full; with
+    `tokenizer_only`, no weights at all.
 
     The directory is built next to `out_dir` and renamed into place, so `out_dir` either does not
     exist or is complete. Raises FileExistsError if `out_dir` already exists.
@@ -157,11 +164,12 @@ def convert_gguf(gguf_path: Path, out_dir: Path, shard_bytes: int = SHARD_BYTES)
     out_dir.parent.mkdir(parents=True, exist_ok=True)
     tmp_dir = build_dir(out_dir)
     try:
-        floats = ShardWriter(tmp_dir, shard_bytes)
-        blocks, qtypes = _convert_tensors(reader, config, gguf_path, floats)
-        floats.finish()
-        (tmp_dir / BLOCKS_FILE).parent.mkdir()
-        save_file(blocks, tmp_dir / BLOCKS_FILE, metadata={"qtypes": json.dumps(qtypes)})
+        if not tokenizer_only:
+            floats = ShardWriter(tmp_dir, shard_bytes)
+            blocks, qtypes = _convert_tensors(reader, config, gguf_path, floats)
+            floats.finish()
+            (tmp_dir / BLOCKS_FILE).parent.mkdir()
+            save_file(blocks, tmp_dir / BLOCKS_FILE, metadata={"qtypes": json.dumps(qtypes)})
         tokenizer.save(str(tmp_dir / "tokenizer.json"))
         _write_json(tmp_dir / "config.json", config)
         _write_json(tmp_dir / "tokenizer_config.json", _tokenizer_config(meta))

@@ -17,13 +17,14 @@ def model_name(model: str | None) -> str:
     return path.stem if path.suffix == ".gguf" else path.resolve().name
 
 
-def resolve_model_dir(model: str | None) -> Path:
+def resolve_model_dir(model: str | None, tokenizer_only: bool = False) -> Path:
     """`None` = the embedded default; a `.gguf` file (llama architecture) is converted on first
-    use (cached under pdspec_home()/models); else an HF directory."""
+    use (cached under pdspec_home()/models; `tokenizer_only`: its tokenizer and config files, for a
+    process that loads no weights, unless the whole conversion is there); else an HF directory."""
     if model is None:
         from engine.gguf_convert import default_model_dir
 
-        return default_model_dir()
+        return default_model_dir(tokenizer_only)
     path = Path(model).expanduser()
     if not path.exists():
         raise ModelConfigError(f"model path {path} does not exist")
@@ -31,7 +32,7 @@ def resolve_model_dir(model: str | None) -> Path:
         from engine.gguf_convert import converted_model_dir
 
         try:
-            return converted_model_dir(path, path.stem)
+            return converted_model_dir(path, path.stem, tokenizer_only)
         except ValueError as e:  # an architecture or tokenizer the converter does not take
             raise ModelConfigError(f"model {path}: {e}") from None
     if not path.is_dir():

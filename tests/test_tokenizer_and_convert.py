@@ -375,3 +375,21 @@ def test_a_linked_gguf_is_named_by_its_link(tmp_path: Path) -> None:
     link.symlink_to(blob)
     assert model_name(str(link)) == "SmolLM2-135M.Q4_1"
 
+
+
+def test_a_router_gets_the_tokenizer_without_the_weights(converted_dir: Path, tmp_path: Path, monkeypatch) -> None:
+    """A router tokenizes and loads no weights: where no whole conversion is there (its own pod's
+    cache), it gets the tokenizer and config files alone, which tokenize and template as the whole
+    conversion's do; where the whole one is there, that one."""
+    from engine.model_dir import resolve_model_dir
+
+    assert resolve_model_dir(None, tokenizer_only=True) == converted_dir  # the session's, converted already
+    monkeypatch.setenv("PDSPEC_HOME", str(tmp_path))
+    router_dir = resolve_model_dir(None, tokenizer_only=True)
+    assert router_dir.name.endswith("-tokenizer") and router_dir.parent == tmp_path / "models"
+    assert {p.name for p in router_dir.iterdir()} == {
+        "config.json", "tokenizer.json", "tokenizer_config.json", "generation_config.json", "source.json"}
+    ours, whole = Tokenizer.from_dir(router_dir), Tokenizer.from_dir(converted_dir)
+    for text in ENCODE_CASES:
+        assert ours.encode(text) == whole.encode(text)
+    assert ours.encode_chat(CHATS[1]) == whole.encode_chat(CHATS[1]) and ours.stop_token_ids == whole.stop_token_ids
