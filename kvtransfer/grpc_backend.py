@@ -5,12 +5,17 @@ the source to the speed at which we verify and copy. Each chunk's XXH3-64 is che
 bytes land in the local cache.
 """
 
+import time
+
 import grpc
 import xxhash
 
 from kvtransfer.connector import BaseConnector, KVTransferError, remaining, rpc_failure
 from kvtransfer.layout import layout_to_proto, write_block
 from proto.pdspec.v1 import kv_pb2, kv_pb2_grpc
+
+
+BUSY_WAIT_S, BUSY_WAIT_MAX_S = 0.02, 0.5  # between pulls a busy source refused, doubling
 
 
 class GrpcConnector(BaseConnector):
@@ -22,16 +27,26 @@ class GrpcConnector(BaseConnector):
         missing = {(block_id, cache) for block_id in remote_block_ids for cache in self.caches}
         request = kv_pb2.PullBlocksRequest(request_id=handle.request_id, block_ids=remote_block_ids,
                                             expected_layout=layout_to_proto(self.layout), pin_id=handle.pin_id)
-        stream = stub.PullBlocks(request, timeout=remaining(deadline))
-        try:
-            for chunk in stream:
-                self._verify(chunk, missing, handle.source_address)
-                write_block(self.caches[chunk.cache], local_of[chunk.block_id], chunk.data)
-                missing.discard((chunk.block_id, chunk.cache))
-        except grpc.RpcError as e:
-            raise rpc_failure(e, f"PullBlocks of {handle.request_id}", handle.source_address) from None
-        finally:
-            stream.cancel()  # no-op after a complete stream; frees it at once when we stop early
+        wait_s = BUSY_WAIT_S
+        while True:
+            stream, received = stub.PullBlocks(request, timeout=remaining(deadline)), False
+            try:
+                for chunk in stream:
+                    received = True
+                    self._verify(chunk, missing, handle.source_address)
+                    write_block(self.caches[chunk.cache], local_of[chunk.block_id], chunk.data)
+                    missing.discard((chunk.block_id, chunk.cache))
+                break
+            except grpc.RpcError as e:
+                # A source serving its most pulls at once (it refuses before any chunk): its turn
+                # comes, the pin holds meanwhile; blamed, a healthy busy source would be written off.
+                busy = e.code() == grpc.StatusCode.RESOURCE_EXHAUSTED and not received
+                if not busy or remaining(deadline) < wait_s:
+                    raise rpc_failure(e, f"PullBlocks of {handle.request_id}", handle.source_address) from None
+            finally:
+                stream.cancel()  # no-op after a complete stream; frees it at once when we stop early
+            time.sleep(wait_s)
+            wait_s = min(2 * wait_s, BUSY_WAIT_MAX_S)
         if missing:
             raise KVTransferError(f"{handle.source_address} ended PullBlocks of {handle.request_id} "
                                   f"with {len(missing)} (block, cache) chunks missing", retryable=True)

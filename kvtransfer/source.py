@@ -6,6 +6,7 @@ reads each block under the lock that ends pins, and on_release runs after the pi
 it never sends bytes of a block the engine may already have reused.
 """
 
+import contextlib
 import logging
 import threading
 import time
@@ -21,6 +22,7 @@ import xxhash
 from engine.kv_layout import KVLayout, KVLayoutMismatch
 from kvtransfer.layout import check_caches, layout_from_proto, read_block
 from proto.pdspec.v1 import kv_pb2, kv_pb2_grpc
+from serving.call_limit import CallLimit
 
 if TYPE_CHECKING:
     from kvtransfer.nixl_backend import NixlMemory
@@ -44,12 +46,16 @@ class KVSource:
     with a NIXL agent once, here, so destinations can READ them directly."""
 
     def __init__(self, layout: KVLayout, caches: dict[str, torch.Tensor], pin_timeout_s: float, nixl: bool,
-                 token: str | None = None):
-        """token: the cluster token, which NIXL requires (see kvtransfer/nixl_backend.py)."""
+                 token: str | None = None, max_pulls: int | None = None):
+        """token: the cluster token, which NIXL requires (see kvtransfer/nixl_backend.py).
+        max_pulls: PullBlocks streams served at once (None: any number). Each holds a server thread
+        while it streams: unbounded, several decode workers' pulls took every thread, and health
+        checks and Release calls queued behind them (the router's probe evicted the worker, pins
+        lapsed). Past it a pull is refused with RESOURCE_EXHAUSTED, which the puller waits out."""
         check_caches(layout, caches)
         self.layout, self.caches, self.pin_timeout_s = layout, caches, pin_timeout_s
         self.nixl = _nixl_memory(layout, caches, token) if nixl else None
-        self.servicer = KVTransferServicer(self)
+        self.servicer = KVTransferServicer(self, CallLimit(max_pulls, "KV pull") if max_pulls is not None else None)
         # Insertion order is deadline order: every pin gets the same timeout on a monotonic clock.
         self._pins: dict[str, _Pin] = {}
         self._lock = threading.Condition()
@@ -150,11 +156,16 @@ def _end(request_id: str, pin: _Pin) -> None:
 
 
 class KVTransferServicer(kv_pb2_grpc.KVTransferServicer):
-    def __init__(self, source: KVSource):
-        self.source = source
+    def __init__(self, source: KVSource, pulls: CallLimit | None = None):
+        self.source, self.pulls = source, pulls
 
     def PullBlocks(self, request: kv_pb2.PullBlocksRequest,
-                    context: grpc.ServicerContext) -> Iterator[kv_pb2.KVBlockChunk]:
+                   context: grpc.ServicerContext) -> Iterator[kv_pb2.KVBlockChunk]:
+        with self.pulls.held(context) if self.pulls is not None else contextlib.nullcontext():
+            yield from self._pull(request, context)
+
+    def _pull(self, request: kv_pb2.PullBlocksRequest,
+              context: grpc.ServicerContext) -> Iterator[kv_pb2.KVBlockChunk]:
         try:
             self.source.layout.check_compatible(layout_from_proto(request.expected_layout))
         except KVLayoutMismatch as e:

@@ -7,6 +7,7 @@ loads grpc_tools' protoc (test_proto does)."""
 import contextlib
 import multiprocessing as mp
 import threading
+import time
 from unittest import mock
 
 import torch
@@ -38,14 +39,17 @@ def random_caches(layout: KVLayout, num_blocks: int, seed: int) -> dict[str, tor
 class FaultyServicer(KVTransferServicer):
     """Faults on purpose, by request id: "corrupt*" flips a byte after the checksum was taken
     ("changed*", in _serve_source: a pinned block changes after the handle's checksums were taken);
-    "stall*" reports that its first chunk went out, then never sends the next; "lapsed*" ends its
-    pin at Release but answers that it had lapsed already (found=False)."""
+    "stall*" reports that its first chunk went out, then never sends the next; "slow*" takes 0.3 s
+    before its first chunk; "lapsed*" ends its pin at Release but answers that it had lapsed
+    already (found=False)."""
 
     def __init__(self, source: KVSource, report):
-        super().__init__(source)
+        super().__init__(source, source.servicer.pulls)
         self.report = report
 
     def chunk(self, request_id, pin_id, block_id, cache, context):
+        if request_id.startswith("slow") and block_id == REMOTE[0] and cache == "target":
+            time.sleep(0.3)
         chunk = super().chunk(request_id, pin_id, block_id, cache, context)
         if request_id.startswith("corrupt"):
             chunk.data = bytes([chunk.data[0] ^ 0xFF]) + chunk.data[1:]
@@ -61,7 +65,7 @@ class FaultyServicer(KVTransferServicer):
         return response
 
 
-def _serve_source(conn, pin_timeout_s: float, nixl: bool, faulty: bool) -> None:
+def _serve_source(conn, pin_timeout_s: float, nixl: bool, faulty: bool, max_pulls: int | None) -> None:
     torch.set_num_threads(1)
     lock = threading.Lock()
 
@@ -72,7 +76,7 @@ def _serve_source(conn, pin_timeout_s: float, nixl: bool, faulty: bool) -> None:
             except OSError:  # the test process has stopped listening
                 pass
 
-    source = KVSource(LAYOUT, random_caches(LAYOUT, SOURCE_BLOCKS, SOURCE_SEED), pin_timeout_s, nixl, TOKEN)
+    source = KVSource(LAYOUT, random_caches(LAYOUT, SOURCE_BLOCKS, SOURCE_SEED), pin_timeout_s, nixl, TOKEN, max_pulls)
     servicer = FaultyServicer(source, report) if faulty else source.servicer
     server, port = serve([(kv_pb2_grpc.add_KVTransferServicer_to_server, servicer, SERVICE_NAME)], "127.0.0.1:0",
                          TOKEN, internal=[SERVICE_NAME])
@@ -117,8 +121,9 @@ class _Child:
 
 
 class SourceProcess(_Child):
-    def __init__(self, pin_timeout_s: float = 600.0, nixl: bool = True, faulty: bool = False):
-        super().__init__(_serve_source, pin_timeout_s, nixl, faulty)
+    def __init__(self, pin_timeout_s: float = 600.0, nixl: bool = True, faulty: bool = False,
+                 max_pulls: int | None = None):
+        super().__init__(_serve_source, pin_timeout_s, nixl, faulty, max_pulls)
         self.released: set[str] = set()
         port, self.nixl_agent, self.nixl_metadata_sha256 = self.expect("ready")
         self.address = f"127.0.0.1:{port}"

@@ -6,13 +6,15 @@ import subprocess
 import sys
 import threading
 
+import grpc
 import pytest
 
 from engine.kv_layout import CacheShape
 from kvtransfer.layout import layout_from_proto, layout_to_proto
 from kvtransfer.source import KVSource
-from tests.kv_peers import (BACKENDS, LAYOUT, LOCAL, REMOTE, WAIT_S, DestinationProcess, SourceProcess, assert_local,
-                            random_caches)
+from proto.pdspec.v1 import kv_pb2, kv_pb2_grpc
+from tests.kv_peers import (BACKENDS, LAYOUT, LOCAL, REMOTE, TOKEN, WAIT_S, DestinationProcess, SourceProcess,
+                            assert_local, random_caches)
 
 
 @pytest.fixture(scope="module")
@@ -243,6 +245,30 @@ def test_nixl_metadata_the_handle_does_not_vouch_for_is_never_loaded(source, des
     assert "digest" in str(dest.pull_error("nixl", handle))
     source.wait_released(handle.request_id)
     assert dest.pull("nixl", source.pin("vouched")) is None
+
+
+def test_a_source_serves_its_most_pulls_at_once_and_the_others_wait_their_turn(dest):
+    """Each PullBlocks stream holds a server thread: past the source's max_pulls one is refused at
+    once (RESOURCE_EXHAUSTED), and the puller waits its turn instead of blaming the source."""
+    from proto.rpc import channel
+
+    busy = SourceProcess(nixl=False, faulty=True, max_pulls=1)
+    try:
+        handles = [busy.pin(f"slow-{i}") for i in range(2)]
+        assert dest.pull_together("grpc", [(h, REMOTE[:1], [i]) for i, h in enumerate(handles)]) == [None, None]
+        dest.start_pull("grpc", busy.pin("stall"))
+        busy.expect("streaming")
+        with channel(busy.address, TOKEN) as ch:
+            other = busy.pin("refused")
+            request = kv_pb2.PullBlocksRequest(request_id="refused", block_ids=REMOTE, pin_id=other.pin_id,
+                                               expected_layout=layout_to_proto(LAYOUT))
+            with pytest.raises(grpc.RpcError) as refused:
+                list(kv_pb2_grpc.KVTransferStub(ch).PullBlocks(request, timeout=10))
+        assert refused.value.code() == grpc.StatusCode.RESOURCE_EXHAUSTED
+        assert "serves 1 KV pull calls already" in refused.value.details()
+    finally:
+        busy.kill()
+    assert dest.result() is not None  # the stalled pull, cut with its source
 
 
 @pytest.mark.parametrize("backend", BACKENDS)
