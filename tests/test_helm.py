@@ -338,6 +338,17 @@ def test_values_schema_rejects_a_bad_config_naming_the_field(helm, tmp_path, com
     ({"config": {"router": {"http_port": 50051}}}, "config.router.http_port"),  # the gRPC port
     ({"image": {"pullPolicy": "Sometimes"}}, "image.pullPolicy"),
     ({"config": {"engine": {"device": "cuda"}}}, "config.prefill.resources.gpus"),  # no GPU requested: crashed at start
+    # The config's own cross-field rules (deploy/config.py's validators): the schema cannot hold them.
+    ({"config": {"prefill": {"replicas": 0}}}, "config.prefill.replicas (0) and config.decode.replicas (1)"),
+    ({"config": {"prefill": {"replicas": 0}, "decode": {"replicas": 0}}}, "config.aggregated.replicas: no workers"),
+    ({"config": {"engine": {"num_threads": 4}}}, "config.engine.num_threads"),
+    ({"config": {"engine": {"tensor_parallel_size": 2}}}, "config.engine.tensor_parallel_size"),
+    ({"config": {"prefill": {"tensor_parallel_size": 2}}}, "config.prefill.tensor_parallel_size"),
+    ({"config": {"decode": {"kv_transfer": "grpc"}}}, "config.prefill.kv_transfer (nixl) and config.decode.kv_transfer (grpc)"),
+    ({"config": {"aggregated": {"kv_transfer": "grpc"}}}, "config.aggregated.kv_transfer"),
+    ({"config": {"router": {"internal_port": 50051}}}, "config.router.internal_port"),
+    ({"config": {"router": {"internal_port": 8000}}}, "config.router.internal_port"),  # the HTTP port
+    ({"config": {"router": {"heartbeat_timeout_s": 0.5}}}, "config.router.heartbeat_timeout_s (0.5)"),
 ])
 def test_chart_rejects_values_that_cannot_work_in_kubernetes(helm, tmp_path, override, field):
     result = run_helm(helm, "template", "rel", str(CHART), values=override, tmp_path=tmp_path)

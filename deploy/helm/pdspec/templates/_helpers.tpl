@@ -42,9 +42,12 @@ until workers have registered). */}}
 {{- printf "%s-router-registry:%v" (include "pdspec.fullname" .) .Values.config.router.internal_port -}}
 {{- end -}}
 
-{{/* Checks that the schema cannot express because they are about running in pods. */}}
+{{/* Checks that the schema cannot express: those about running in pods, and the config's own
+cross-field rules (deploy/config.py's and router/config.py's validators, mirrored: values.schema.json
+holds only per-field rules, and a config breaking one rendered fine, then every pod crash-looped). */}}
 {{- define "pdspec.validate" -}}
 {{- $c := .Values.config -}}
+{{- include "pdspec.validateRoles" $c -}}
 {{- if $c.cluster_token -}}
 {{- fail "config.cluster_token: leave it unset, a ConfigMap is not secret; set clusterToken.value or clusterToken.existingSecret" -}}
 {{- end -}}
@@ -86,6 +89,50 @@ until workers have registered). */}}
 {{- fail (printf "config.%s.resources.gpus: %d, but engine.device is cuda with tensor_parallel_size %d: each rank drives one GPU, set gpus to %d" $role $gpus $tp $tp) -}}
 {{- end -}}
 {{- end -}}
+{{- end -}}
+{{- end -}}
+
+{{/* DeploymentConfig's and RouterConfig's model validators, with their messages. */}}
+{{- define "pdspec.validateRoles" -}}
+{{- $c := . -}}
+{{- $engine := $c.engine | default dict -}}
+{{- if not (kindIs "invalid" ($engine.num_threads | default nil)) -}}
+{{- fail (printf "config.engine.num_threads: set it per role in a deployment (prefill.num_threads, decode.num_threads, aggregated.num_threads), not under engine (got %v)" $engine.num_threads) -}}
+{{- end -}}
+{{- if ne (int ($engine.tensor_parallel_size | default 1)) 1 -}}
+{{- fail (printf "config.engine.tensor_parallel_size: set it per role in a deployment (prefill.tensor_parallel_size, decode.tensor_parallel_size, aggregated.tensor_parallel_size), not under engine (got %v)" $engine.tensor_parallel_size) -}}
+{{- end -}}
+{{- $prefill := $c.prefill | default dict -}}
+{{- $decode := $c.decode | default dict -}}
+{{- $aggregated := $c.aggregated | default dict -}}
+{{- $p := int ($prefill.replicas | default 0) -}}
+{{- $d := int ($decode.replicas | default 0) -}}
+{{- if and (or $p $d) (not (and $p $d)) -}}
+{{- fail (printf "config.prefill.replicas (%d) and config.decode.replicas (%d) must both be >= 1 for disaggregated serving, or both 0 with config.aggregated.replicas >= 1" $p $d) -}}
+{{- end -}}
+{{- if and (not (or $p $d)) (not (int ($aggregated.replicas | default 0))) -}}
+{{- fail "config.aggregated.replicas: no workers: set config.prefill.replicas and config.decode.replicas, or config.aggregated.replicas" -}}
+{{- end -}}
+{{- range $role, $rc := dict "prefill" $prefill "decode" $decode -}}
+{{- if and $rc.replicas (gt (int ($rc.tensor_parallel_size | default 1)) 1) -}}
+{{- fail (printf "config.%s.tensor_parallel_size: %v is not supported for disaggregated roles yet (KV transfer between sharded workers is not implemented); allowed: 1, or use aggregated workers for tensor parallelism" $role $rc.tensor_parallel_size) -}}
+{{- end -}}
+{{- end -}}
+{{- if ne ($aggregated.kv_transfer | default "nixl") "nixl" -}}
+{{- fail (printf "config.aggregated.kv_transfer: %v does nothing, an aggregated worker moves no KV; leave it unset (config.prefill.kv_transfer and config.decode.kv_transfer choose)" $aggregated.kv_transfer) -}}
+{{- end -}}
+{{- if and $p (ne ($prefill.kv_transfer | default "nixl") ($decode.kv_transfer | default "nixl")) -}}
+{{- fail (printf "config.prefill.kv_transfer (%v) and config.decode.kv_transfer (%v) must match: decode workers pull the way prefill workers serve" ($prefill.kv_transfer | default "nixl") ($decode.kv_transfer | default "nixl")) -}}
+{{- end -}}
+{{- $router := $c.router | default dict -}}
+{{- $internal := int ($router.internal_port | default 50052) -}}
+{{- if or (eq $internal (int ($router.port | default 50051))) (and $router.http_port (eq $internal (int $router.http_port))) -}}
+{{- fail (printf "config.router.internal_port: %d is config.router.port or config.router.http_port; port, internal_port and http_port must differ" $internal) -}}
+{{- end -}}
+{{- $interval := float64 ($router.heartbeat_interval_s | default 0.5) -}}
+{{- $timeout := float64 ($router.heartbeat_timeout_s | default 3.0) -}}
+{{- if le $timeout $interval -}}
+{{- fail (printf "config.router.heartbeat_timeout_s (%v) must exceed config.router.heartbeat_interval_s (%v): a worker would be evicted between its heartbeats" $timeout $interval) -}}
 {{- end -}}
 {{- end -}}
 
