@@ -11,7 +11,7 @@ from engine.config import EngineConfig
 from engine.engine import Engine
 from engine.loader import load_weights
 from engine.params import SamplingParams
-from tools.eagle3_training.distill import distill
+from tools.eagle3_training.distill import check_distilled, distill
 from tools.eagle3_training.features import TargetFeatures
 from tools.eagle3_training.run_dir import held
 from tools.eagle3_training.trainer import (TargetDistribution, TrainConfig, _head_shape, collate, load_shard,
@@ -254,15 +254,34 @@ def test_the_engine_refuses_a_head_naming_layers_the_target_lacks(tmp_path, laye
 
 def test_a_shard_written_before_its_run_recorded_it_is_not_distilled_again(tmp_path):
     """Killed between writing a shard and updating done.json, a run finds the shard's own record of
-    its conversations: resumed, it does not answer them again into a second copy."""
+    its conversations: resumed, it does not answer them again into a second copy, and the
+    distillation counts as finished."""
     data = tmp_path / "data"
     distill(QUESTIONS[:2], data, None, max_new_tokens=8, batch_size=4, store_features=False)
-    (data / "done.json").unlink()  # as if killed right after the shard's rename
+    (data / "done.json").write_text("[]")  # as if killed right after the shard's rename
     distill(QUESTIONS[:2], data, None, max_new_tokens=8, batch_size=4, store_features=False)
     assert len(shard_paths(data)) == 1
+    check_distilled(data, 2)  # not "finish the distillation first", forever
 
 
 def test_one_run_at_a_time_works_in_a_directory(tmp_path):
     with held(tmp_path / "data"), pytest.raises(RuntimeError, match="another process is distilling or training"):
         distill(QUESTIONS[:1], tmp_path / "data", None, max_new_tokens=8, batch_size=4, store_features=False)
     assert not list((tmp_path / "data").glob("shard-*"))
+
+
+def test_a_run_from_before_1024_token_samples_resumes_with_its_own_settings(run_dir, tmp_path):
+    """Its checkpoint's batching fixed the steps done: it resumes at 512-token samples (not refused
+    for a default it never asked for), and without snapshots (it counted no answer tokens)."""
+    cfg = TrainConfig(target=None, data_dir=run_dir / "data", out_dir=tmp_path, draft_vocab_size=1024,
+                      epochs=1.0, ttt_steps=1, batch_tokens=256, warmup_steps=1)
+    train(cfg)
+    checkpoint = tmp_path / "checkpoints" / "latest.pt"
+    state = torch.load(checkpoint, weights_only=False)
+    state["data"]["max_len"] = 512
+    del state["progress"]["answer_tokens"]
+    torch.save(state, checkpoint)
+    train(replace(cfg, epochs=2.0, snapshot_tokens=(1,)))
+    report = json.loads((tmp_path / "training.json").read_text())
+    assert report["config"]["max_len"] == "512" and report["finished"]
+    assert not (tmp_path / "snapshots").exists()

@@ -75,8 +75,7 @@ def check_distilled(out_dir: Path, num_prompts: int) -> None:
     """Raises ValueError when `out_dir` holds a distillation of fewer than `num_prompts` prompts: a
     head trained on it would fix its draft vocabulary and schedule from part of the data. (Data
     without done.json, made elsewhere, is taken as it is.)"""
-    done_file = out_dir / "done.json"
-    done = sum(i < num_prompts for i in json.loads(done_file.read_text())) if done_file.exists() else num_prompts
+    done = sum(i < num_prompts for i in _done(out_dir)) if (out_dir / "done.json").exists() else num_prompts
     if done < num_prompts:
         raise ValueError(f"{out_dir} holds answers to {done} of the {num_prompts} prompts: finish the distillation "
                          "first (--stage distill resumes it)")

@@ -10,10 +10,11 @@ distilled token, which is what a CPU-sized data budget is short of.
 """
 
 import json
+import logging
 import math
 import random
 import time
-from dataclasses import asdict, dataclass
+from dataclasses import asdict, dataclass, replace
 from pathlib import Path
 
 import torch
@@ -31,6 +32,8 @@ from engine.spec.eagle3_model import head_aux_layer_ids
 from tools.eagle3_training.features import TargetFeatures
 from tools.eagle3_training.model import TrainableEagle3, exported_depth, exported_mlp_width, exported_vocab
 from tools.eagle3_training.run_dir import held
+
+log = logging.getLogger(__name__)
 
 
 @dataclass
@@ -185,6 +188,8 @@ def _train(cfg: TrainConfig) -> Path:
     target = ModelConfig.from_dir(model_dir)
     weights = load_weights(model_dir, torch.float32, torch.device("cpu"))
     state = torch.load(ckpt_dir / "latest.pt", weights_only=False) if (ckpt_dir / "latest.pt").exists() else None
+    if state is not None:  # a resumed run keeps the sample length it started with (512 before 1024 was the default)
+        cfg = replace(cfg, max_len=state.get("data", {}).get("max_len", 512))
     init = load_weights(cfg.init_from, torch.float32, torch.device("cpu")) if cfg.init_from else None
     if state is None:
         vocab, coverage = draft_vocab(answer_token_counts(shards, target.vocab_size), cfg.draft_vocab_size, init)
@@ -218,6 +223,9 @@ def _train(cfg: TrainConfig) -> Path:
         model.load_state_dict(state["model"])
         optim.load_state_dict(state["optim"])
         progress = state["progress"]
+        if "answer_tokens" not in progress and cfg.snapshot_tokens:  # a run from before they were counted
+            log.warning("the run in %s did not count answer tokens: no snapshot is taken in it", cfg.out_dir)
+            cfg = replace(cfg, snapshot_tokens=())
     schedule = lambda step: min(1.0, (step + 1) / cfg.warmup_steps) * 0.5 * (1 + math.cos(math.pi * min(step / total_steps, 1.0)))
     # Shards distilled without features, or with other layers': the target recomputes them, one
     # forward per batch.
