@@ -23,7 +23,9 @@ from engine.stats import EngineStats
 log = logging.getLogger(__name__)
 STALL_LIMIT_S = 120.0  # a loop that has not come round this long is stuck in a step
 FAILED_STEPS_LIMIT = 3  # this many failed steps in a row, the last of them recent, is trouble too
-FAILURE_MEMORY_S = 60.0  # recent: a worker out of routing this long is let back to try again
+# Recent: a worker out of routing this long is let back to try again; longer than Kubernetes'
+# liveness window (the chart's: 6 checks 10 s apart), so a poisoned one is restarted first.
+FAILURE_MEMORY_S = 300.0
 
 
 class EngineLoop:

@@ -41,7 +41,7 @@ class GrpcConnector(BaseConnector):
                 # A source serving its most pulls at once (it refuses before any chunk): its turn
                 # comes, the pin holds meanwhile; blamed, a healthy busy source would be written off.
                 busy = e.code() == grpc.StatusCode.RESOURCE_EXHAUSTED and not received
-                if not busy or remaining(deadline) < wait_s:
+                if not busy or remaining(deadline) < 2 * wait_s:  # (a try after the wait needs time too)
                     raise rpc_failure(e, f"PullBlocks of {handle.request_id}", handle.source_address) from None
             finally:
                 stream.cancel()  # no-op after a complete stream; frees it at once when we stop early

@@ -6,8 +6,9 @@ GetNixlMetadata RPC, never from a NIXL listener or a metadata server; so NIXL ne
 token (without one, anyone could send a decode worker a handle naming their own "source"). The
 token is a bearer secret: only TLS (mutual, `tls` in the config) proves who answers at a source's
 address before it is sent. So the handle, which comes from the router, carries the SHA-256 of
-the source's metadata, and a destination loads only metadata that hashes to it: whatever answers
-at the address without TLS (a pod that took over a gone worker's address) cannot hand it a pickle
+the source's whole GetNixlMetadata answer (agent metadata, registered regions, layout), and a
+destination uses only an answer that hashes to it: whatever answers at the address without TLS
+(a pod that took over a gone worker's address) can hand it neither a pickle nor READ addresses
 of its own. A READ is one-sided: the source cannot refuse blocks outside a pin, so
 the token is the trust boundary, and only the final Release (found=True) proves the blocks were
 still pinned, unchanged, while we read them.
@@ -64,6 +65,12 @@ def _region(cache: str, tensor: torch.Tensor, block_bytes: int) -> kv_pb2.NixlRe
                              memory_type="VRAM" if tensor.is_cuda else "DRAM")
 
 
+def metadata_sha256(meta: kv_pb2.NixlMetadataResponse) -> bytes:
+    """What KVHandle.nixl_metadata_sha256 vouches for: the whole answer, serialized the same way on
+    both sides (deterministic: map fields in key order)."""
+    return hashlib.sha256(meta.SerializeToString(deterministic=True)).digest()
+
+
 def block_descs(region: kv_pb2.NixlRegion, block_ids: list[int]) -> np.ndarray:
     """NIXL transfer descriptors (address, length, device) of the blocks, in order."""
     descs = np.empty((len(block_ids), 3), dtype=np.uint64)
@@ -86,14 +93,15 @@ class NixlMemory:
                         for name, shape in layout.caches().items()}
         self._registered = [self.agent.register_memory([(r.base_address, r.length, r.device_id, "")], r.memory_type)
                             for r in self.regions.values()]
-        # Taken once, with every region registered (it does not change as peers read), so that the
-        # bytes served are those the handles' digest vouches for.
-        self.agent_metadata = self.agent.get_agent_metadata()
-        self.metadata_sha256 = hashlib.sha256(self.agent_metadata).digest()
+        # Taken once, with every region registered (the agent's metadata does not change as peers
+        # read), so that the answer served is the one the handles' digest vouches for.
+        self._metadata = kv_pb2.NixlMetadataResponse(
+            agent_name=self.agent.name, agent_metadata=self.agent.get_agent_metadata(),
+            regions=list(self.regions.values()), layout=layout_to_proto(self.layout))
+        self.metadata_sha256 = metadata_sha256(self._metadata)
 
     def metadata(self) -> kv_pb2.NixlMetadataResponse:
-        return kv_pb2.NixlMetadataResponse(agent_name=self.agent.name, agent_metadata=self.agent_metadata,
-                                           regions=list(self.regions.values()), layout=layout_to_proto(self.layout))
+        return self._metadata
 
     def close(self) -> None:
         for registered in self._registered:
@@ -185,9 +193,9 @@ class NixlConnector(BaseConnector):
         if meta.agent_name != agent_name:  # its pins went with the process that made them
             raise KVTransferError(f"{address} restarted after prefilling (NIXL agent {meta.agent_name}, the "
                                   f"handle's {agent_name}): prefill again", retryable=True)
-        sha256 = hashlib.sha256(meta.agent_metadata).digest()
+        sha256 = metadata_sha256(meta)
         if sha256 != handle.nixl_metadata_sha256:
-            raise KVTransferError(f"{address} served NIXL agent metadata whose SHA-256 is not the one "
+            raise KVTransferError(f"{address} served NIXL metadata whose SHA-256 is not the one "
                                   f"{handle.source_worker_id} put in the handle: not loaded (it is a pickle); whoever "
                                   "answers there is not the worker that prefilled", retryable=True)
         check_layout(self.layout, meta.layout, address)

@@ -55,7 +55,7 @@ class KVSource:
         check_caches(layout, caches)
         self.layout, self.caches, self.pin_timeout_s = layout, caches, pin_timeout_s
         self.nixl = _nixl_memory(layout, caches, token) if nixl else None
-        self.servicer = KVTransferServicer(self, CallLimit(max_pulls, "KV pull") if max_pulls is not None else None)
+        self.servicer = KVTransferServicer(self, CallLimit(max_pulls, "KV pull", "wait for one to end") if max_pulls is not None else None)
         # Insertion order is deadline order: every pin gets the same timeout on a monotonic clock.
         self._pins: dict[str, _Pin] = {}
         self._lock = threading.Condition()

@@ -43,7 +43,7 @@ _PROBE_TIMEOUT_S = 1.0
 # stopped reading (router/watchdog.py); the deadline's own ending, relayed, comes well before.
 _STUCK_AFTER_S = 10.0
 # An IP address, bare or as gRPC writes a peer (ipv4:10.0.0.5:50051, ipv6:[fe80::1]:50051), with its port.
-_NETWORK_ADDRESS = re.compile(r"(?:ipv[46]:)?(?:\[[0-9a-fA-F:.]+\]|\b\d{1,3}(?:\.\d{1,3}){3}\b)(?::\d+)?")
+_NETWORK_ADDRESS = re.compile(r"(?:ipv[46]:)?(?:\[[0-9a-fA-F.]*:[0-9a-fA-F:.]*\]|\b\d{1,3}(?:\.\d{1,3}){3}\b)(?::\d+)?")
 
 
 class _Cancelled(Exception):
@@ -181,8 +181,10 @@ class RouterServicer(router_pb2_grpc.RouterServicer):
                 return
             except _WorkerFailed as e:
                 if e.request_refused:
+                    log.info("request %s refused: %s", req.request_id, e.logged)
                     context.abort(e.code, str(e))
                 if e.code == grpc.StatusCode.DEADLINE_EXCEEDED and run.time_left() <= 0:  # no time left to retry in
+                    log.warning("request %s: %s; no time left to retry", req.request_id, e.logged)
                     context.abort(e.code, f"{e}{self._deadline_note(context)}")
                 log.warning("request %s: %s; retrying on another worker", req.request_id, e.logged)
                 if e.code != grpc.StatusCode.RESOURCE_EXHAUSTED:  # a full worker is a healthy one

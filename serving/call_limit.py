@@ -13,8 +13,9 @@ import grpc
 
 
 class CallLimit:
-    def __init__(self, limit: int, what: str) -> None:
-        self.limit, self._what = limit, what
+    def __init__(self, limit: int, what: str, then: str = "retry on another") -> None:
+        """`then`: what the refused caller should do, in the refusal's message."""
+        self.limit, self._what, self._then = limit, what, then
         self._lock = threading.Lock()
         self.active = 0  # calls being served now
         self.changed = time.monotonic()  # when one last arrived or ended (a drain waits for quiet)
@@ -27,7 +28,7 @@ class CallLimit:
                 self.active, self.changed = self.active + 1, time.monotonic()
         if full:
             context.abort(grpc.StatusCode.RESOURCE_EXHAUSTED,
-                          f"this worker serves {self.limit} {self._what} calls already; retry on another")
+                          f"this worker serves {self.limit} {self._what} calls already; {self._then}")
         try:
             yield
         finally:

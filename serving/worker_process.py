@@ -14,7 +14,6 @@ from dataclasses import dataclass, field
 from typing import Any, Callable, Protocol
 
 import grpc
-from grpc_health.v1 import health
 from prometheus_client.registry import Collector
 
 from engine.config import EngineConfig
@@ -25,7 +24,7 @@ from proto.pdspec.v1 import kv_pb2
 from proto.rpc import Tls, serve
 from serving.metrics import serve_metrics
 from serving.call_limit import CallLimit, request_call_limit
-from serving.health_watch import HealthWatch
+from serving.engine_health import EngineHealth
 from serving.registry_client import RegistryClient, registration
 
 log = logging.getLogger(__name__)
@@ -120,33 +119,21 @@ def layout_message(loop: EngineLoop) -> kv_pb2.KVLayout:
     return layout_to_proto(loop.engine.runner.layout)
 
 
-@dataclass
-class Bound:
-    """A worker's gRPC server, the address other workers and the router dial, and its health."""
-    server: grpc.Server
-    address: str
-    health: health.HealthServicer
-    services: list[str]
-
-
-def bind(spec: WorkerSpec, services: list[Service]) -> Bound:
-    """Serve `services` (all internal: the cluster token is required)."""
+def bind(spec: WorkerSpec, loop: EngineLoop, services: list[Service]) -> tuple[grpc.Server, str]:
+    """Serve `services` (all internal: the cluster token is required), health checks answering as
+    the engine loop serves. Returns the server and the address other workers and the router dial."""
     # Threads for the request calls (serving/call_limit.py caps them), as many for KV pulls of a
     # prefill worker's pinned requests, and the control RPCs (health checks, Abort, Release).
-    health_servicer = health.HealthServicer()
-    names = [name for _, _, name in services]
-    server, bound = serve(services, f"{spec.host}:{spec.port}", spec.token, internal=names,
+    server, bound = serve(services, f"{spec.host}:{spec.port}", spec.token, internal=[name for _, _, name in services],
                           max_workers=2 * request_call_limit(spec.engine.max_num_seqs) + _CONTROL_THREADS,
-                          health_servicer=health_servicer, tls=spec.tls)
-    return Bound(server, f"{spec.advertise_host or spec.host}:{bound}", health_servicer, names)
+                          health_servicer=EngineHealth(loop), tls=spec.tls)
+    return server, f"{spec.advertise_host or spec.host}:{bound}"
 
 
-def announce(spec: WorkerSpec, loop: EngineLoop, bound: Bound, closers: list[Closeable],
+def announce(spec: WorkerSpec, loop: EngineLoop, server: grpc.Server, address: str, closers: list[Closeable],
              kv_transfer: str, calls: CallLimit, collectors: Iterable[Collector] = ()) -> RunningWorker:
-    """Export metrics (the engine's, and `collectors`), have health checks follow the engine and
-    register with the router, which routes to the worker once the first heartbeat lands."""
-    address = bound.address
-    closers = [*closers, HealthWatch(loop, bound.health, bound.services)]
+    """Export metrics (the engine's, and `collectors`) and register with the router, which routes
+    to the worker once the first heartbeat lands."""
     metrics_server, metrics_port = serve_metrics(loop, spec.role, spec.worker_id, spec.host, spec.metrics_port,
                                                  collectors)
     engine = loop.engine
@@ -160,5 +147,4 @@ def announce(spec: WorkerSpec, loop: EngineLoop, bound: Bound, closers: list[Clo
              spec.role, spec.worker_id, address, engine.runner.model_dir, spec.engine.speculative.model or
              ("embedded" if engine.runner.draft else "none"), engine.num_speculative_tokens, engine.blocks.num_blocks,
              kv_transfer)
-    return RunningWorker(spec.worker_id, spec.role, address, bound.server, loop, registry, metrics_server, calls,
-                         closers)
+    return RunningWorker(spec.worker_id, spec.role, address, server, loop, registry, metrics_server, calls, closers)

@@ -369,7 +369,7 @@ def test_a_stopped_loop_leaves_nobody_waiting(engine, prompts):
 
 def test_a_loop_stuck_in_a_step_reports_trouble(engine, prompts, monkeypatch):
     """What stops a worker's heartbeats (serving/registry_client.py) and turns its health checks
-    NOT_SERVING (serving/health_watch.py), so the router routes elsewhere."""
+    NOT_SERVING (serving/engine_health.py), so the router routes elsewhere."""
     stuck, step = threading.Event(), engine.step
     monkeypatch.setattr(engine, "step", lambda: stuck.wait(60) and step())
     loop = EngineLoop(engine)

@@ -265,7 +265,7 @@ def test_a_source_serves_its_most_pulls_at_once_and_the_others_wait_their_turn(d
             with pytest.raises(grpc.RpcError) as refused:
                 list(kv_pb2_grpc.KVTransferStub(ch).PullBlocks(request, timeout=10))
         assert refused.value.code() == grpc.StatusCode.RESOURCE_EXHAUSTED
-        assert "serves 1 KV pull calls already" in refused.value.details()
+        assert "serves 1 KV pull calls already; wait for one to end" in refused.value.details()
     finally:
         busy.kill()
     assert dest.result() is not None  # the stalled pull, cut with its source

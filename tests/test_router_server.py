@@ -310,7 +310,7 @@ def test_a_decode_worker_that_blames_its_kv_source_is_not_retried_first(model_di
 
 class _TroubledDecodeWorker(worker_pb2_grpc.DecodeWorkerServicer):
     """A decode worker whose engine is in trouble: its calls fail, its health checks answer
-    NOT_SERVING (serving/health_watch.py)."""
+    NOT_SERVING (serving/engine_health.py)."""
 
     def __init__(self, message: str = "injected: the engine's last 3 steps failed"):
         from grpc_health.v1 import health

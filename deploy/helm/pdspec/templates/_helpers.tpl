@@ -47,7 +47,6 @@ cross-field rules (deploy/config.py's and router/config.py's validators, mirrore
 holds only per-field rules, and a config breaking one rendered fine, then every pod crash-looped). */}}
 {{- define "pdspec.validate" -}}
 {{- $c := .Values.config -}}
-{{- include "pdspec.validateRoles" $c -}}
 {{- if $c.cluster_token -}}
 {{- fail "config.cluster_token: leave it unset, a ConfigMap is not secret; set clusterToken.value or clusterToken.existingSecret" -}}
 {{- end -}}
@@ -90,6 +89,7 @@ holds only per-field rules, and a config breaking one rendered fine, then every 
 {{- end -}}
 {{- end -}}
 {{- end -}}
+{{- include "pdspec.validateRoles" $c -}}
 {{- end -}}
 
 {{/* DeploymentConfig's and RouterConfig's model validators, with their messages. */}}

@@ -1,0 +1,20 @@
+"""A worker's gRPC health follows its engine loop: every service and the "" (liveness) one answer
+NOT_SERVING while the loop is in trouble (its thread dead, stuck in a step, or failing every step:
+engine/loop.py), asked at each check. Without it the checks said SERVING whatever the engine did:
+the router's probe after a failed call kept a broken worker in routing (idle, the least loaded, it
+took every first attempt), and Kubernetes' liveness probe never restarted it."""
+
+from grpc_health.v1 import health, health_pb2
+
+from engine.loop import EngineLoop
+
+
+class EngineHealth(health.HealthServicer):
+    def __init__(self, loop: EngineLoop):
+        super().__init__()
+        self.loop = loop
+
+    def Check(self, request: health_pb2.HealthCheckRequest, context) -> health_pb2.HealthCheckResponse:
+        if self.loop.trouble():
+            return health_pb2.HealthCheckResponse(status=health_pb2.HealthCheckResponse.NOT_SERVING)
+        return super().Check(request, context)
