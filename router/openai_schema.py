@@ -17,7 +17,7 @@ from pydantic import BaseModel, ConfigDict, Field
 from proto.pdspec.v1 import common_pb2, router_pb2
 
 Int32 = Annotated[int, Field(ge=-(2**31), le=2**31 - 1)]  # the proto's field types, so a request always encodes
-UInt64 = Annotated[int, Field(ge=0, le=2**64 - 1)]
+Seed = Annotated[int, Field(ge=0, lt=2**63)]  # what the engine's generator takes (the proto's uint64 allows more)
 
 
 class OpenAIError(Exception):
@@ -88,7 +88,7 @@ class _Sampling(BaseModel):
     temperature: float | None = None
     top_p: float | None = None
     top_k: Int32 | None = None  # not OpenAI's; vLLM and SGLang take it too (-1 there: no top-k, as 0 here)
-    seed: UInt64 | None = None
+    seed: Seed | None = None
     stop: str | list[str] | None = None
     stop_token_ids: list[Int32] = []  # vLLM's name for stopping on token ids
     ignore_eos: bool = False

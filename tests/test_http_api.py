@@ -158,6 +158,14 @@ def test_values_that_mean_off_pass_and_fields_that_would_change_the_answer_are_r
         assert (e.value.status, e.value.param) == (400, field)
 
 
+def test_the_published_schema_takes_the_seeds_the_engine_takes():
+    """Below 2**63 (the engine's generators): the API's schema said up to 2**64 - 1, and larger
+    seeds were refused only after the request reached the router."""
+    (seed,) = [t for t in ChatCompletionRequest.model_json_schema()["properties"]["seed"]["anyOf"] if "type" in t
+               and t["type"] == "integer"]
+    assert (seed["minimum"], seed["exclusiveMaximum"]) == (0, 2**63)
+
+
 @pytest.mark.parametrize("fields, param", [
     ({"temperature": 3}, "temperature"),
     ({"n": 2}, "n"),
