@@ -161,6 +161,8 @@ def test_values_that_mean_off_pass_and_fields_that_would_change_the_answer_are_r
 def test_the_published_schema_takes_the_seeds_the_engine_takes():
     """Below 2**63 (the engine's generators): the API's schema said up to 2**64 - 1, and larger
     seeds were refused only after the request reached the router."""
+    from router.openai_schema import ChatCompletionRequest
+
     (seed,) = [t for t in ChatCompletionRequest.model_json_schema()["properties"]["seed"]["anyOf"] if "type" in t
                and t["type"] == "integer"]
     assert (seed["minimum"], seed["exclusiveMaximum"]) == (0, 2**63)
