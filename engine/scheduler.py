@@ -1,9 +1,10 @@
 """Continuous batching: which sequences run in the next forward and how many tokens each.
 
-Every step the decoding sequences go first (oldest first): one token each and, when a speculative
-proposer is active, `lookahead` extra KV slots for draft tokens. Then waiting sequences are
-admitted while the batch size and the KV pool allow, and prompts are computed shortest-remaining
-first, within the token budget, each at most long_prefill_token_threshold tokens a step. On CPU
+Every step the decoding sequences go first (oldest first): one token each. Then waiting sequences
+are admitted while the batch size and the KV pool allow, then, when a speculative proposer is
+active, the decoding sequences get `lookahead` extra KV slots for draft tokens from what is left,
+and prompts are computed shortest-remaining first, within the token budget, each at most
+long_prefill_token_threshold tokens a step. On CPU
 that cap counts a prompt token at its cost: attention over p cached positions makes a token at
 position p cost 1 + p / context_cost tokens, so a long prompt's chunks shrink as its context grows
 and its steps stay about as short as a short prompt's prefill. In a step where some prompt
@@ -109,6 +110,11 @@ class Scheduler:
             if self._reserve(seq, 1):  # its victims are younger: never one already in `decoding`
                 decoding.append(seq)
                 budget -= 1
+        # Waiting prompts take their blocks before draft slots do: drafts are speculation, and
+        # taken first they kept a prompt waiting at a full pool (evicting the cached prefix it
+        # would have reused for their own blocks).
+        if budget > 0:
+            self._admit()
         # Draft slots once every decoding sequence has its token's: an older sequence's drafts
         # never cost a younger one its place (speculation degrades, sequences are not preempted).
         # Their verification rows are the forward's too, so they come out of its token budget.
@@ -117,8 +123,6 @@ class Scheduler:
             drafts = self._draft_slots(seq, min(lookahead(seq), budget))
             budget -= drafts
             scheduled.append(ScheduledSeq(seq, 1, drafts))
-        if budget > 0:
-            self._admit()
         scheduled += self._prefill_chunks(budget, decoding)
         return scheduled
 

@@ -144,3 +144,18 @@ def test_the_blocks_queued_requests_fill_are_counted_through_admission_preemptio
     scheduler.remove(a)
     assert scheduler.waiting_blocks == 0 and not scheduler.has_unfinished()
 
+
+
+def test_a_waiting_prompt_takes_the_last_blocks_before_drafts_do():
+    """Draft slots are speculation; a prompt waiting for the pool is a request. The pool's last
+    block goes to the prompt (admitted this step), and the running sequence decodes without drafts
+    (drafts took it first, and the prompt waited, blocks of a cached prefix evicted for them)."""
+    config = EngineConfig(num_kv_blocks=3, block_size=16)
+    scheduler = Scheduler(config, BlockManager(config.num_kv_blocks, config.block_size), context_cost=None)
+    old = _add(scheduler, "old", 16)
+    assert _step(scheduler) == {"old": 16}  # prefilled: one block, and its first token
+    scheduler.blocks.commit("old", old.token_ids[:16])  # as the engine commits a forward's tokens
+    scheduler.add(Sequence.new("new", list(range(6000, 6016)), SamplingParams()))  # no prefix of old's
+    scheduled = {s.seq.seq_id: s for s in scheduler.schedule(lambda seq: 16 if seq is old else 0)}
+    assert scheduled["new"].num_tokens == 16  # admitted and prefilled at once
+    assert (scheduled["old"].num_tokens, scheduled["old"].num_lookahead) == (1, 0)
