@@ -4,7 +4,11 @@ For each chat prompt, taking turns (the order rotates per prompt): llama.cpp (ll
 in its own process so the two OpenMP runtimes never share a core), pdspec plain and pdspec with
 EAGLE3 at the shipped config's settings, each decoding NEW_TOKENS greedy tokens (end-of-turn
 ignored, so every run decodes the same count). A run's ms/token is (last token's time - first
-token's time) / (tokens - 1): decode only, prefill excluded. Past the end of its turn the model goes
+token's time) / (tokens - 1): decode only, prefill excluded. llama.cpp runs with flash attention
+on, as its own tools run it on CPU (llama-cpp-python's default is off: llama.cpp then took ~1.12x
+the time here, and the ratios below flattered pdspec as much). Beside the medians, each run's
+speed against llama.cpp paired prompt by prompt (the geometric mean of the per-prompt ratios, with
+a 95 % bootstrap interval over the prompts): the host's swings hit a prompt's turns alike. Past the end of its turn the model goes
 on with text unlike chat (and EAGLE3's acceptance with it), so each run is also timed up to the
 position where pdspec plain's greedy answer ends (`ms_per_token_answer`, over the prompts whose
 answer holds at least MIN_ANSWER tokens), and the JSON gives the share of tokens past it. Then pdspec at batch 4 and 16
@@ -23,10 +27,13 @@ Needs llama-cpp-python (the `bench` extra) built for this CPU:
 """
 
 import argparse
+import importlib.metadata
 import importlib.util
 import json
+import math
 import multiprocessing as mp
 import os
+import random
 import statistics
 import sys
 import time
@@ -46,13 +53,25 @@ ROOT = Path(__file__).resolve().parent.parent
 PROMPTS = ROOT / "bench" / "prompts" / "chat_eval.jsonl"
 CONFIG = ROOT / "deploy" / "configs" / "local.yaml"
 MIN_ANSWER = 16  # shorter answers give an answer-only ms/token from too few steps to mean much
+LLAMA_CTX = 2048
+
+
+def paired_speedup(base_ms: list[float], run_ms: list[float], resamples: int = 2000) -> dict[str, object]:
+    """The run's speed over the base's, prompt by prompt: the geometric mean of base_ms / run_ms and
+    the 2.5th and 97.5th percentiles of it over the prompts resampled with replacement."""
+    logs = [math.log(b / r) for b, r in zip(base_ms, run_ms)]
+    rng = random.Random(0)
+    means = sorted(statistics.fmean(rng.choices(logs, k=len(logs))) for _ in range(resamples))
+    return {"geomean": round(math.exp(statistics.fmean(logs)), 3),
+            "ci95": [round(math.exp(means[int(0.025 * resamples)]), 3), round(math.exp(means[int(0.975 * resamples) - 1]), 3)]}
 
 
 def _llama_worker(conn, gguf: str, threads: int) -> None:
     """llama.cpp in its own process: token ids in, per-token timestamps out."""
     from llama_cpp import Llama
 
-    llm = Llama(model_path=gguf, n_threads=threads, n_threads_batch=threads, n_ctx=2048, verbose=False)
+    llm = Llama(model_path=gguf, n_threads=threads, n_threads_batch=threads, n_ctx=LLAMA_CTX, flash_attn=True,
+                verbose=False)
     conn.send("ready")
     while (job := conn.recv()) is not None:
         tokens, n = job
@@ -173,7 +192,10 @@ def main() -> None:
         "kv_cache_dtype": plain.runner.cache_dtype,
         "ms_per_token": {name: round(v, 2) for name, v in median.items()},
         "per_prompt_ms": {name: [round(x, 2) for x in v] for name, v in ms.items()},
+        "llama_cpp": {"flash_attn": True, "n_ctx": LLAMA_CTX, "version": importlib.metadata.version("llama_cpp_python")},
         "speedup_vs_llama_cpp": {name: round(median["llama.cpp"] / v, 2) for name, v in median.items()},
+        "speedup_vs_llama_cpp_paired": {name: paired_speedup(ms["llama.cpp"], v) for name, v in ms.items()
+                                        if name != "llama.cpp"},
         "answer_tokens": answers,
         "share_past_end_of_turn": round(1 - sum(answers) / (len(answers) * args.new_tokens), 3),
         "ms_per_token_answer": {name: round(v, 2) for name, v in median_answer.items()},
@@ -196,6 +218,9 @@ def main() -> None:
           f"the tokens are past it), prompts with >= {MIN_ANSWER} answer tokens")
     print("batch rows: aggregate ms/token (the batch's tokens together) against llama.cpp's batch 1, and against "
           "pdspec's batch 1 in the same passes")
+    for name, paired in result["speedup_vs_llama_cpp_paired"].items():
+        low, high = paired["ci95"]
+        print(f"{name} against llama.cpp, prompt by prompt: {paired['geomean']:.2f}x (95 % interval {low:.2f}-{high:.2f}x)")
 
 
 def _cpu_name() -> str:
