@@ -12,6 +12,7 @@ import threading
 import time
 import uuid
 from collections.abc import Callable, Iterator
+from contextlib import AbstractContextManager
 from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
@@ -22,7 +23,6 @@ import xxhash
 from engine.kv_layout import KVLayout, KVLayoutMismatch
 from kvtransfer.layout import check_caches, layout_from_proto, read_block
 from proto.pdspec.v1 import kv_pb2, kv_pb2_grpc
-from serving.call_limit import CallLimit
 
 if TYPE_CHECKING:
     from kvtransfer.nixl_backend import NixlMemory
@@ -30,6 +30,9 @@ if TYPE_CHECKING:
 log = logging.getLogger(__name__)
 
 SERVICE_NAME = kv_pb2.DESCRIPTOR.services_by_name["KVTransfer"].full_name
+# A slot a PullBlocks call holds while it streams (a context manager per call), refusing the call
+# past its limit.
+PullSlots = Callable[[grpc.ServicerContext], AbstractContextManager[None]]
 
 
 @dataclass(frozen=True)
@@ -46,16 +49,17 @@ class KVSource:
     with a NIXL agent once, here, so destinations can READ them directly."""
 
     def __init__(self, layout: KVLayout, caches: dict[str, torch.Tensor], pin_timeout_s: float, nixl: bool,
-                 token: str | None = None, max_pulls: int | None = None):
+                 token: str | None = None, pull_slots: PullSlots | None = None):
         """token: the cluster token, which NIXL requires (see kvtransfer/nixl_backend.py).
-        max_pulls: PullBlocks streams served at once (None: any number). Each holds a server thread
-        while it streams: unbounded, several decode workers' pulls took every thread, and health
-        checks and Release calls queued behind them (the router's probe evicted the worker, pins
-        lapsed). Past it a pull is refused with RESOURCE_EXHAUSTED, which the puller waits out."""
+        pull_slots: held by each PullBlocks stream while it runs (None: any number run at once);
+        past its limit it refuses the call with RESOURCE_EXHAUSTED, which the puller waits out
+        (serving's kv_pull_limit). Each stream holds a server thread: unbounded, several decode
+        workers' pulls took every thread, and health checks and Release calls queued behind them
+        (the router's probe evicted the worker, pins lapsed)."""
         check_caches(layout, caches)
         self.layout, self.caches, self.pin_timeout_s = layout, caches, pin_timeout_s
         self.nixl = _nixl_memory(layout, caches, token) if nixl else None
-        self.servicer = KVTransferServicer(self, CallLimit(max_pulls, "KV pull", "wait for one to end") if max_pulls is not None else None)
+        self.servicer = KVTransferServicer(self, pull_slots)
         # Insertion order is deadline order: every pin gets the same timeout on a monotonic clock.
         self._pins: dict[str, _Pin] = {}
         self._lock = threading.Condition()
@@ -156,12 +160,12 @@ def _end(request_id: str, pin: _Pin) -> None:
 
 
 class KVTransferServicer(kv_pb2_grpc.KVTransferServicer):
-    def __init__(self, source: KVSource, pulls: CallLimit | None = None):
+    def __init__(self, source: KVSource, pulls: PullSlots | None = None):
         self.source, self.pulls = source, pulls
 
     def PullBlocks(self, request: kv_pb2.PullBlocksRequest,
                    context: grpc.ServicerContext) -> Iterator[kv_pb2.KVBlockChunk]:
-        with self.pulls.held(context) if self.pulls is not None else contextlib.nullcontext():
+        with self.pulls(context) if self.pulls is not None else contextlib.nullcontext():
             yield from self._pull(request, context)
 
     def _pull(self, request: kv_pb2.PullBlocksRequest,

@@ -6,14 +6,14 @@ from typing import Literal
 from kvtransfer.source import KVSource
 from prefill_worker.service import PrefillServicer
 from proto.pdspec.v1 import kv_pb2_grpc, worker_pb2_grpc
-from serving.call_limit import request_call_limit
+from serving.call_limit import kv_pull_limit, request_call_limit
 from serving.worker_process import RunningWorker, WorkerSpec, announce, bind, kv_caches, layout_message, start_engine
 
 
 def start_prefill_worker(spec: WorkerSpec, kv_transfer: Literal["nixl", "grpc"], pin_timeout_s: float) -> RunningWorker:
     loop = start_engine(spec)
     source = KVSource(loop.engine.runner.layout, kv_caches(loop), pin_timeout_s, nixl=kv_transfer == "nixl",
-                      token=spec.token, max_pulls=request_call_limit(spec.engine.max_num_seqs))
+                      token=spec.token, pull_slots=kv_pull_limit(request_call_limit(spec.engine.max_num_seqs)).held)
     servicer = PrefillServicer(loop, source, spec.worker_id, "", layout_message(loop))
     server, address = bind(spec, loop, [
         (worker_pb2_grpc.add_PrefillWorkerServicer_to_server, servicer, "pdspec.v1.PrefillWorker"),

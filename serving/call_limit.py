@@ -36,6 +36,12 @@ class CallLimit:
                 self.active, self.changed = self.active - 1, time.monotonic()
 
 
+def kv_pull_limit(limit: int) -> CallLimit:
+    """PullBlocks streams a KV source serves at once (kvtransfer/source.py's pull_slots: its
+    `held`); a refused puller waits its turn on the same source."""
+    return CallLimit(limit, "KV pull", "wait for one to end")
+
+
 def request_call_limit(max_num_seqs: int) -> int:
     """Calls a worker takes at once: a running batch, and as many waiting for room."""
     return 2 * max_num_seqs

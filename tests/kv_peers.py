@@ -19,6 +19,7 @@ from kvtransfer.layout import block_checksums, layout_to_proto
 from kvtransfer.source import SERVICE_NAME, KVSource, KVTransferServicer
 from proto.pdspec.v1 import kv_pb2, kv_pb2_grpc
 from proto.rpc import serve
+from serving.call_limit import kv_pull_limit
 
 TOKEN = "test-cluster-token"
 LAYOUT = KVLayout("test-model", "bfloat16", 4, CacheShape(2, 2, 8), CacheShape(1, 2, 8), "test-head@1")
@@ -76,7 +77,8 @@ def _serve_source(conn, pin_timeout_s: float, nixl: bool, faulty: bool, max_pull
             except OSError:  # the test process has stopped listening
                 pass
 
-    source = KVSource(LAYOUT, random_caches(LAYOUT, SOURCE_BLOCKS, SOURCE_SEED), pin_timeout_s, nixl, TOKEN, max_pulls)
+    source = KVSource(LAYOUT, random_caches(LAYOUT, SOURCE_BLOCKS, SOURCE_SEED), pin_timeout_s, nixl, TOKEN,
+                      kv_pull_limit(max_pulls).held if max_pulls is not None else None)
     servicer = FaultyServicer(source, report) if faulty else source.servicer
     server, port = serve([(kv_pb2_grpc.add_KVTransferServicer_to_server, servicer, SERVICE_NAME)], "127.0.0.1:0",
                          TOKEN, internal=[SERVICE_NAME])
