@@ -102,6 +102,14 @@ def replace_durably(tmp: Path, path: Path) -> None:
     _fsync_dir(path.parent)
 
 
+def write_text_durably(path: Path, text: str) -> None:
+    """`text` into `path` whole, through a `.tmp` beside it (replace_durably): an interrupt leaves the
+    old file or none, never a cut one that a later run would take for finished."""
+    tmp = path.with_name(path.name + ".tmp")
+    tmp.write_text(text)
+    replace_durably(tmp, path)
+
+
 def _fsync_dir(directory: Path) -> None:
     dir_fd = os.open(directory, os.O_RDONLY)
     try:

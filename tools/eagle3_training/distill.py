@@ -26,7 +26,7 @@ from safetensors import safe_open
 from safetensors.torch import save_file
 from tqdm import tqdm
 
-from engine.conversions import replace_durably
+from engine.conversions import replace_durably, write_text_durably
 
 from engine.config import EngineConfig
 from engine.engine import Engine
@@ -159,9 +159,7 @@ def _distill(prompts: list[str | list[str]], out_dir: Path, target: str | None, 
                          engine.runner.model_config.hidden_size)
             shard += 1
             done.update(complete)
-            tmp = done_file.with_suffix(".json.tmp")  # replaced whole: an interrupt never leaves half a list
-            tmp.write_text(json.dumps(sorted(done)))
-            replace_durably(tmp, done_file)
+            write_text_durably(done_file, json.dumps(sorted(done)))
             progress.update(len(complete))
             complete = []
     progress.close()

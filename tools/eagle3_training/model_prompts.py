@@ -18,6 +18,7 @@ from pathlib import Path
 from tqdm import tqdm
 
 from engine.config import EngineConfig
+from engine.conversions import write_text_durably
 from engine.engine import Engine
 from engine.params import SamplingParams
 from tools.prompts import read_prompts
@@ -85,7 +86,6 @@ if __name__ == "__main__":
     ap.add_argument("--seed", type=int, default=0)
     ap.add_argument("--batch-size", type=int, default=48)
     args = ap.parse_args()
-    tmp = args.out.with_name(args.out.name + ".tmp")
-    tmp.write_text("".join(json.dumps({"source": "synthetic/model-written", "prompt": p}) + "\n"
-                           for p in model_prompts(args.count, args.seed, args.batch_size)))
-    tmp.replace(args.out)  # whole or not at all: the recipes skip a file that is there
+    # Whole or not at all: the recipes skip a file that is there.
+    write_text_durably(args.out, "".join(json.dumps({"source": "synthetic/model-written", "prompt": p}) + "\n"
+                                         for p in model_prompts(args.count, args.seed, args.batch_size)))

@@ -18,7 +18,8 @@ RUN=${RUN:-$HOME/.cache/pdspec/eagle3-corpus}
 PY=${PY:-.venv/bin/python}
 mkdir -p "$RUN"
 [ -s "$RUN/mix.jsonl" ] || $PY - "$RUN" <<'MIX'
-import json, os, random, sys
+import json, random, sys
+from engine.conversions import write_text_durably
 from pathlib import Path
 from tools.eagle3_training.follow_ups import with_follow_ups
 from tools.eagle3_training.synthetic_prompts import away_from_held_out, synthetic_prompts
@@ -33,9 +34,8 @@ mix = (templated[:13400] + with_follow_ups(templated[13400:], 2, seed=11)
        + gsm8k[: len(gsm8k) * 3 // 4] + with_follow_ups(gsm8k[len(gsm8k) * 3 // 4 :], 2, seed=12)
        + with_follow_ups(alpaca, 3, seed=13))
 rng.shuffle(mix)
-(run / "mix.jsonl.tmp").write_text("".join(json.dumps({"prompt": m} if isinstance(m, str) else {"turns": m}) + "\n"
-                                           for m in mix))
-os.replace(run / "mix.jsonl.tmp", run / "mix.jsonl")  # whole or not at all: a cut file would pass [ -s ]
+write_text_durably(run / "mix.jsonl", "".join(json.dumps({"prompt": m} if isinstance(m, str) else {"turns": m}) + "\n"
+                                            for m in mix))  # whole or not at all: a cut file would pass [ -s ]
 print(f"{len(mix)} conversations, {sum(1 if isinstance(m, str) else len(m) for m in mix)} answers")
 MIX
 $PY -m deploy.cli train-eagle3 --prompts "$RUN/mix.jsonl" --out "$RUN" --stage distill --tokens-only \

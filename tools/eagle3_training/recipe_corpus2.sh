@@ -5,9 +5,9 @@
 # 30,000 (ten resumable files of 3,000; duplicates and part 1's prompts dropped), half of them
 # followed by a second turn; plus two more turns after each of part 1's single-turn prompts (their
 # first answers repeat part 1's; each such conversation adds two new answers). Estimated ~80K new
-# answers (fewer: a follow-up is asked only after an answer that ended) (~13M answer tokens at part 1's 162 a answer) beside ~19K repeated first answers: several
-# sessions of both cores (run again to go on; every step
-# resumes where it stopped). Shards, the mix and checkpoints stay outside the repository; part 1's
+# answers (~13M answer tokens at part 1's 162 an answer; fewer, a follow-up being asked only after
+# an answer that ended) beside ~19K repeated first answers: several sessions of both cores (run
+# again to go on; every step resumes where it stopped). Shards, the mix and checkpoints stay outside the repository; part 1's
 # shards are linked into this run's data.
 #   RUN1=DIR RUN=DIR HOURS=H bash tools/eagle3_training/recipe_corpus2.sh
 set -euo pipefail
@@ -26,7 +26,8 @@ for part in 0 1 2 3 4 5 6 7 8 9; do
         --out "$RUN/model_prompts_$part.jsonl" --count 3000 --seed $((20 + part))
 done
 [ -s "$RUN/mix.jsonl" ] || $PY - "$RUN" "$RUN1" <<'MIX'
-import json, os, random, sys
+import json, random, sys
+from engine.conversions import write_text_durably
 from pathlib import Path
 from tools.eagle3_training.follow_ups import with_follow_ups
 from tools.prompts import read_conversations, read_prompts
@@ -39,9 +40,8 @@ singles = [row for row in part1 if isinstance(row, str)]
 half = len(written) // 2
 mix = written[:half] + with_follow_ups(written[half:], 2, seed=21) + with_follow_ups(singles, 3, seed=22)
 random.Random(21).shuffle(mix)
-(run / "mix.jsonl.tmp").write_text("".join(json.dumps({"prompt": m} if isinstance(m, str) else {"turns": m}) + "\n"
-                                           for m in mix))
-os.replace(run / "mix.jsonl.tmp", run / "mix.jsonl")  # whole or not at all: a cut file would pass [ -s ]
+write_text_durably(run / "mix.jsonl", "".join(json.dumps({"prompt": m} if isinstance(m, str) else {"turns": m}) + "\n"
+                                            for m in mix))  # whole or not at all: a cut file would pass [ -s ]
 print(f"{len(mix)} conversations, {sum(1 if isinstance(m, str) else len(m) for m in mix)} answers")
 MIX
 shopt -s nullglob

@@ -24,7 +24,7 @@ from safetensors import safe_open
 from tqdm import tqdm
 
 from engine.config import ModelConfig
-from engine.conversions import fsync_tree, replace_durably
+from engine.conversions import fsync_tree, replace_durably, write_text_durably
 from engine.layers import rms_norm
 from engine.loader import load_weights
 from engine.model_dir import resolve_model_dir
@@ -331,8 +331,7 @@ def _snapshots(model, cfg: TrainConfig, seen_before: int, progress: dict) -> Non
         if seen_before < tokens <= progress["answer_tokens"] and not (out / "progress.json").exists():
             model.export(out)
             fsync_tree(out)
-            (out / "progress.json.tmp").write_text(json.dumps(progress) + "\n")
-            replace_durably(out / "progress.json.tmp", out / "progress.json")  # last: marks it complete
+            write_text_durably(out / "progress.json", json.dumps(progress) + "\n")  # last: marks it complete
 
 
 def _out_of_time(cfg: TrainConfig, since: float) -> bool:
