@@ -81,6 +81,10 @@ class DeploymentConfig(_Strict):
         """The TLS files' contents (None: plaintext); a file that cannot be read is a ValueError naming its field."""
         return self.tls.load() if self.tls else None
 
+    def longest_drain_timeout_s(self) -> float:
+        """The longest drain_timeout_s of the router and the worker roles: what stopping them all may take."""
+        return max(self.router.drain_timeout_s, *(getattr(self, role).drain_timeout_s for role in WORKER_ROLES))
+
     def token(self) -> str | None:
         """The cluster token: the config's, else $PDSPEC_CLUSTER_TOKEN."""
         return self.cluster_token or os.environ.get("PDSPEC_CLUSTER_TOKEN")

@@ -119,8 +119,7 @@ class LocalCluster:
         """Workers first (they deregister and drain while the router is still up), then the router.
         `grace_s`: before SIGKILL (default: the longest drain_timeout_s, the router's too, plus 5 s)."""
         if grace_s is None:
-            grace_s = max(self.config.router.drain_timeout_s,
-                          *(getattr(self.config, role).drain_timeout_s for role in WORKER_ROLES)) + 5.0
+            grace_s = self.config.longest_drain_timeout_s() + 5.0
         self.supervisor.stop(first=[n for n in self.supervisor.names() if n != "router"], grace_s=grace_s)
 
     def _spawn(self, name: str, args: list[str], env: dict[str, str]) -> None:

@@ -204,9 +204,7 @@ class RayCluster:
         if self._ready:
             done, _ = ray.wait(list(self._ready.values()), num_returns=len(self._ready), timeout=0)
             started = {name for name, ref in self._ready.items() if ref in done}
-            _drain_and_kill(self.actors, max(self.config.router.drain_timeout_s,
-                                             *(getattr(self.config, role).drain_timeout_s for role in WORKER_ROLES)),
-                            started)
+            _drain_and_kill(self.actors, self.config.longest_drain_timeout_s(), started)
         self.disconnect()
 
     def disconnect(self) -> None:
