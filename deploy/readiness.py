@@ -7,6 +7,8 @@ that a member died during start-up, so a crash fails fast instead of waiting out
 import time
 from collections.abc import Callable, Collection
 
+import grpc
+
 from proto import rpc
 from proto.pdspec.v1 import router_pb2, router_pb2_grpc
 
@@ -29,7 +31,11 @@ def wait_for_workers(router_address: str, token: str | None, expected: Collectio
     deadline = time.monotonic() + timeout_s
     while time.monotonic() < deadline:
         check_alive()
-        listed = set(list_workers(router_address, token, tls))
+        try:
+            listed = set(list_workers(router_address, token, tls))
+        except grpc.RpcError as e:  # a router going down: the next round's check_alive says why
+            if e.code() != grpc.StatusCode.UNAVAILABLE:
+                raise
         if expected <= listed:
             return
         time.sleep(0.5)

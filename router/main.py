@@ -2,6 +2,7 @@
 (cluster token required; mutual TLS with `tls`), a thread that evicts workers whose heartbeats
 stopped, and (router.http_port) the OpenAI API."""
 
+import contextlib
 import logging
 import threading
 from dataclasses import dataclass
@@ -67,41 +68,39 @@ def run_router(rc: RouterConfig, token: str | None, model_dir: Path, model_name:
     metrics = RouterMetrics(model_name, admission.snapshot)
     router = RouterServicer(registry, Tokenizer.from_dir(model_dir), rc, token, metrics, admission, api_keys,
                             tls=tls)
-    registry_service = (worker_pb2_grpc.add_RegistryServicer_to_server,
-                        RegistryServicer(registry, rc.heartbeat_interval_s), "pdspec.v1.Registry")
-    internal_server, internal_bound = serve(
-        [registry_service], f"{rc.host}:{rc.internal_port if internal_port is None else internal_port}", token,
-        internal=["pdspec.v1.Registry"], tls=tls)
-    address = f"{rc.host}:{rc.port if port is None else port}"
-    # ListWorkers hands out internal addresses: only for callers with the cluster token, or without
-    # one (an open cluster), at least an API key.
-    public = {f"{ROUTER_SERVICE}/Generate", f"{ROUTER_SERVICE}/Abort"} | (
-        set() if token else {f"{ROUTER_SERVICE}/ListWorkers"})
-    try:
-        server, bound = serve([(router_pb2_grpc.add_RouterServicer_to_server, router, ROUTER_SERVICE)], address, token,
-                              internal=[f"{ROUTER_SERVICE}/ListWorkers"], health_servicer=health_servicer,
+    with contextlib.ExitStack() as undo:  # a part that cannot start stops the parts started before it
+        # The HTTP port binds first: the gRPC health check passes only once every port is held, so a
+        # launcher never takes a router for healthy that is about to exit over a taken port.
+        http, http_port = None, None
+        if rc.http_port is not None:
+            authorized = (lambda header: api_keys.owner(header) is not None) if api_keys else (lambda header: True)
+            app = create_app(router.Generate, model_name, metrics.registry, registry.can_serve, authorized)
+            http = HttpServer(app, rc.host, rc.http_port, tls)
+            http_port = http.start()
+            undo.callback(http.stop, 0)
+        registry_service = (worker_pb2_grpc.add_RegistryServicer_to_server,
+                            RegistryServicer(registry, rc.heartbeat_interval_s), "pdspec.v1.Registry")
+        internal_server, internal_bound = serve(
+            [registry_service], f"{rc.host}:{rc.internal_port if internal_port is None else internal_port}", token,
+            internal=["pdspec.v1.Registry"], tls=tls)
+        undo.callback(internal_server.stop, 0)
+        address = f"{rc.host}:{rc.port if port is None else port}"
+        # ListWorkers hands out internal addresses: only for callers with the cluster token, or without
+        # one (an open cluster), at least an API key.
+        public = {f"{ROUTER_SERVICE}/Generate", f"{ROUTER_SERVICE}/Abort"} | (
+            set() if token else {f"{ROUTER_SERVICE}/ListWorkers"})
+        server, bound = serve([(router_pb2_grpc.add_RouterServicer_to_server, router, ROUTER_SERVICE)], address,
+                              token, internal=[f"{ROUTER_SERVICE}/ListWorkers"], health_servicer=health_servicer,
                               not_ready=[ROUTER_SERVICE],
                               max_workers=_MAX_RUNNING + rc.max_queued_requests + _CONTROL_THREADS,
                               gates=[api_keys.gate(public)] if api_keys else [], tls=tls, client_auth=False)
-    except RuntimeError:
-        internal_server.stop(0)
-        raise
+        undo.pop_all()
     threading.Thread(target=_evict_until_stopped, args=(server, registry, rc), name="router-evict", daemon=True).start()
     log.info("router serving on %s:%d, registry on port %d (policy %s, cluster token %s, API keys %s, TLS %s)",
              rc.host, bound, internal_bound, rc.policy, "set" if token else "NOT set: internal services are open",
              rc.api_key_file or "off: the API is open", "on" if tls else "off")
-    if rc.http_port is None:
-        return RunningRouter(server, bound, internal_server, internal_bound, None, None)
-    authorized = (lambda header: api_keys.owner(header) is not None) if api_keys else (lambda header: True)
-    app = create_app(router.Generate, model_name, metrics.registry, registry.can_serve, authorized)
-    http = HttpServer(app, rc.host, rc.http_port, tls)
-    try:
-        http_port = http.start()
-    except RuntimeError:
-        server.stop(0)
-        internal_server.stop(0)
-        raise
-    log.info("OpenAI API serving %s on %s://%s:%d/v1", model_name, "https" if tls else "http", rc.host, http_port)
+    if http is not None:
+        log.info("OpenAI API serving %s on %s://%s:%d/v1", model_name, "https" if tls else "http", rc.host, http_port)
     return RunningRouter(server, bound, internal_server, internal_bound, http, http_port)
 
 
