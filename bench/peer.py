@@ -12,7 +12,7 @@ a 95 % bootstrap interval over the prompts): the host's swings hit a prompt's tu
 on with text unlike chat (and EAGLE3's acceptance with it), so each run is also timed up to the
 position where pdspec plain's greedy answer ends (`ms_per_token_answer`, over the prompts whose
 answer holds at least MIN_ANSWER tokens), and the JSON gives the share of tokens past it. Then pdspec at batch 4 and 16
-(aggregate), each `--batch-reps` times in turn (a single pass swung 30-50 % on a shared host): the
+(aggregate, on the file's first 4 and 16 prompts: a prompt twice in a batch would share its cached blocks), each `--batch-reps` times in turn (a single pass swung 30-50 % on a shared host): the
 median, and the range in the JSON. Prints one JSON object, then a table; `x llama.cpp` is
 llama.cpp's batch-1 ms/token over the row's, `x batch 1` pdspec plain's.
 
@@ -144,6 +144,11 @@ def main() -> None:
     args = ap.parse_args()
     if args.batch_reps < 1:
         ap.error(f"--batch-reps: at least 1 pass over the batch sizes (got {args.batch_reps})")
+    # Batch rows take as many distinct prompts as they run (a prompt twice in one batch would share
+    # its cached prompt blocks, and attention would read them from cache); the turns the first --prompts.
+    questions = [json.loads(line)["prompt"] for line in PROMPTS.read_text().splitlines()]
+    if len(questions) < max(args.batches + [args.prompts]):
+        ap.error(f"{PROMPTS} holds {len(questions)} prompts; --prompts and --batches need at most that many")
     if importlib.util.find_spec("llama_cpp") is None:
         sys.exit("bench.peer needs llama-cpp-python: CMAKE_ARGS=-DGGML_NATIVE=ON pip install llama-cpp-python==0.3.36")
     os.environ.setdefault("OMP_NUM_THREADS", str(args.threads))
@@ -154,8 +159,8 @@ def main() -> None:
     plain = Engine(EngineConfig(**common, max_num_seqs=max(args.batches + [1])))
     with_eagle = model is None or args.draft is not None
     eagle = Engine(EngineConfig(**common, speculative=spec)) if with_eagle else None
-    questions = [json.loads(line)["prompt"] for line in PROMPTS.read_text().splitlines()[: args.prompts]]
-    prompts = [plain.tokenizer.encode_chat([{"role": "user", "content": q}]) for q in questions]
+    chats = [plain.tokenizer.encode_chat([{"role": "user", "content": q}]) for q in questions]
+    prompts = chats[: args.prompts]
     peer = LlamaCpp(gguf, args.threads)
     runs = {
         "llama.cpp": lambda t: peer.stamps(t, args.new_tokens),
@@ -181,7 +186,7 @@ def main() -> None:
     passes = {b: [] for b in dict.fromkeys([1, *args.batches])}
     for _ in tqdm(range(args.batch_reps), desc="batches", unit="pass"):
         for b in passes:
-            passes[b].append(_batch_ms_per_token(plain, (prompts * b)[:b], args.new_tokens))
+            passes[b].append(_batch_ms_per_token(plain, chats[:b], args.new_tokens))
     batched = {b: statistics.median(v) for b, v in passes.items()}
     result = {
         "machine": {"isa": cpu_kernels.selected_isa(), "threads": args.threads, "cpu": _cpu_name()},
