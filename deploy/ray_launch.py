@@ -288,11 +288,11 @@ def _connect(address: str | None) -> bool:
     return True
 
 
-def _start_local_ray(attempts: int = 2) -> None:
+def _start_local_ray(attempts: int = 3) -> None:
     """A new private single-machine Ray ("local": never one that `ray start` recorded; pdspec
-    exports its own metrics, so no dashboard). Ray gives its raylet a fixed 30 s to register, which
-    a loaded 2-core host sometimes misses: that attempt's processes are killed, and Ray started
-    once more."""
+    exports its own metrics, so no dashboard). Ray gives its raylet a fixed 30 s to register (not
+    configurable), which a loaded 2-core host sometimes misses, twice in a row once in clean-clone
+    CI: that attempt's processes are killed, and Ray started again, up to `attempts` times."""
     for attempt in range(1, attempts + 1):
         before = child_pids()
         try:
