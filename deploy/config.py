@@ -13,12 +13,13 @@ from pydantic import BaseModel, ConfigDict, Field, ValidationError, model_valida
 from engine.config import EngineConfig
 from engine.model_dir import model_name
 from proto.rpc import Tls, free_port
-from router.config import RouterConfig
+from router.config import DAY_S, RouterConfig
 from serving.roles import WORKER_ROLES
 
 
 class _Strict(BaseModel):
-    model_config = ConfigDict(extra="forbid")
+    # No inf or NaN anywhere: a time of inf passed validation and later overflowed a wait.
+    model_config = ConfigDict(extra="forbid", allow_inf_nan=False)
 
 
 class Resources(_Strict):
@@ -39,8 +40,15 @@ class RoleConfig(_Strict):
     kv_transfer: Literal["nixl", "grpc"] = Field("nixl", description="how decode workers pull KV from prefill workers")
     port: int = Field(0, ge=0, le=65535, description="internal gRPC port (0: any free port)")
     metrics_port: int = Field(0, ge=0, le=65535, description="Prometheus /metrics port (0: any free port)")
-    drain_timeout_s: float = Field(30.0, ge=0, description="on SIGTERM: after deregistering, time to finish what "
-                                   "runs before exiting")
+    drain_timeout_s: float = Field(30.0, ge=0, le=DAY_S, description="on SIGTERM: after deregistering, time to "
+                                   "finish what runs before exiting")
+
+    @model_validator(mode="after")
+    def _distinct_ports(self) -> "RoleConfig":
+        if self.port and self.port == self.metrics_port:
+            raise ValueError(f"port and metrics_port are both {self.port}: a replica listens on each (gRPC and "
+                             "/metrics); give them different ports, or 0 (any free port)")
+        return self
 
 
 class TlsConfig(_Strict):
@@ -63,7 +71,7 @@ class DeploymentConfig(_Strict):
     prefill: RoleConfig = Field(default_factory=lambda: RoleConfig(replicas=1))
     decode: RoleConfig = Field(default_factory=lambda: RoleConfig(replicas=1))
     aggregated: RoleConfig = Field(default_factory=RoleConfig)
-    pin_timeout_s: float = Field(30.0, gt=0, description="prefill blocks stay pinned this long awaiting the decode side")
+    pin_timeout_s: float = Field(30.0, gt=0, le=3600, description="prefill blocks stay pinned this long awaiting the decode side")
     cluster_token: str | None = Field(None, description="shared secret of internal RPCs (default: $PDSPEC_CLUSTER_TOKEN)")
     tls: TlsConfig | None = Field(None, description="TLS on the public ports (gRPC and HTTP), mutual TLS on every "
                                   "internal one (null: plaintext, for loopback and trusted networks)")

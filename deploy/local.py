@@ -127,14 +127,25 @@ class LocalCluster:
 
 
 def check_one_machine_ports(config: DeploymentConfig) -> None:
-    """Replicas of a role on one machine cannot share a fixed port (the second would fail to
-    bind, restarted forever). Raises ConfigError naming the field."""
+    """Processes on one machine cannot share a fixed port (the second would fail to bind, restarted
+    forever): neither a role's replicas nor two roles, nor a role and the router. Raises
+    ConfigError naming the fields."""
+    rc = config.router
+    taken = {port: f"router.{name}" for name, port in (("port", rc.port), ("internal_port", rc.internal_port),
+                                                       ("http_port", rc.http_port)) if port}
     for role in WORKER_ROLES:
         rc = getattr(config, role)
         for name in ("port", "metrics_port"):
-            if rc.replicas > 1 and getattr(rc, name):
-                raise ConfigError(f"{role}.{name}: {getattr(rc, name)} is fixed, but the {rc.replicas} replicas on "
-                                  "this machine cannot all listen on it: set 0 (any free port)")
+            port = getattr(rc, name)
+            if not rc.replicas or not port:
+                continue
+            if rc.replicas > 1:
+                raise ConfigError(f"{role}.{name}: {port} is fixed, but the {rc.replicas} replicas on this machine "
+                                  "cannot all listen on it: set 0 (any free port)")
+            if port in taken:
+                raise ConfigError(f"{role}.{name}: {port} is {taken[port]} too, on this machine: give each its own "
+                                  "port, or 0 (any free port)")
+            taken[port] = f"{role}.{name}"
 
 
 def cuda_devices(config: DeploymentConfig, environ: dict[str, str]) -> dict[str, dict[str, str]]:

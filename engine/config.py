@@ -139,7 +139,7 @@ class SpeculativeConfig(BaseModel):
     """Speculative decoding; field names follow vLLM's `speculative_config`. With method eagle3,
     the fields of EAGLE3_DEFAULTS a config leaves out take the engine device's values there."""
 
-    model_config = ConfigDict(extra="forbid")
+    model_config = ConfigDict(extra="forbid", allow_inf_nan=False)
 
     method: Literal["none", "eagle3", "ngram"] = Field(
         "none", description="speculative decoding: none, eagle3 (an EAGLE3 draft head) or ngram (prompt lookup)")
@@ -234,7 +234,7 @@ CPU_PREFILL_CHUNK = 64  # token costs: measured in BENCHMARKS (issue 19's fairne
 class EngineConfig(BaseModel):
     """The knobs of one engine instance (one worker process)."""
 
-    model_config = ConfigDict(extra="forbid")
+    model_config = ConfigDict(extra="forbid", allow_inf_nan=False)
 
     model: str | None = Field(None, description="a .gguf file (llama architecture; converted once, cached) or an HF "
                                "model directory; None = the embedded SmolLM2-135M-Instruct")

@@ -5,9 +5,13 @@ from typing import Literal
 
 from pydantic import BaseModel, ConfigDict, Field, field_validator, model_validator
 
+# The longest time a config may set (a request's deadline, a drain): a time is a wait somewhere,
+# and threading's waits raise OverflowError past their limit (an inf killed the watchdog thread).
+DAY_S = 86400.0
+
 
 class RouterConfig(BaseModel):
-    model_config = ConfigDict(extra="forbid")
+    model_config = ConfigDict(extra="forbid", allow_inf_nan=False)  # an inf time overflowed the watchdog's wait
 
     host: str = "127.0.0.1"
     port: int = Field(50051, ge=0, le=65535, description="public gRPC port (0: pick a free one)")
@@ -23,18 +27,18 @@ class RouterConfig(BaseModel):
     policy: Literal["kv", "round_robin", "random"] = "kv"
     overlap_weight: float = Field(1.0, ge=0.0, description="weight of prefill blocks to compute in the kv cost")
     temperature: float = Field(0.0, ge=0.0, description="softmax temperature over -cost; 0 = always the cheapest")
-    heartbeat_interval_s: float = Field(0.5, gt=0)
-    heartbeat_timeout_s: float = Field(3.0, gt=0, description="a worker silent this long is evicted")
-    request_timeout_s: float = Field(120.0, gt=0, description="deadline of a whole request: its prefill/decode calls, "
+    heartbeat_interval_s: float = Field(0.5, gt=0, le=60)
+    heartbeat_timeout_s: float = Field(3.0, gt=0, le=3600, description="a worker silent this long is evicted")
+    request_timeout_s: float = Field(120.0, gt=0, le=DAY_S, description="deadline of a whole request: its prefill/decode calls, "
                                      "retries and stream (a stream still open 10 s past it, its client not reading, "
                                      "is cancelled)")
     max_retries: int = Field(2, ge=0, description="retries on another worker when one fails before the first token")
     max_queued_requests: int = Field(128, ge=0, le=1024, description="requests waiting for a running slot (the "
                                      "decoding workers' max_num_seqs, together) beyond which new ones are refused "
                                      "at once")
-    max_queue_seconds: float = Field(30.0, gt=0, description="longest wait for a running slot; a request expected "
+    max_queue_seconds: float = Field(30.0, gt=0, le=3600, description="longest wait for a running slot; a request expected "
                                      "to wait longer is refused at once (RESOURCE_EXHAUSTED, HTTP 429)")
-    drain_timeout_s: float = Field(30.0, ge=0, description="on SIGTERM: new requests are refused and running ones "
+    drain_timeout_s: float = Field(30.0, ge=0, le=DAY_S, description="on SIGTERM: new requests are refused and running ones "
                                    "get this long to finish before the router exits")
 
     @field_validator("host")

@@ -34,6 +34,21 @@ def test_router_settings_that_cannot_work_together_are_refused_by_name(router, m
     parse_config({"router": {"port": 0, "internal_port": 0, "http_port": 0}})  # any free ones: fine
 
 
+@pytest.mark.parametrize("config, message", [
+    ({"router": {"request_timeout_s": float("inf")}}, r"router.request_timeout_s: Input should be a finite number"),
+    ({"router": {"drain_timeout_s": 1e12}}, r"router.drain_timeout_s: Input should be less than or equal to 86400"),
+    ({"pin_timeout_s": float("nan")}, "pin_timeout_s: Input should be a finite number"),
+    ({"engine": {"speculative": {"method": "eagle3", "draft_confidence_threshold": float("nan")}}},
+     "engine.speculative.draft_confidence_threshold: Input should be a finite number"),
+    ({"decode": {"replicas": 1, "port": 7000, "metrics_port": 7000}}, "decode: .*port and metrics_port are both 7000"),
+])
+def test_times_and_ports_that_would_fail_later_are_refused_by_name(config, message):
+    """An inf request_timeout_s once passed and then killed the router's watchdog thread (its wait
+    overflowed), leaving stalled streams holding their slots."""
+    with pytest.raises(ConfigError, match=message):
+        parse_config(config)
+
+
 def test_a_cluster_token_of_the_wrong_type_is_not_echoed():
     with pytest.raises(ConfigError, match="cluster_token") as e:
         parse_config({"cluster_token": 123456789})
@@ -119,12 +134,18 @@ def test_a_local_cluster_gives_each_cuda_replica_its_own_gpus():
     assert cuda_devices(parse_config({}), {}) == {}  # cpu: nothing set
 
 
-def test_a_local_cluster_refuses_a_fixed_port_its_replicas_would_share():
+def test_a_local_cluster_refuses_a_fixed_port_two_of_its_processes_would_share():
     from deploy.local import check_one_machine_ports
 
     with pytest.raises(ConfigError, match="decode.metrics_port: 9400 is fixed, but the 2 replicas on this machine"):
         check_one_machine_ports(parse_config({"decode": {"replicas": 2, "metrics_port": 9400}}))
     check_one_machine_ports(parse_config({"decode": {"replicas": 1, "port": 6000}}))  # one replica: fine
+    with pytest.raises(ConfigError, match="decode.port: 6000 is prefill.port too, on this machine"):
+        check_one_machine_ports(parse_config({"prefill": {"replicas": 1, "port": 6000},
+                                              "decode": {"replicas": 1, "port": 6000}}))
+    with pytest.raises(ConfigError, match="prefill.metrics_port: 8000 is router.http_port too"):
+        check_one_machine_ports(parse_config({"router": {"http_port": 8000},
+                                              "prefill": {"replicas": 1, "metrics_port": 8000}}))
 
 
 def test_a_local_cluster_under_a_wildcard_router_host_uses_loopback_within():

@@ -316,6 +316,7 @@ def test_http_port_null_renders_no_http(helm, tmp_path):
     ({"router": {"policy": "lru"}}, "config.router.policy"),
     ({"prefill": {"resources": {"cpus": 0}}}, "config.prefill.resources.cpus"),
     ({"engine": {"block_sise": 16}}, "config.engine"),
+    ({"router": {"request_timeout_s": 1e12}}, "config.router.request_timeout_s"),  # a wait that overflows
 ])
 def test_values_schema_rejects_a_bad_config_naming_the_field(helm, tmp_path, command, override, field):
     result = run_helm(helm, command, *(["rel"] if command == "template" else []), str(CHART),
@@ -349,6 +350,7 @@ def test_values_schema_rejects_a_bad_config_naming_the_field(helm, tmp_path, com
     ({"config": {"router": {"internal_port": 50051}}}, "config.router.internal_port"),
     ({"config": {"router": {"internal_port": 8000}}}, "config.router.internal_port"),  # the HTTP port
     ({"config": {"router": {"heartbeat_timeout_s": 0.5}}}, "config.router.heartbeat_timeout_s (0.5)"),
+    ({"config": {"decode": {"port": 9400, "metrics_port": 9400}}}, "config.decode: port and metrics_port are both 9400"),
 ])
 def test_chart_rejects_values_that_cannot_work_in_kubernetes(helm, tmp_path, override, field):
     result = run_helm(helm, "template", "rel", str(CHART), values=override, tmp_path=tmp_path)

@@ -113,6 +113,11 @@ holds only per-field rules, and a config breaking one rendered fine, then every 
 {{- if and (not (or $p $d)) (not (int ($aggregated.replicas | default 0))) -}}
 {{- fail "config.aggregated.replicas: no workers: set config.prefill.replicas and config.decode.replicas, or config.aggregated.replicas" -}}
 {{- end -}}
+{{- range $role, $rc := dict "prefill" $prefill "decode" $decode "aggregated" $aggregated -}}
+{{- if and $rc.port (eq (int $rc.port) (int ($rc.metrics_port | default 0))) -}}
+{{- fail (printf "config.%s: port and metrics_port are both %v: a replica listens on each (gRPC and /metrics); give them different ports, or 0 (any free port)" $role (int $rc.port)) -}}
+{{- end -}}
+{{- end -}}
 {{- range $role, $rc := dict "prefill" $prefill "decode" $decode -}}
 {{- if and $rc.replicas (gt (int ($rc.tensor_parallel_size | default 1)) 1) -}}
 {{- fail (printf "config.%s.tensor_parallel_size: %v is not supported for disaggregated roles yet (KV transfer between sharded workers is not implemented); allowed: 1, or use aggregated workers for tensor parallelism" $role $rc.tensor_parallel_size) -}}
