@@ -115,6 +115,18 @@ def test_every_pod_runs_pdspec_with_the_mounted_config(rendered):
         assert component(deployment) in container["args"]  # `router`, or `--role <role>`
 
 
+def test_every_pod_meets_the_restricted_pod_security_standard(rendered):
+    """What a namespace enforcing Pod Security "restricted" requires of each pod, or admits none."""
+    _, docs = rendered
+    for deployment in by_kind(docs, "Deployment").values():
+        pod = deployment["spec"]["template"]["spec"]
+        assert pod["securityContext"]["runAsNonRoot"] is True
+        assert pod["securityContext"]["seccompProfile"] == {"type": "RuntimeDefault"}
+        for container in pod["containers"]:
+            assert container["securityContext"]["allowPrivilegeEscalation"] is False
+            assert container["securityContext"]["capabilities"]["drop"] == ["ALL"]
+
+
 def test_workers_register_with_the_router_and_advertise_their_pod_ip(rendered):
     name, docs = rendered
     config = merged_values(name)["config"]
