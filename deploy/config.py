@@ -22,6 +22,9 @@ class _Strict(BaseModel):
     model_config = ConfigDict(extra="forbid", allow_inf_nan=False)
 
 
+_RAY_BUILTIN_RESOURCES = ("CPU", "GPU", "memory", "object_store_memory")
+
+
 class Resources(_Strict):
     """What one replica asks its scheduler (Ray, Kubernetes) for."""
 
@@ -30,6 +33,15 @@ class Resources(_Strict):
     memory_gb: float | None = Field(None, gt=0, description="memory per replica")
     custom: dict[str, float] = Field(default_factory=dict,
                                      description="Ray custom resources, e.g. {node_kind_prefill: 1} to pin a role to nodes")
+
+    @model_validator(mode="after")
+    def _custom_resources(self) -> "Resources":
+        for name, amount in self.custom.items():
+            if name in _RAY_BUILTIN_RESOURCES:
+                raise ValueError(f"custom: {name!r} is one of Ray's own resources; set cpus, gpus or memory_gb instead")
+            if amount < 0:
+                raise ValueError(f"custom.{name}: {amount:g} is negative; a resource amount is >= 0")
+        return self
 
 
 class RoleConfig(_Strict):

@@ -31,6 +31,8 @@ class ApiKeys:
             self._keys = self._read()
         except OSError as e:
             raise ValueError(f"router.api_key_file: cannot read {path}: {e.strerror}") from None
+        except UnicodeDecodeError as e:
+            raise ValueError(f"router.api_key_file: {path} is not UTF-8 text (byte {e.start}); one key per line")
         if not self._keys:
             raise ValueError(f"router.api_key_file: {path} holds no key (one per line)")
 

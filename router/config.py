@@ -13,7 +13,8 @@ DAY_S = 86400.0
 class RouterConfig(BaseModel):
     model_config = ConfigDict(extra="forbid", allow_inf_nan=False)  # an inf time overflowed the watchdog's wait
 
-    host: str = "127.0.0.1"
+    host: str = Field("127.0.0.1", min_length=1, description="the address the router listens on (0.0.0.0: every "
+                      "interface)")
     port: int = Field(50051, ge=0, le=65535, description="public gRPC port (0: pick a free one)")
     internal_port: int = Field(50052, ge=0, le=65535, description="the internal Registry's gRPC port, where "
                                "workers register (mutual TLS when tls is set; 0: pick a free one)")

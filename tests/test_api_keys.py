@@ -164,10 +164,11 @@ def test_an_emptied_or_removed_key_file_accepts_no_key(tmp_path):
     _until(lambda: keys.owner("Bearer new-key") is not None, "the file written again is not taken")
 
 
-@pytest.mark.parametrize("content, error", [(None, "cannot read"), ("# only a comment\n", "holds no key")])
+@pytest.mark.parametrize("content, error", [(None, "cannot read"), (b"# only a comment\n", "holds no key"),
+                                            (b"# caf\xe9\nkey\n", r"is not UTF-8 text \(byte 5\)")])
 def test_a_bad_key_file_is_refused_naming_the_field(tmp_path, content, error):
     path = tmp_path / "keys"
     if content is not None:
-        path.write_text(content)
+        path.write_bytes(content)
     with pytest.raises(ValueError, match=f"router.api_key_file: .*{error}"):
         ApiKeys(path)

@@ -41,8 +41,11 @@ def test_router_settings_that_cannot_work_together_are_refused_by_name(router, m
     ({"engine": {"speculative": {"method": "eagle3", "draft_confidence_threshold": float("nan")}}},
      "engine.speculative.draft_confidence_threshold: Input should be a finite number"),
     ({"decode": {"replicas": 1, "port": 7000, "metrics_port": 7000}}, "decode: .*port and metrics_port are both 7000"),
+    ({"router": {"host": ""}}, "router.host: String should have at least 1 character"),
+    ({"prefill": {"replicas": 1, "resources": {"custom": {"CPU": 2}}}}, "prefill.resources: .*'CPU' is one of Ray's own"),
+    ({"decode": {"replicas": 1, "resources": {"custom": {"fast": -1}}}}, "decode.resources: .*custom.fast: -1 is negative"),
 ])
-def test_times_and_ports_that_would_fail_later_are_refused_by_name(config, message):
+def test_values_that_would_fail_later_are_refused_by_name(config, message):
     """An inf request_timeout_s once passed and then killed the router's watchdog thread (its wait
     overflowed), leaving stalled streams holding their slots."""
     with pytest.raises(ConfigError, match=message):
