@@ -19,7 +19,7 @@ def start_decode_worker(spec: WorkerSpec, kv_transfer: Literal["nixl", "grpc"] |
         connector = make_connector(kv_transfer, loop.engine.runner.layout, kv_caches(loop), spec.token, spec.tls)
     handoffs = HandoffMetrics(spec.worker_id)
     servicer = DecodeServicer(loop, connector, handoffs, admission_timeout_s=admission_timeout_s)
-    server, address = bind(spec, loop, [(worker_pb2_grpc.add_DecodeWorkerServicer_to_server, servicer,
+    server, address, health = bind(spec, loop, [(worker_pb2_grpc.add_DecodeWorkerServicer_to_server, servicer,
                                          "pdspec.v1.DecodeWorker")])
-    return announce(spec, loop, server, address, [connector] if connector else [], kv_transfer or "none",
+    return announce(spec, loop, server, address, health, [connector] if connector else [], kv_transfer or "none",
                     servicer.calls, collectors=[handoffs])

@@ -15,9 +15,9 @@ def start_prefill_worker(spec: WorkerSpec, kv_transfer: Literal["nixl", "grpc"],
     source = KVSource(loop.engine.runner.layout, kv_caches(loop), pin_timeout_s, nixl=kv_transfer == "nixl",
                       token=spec.token, pull_slots=kv_pull_limit(request_call_limit(spec.engine.max_num_seqs)).held)
     servicer = PrefillServicer(loop, source, spec.worker_id, "", layout_message(loop))
-    server, address = bind(spec, loop, [
+    server, address, health = bind(spec, loop, [
         (worker_pb2_grpc.add_PrefillWorkerServicer_to_server, servicer, "pdspec.v1.PrefillWorker"),
         (kv_pb2_grpc.add_KVTransferServicer_to_server, source.servicer, "pdspec.v1.KVTransfer"),
     ])
     servicer.address = address  # handles name the address decode workers pull from
-    return announce(spec, loop, server, address, [source], kv_transfer, servicer.calls)
+    return announce(spec, loop, server, address, health, [source], kv_transfer, servicer.calls)

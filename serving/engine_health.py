@@ -10,9 +10,20 @@ from engine.loop import EngineLoop
 
 
 class EngineHealth(health.HealthServicer):
-    def __init__(self, loop: EngineLoop):
+    """`ready_service` (the worker's own service: readiness) answers SERVING only while the router
+    knows the worker (`registered`): a worker the router refuses (another cluster token, a KV
+    layout its peers cannot take) or cannot reach answered SERVING everywhere, and a Kubernetes
+    rollout counted a pod that served nothing as ready. Liveness ("") follows the engine alone:
+    restarting a worker would not bring its router back."""
+
+    def __init__(self, loop: EngineLoop, ready_service: str):
         super().__init__()
-        self.loop = loop
+        self.loop, self.ready_service = loop, ready_service
+
+    def registered(self, known: bool) -> None:
+        """The router knows the worker now (or no longer)."""
+        self.set(self.ready_service, health_pb2.HealthCheckResponse.SERVING if known
+                 else health_pb2.HealthCheckResponse.NOT_SERVING)
 
     def Check(self, request: health_pb2.HealthCheckRequest, context) -> health_pb2.HealthCheckResponse:
         if self.loop.trouble():

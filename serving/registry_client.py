@@ -4,6 +4,7 @@ KV events; register again whenever the router does not know us (it restarted or 
 import logging
 import threading
 import uuid
+from collections.abc import Callable
 
 import grpc
 
@@ -17,9 +18,12 @@ log = logging.getLogger(__name__)
 
 class RegistryClient:
     def __init__(self, router_address: str, token: str | None, registration: worker_pb2.RegisterRequest,
-                 loop: EngineLoop, interval_s: float = 0.5, tls: Tls | None = None):
+                 loop: EngineLoop, interval_s: float = 0.5, tls: Tls | None = None,
+                 on_registered: Callable[[bool], None] = lambda known: None):
+        """`on_registered(known)`: called whenever the router comes to know the worker or stops."""
         self.stub = worker_pb2_grpc.RegistryStub(channel(router_address, token, tls))
         self.registration, self.loop, self.interval_s = registration, loop, interval_s
+        self.on_registered = on_registered
         self.router_address = router_address
         self._registration_id = ""
         self._stop = threading.Event()
@@ -32,6 +36,7 @@ class RegistryClient:
         """Stop heartbeating and tell the router to route nothing new here."""
         self._stop.set()
         self._thread.join(timeout=5)
+        self.on_registered(False)
         self._deregister()
 
     def _deregister(self) -> None:
@@ -45,6 +50,7 @@ class RegistryClient:
     def _run(self) -> None:
         registered = False
         while not self._stop.is_set():
+            was = registered
             try:
                 trouble = self.loop.trouble()
                 if trouble:  # silent: the router evicts us, and routes elsewhere
@@ -62,6 +68,8 @@ class RegistryClient:
             except Exception:  # the thread must outlive it: without heartbeats the worker is evicted for good
                 log.exception("heartbeat to router %s failed; retrying", self.router_address)
                 registered = False
+            if registered != was and not self._stop.is_set():
+                self.on_registered(registered)
             self._stop.wait(self.interval_s)
 
     def _register(self) -> None:

@@ -119,19 +119,22 @@ def layout_message(loop: EngineLoop) -> kv_pb2.KVLayout:
     return layout_to_proto(loop.engine.runner.layout)
 
 
-def bind(spec: WorkerSpec, loop: EngineLoop, services: list[Service]) -> tuple[grpc.Server, str]:
+def bind(spec: WorkerSpec, loop: EngineLoop, services: list[Service]) -> tuple[grpc.Server, str, EngineHealth]:
     """Serve `services` (all internal: the cluster token is required), health checks answering as
-    the engine loop serves. Returns the server and the address other workers and the router dial."""
+    the engine loop serves, and the first service's (readiness) once the router knows the worker.
+    Returns the server, the address other workers and the router dial, and the health servicer."""
     # Threads for the request calls (serving/call_limit.py caps them), as many for KV pulls of a
     # prefill worker's pinned requests, and the control RPCs (health checks, Abort, Release).
+    health = EngineHealth(loop, ready_service=services[0][2])
     server, bound = serve(services, f"{spec.host}:{spec.port}", spec.token, internal=[name for _, _, name in services],
                           max_workers=2 * request_call_limit(spec.engine.max_num_seqs) + _CONTROL_THREADS,
-                          health_servicer=EngineHealth(loop), tls=spec.tls)
-    return server, f"{spec.advertise_host or spec.host}:{bound}"
+                          health_servicer=health, not_ready=[health.ready_service], tls=spec.tls)
+    return server, f"{spec.advertise_host or spec.host}:{bound}", health
 
 
-def announce(spec: WorkerSpec, loop: EngineLoop, server: grpc.Server, address: str, closers: list[Closeable],
-             kv_transfer: str, calls: CallLimit, collectors: Iterable[Collector] = ()) -> RunningWorker:
+def announce(spec: WorkerSpec, loop: EngineLoop, server: grpc.Server, address: str, health: EngineHealth,
+             closers: list[Closeable], kv_transfer: str, calls: CallLimit,
+             collectors: Iterable[Collector] = ()) -> RunningWorker:
     """Export metrics (the engine's, and `collectors`) and register with the router, which routes
     to the worker once the first heartbeat lands."""
     metrics_server, metrics_port = serve_metrics(loop, spec.role, spec.worker_id, spec.host, spec.metrics_port,
@@ -141,7 +144,7 @@ def announce(spec: WorkerSpec, loop: EngineLoop, server: grpc.Server, address: s
                            engine.context_limit(), spec.engine.max_num_seqs)
     request.metrics_address = f"{spec.advertise_host or spec.host}:{metrics_port}"
     registry = RegistryClient(spec.router_address, spec.token, request, loop, interval_s=spec.heartbeat_interval_s,
-                              tls=spec.tls)
+                              tls=spec.tls, on_registered=health.registered)
     registry.start()
     log.info("%s worker %s serving on %s (model %s, draft %s, K=%d, %d KV blocks, transfer %s)",
              spec.role, spec.worker_id, address, engine.runner.model_dir, spec.engine.speculative.model or

@@ -151,9 +151,8 @@ def test_a_worker_whose_engine_fails_every_step_answers_health_checks_not_servin
         with grpc.insecure_channel(worker.address) as channel:
             health_check = health_pb2_grpc.HealthStub(channel).Check
 
-            def statuses() -> set[int]:
-                return {health_check(health_pb2.HealthCheckRequest(service=s), timeout=5).status
-                        for s in ("", "pdspec.v1.DecodeWorker")}
+            def statuses() -> set[int]:  # liveness (readiness: NOT_SERVING here, no router knows the worker)
+                return {health_check(health_pb2.HealthCheckRequest(service=s), timeout=5).status for s in ("",)}
 
             assert statuses() == {health_pb2.HealthCheckResponse.SERVING}
             engine.step = fail  # every step from now on
@@ -194,3 +193,52 @@ def test_a_handle_of_another_kv_layout_is_refused_before_it_waits_for_room(chat_
     finally:
         server.stop(None)
         loop.stop()
+
+
+def test_a_worker_is_ready_only_while_its_router_knows_it(model_dir):
+    """Readiness (the worker's own service, Kubernetes' readiness probe) waits for the router to
+    register the worker: one with another cluster token, or with no router up, answered SERVING and
+    counted as ready while serving nothing. Liveness ("") stays SERVING: a restart would not help."""
+    from grpc_health.v1 import health_pb2, health_pb2_grpc
+
+    from decode_worker.main import start_decode_worker
+    from deploy.config import DeploymentConfig
+    from proto.rpc import free_port
+    from router.main import run_router
+    from serving.worker_process import WorkerSpec
+
+    registry_port = free_port()
+    spec = WorkerSpec(role="aggregated", engine=EngineConfig(num_kv_blocks=NUM_BLOCKS, speculative={"method": "none"}),
+                      router_address=f"127.0.0.1:{registry_port}", token="ours", heartbeat_interval_s=0.1)
+    worker = start_decode_worker(spec, None, admission_timeout_s=5.0)
+    config = DeploymentConfig(router={"heartbeat_interval_s": 0.1, "heartbeat_timeout_s": 1.0})
+
+    def router(token: str):
+        return run_router(config.router, token, model_dir, "smollm2", port=0, internal_port=registry_port)
+
+    try:
+        with grpc.insecure_channel(worker.address) as channel:
+            check = health_pb2_grpc.HealthStub(channel).Check
+
+            def status(service: str) -> int:
+                return check(health_pb2.HealthCheckRequest(service=service), timeout=5).status
+
+            def settles_at(expected: int, within_s: float = 10.0) -> bool:
+                deadline = time.monotonic() + within_s
+                while status("pdspec.v1.DecodeWorker") != expected and time.monotonic() < deadline:
+                    time.sleep(0.05)
+                return status("pdspec.v1.DecodeWorker") == expected
+
+            serving, not_serving = health_pb2.HealthCheckResponse.SERVING, health_pb2.HealthCheckResponse.NOT_SERVING
+            assert status("pdspec.v1.DecodeWorker") == not_serving and status("") == serving  # no router yet
+            stranger = router("theirs")  # refuses the worker's registrations
+            time.sleep(1.0)
+            assert status("pdspec.v1.DecodeWorker") == not_serving
+            stranger.stop(0)
+            ours = router("ours")
+            assert settles_at(serving), "registered, still not ready"
+            ours.stop(0)
+            assert settles_at(not_serving), "its router gone, still ready"
+            assert status("") == serving
+    finally:
+        worker.stop()

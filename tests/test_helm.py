@@ -172,10 +172,13 @@ def test_probes_are_grpc_health_checks_on_the_serving_port(rendered):
             assert ports["metrics"] == config[component(deployment)]["metrics_port"]
         for probe in ("startupProbe", "readinessProbe", "livenessProbe"):
             # service unset: the kubelet asks for "", the server's overall health (liveness);
-            # the router is ready only while its Router service is (a route exists).
+            # the router is ready only while its Router service is (a route exists), a worker
+            # while its own service is (the router knows it).
             expected = {"port": ports["grpc"]}
-            if probe == "readinessProbe" and component(deployment) == "router":
-                expected["service"] = "pdspec.v1.Router"
+            if probe == "readinessProbe":
+                expected["service"] = {"router": "pdspec.v1.Router", "prefill": "pdspec.v1.PrefillWorker",
+                                       "decode": "pdspec.v1.DecodeWorker",
+                                       "aggregated": "pdspec.v1.DecodeWorker"}[component(deployment)]
             assert container[probe]["grpc"] == expected, (deployment["metadata"]["name"], probe)
 
 
