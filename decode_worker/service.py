@@ -25,7 +25,7 @@ from serving.call_limit import CallLimit, request_call_limit
 from serving.convert import acceptance, sampling_params
 from serving.metrics import HandoffMetrics
 from proto.pdspec.v1 import common_pb2, worker_pb2, worker_pb2_grpc
-from proto.rpc import FAILED_KV_SOURCE_METADATA_KEY
+from proto.rpc import FAILED_KV_SOURCE_METADATA_KEY, time_left
 
 log = logging.getLogger(__name__)
 
@@ -113,8 +113,10 @@ class DecodeServicer(worker_pb2_grpc.DecodeWorkerServicer):
                 context.abort(grpc.StatusCode.DEADLINE_EXCEEDED, f"the request's deadline passed while its KV "
                               f"arrived from {handle.source_worker_id}")
             code = grpc.StatusCode.UNAVAILABLE if e.retryable else grpc.StatusCode.FAILED_PRECONDITION
-            if e.retryable:
-                context.set_trailing_metadata([(FAILED_KV_SOURCE_METADATA_KEY, handle.source_worker_id)])
+            # Named whatever the code: a pull fails at its source or between the pair (a checksum that
+            # does not match, a source of another version), and the router then avoids both. Unnamed,
+            # it blamed this worker alone and retried without it: with one decode worker, no retry.
+            context.set_trailing_metadata([(FAILED_KV_SOURCE_METADATA_KEY, handle.source_worker_id)])
             context.abort(code, f"KV transfer from {handle.source_worker_id} failed: {e}")
         finally:  # not admitted, however it ended: the transfer is over, the blocks go
             if not admitted:
@@ -123,12 +125,18 @@ class DecodeServicer(worker_pb2_grpc.DecodeWorkerServicer):
     def _reserve(self, rid, prompt, params, context) -> tuple[int, list[int]]:
         """Allocate the prompt's blocks, waiting while the pool or the batch is full."""
         engine = self.loop.engine
-        deadline = time.monotonic() + min(self.admission_timeout_s, context.time_remaining() or math.inf)
+        left = time_left(context)
+        deadline_first = left is not None and left < self.admission_timeout_s  # then the request's deadline ends it
+        waited_from = time.monotonic()
+        deadline = waited_from + (left if deadline_first else self.admission_timeout_s)
         while time.monotonic() < deadline and context.is_active():
             reserved = self.loop.call(engine.take_over, rid, prompt, params)
             if reserved is not None:
                 return reserved
             self.loop.wait_step(0.2)
+        if deadline_first:  # not a full worker (retried elsewhere): a request out of time
+            context.abort(grpc.StatusCode.DEADLINE_EXCEEDED, f"the request's deadline passed after "
+                          f"{time.monotonic() - waited_from:.1f}s waiting for room in the decode worker's KV pool")
         context.abort(grpc.StatusCode.RESOURCE_EXHAUSTED,
                       f"decode worker KV pool stayed full for {self.admission_timeout_s:.0f}s; retry later")
 

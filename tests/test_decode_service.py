@@ -22,11 +22,11 @@ NUM_BLOCKS = 64
 
 
 class FailingConnector:
-    def __init__(self, may_still_write: bool):
-        self.may_still_write = may_still_write
+    def __init__(self, may_still_write: bool, retryable: bool = True):
+        self.may_still_write, self.retryable = may_still_write, retryable
 
     def pull(self, handle, remote_block_ids, local_block_ids, timeout_s) -> None:
-        raise KVTransferError("injected: the READ failed", retryable=True, may_still_write=self.may_still_write)
+        raise KVTransferError("injected: the READ failed", retryable=self.retryable, may_still_write=self.may_still_write)
 
     def close(self) -> None:
         pass
@@ -38,10 +38,13 @@ def _serve(servicer) -> tuple[grpc.Server, str]:
     return server, f"127.0.0.1:{port}"
 
 
-@pytest.mark.parametrize("may_still_write", [False, True])
-def test_a_failed_transfer_frees_its_blocks_unless_it_may_still_write_into_them(may_still_write, chat_prompts):
+@pytest.mark.parametrize("may_still_write, retryable", [(False, True), (True, True), (False, False)])
+def test_a_failed_transfer_frees_its_blocks_unless_it_may_still_write_into_them(may_still_write, retryable,
+                                                                                 chat_prompts):
+    """And it names its source, retryable or not (a checksum that does not match, a source of
+    another version): the router then avoids both sides, where it used to blame this worker alone."""
     loop = EngineLoop(Engine(EngineConfig(num_kv_blocks=NUM_BLOCKS, speculative={"method": "none"})))
-    servicer = DecodeServicer(loop, FailingConnector(may_still_write), HandoffMetrics("decode-test"))
+    servicer = DecodeServicer(loop, FailingConnector(may_still_write, retryable), HandoffMetrics("decode-test"))
     server, address = _serve(servicer)
     try:
         prompt = chat_prompts[0]
@@ -56,7 +59,8 @@ def test_a_failed_transfer_frees_its_blocks_unless_it_may_still_write_into_them(
             with pytest.raises(grpc.RpcError) as failed:
                 list(worker_pb2_grpc.DecodeWorkerStub(channel).Decode(request, timeout=60))
         error = failed.value
-        assert error.code() == grpc.StatusCode.UNAVAILABLE and "injected" in error.details()
+        code = grpc.StatusCode.UNAVAILABLE if retryable else grpc.StatusCode.FAILED_PRECONDITION
+        assert error.code() == code and "injected" in error.details()
         assert (FAILED_KV_SOURCE_METADATA_KEY, "prefill-test") in error.trailing_metadata()
         retired = blocks if may_still_write else 0
         assert loop.call(lambda: (engine.blocks.num_free_blocks, engine.blocks.num_retired_blocks, engine.incoming)) \
