@@ -20,7 +20,7 @@ from pydantic import ValidationError
 from engine.errors import CapacityExceeded, InvalidRequest, RequestIdInUse
 from engine.loop import EngineLoop
 from engine.output import KVHandle, RequestOutput
-from kvtransfer.connector import KVConnector, KVTransferError, check_layout
+from kvtransfer.connector import Cancellation, KVConnector, KVTransferError, check_layout
 from serving.call_limit import CallLimit, request_call_limit
 from serving.convert import acceptance, sampling_params
 from serving.metrics import HandoffMetrics
@@ -98,9 +98,12 @@ class DecodeServicer(worker_pb2_grpc.DecodeWorkerServicer):
         cached, table = self._reserve(rid, prompt, params, context)
         first, end = cached // block_size, math.ceil(len(prompt) / block_size)
         started, admitted = time.perf_counter(), False
+        cancel = Cancellation()
+        if not context.add_callback(cancel.set):  # the call ended (its client cancelled it): the pull stops too
+            cancel.set()
         try:
             self.connector.pull(handle, list(handle.block_ids[first:end]), table[first:end],
-                                min(self.transfer_timeout_s, context.time_remaining()))
+                                min(self.transfer_timeout_s, context.time_remaining()), cancel)
             self.handoffs.observe(time.perf_counter() - started,
                                   (end - first) * self.loop.engine.runner.layout.bytes_per_block())
             outputs = self.loop.admit_prefilled(rid, _engine_handle(handle, table))

@@ -19,7 +19,7 @@ import logging
 import threading
 import time
 from dataclasses import dataclass
-from typing import Protocol
+from typing import Callable, Protocol
 
 import grpc
 import torch
@@ -32,6 +32,7 @@ from proto.rpc import Tls, channel
 log = logging.getLogger(__name__)
 
 RELEASE_MIN_TIMEOUT_S = 1.0  # a Release after a timed-out pull still gets this long to unpin promptly
+CLOSE_WAIT_S = 10.0  # close() waits this long for cancelled pulls to end (their Release included)
 SOURCE_IDLE_S = 600.0  # a source no pull used this long is let go (its channel, its NIXL agent)
 _NOT_RETRYABLE = {grpc.StatusCode.UNAUTHENTICATED, grpc.StatusCode.PERMISSION_DENIED,
                   grpc.StatusCode.FAILED_PRECONDITION, grpc.StatusCode.INVALID_ARGUMENT,
@@ -53,15 +54,52 @@ class KVTransferError(RuntimeError):
         self.may_still_write = may_still_write  # into the pull's local blocks: never reuse them
 
 
+class Cancellation:
+    """A pull's stop signal, set once from any thread (its request's client gone, the worker
+    closing): a gRPC stream is cancelled at once, a NIXL READ at its next poll, a wait for a busy
+    source cut short; the pull then raises KVTransferError, its Release still sent. Without it a
+    cancelled request's pull ran on for up to its timeout, holding one of the source's pull slots,
+    its pin and its local blocks."""
+
+    def __init__(self) -> None:
+        self._set = threading.Event()
+        self._lock = threading.Lock()
+        self._hooks: list[Callable[[], None]] = []
+
+    def set(self) -> None:
+        with self._lock:
+            self._set.set()
+            hooks, self._hooks = self._hooks, []
+        for hook in hooks:
+            hook()
+
+    def is_set(self) -> bool:
+        return self._set.is_set()
+
+    def wait(self, seconds: float) -> bool:
+        """Sleep up to `seconds`, less if set; whether it is."""
+        return self._set.wait(seconds)
+
+    def on_set(self, hook: Callable[[], None]) -> None:
+        """Run `hook` once set (now, if it is)."""
+        with self._lock:
+            if not self._set.is_set():
+                self._hooks.append(hook)
+                return
+        hook()
+
+
 class KVConnector(Protocol):
     def pull(self, handle: kv_pb2.KVHandle, remote_block_ids: list[int], local_block_ids: list[int],
-             timeout_s: float) -> None:
+             timeout_s: float, cancel: Cancellation | None = None) -> None:
         """Copy the source's blocks `remote_block_ids` (target and draft caches) of the request in
         `handle` into the local blocks `local_block_ids` (same order), then release the source's
-        pin. Raises KVTransferError; see the module docstring for who frees what."""
+        pin; `cancel` stops it early. Raises KVTransferError; see the module docstring for who
+        frees what."""
 
     def close(self) -> None:
-        """Close channels and NIXL registrations; no pull may run meanwhile or after."""
+        """Cancel running pulls and wait for them (bounded), refuse new ones, close channels and
+        NIXL registrations."""
 
 
 def rpc_failure(e: grpc.RpcError, call: str, source: str) -> KVTransferError:
@@ -110,16 +148,34 @@ class BaseConnector(abc.ABC):
         self._channels: dict[str, _Channel] = {}
         self._channels_lock = threading.Lock()
         self._unchecked_said = False  # warned that device caches' blocks go unchecked
+        self._pulls = threading.Condition()  # guards the running pulls' cancellations and _closing
+        self._running: set[Cancellation] = set()
+        self._closing = False
 
     def pull(self, handle: kv_pb2.KVHandle, remote_block_ids: list[int], local_block_ids: list[int],
-             timeout_s: float) -> None:
+             timeout_s: float, cancel: Cancellation | None = None) -> None:
         deadline = time.monotonic() + timeout_s
+        cancel = cancel or Cancellation()
+        with self._pulls:
+            if self._closing:
+                raise KVTransferError(f"pull of {handle.request_id} refused: this worker is shutting down",
+                                      retryable=True)
+            self._running.add(cancel)
+        try:
+            self._pull(handle, remote_block_ids, local_block_ids, deadline, cancel)
+        finally:
+            with self._pulls:
+                self._running.discard(cancel)
+                self._pulls.notify_all()
+
+    def _pull(self, handle: kv_pb2.KVHandle, remote_block_ids: list[int], local_block_ids: list[int],
+              deadline: float, cancel: Cancellation) -> None:
         used = self._use_channel(handle.source_address)
         stub = kv_pb2_grpc.KVTransferStub(used.channel)
         try:
             self._check(handle, remote_block_ids, local_block_ids)
             if remote_block_ids:
-                self._move(stub, handle, remote_block_ids, local_block_ids, deadline)
+                self._move(stub, handle, remote_block_ids, local_block_ids, deadline, cancel)
         finally:
             found = self._release(stub, handle, deadline)
             with self._channels_lock:
@@ -154,6 +210,24 @@ class BaseConnector(abc.ABC):
                                   retryable=True)
 
     def close(self) -> None:
+        self._stop_pulls()
+        self._close_channels()
+
+    def _stop_pulls(self) -> bool:
+        """Refuse new pulls, cancel the running ones and wait for them (a closed NIXL registration
+        under a READ still writing is undefined behaviour in UCX); whether they all ended."""
+        with self._pulls:
+            self._closing = True
+            running = list(self._running)
+        for cancel in running:
+            cancel.set()
+        with self._pulls:
+            if self._pulls.wait_for(lambda: not self._running, timeout=CLOSE_WAIT_S):
+                return True
+            log.error("%d KV pulls still run %.0fs after they were cancelled", len(self._running), CLOSE_WAIT_S)
+            return False
+
+    def _close_channels(self) -> None:
         with self._channels_lock:
             for used in self._channels.values():
                 used.channel.close()
@@ -161,8 +235,9 @@ class BaseConnector(abc.ABC):
 
     @abc.abstractmethod
     def _move(self, stub: kv_pb2_grpc.KVTransferStub, handle: kv_pb2.KVHandle, remote_block_ids: list[int],
-              local_block_ids: list[int], deadline: float) -> None:
-        """Copy the blocks (every cache) by `deadline` (time.monotonic()); raise KVTransferError."""
+              local_block_ids: list[int], deadline: float, cancel: Cancellation) -> None:
+        """Copy the blocks (every cache) by `deadline` (time.monotonic()), unless `cancel` is set
+        first; raise KVTransferError."""
 
     def _use_channel(self, address: str) -> "_Channel":
         """The source's channel, counted as in use until the pull ends; idle ones closed."""

@@ -5,12 +5,10 @@ the source to the speed at which we verify and copy. Each chunk's XXH3-64 is che
 bytes land in the local cache.
 """
 
-import time
-
 import grpc
 import xxhash
 
-from kvtransfer.connector import BaseConnector, KVTransferError, remaining, rpc_failure
+from kvtransfer.connector import BaseConnector, Cancellation, KVTransferError, remaining, rpc_failure
 from kvtransfer.layout import layout_to_proto, write_block
 from proto.pdspec.v1 import kv_pb2, kv_pb2_grpc
 
@@ -22,7 +20,7 @@ class GrpcConnector(BaseConnector):
     needs_release_proof = False  # the source read each chunk under its pin's lock (a pin gone: NOT_FOUND)
 
     def _move(self, stub: kv_pb2_grpc.KVTransferStub, handle: kv_pb2.KVHandle, remote_block_ids: list[int],
-              local_block_ids: list[int], deadline: float) -> None:
+              local_block_ids: list[int], deadline: float, cancel: Cancellation) -> None:
         local_of = dict(zip(remote_block_ids, local_block_ids))
         missing = {(block_id, cache) for block_id in remote_block_ids for cache in self.caches}
         request = kv_pb2.PullBlocksRequest(request_id=handle.request_id, block_ids=remote_block_ids,
@@ -30,6 +28,7 @@ class GrpcConnector(BaseConnector):
         wait_s = BUSY_WAIT_S
         while True:
             stream, received = stub.PullBlocks(request, timeout=remaining(deadline)), False
+            cancel.on_set(stream.cancel)
             try:
                 for chunk in stream:
                     received = True
@@ -38,6 +37,8 @@ class GrpcConnector(BaseConnector):
                     missing.discard((chunk.block_id, chunk.cache))
                 break
             except grpc.RpcError as e:
+                if cancel.is_set():
+                    raise KVTransferError(f"PullBlocks of {handle.request_id} cancelled", retryable=True) from None
                 # A source serving its most pulls at once (it refuses before any chunk): its turn
                 # comes, the pin holds meanwhile; blamed, a healthy busy source would be written off.
                 busy = e.code() == grpc.StatusCode.RESOURCE_EXHAUSTED and not received
@@ -45,7 +46,8 @@ class GrpcConnector(BaseConnector):
                     raise rpc_failure(e, f"PullBlocks of {handle.request_id}", handle.source_address) from None
             finally:
                 stream.cancel()  # no-op after a complete stream; frees it at once when we stop early
-            time.sleep(wait_s)
+            if cancel.wait(wait_s):
+                raise KVTransferError(f"PullBlocks of {handle.request_id} cancelled", retryable=True)
             wait_s = min(2 * wait_s, BUSY_WAIT_MAX_S)
         if missing:
             raise KVTransferError(f"{handle.source_address} ended PullBlocks of {handle.request_id} "

@@ -28,7 +28,8 @@ from nixl_cu12 import _bindings as nixl_bindings
 from nixl_cu12._api import nixl_agent, nixl_agent_config, nixl_xfer_handle
 
 from engine.kv_layout import KVLayout
-from kvtransfer.connector import BaseConnector, KVTransferError, check_layout, idle, remaining, rpc_failure
+from kvtransfer.connector import (BaseConnector, Cancellation, KVTransferError, check_layout, idle, remaining,
+                                  rpc_failure)
 from kvtransfer.layout import layout_to_proto
 from proto.pdspec.v1 import kv_pb2, kv_pb2_grpc
 from proto.rpc import Tls
@@ -114,7 +115,8 @@ class _Source:
     """A source's NIXL agent as loaded here, and the pulls reading through it now. NIXL knows a
     remote agent by its name alone, so one name is loaded once: a forgotten agent (a READ from it
     failed) is removed only when its last pull has ended (removal under a READ in flight may free
-    that READ's request), and taken up again meanwhile if its source still answers with it."""
+    that READ's request), and taken up again meanwhile if its source still answers with it; one
+    with a READ that could not be cancelled is never removed (that READ may still run)."""
     name: str
     nixl_name: str | bytes  # as NIXL's add_remote_agent returned it, for its calls
     sha256: bytes  # of the metadata it was loaded from
@@ -122,6 +124,7 @@ class _Source:
     users: int = 0
     forgotten: bool = False
     last_used: float = 0.0
+    uncancelled_read: bool = False
 
 
 class NixlConnector(BaseConnector):
@@ -136,19 +139,26 @@ class NixlConnector(BaseConnector):
         self._address_locks: dict[str, threading.Lock] = {}
 
     def close(self) -> None:
-        super().close()
-        self._memory.close()
+        drained = self._stop_pulls()
+        self._close_channels()
+        if drained:
+            self._memory.close()
+        else:  # the process is ending: better its registration outlive it than a READ write freed memory
+            log.error("NIXL memory left registered: KV pulls still run")
 
     def _move(self, stub: kv_pb2_grpc.KVTransferStub, handle: kv_pb2.KVHandle, remote_block_ids: list[int],
-              local_block_ids: list[int], deadline: float) -> None:
+              local_block_ids: list[int], deadline: float, cancel: Cancellation) -> None:
         address = handle.source_address
         self._forget_idle()
         source = self._use(stub, handle, deadline)
         forget = False
         try:
-            self._read(source, handle, remote_block_ids, local_block_ids, deadline)
+            self._read(source, handle, remote_block_ids, local_block_ids, deadline, cancel)
         except KVTransferError as e:
-            forget = e.retryable  # a restarted source has a new agent: fetch its metadata again next time
+            # A restarted source has a new agent: fetch its metadata again next time (not for a pull
+            # cancelled here, which says nothing of the source).
+            forget = e.retryable and not cancel.is_set()
+            source.uncancelled_read |= e.may_still_write
             raise
         finally:
             with self._address_lock(address), self._lock:
@@ -228,7 +238,7 @@ class NixlConnector(BaseConnector):
         if self._sources.get(address) is source:
             del self._sources[address]
         source.forgotten = True
-        if source.users == 0 and self._agents.get(source.name) is source:
+        if source.users == 0 and self._agents.get(source.name) is source and not source.uncancelled_read:
             try:
                 self._memory.agent.remove_remote_agent(source.nixl_name)
                 del self._agents[source.name]
@@ -248,7 +258,7 @@ class NixlConnector(BaseConnector):
                     self._forget(address, source)
 
     def _read(self, source: _Source, handle: kv_pb2.KVHandle, remote_block_ids: list[int],
-              local_block_ids: list[int], deadline: float) -> None:
+              local_block_ids: list[int], deadline: float, cancel: Cancellation) -> None:
         what = f"NIXL READ of {handle.request_id} from {handle.source_address}"
         for region in source.regions.values():
             if max(remote_block_ids) >= region.length // region.block_bytes:
@@ -266,7 +276,7 @@ class NixlConnector(BaseConnector):
             raise KVTransferError(f"{what} could not start: {e}", retryable=True) from None
         try:
             state = agent.transfer(xfer)
-            while state == "PROC" and time.monotonic() < deadline:
+            while state == "PROC" and time.monotonic() < deadline and not cancel.is_set():
                 time.sleep(POLL_S)
                 state = agent.check_xfer_state(xfer)
         except NIXL_ERRORS as e:
@@ -274,7 +284,8 @@ class NixlConnector(BaseConnector):
         finally:
             stopped = _release_xfer(xfer, what)
         if state != "DONE":
-            failure = f"{what} failed: {'timed out' if state == 'PROC' else state}"
+            ended = "cancelled" if cancel.is_set() else "timed out"
+            failure = f"{what} failed: {ended if state == 'PROC' else state}"
             if not stopped:
                 failure += " and could not be cancelled: its local blocks are retired"
             raise KVTransferError(failure, retryable=True, may_still_write=not stopped)

@@ -14,7 +14,7 @@ import torch
 
 from engine.kv_layout import CacheShape, KVLayout
 from kvtransfer.backends import make_connector
-from kvtransfer.connector import KVTransferError
+from kvtransfer.connector import Cancellation, KVTransferError
 from kvtransfer.layout import block_checksums, layout_to_proto
 from kvtransfer.source import SERVICE_NAME, KVSource, KVTransferServicer
 from proto.pdspec.v1 import kv_pb2, kv_pb2_grpc
@@ -40,7 +40,7 @@ def random_caches(layout: KVLayout, num_blocks: int, seed: int) -> dict[str, tor
 class FaultyServicer(KVTransferServicer):
     """Faults on purpose, by request id: "corrupt*" flips a byte after the checksum was taken
     ("changed*", in _serve_source: a pinned block changes after the handle's checksums were taken);
-    "stall*" reports that its first chunk went out, then never sends the next; "slow*" takes 0.3 s
+    "stall*" reports that its first chunk went out, then sends no other; "slow*" takes 0.3 s
     before its first chunk; "lapsed*" ends its pin at Release but answers that it had lapsed
     already (found=False)."""
 
@@ -56,7 +56,8 @@ class FaultyServicer(KVTransferServicer):
             chunk.data = bytes([chunk.data[0] ^ 0xFF]) + chunk.data[1:]
         if request_id.startswith("stall") and cache == "draft":  # the first block's target chunk was sent
             self.report("streaming", request_id)
-            threading.Event().wait()
+            while context.is_active():  # until the puller gives up (or this process is killed)
+                time.sleep(0.05)
         return chunk
 
     def Release(self, request, context):
@@ -176,6 +177,19 @@ def _unstoppable_reads():
         release(xfer)
 
 
+@contextlib.contextmanager
+def _stuck_reads():
+    """Faults on purpose: NIXL reports every READ in progress for good (only a cancel ends it)."""
+    from nixl_cu12._api import nixl_agent
+
+    with mock.patch.object(nixl_agent, "check_xfer_state", lambda agent, xfer: "PROC"), \
+            mock.patch.object(nixl_agent, "transfer", lambda agent, xfer, *args, **kwargs: "PROC"):
+        yield
+
+
+_FAULTS = {None: contextlib.nullcontext, "unstoppable": _unstoppable_reads, "stuck": _stuck_reads}
+
+
 def _serve_destination(conn) -> None:
     """Pull on command into caches of known contents, one set per layout; report the outcome."""
     torch.set_num_threads(1)
@@ -185,20 +199,33 @@ def _serve_destination(conn) -> None:
     def local(layout: KVLayout) -> dict[str, torch.Tensor]:
         return caches.setdefault(layout, random_caches(layout, LOCAL_BLOCKS, LOCAL_SEED))
 
+    def pull_one(connector, handle: bytes, remote: list[int], local_ids: list[int], fault: str | None) -> None:
+        try:
+            with _FAULTS[fault]():
+                connector.pull(kv_pb2.KVHandle.FromString(handle), remote, local_ids, TIMEOUT_S, cancel)
+            conn.send(None)
+        except KVTransferError as e:
+            conn.send((str(e), e.retryable, e.may_still_write))
+
     try:
         while True:
             command, *args = conn.recv()
-            if command == "pull":
-                backend, layout, token, handle, remote, local_ids, unstoppable = args
+            if command == "pull":  # in a thread: "cancel" and "close" may come while it runs
+                backend, layout, token, handle, remote, local_ids, fault = args
                 key = (backend, layout, token)
                 if key not in connectors:
                     connectors[key] = make_connector(backend, layout, local(layout), token)
-                try:
-                    with _unstoppable_reads() if unstoppable else contextlib.nullcontext():
-                        connectors[key].pull(kv_pb2.KVHandle.FromString(handle), remote, local_ids, TIMEOUT_S)
-                    conn.send(None)
-                except KVTransferError as e:
-                    conn.send((str(e), e.retryable, e.may_still_write))
+                cancel = Cancellation()
+                puller = threading.Thread(target=pull_one, args=(connectors[key], handle, remote, local_ids, fault))
+                puller.start()
+            elif command == "cancel":  # the running pull's
+                cancel.set()
+            elif command == "close":  # every connector; the running pull's outcome comes first
+                for connector in connectors.values():
+                    connector.close()
+                connectors.clear()
+                puller.join()  # its outcome sent first
+                conn.send("closed")
             elif command == "pulls":  # at once, from threads: [(handle, remote, local)] -> errors or None
                 backend, layout, token, pulls = args
                 key = (backend, layout, token)
@@ -235,8 +262,9 @@ class DestinationProcess(_Child):
 
     def start_pull(self, backend: str, handle: kv_pb2.KVHandle, remote: list[int] = REMOTE,
                    local: list[int] = LOCAL, layout: KVLayout = LAYOUT, token: str = TOKEN,
-                   unstoppable: bool = False) -> None:
-        self._conn.send(("pull", backend, layout, token, handle.SerializeToString(), remote, local, unstoppable))
+                   fault: str | None = None) -> None:
+        """`fault` (NIXL): "unstoppable" READs fail and cannot be cancelled, "stuck" ones never end."""
+        self._conn.send(("pull", backend, layout, token, handle.SerializeToString(), remote, local, fault))
 
     def result(self) -> KVTransferError | None:
         """How the started pull ended: None when it succeeded."""
@@ -264,6 +292,18 @@ class DestinationProcess(_Child):
     def reset(self) -> None:
         self._conn.send(("reset",))
         self._recv()
+
+    def cancel(self) -> None:
+        """Cancel the started pull (its outcome: `result`)."""
+        self._conn.send(("cancel",))
+
+    def close(self) -> None:
+        """Close the connectors (running pulls cancelled): the started pull's `result` comes first,
+        then `wait_closed`."""
+        self._conn.send(("close",))
+
+    def wait_closed(self) -> None:
+        assert self._recv() == "closed"
 
 
 def assert_local(dest: DestinationProcess, pulled: dict[int, int], undefined: list[int] = (),

@@ -25,7 +25,7 @@ class FailingConnector:
     def __init__(self, may_still_write: bool, retryable: bool = True):
         self.may_still_write, self.retryable = may_still_write, retryable
 
-    def pull(self, handle, remote_block_ids, local_block_ids, timeout_s) -> None:
+    def pull(self, handle, remote_block_ids, local_block_ids, timeout_s, cancel=None) -> None:
         raise KVTransferError("injected: the READ failed", retryable=self.retryable, may_still_write=self.may_still_write)
 
     def close(self) -> None:

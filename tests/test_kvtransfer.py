@@ -5,6 +5,7 @@ import dataclasses
 import subprocess
 import sys
 import threading
+import time
 
 import grpc
 import pytest
@@ -211,10 +212,36 @@ def test_source_killed_before_nixl_read_is_retryable(doomed_source, dest):
 def test_a_nixl_read_that_cannot_be_cancelled_says_its_blocks_may_still_be_written(source, dest):
     """Its caller must then never reuse the local blocks (the decode worker retires them)."""
     handle = source.pin("unstoppable")
-    error = dest.pull_error("nixl", handle, unstoppable=True)
+    error = dest.pull_error("nixl", handle, fault="unstoppable")
     assert error.may_still_write and error.retryable, error
     assert "could not be cancelled" in str(error) and "injected: the READ stalled" in str(error)
     source.wait_released(handle.request_id)  # the pin still went back
+
+
+@pytest.mark.parametrize("stop", ["cancel", "close"])
+@pytest.mark.parametrize("backend", BACKENDS)
+def test_a_pull_stops_when_cancelled_or_its_connector_closes(backend, stop, doomed_source, dest):
+    """A cancelled request's pull (its client gone) or one under a closing worker ends at once, its
+    pin released: it ran on for its timeout, holding a source pull slot, the pin and its blocks,
+    and a closing NIXL connector deregistered memory a READ still wrote into."""
+    handle = doomed_source.pin("stall")
+    if backend == "grpc":
+        dest.start_pull("grpc", handle)  # the source sends one chunk, then stalls for good
+        doomed_source.expect("streaming")
+    else:
+        assert dest.pull("nixl", doomed_source.pin("warm")) is None  # its agent loaded: the next pull READs at once
+        dest.start_pull("nixl", handle, fault="stuck")
+        time.sleep(0.5)  # well into its READ (the NIXL poll sees the cancel; before it, so does the check after)
+    dest.cancel() if stop == "cancel" else dest.close()
+    error = dest.result()
+    assert error is not None and "cancelled" in str(error) and error.retryable, error
+    assert not error.may_still_write
+    if stop == "close":
+        dest.wait_closed()
+    doomed_source.wait_released(handle.request_id)
+    dest.reset()
+    assert dest.pull(backend, doomed_source.pin("after")) is None  # new connectors, or the same one: it pulls
+    assert_local(dest, dict(zip(LOCAL, REMOTE)))
 
 
 def test_a_handle_of_another_nixl_agent_at_the_address_is_a_restarted_source(source, dest):
