@@ -152,7 +152,7 @@ def serve(services: Sequence[Registration], address: str, token: str | None = No
           internal: Sequence[str] = (), max_workers: int = 64,
           health_servicer: health.HealthServicer | None = None, not_ready: Sequence[str] = (),
           gates: Sequence[MetadataGate] = (), tls: Tls | None = None,
-          client_auth: bool = True) -> tuple[grpc.Server, int]:
+          client_auth: bool = True, max_receive_bytes: int = MAX_MESSAGE_BYTES) -> tuple[grpc.Server, int]:
     """Start a server on `address` ("127.0.0.1:0" picks a free port); returns it and its port.
 
     `internal` names the services (full names, e.g. "pdspec.v1.DecodeWorker") and methods
@@ -161,12 +161,14 @@ def serve(services: Sequence[Registration], address: str, token: str | None = No
     which start NOT_SERVING in `health_servicer` (given by a caller that flips them later).
     `gates`: further metadata checks (the router's API keys).
     `tls`: listen with TLS only; `client_auth`: and require a client certificate from the CA
-    (internal servers; the public Router's clients have none)."""
+    (internal servers; the public Router's clients have none). `max_receive_bytes`: the largest
+    request message taken (a larger one: RESOURCE_EXHAUSTED before any handler sees it)."""
     interceptors = [_MalformedRequest(), *([_token_gate(token, set(internal))] if token else []), *gates]
     # gRPC sets SO_REUSEPORT by default: a second server on a taken port would bind, and the two
     # would split its connections between them at random.
     server = grpc.server(futures.ThreadPoolExecutor(max_workers=max_workers), interceptors=interceptors,
-                         options=_OPTIONS + [("grpc.so_reuseport", 0)])
+                         options=[("grpc.max_send_message_length", MAX_MESSAGE_BYTES),
+                                  ("grpc.max_receive_message_length", max_receive_bytes), ("grpc.so_reuseport", 0)])
     health_servicer = health_servicer or health.HealthServicer()
     health_pb2_grpc.add_HealthServicer_to_server(health_servicer, server)
     names = []

@@ -17,6 +17,7 @@ from proto.rpc import Tls, serve
 from router.admission import Admission
 from router.api_keys import ApiKeys
 from router.config import RouterConfig
+from router.http_guard import MAX_REQUEST_BYTES
 from router.http_server import HttpServer
 from router.metrics import RouterMetrics
 from router.openai_api import create_app
@@ -93,7 +94,8 @@ def run_router(rc: RouterConfig, token: str | None, model_dir: Path, model_name:
                               token, internal=[f"{ROUTER_SERVICE}/ListWorkers"], health_servicer=health_servicer,
                               not_ready=[ROUTER_SERVICE],
                               max_workers=_MAX_RUNNING + rc.max_queued_requests + _CONTROL_THREADS,
-                              gates=[api_keys.gate(public)] if api_keys else [], tls=tls, client_auth=False)
+                              gates=[api_keys.gate(public)] if api_keys else [], tls=tls, client_auth=False,
+                              max_receive_bytes=MAX_REQUEST_BYTES)
         undo.pop_all()
     threading.Thread(target=_evict_until_stopped, args=(server, registry, rc), name="router-evict", daemon=True).start()
     log.info("router serving on %s:%d, registry on port %d (policy %s, cluster token %s, API keys %s, TLS %s)",

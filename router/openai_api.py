@@ -25,6 +25,7 @@ from starlette.exceptions import HTTPException
 from proto import rpc
 from proto.pdspec.v1 import router_pb2
 from router.api_keys import AUTHORIZATION_METADATA_KEY
+from router.http_guard import RequestGuard
 from router.local_call import LocalCall
 from router.openai_schema import (ChatCompletionRequest, CompletionRequest, OpenAIError, Shape, api_field, extension,
                                   invalid, usage)
@@ -44,9 +45,10 @@ def create_app(generate: Callable, model_name: str, registry: CollectorRegistry,
                authorized: Callable[[str], bool]) -> FastAPI:
     """`generate`: the router's RouterServicer.Generate; `ready`: whether a request sent now has a
     route (the readiness the gRPC health service reports); `authorized`: whether an Authorization
-    header holds an API key (checked here: the in-process call passes no interceptor; the header
-    goes along as the call's metadata, for Abort's owner)."""
+    header holds an API key (checked here, by RequestGuard: the in-process call passes no
+    interceptor; the header goes along as the call's metadata, for Abort's owner)."""
     app = FastAPI(title="pdspec", summary="OpenAI-compatible API of a pdspec cluster")
+    app.add_middleware(RequestGuard, authorized=authorized)  # keys and body sizes, before a body is read
 
     @app.exception_handler(OpenAIError)
     async def openai_error(request: Request, e: OpenAIError) -> JSONResponse:
@@ -83,23 +85,14 @@ def create_app(generate: Callable, model_name: str, registry: CollectorRegistry,
     async def metrics() -> Response:
         return Response(generate_latest(registry), media_type=CONTENT_TYPE_LATEST)
 
-    def check_key(request: Request) -> str:
-        header = request.headers.get("authorization", "")
-        if not authorized(header):
-            raise OpenAIError(401, "missing or unknown API key: send the header 'Authorization: Bearer <key>' with a "
-                              "key of router.api_key_file", "authentication_error")
-        return header
-
     served = {"id": model_name, "object": "model", "created": 0, "owned_by": "pdspec"}
 
     @app.get("/v1/models")
-    async def models(request: Request) -> dict[str, Any]:
-        check_key(request)
+    async def models() -> dict[str, Any]:
         return {"object": "list", "data": [served]}
 
     @app.get("/v1/models/{model_id:path}")
-    async def model(model_id: str, request: Request) -> dict[str, Any]:
-        check_key(request)
+    async def model(model_id: str) -> dict[str, Any]:
         check_model(model_id)
         return served
 
@@ -117,7 +110,7 @@ def create_app(generate: Callable, model_name: str, registry: CollectorRegistry,
                               "(GET /v1/models)", "not_found_error", "model")
 
     async def _complete(body: ChatCompletionRequest | CompletionRequest, request: Request, chat: bool) -> Response:
-        header = check_key(request)
+        header = request.headers.get("authorization", "")  # a current key's (RequestGuard checked it)
         check_model(body.model)
         request_id = uuid.uuid4().hex
         shape = Shape(chat, request_id, model_name)

@@ -86,6 +86,31 @@ def test_http_needs_a_current_key_and_health_and_metrics_stay_open(cluster):
         assert urllib.request.urlopen(root + path, timeout=10).status == 200
 
 
+def test_http_refuses_from_the_headers_before_it_reads_a_body(cluster):
+    """No key: 401 whatever the body (it was parsed first: a keyless client could make the router
+    hold and parse a body of any size); a key: a body over the limit is refused by its declared
+    size (413), one of undeclared size too (411). gRPC caps a request message the same."""
+    from router.http_guard import MAX_REQUEST_BYTES
+
+    url = f"{cluster.http_url}/chat/completions"
+    huge = b'{"messages": [{"role": "user", "content": "' + b"x" * (MAX_REQUEST_BYTES + 1) + b'"}]}'
+    keyed = {"authorization": "Bearer key-alice", "content-type": "application/json"}
+    with httpx.Client(timeout=60) as http:
+        refused = http.post(url, content=huge, headers={"content-type": "application/json"})
+        assert refused.status_code == 401 and refused.json()["error"]["type"] == "authentication_error"
+        too_large = http.post(url, content=huge, headers=keyed)
+        assert too_large.status_code == 413 and f"at most {MAX_REQUEST_BYTES}" in too_large.json()["error"]["message"]
+        unsized = http.post(url, content=iter([b'{"messages": []}']), headers=keyed)  # chunked
+        assert unsized.status_code == 411
+        fine = http.post(url, json={"messages": [{"role": "user", "content": "Hi"}], "max_tokens": 2}, headers=keyed)
+        assert fine.status_code == 200 and fine.json()["choices"][0]["message"]["content"]
+    with grpc.insecure_channel(cluster.router_address) as channel:
+        request = router_pb2.GenerateRequest(prompt="x" * (MAX_REQUEST_BYTES + 1))
+        with pytest.raises(grpc.RpcError) as refused:
+            list(router_pb2_grpc.RouterStub(channel).Generate(request, metadata=_bearer("key-alice")))
+        assert refused.value.code() == grpc.StatusCode.RESOURCE_EXHAUSTED
+
+
 def test_abort_ends_only_requests_made_with_the_same_key(cluster):
     long = router_pb2.GenerateRequest(request_id="alice-1", prompt="Tell me a long story.",
                                       sampling=common_pb2.SamplingOptions(max_tokens=4000, ignore_eos=True))
