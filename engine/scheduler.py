@@ -117,10 +117,14 @@ class Scheduler:
             self._admit()
         # Draft slots once every decoding sequence has its token's: an older sequence's drafts
         # never cost a younger one its place (speculation degrades, sequences are not preempted).
-        # Their verification rows are the forward's too, so they come out of its token budget.
-        scheduled = []
+        # Their verification rows are the forward's too, so they come out of its token budget, but
+        # not out of the chunks owed to prompts passed over last step: drafting every step at a
+        # tight budget kept a prompt from its first chunk until some decoder finished.
+        owed = min(budget, sum(self._next_chunk(s) for s in self.running if s.seq_id in self._passed_over))
+        scheduled, draft_budget = [], budget - owed
         for seq in decoding:
-            drafts = self._draft_slots(seq, min(lookahead(seq), budget))
+            drafts = self._draft_slots(seq, min(lookahead(seq), draft_budget))
+            draft_budget -= drafts
             budget -= drafts
             scheduled.append(ScheduledSeq(seq, 1, drafts))
         scheduled += self._prefill_chunks(budget, decoding)
@@ -155,10 +159,9 @@ class Scheduler:
         prompts = [s for s in self.running
                    if s.num_pending > 1 or (s.num_pending == 1 and s.seq_id not in decoding_ids)]
         prefilling = sorted(prompts, key=lambda s: (s.seq_id not in self._passed_over, s.num_pending))
-        cap = self.config.prefill_chunk()
         plan: list[ScheduledSeq] = []
         for seq in prefilling:
-            n = min(seq.num_pending, budget, self._tokens_within(seq.num_computed, cap))
+            n = min(budget, self._next_chunk(seq))
             if n > 0:
                 plan.append(ScheduledSeq(seq, n, 0))  # the prompt's slots were allocated at admission
                 budget -= n
@@ -168,6 +171,10 @@ class Scheduler:
         chosen = {item.seq.seq_id for item in chunks}
         self._passed_over = {s.seq_id for s in prefilling if s.seq_id not in chosen}
         return chunks
+
+    def _next_chunk(self, seq: Sequence) -> int:
+        """The tokens of a prompt's next chunk (within the cost cap)."""
+        return min(seq.num_pending, self._tokens_within(seq.num_computed, self.config.prefill_chunk()))
 
     def _token_cost(self, position: int) -> float:
         return 1.0 if self.context_cost is None else 1.0 + position / self.context_cost

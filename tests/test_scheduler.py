@@ -114,7 +114,8 @@ def test_a_prompt_admitted_with_one_token_left_runs_in_the_step_that_admits_it()
 def test_draft_slots_come_out_of_the_steps_token_budget():
     """A verification row is a row of the step's forward like a prompt token: 3 decoding sequences
     wanting 8 drafts each in a 16-token budget get 13 draft slots between them (oldest first), and a
-    waiting prompt waits for the next step instead of lengthening this one."""
+    waiting prompt waits for the next step instead of lengthening this one; in that next step its
+    chunk comes before the drafts (it waited for good while every step drafted)."""
     config = EngineConfig(num_kv_blocks=64, max_num_batched_tokens=16)
     scheduler = Scheduler(config, BlockManager(config.num_kv_blocks, config.block_size))
     for name in "abc":
@@ -125,6 +126,9 @@ def test_draft_slots_come_out_of_the_steps_token_budget():
     assert [(s.seq.seq_id, s.num_tokens, s.num_lookahead) for s in scheduled] == [("a", 1, 8), ("b", 1, 5),
                                                                                  ("c", 1, 0)]
     assert sum(s.num_tokens + s.num_lookahead for s in scheduled) == 16
+    scheduled = scheduler.schedule(lambda seq: 8)  # (as if the step ran: its drafts rejected)
+    assert [(s.seq.seq_id, s.num_tokens, s.num_lookahead) for s in scheduled] == [("a", 1, 5), ("b", 1, 0),
+                                                                                 ("c", 1, 0), ("late", 8, 0)]
 
 
 def test_the_blocks_queued_requests_fill_are_counted_through_admission_preemption_and_removal():
