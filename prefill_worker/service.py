@@ -39,6 +39,12 @@ class PrefillServicer(worker_pb2_grpc.PrefillWorkerServicer):
 
     def _prefill(self, request, context: grpc.ServicerContext) -> kv_pb2.KVHandle:
         rid = request.request_id
+        # A prefill of an id still pinned here is the router's retry of that request (it gave up on
+        # the attempt, and its Release may not have landed: the pull timed out, the router does not
+        # wait on a worker it blames). The stale pin ends first, its blocks freed ahead of this
+        # submit (the loop runs commands in order); kept, the retry met ALREADY_EXISTS.
+        if self.source.release(rid):
+            log.info("prefill of %s again: its earlier attempt's pin ended", rid)
         try:
             outputs = self.loop.submit(rid, list(request.prompt_token_ids), sampling_params(request.sampling),
                                        prefill_only=True)

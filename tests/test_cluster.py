@@ -233,6 +233,24 @@ def test_a_decode_whose_kv_source_is_gone_names_the_source(grpc_cluster):
     assert _wait_idle(grpc_cluster, "decode")["decode-0"].active_blocks == 0
 
 
+def test_a_prefill_retried_while_its_first_pin_holds_is_served(grpc_cluster):
+    """The router retries a request on the same prefill worker without waiting for the first
+    attempt's Release when it blames that worker: the retry ends the stale pin and is served (it met
+    ALREADY_EXISTS, and with one prefill worker the request failed)."""
+    workers, token = grpc_cluster.workers(), grpc_cluster.config.token()
+    prefill_channel = channel(workers["prefill-1"].address, token)
+    prefill = worker_pb2_grpc.PrefillWorkerStub(prefill_channel)
+    request = worker_pb2.PrefillRequest(request_id="retried", prompt_token_ids=[1, 2, 3, 4, 5] * 8,
+                                        sampling=common_pb2.SamplingOptions(max_tokens=4))
+    first = prefill.Prefill(request, timeout=60)
+    second = prefill.Prefill(request, timeout=60)
+    assert second.pin_id != first.pin_id
+    release = kv_pb2_grpc.KVTransferStub(prefill_channel).Release
+    assert not release(kv_pb2.ReleaseRequest(request_id="retried", pin_id=first.pin_id), timeout=10).found
+    assert release(kv_pb2.ReleaseRequest(request_id="retried", pin_id=second.pin_id), timeout=10).found
+    assert _wait_idle(grpc_cluster, "prefill")["prefill-1"].active_blocks == 0  # the first attempt's freed too
+
+
 def test_a_prefill_without_a_deadline_is_served(grpc_cluster):
     """gRPC reports no deadline as ~2**63 ns remaining: waited on as such, the prefill failed
     (UNKNOWN) after its request was queued, and its blocks stayed handed off with no pin."""
