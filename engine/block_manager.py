@@ -110,16 +110,14 @@ class BlockManager:
         )
         return num_hit
 
-    def reserve(self, seq_id: SeqId, num_slots: int, speculative: bool = False) -> bool:
-        """Reserve `num_slots` more slots after the current ones. False, changing nothing, if the pool is short.
-        `speculative` (draft slots, mostly rolled back): only from blocks that hold no cached prefix
-        (evicted for them, a prefix was lost for good to slots that came back empty)."""
+    def reserve(self, seq_id: SeqId, num_slots: int) -> bool:
+        """Reserve `num_slots` more slots after the current ones. False, changing nothing, if the pool is short."""
         if num_slots < 0:
             raise ValueError(f"num_slots must be >= 0, got {num_slots}")
         seq = self._seq(seq_id)
         needed = len(seq.token_ids) + seq.num_reserved + num_slots
         num_new = _cdiv(needed, self.block_size) - len(seq.block_ids)
-        if num_new > (len(self._free) if speculative else self.num_free_blocks):
+        if num_new > self.num_free_blocks:
             return False
         seq.block_ids += self._take_blocks(num_new)
         seq.num_reserved += num_slots

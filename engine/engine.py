@@ -271,7 +271,7 @@ class Engine(Handoff):
         proposals = self.proposer.propose([s.seq for s in sampling], [s.num_lookahead for s in sampling])
         for s, p in zip(sampling, proposals):
             extra = len(p.token_ids) - s.num_lookahead
-            if extra > 0 and not self.blocks.reserve(s.seq.seq_id, extra, speculative=True):  # the chain the slots hold
+            if extra > 0 and not self.blocks.reserve(s.seq.seq_id, extra):  # the chain the slots hold
                 p.token_ids, p.parents = p.chain().token_ids[: s.num_lookahead], None
         by_seq = {s.seq.seq_id: p for s, p in zip(sampling, proposals)}
         return [by_seq.get(s.seq.seq_id, Proposal([])) for s in scheduled]

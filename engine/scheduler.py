@@ -198,7 +198,7 @@ class Scheduler:
     def _draft_slots(self, seq: Sequence, wanted: int) -> int:
         """`wanted` draft slots after the token's if the pool has them now, else none."""
         missing = 1 + wanted - self.blocks.num_reserved(seq.seq_id)
-        return wanted if wanted and (missing <= 0 or self.blocks.reserve(seq.seq_id, missing, speculative=True)) else 0
+        return wanted if wanted and (missing <= 0 or self.blocks.reserve(seq.seq_id, missing)) else 0
 
     def _preempt(self, seq: Sequence) -> None:
         self.on_preempt(seq)

@@ -212,23 +212,6 @@ def test_retire_keeps_a_sequences_own_blocks_out_of_use_for_good():
         bm.allocate("i", [1])
 
 
-def test_speculative_slots_never_evict_a_cached_prefix():
-    """Draft slots come mostly back empty (rolled back): taken from the free list only. Evicting
-    for them lost a cached prefix for good; a request's own slots still evict."""
-    bm, replay = make(num_blocks=3)
-    run_prompt(bm, "cached", [5] * BS)  # one full block, cached
-    bm.free("cached")  # evictable now
-    bm.allocate("a", [1] * 3)
-    bm.commit("a", [1] * 3)
-    replay.drain()
-    assert bm.reserve("a", BS - 3, speculative=True)  # its block's room: no new block
-    assert bm.reserve("a", BS, speculative=True)  # the one free block
-    assert not bm.reserve("a", BS, speculative=True)  # the next would evict "cached"
-    assert bm.cached_hashes() == {hash_blocks([5] * BS, BS)[0]} and replay.drain() == []
-    assert bm.reserve("a", BS)  # not speculative: evicts
-    assert bm.cached_hashes() == set()
-
-
 def test_eviction_is_lru_by_release_time_and_emits_block_removed():
     bm, replay = make(num_blocks=4)
     prompts = {name: [i] * 4 for i, name in enumerate("abc")}  # one full cached block each
