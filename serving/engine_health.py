@@ -19,9 +19,11 @@ class EngineHealth(health.HealthServicer):
     def __init__(self, loop: EngineLoop, ready_service: str):
         super().__init__()
         self.loop, self.ready_service = loop, ready_service
+        self.known = False  # by the router (the HTTP /ready reads it too)
 
     def registered(self, known: bool) -> None:
         """The router knows the worker now (or no longer)."""
+        self.known = known
         self.set(self.ready_service, health_pb2.HealthCheckResponse.SERVING if known
                  else health_pb2.HealthCheckResponse.NOT_SERVING)
 

@@ -1,9 +1,12 @@
 """Prometheus metrics of a worker: its engine's stats snapshot, read at scrape time (no hot-path
 cost), and, on a decode worker, the KV hand-offs it pulled."""
 
-from collections.abc import Iterable
+import threading
+from collections.abc import Callable, Iterable
+from socketserver import ThreadingMixIn
+from wsgiref.simple_server import WSGIRequestHandler, WSGIServer, make_server
 
-from prometheus_client import Counter, Histogram, start_http_server
+from prometheus_client import Counter, Histogram, make_wsgi_app
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
 from prometheus_client.registry import Collector, CollectorRegistry
 
@@ -58,11 +61,35 @@ class HandoffMetrics:
         return self.registry.collect()
 
 
+class _Server(ThreadingMixIn, WSGIServer):
+    daemon_threads = True
+
+
+class _QuietHandler(WSGIRequestHandler):
+    def log_message(self, format: str, *args) -> None:  # a line per scrape and probe otherwise
+        pass
+
+
 def serve_metrics(loop: EngineLoop, role: str, worker_id: str, host: str, port: int,
-                  collectors: Iterable[Collector] = ()) -> tuple[object, int]:
-    """Start the /metrics HTTP endpoint; port 0 picks a free one. Returns (server, port)."""
+                  collectors: Iterable[Collector] = (), ready: Callable[[], bool] = lambda: True
+                  ) -> tuple[WSGIServer, int]:
+    """Start the plain-HTTP endpoint: /metrics, and /health (200 while the engine loop serves, as
+    the gRPC liveness) and /ready (and `ready()`: the router knows the worker, as the gRPC
+    readiness), else 503: with TLS on the worker's gRPC port, the kubelet's plaintext probes come
+    here. Port 0 picks a free one. Returns (server, port)."""
     registry = CollectorRegistry()
     for collector in (EngineCollector(loop, role, worker_id), *collectors):
         registry.register(collector)
-    server, _thread = start_http_server(port, addr=host, registry=registry)
+    metrics = make_wsgi_app(registry)
+
+    def app(environ, start_response):
+        path = environ.get("PATH_INFO", "")
+        if path not in ("/health", "/ready"):
+            return metrics(environ, start_response)
+        ok = not loop.trouble() and (path == "/health" or ready())
+        start_response("200 OK" if ok else "503 Service Unavailable", [("Content-Type", "text/plain")])
+        return [b"ok\n" if ok else b"not serving\n"]
+
+    server = make_server(host, port, app, _Server, handler_class=_QuietHandler)
+    threading.Thread(target=server.serve_forever, name="metrics", daemon=True).start()
     return server, server.server_port

@@ -6,6 +6,7 @@ import math
 import time
 
 import grpc
+import httpx
 import pytest
 
 from decode_worker.service import DecodeServicer
@@ -167,6 +168,8 @@ def test_a_worker_whose_engine_fails_every_step_answers_health_checks_not_servin
                 with pytest.raises(grpc.RpcError):
                     list(stub.Decode(request, timeout=60))
             assert statuses() == {health_pb2.HealthCheckResponse.NOT_SERVING}  # at once: the probe follows the call
+            health_url = f"http://127.0.0.1:{worker.metrics_server.server_port}/health"  # TLS clusters' probe
+            assert httpx.get(health_url, timeout=5).status_code == 503
     finally:
         del engine.step
         worker.stop()
@@ -233,16 +236,21 @@ def test_a_worker_is_ready_only_while_its_router_knows_it(model_dir):
                     time.sleep(0.05)
                 return status("pdspec.v1.DecodeWorker") == expected
 
+            def http(path: str) -> int:  # the same on the plain-HTTP metrics port (TLS clusters' probes)
+                return httpx.get(f"http://127.0.0.1:{worker.metrics_server.server_port}{path}", timeout=5).status_code
+
             serving, not_serving = health_pb2.HealthCheckResponse.SERVING, health_pb2.HealthCheckResponse.NOT_SERVING
             assert status("pdspec.v1.DecodeWorker") == not_serving and status("") == serving  # no router yet
+            assert (http("/ready"), http("/health")) == (503, 200)
             stranger = router("theirs")  # refuses the worker's registrations
             time.sleep(1.0)
             assert status("pdspec.v1.DecodeWorker") == not_serving
             stranger.stop(0)
             ours = router("ours")
             assert settles_at(serving), "registered, still not ready"
+            assert (http("/ready"), http("/health"), http("/metrics")) == (200, 200, 200)
             ours.stop(0)
             assert settles_at(not_serving), "its router gone, still ready"
-            assert status("") == serving
+            assert status("") == serving and (http("/ready"), http("/health")) == (503, 200)
     finally:
         worker.stop()

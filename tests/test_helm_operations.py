@@ -55,13 +55,16 @@ def test_tls_comes_from_a_secret_every_pod_mounts_where_the_config_says(helm, tm
         for field, key in (("cert_file", "tls.crt"), ("key_file", "tls.key"), ("ca_file", "ca.crt")):
             assert tls[field] == f"{mount['mountPath']}/{key}"
         # The kubelet's gRPC probes cannot speak TLS: they would fail every pod. The router's HTTP
-        # API answers HTTPS probes, its readiness following its route (a port open said nothing).
+        # API answers HTTPS probes, its readiness following its route, and a worker's metrics port
+        # plain HTTP ones, following its engine and its registration (a port open said nothing).
         probes = {probe: container[probe] for probe in ("startupProbe", "readinessProbe", "livenessProbe")}
         if deployment["metadata"]["name"].endswith("-router"):
             assert probes["readinessProbe"]["httpGet"] == {"path": "/ready", "port": "http", "scheme": "HTTPS"}
             assert probes["livenessProbe"]["httpGet"] == {"path": "/health", "port": "http", "scheme": "HTTPS"}
         else:
-            assert all("tcpSocket" in probe for probe in probes.values())
+            assert probes["readinessProbe"]["httpGet"] == {"path": "/ready", "port": "metrics"}
+            assert probes["livenessProbe"]["httpGet"] == probes["startupProbe"]["httpGet"] == {"path": "/health",
+                                                                                             "port": "metrics"}
     plain = render(helm, tmp_path=tmp_path)
     assert "tls" not in yaml.safe_load(by_kind(plain, "ConfigMap")["rel-pdspec-config"]["data"]["config.yaml"])
     assert all("grpc" in d["spec"]["template"]["spec"]["containers"][0]["readinessProbe"]

@@ -201,8 +201,9 @@ imagePullSecrets:
 {{/* Native gRPC probes: kubelet calls grpc.health.v1.Health (service "") on the port. The
 kubelet's gRPC probes speak plaintext only: with TLS on, a router with its HTTP API is probed
 there over HTTPS (/health, and /ready, which follows its route as the gRPC readiness does; the
-kubelet checks no certificate, the API asks none), and the other probes check that the port
-accepts connections (tcpSocket; see values.yaml). */}}
+kubelet checks no certificate, the API asks none), a worker on its plain-HTTP metrics port
+(/health follows its engine, /ready its registration, as its gRPC health does), and a router
+without HTTP only by its port accepting connections (tcpSocket; see values.yaml). */}}
 {{- define "pdspec.probes" -}}
 {{- $port := .port -}}
 {{- $check := printf "grpc: {port: %v}" $port -}}
@@ -210,6 +211,8 @@ accepts connections (tcpSocket; see values.yaml). */}}
 {{- if .readyService }}{{ $ready = printf "grpc: {port: %v, service: %s}" $port .readyService }}{{ end -}}
 {{- if and .root.Values.tls.existingSecret .httpPort }}
 {{- $check = "httpGet: {path: /health, port: http, scheme: HTTPS}" }}{{ $ready = "httpGet: {path: /ready, port: http, scheme: HTTPS}" }}
+{{- else if and .root.Values.tls.existingSecret .metricsPort }}
+{{- $check = "httpGet: {path: /health, port: metrics}" }}{{ $ready = "httpGet: {path: /ready, port: metrics}" }}
 {{- else if .root.Values.tls.existingSecret }}{{ $check = printf "tcpSocket: {port: %v}" $port }}{{ $ready = $check }}{{ end -}}
 startupProbe:
   {{ $check }}
