@@ -12,7 +12,8 @@ a 95 % bootstrap interval over the prompts): the host's swings hit a prompt's tu
 on with text unlike chat (and EAGLE3's acceptance with it), so each run is also timed up to the
 position where pdspec plain's greedy answer ends (`ms_per_token_answer`, over the prompts whose
 answer holds at least MIN_ANSWER tokens), and the JSON gives the share of tokens past it. Then pdspec at batch 4 and 16
-(aggregate, on the file's first 4 and 16 prompts: a prompt twice in a batch would share its cached blocks), each `--batch-reps` times in turn (a single pass swung 30-50 % on a shared host): the
+(aggregate, on the file's first 4 and 16 prompts: a prompt twice in a batch would share its cached
+blocks), each `--batch-reps` times in turn (a single pass swung 30-50 % on a shared host): the
 median, and the range in the JSON. Prints one JSON object, then a table; `x llama.cpp` is
 llama.cpp's batch-1 ms/token over the row's, `x batch 1` pdspec plain's.
 

@@ -43,7 +43,8 @@ _HINTS = {
     grpc.StatusCode.FAILED_PRECONDITION: "run prefill and decode workers with the same model, dtype, block size, draft",
     grpc.StatusCode.NOT_FOUND: "the source no longer holds the blocks (released or pin timed out): prefill again",
     grpc.StatusCode.UNAVAILABLE: "prefill again, on another worker if the source stays unavailable",
-    grpc.StatusCode.DEADLINE_EXCEEDED: "the source was too slow (a pull gets 30 s and the request's deadline at most): prefill again, on a less loaded worker",
+    grpc.StatusCode.DEADLINE_EXCEEDED: "the source was too slow (a pull gets 30 s and the request's deadline at "
+                                       "most): prefill again, on a less loaded worker",
 }
 
 
