@@ -12,6 +12,7 @@ import hmac
 import logging
 import threading
 import time
+from collections.abc import Callable
 from pathlib import Path
 
 from proto.rpc import MetadataGate
@@ -46,10 +47,12 @@ class ApiKeys:
         keys = self._current()
         return digest if any(hmac.compare_digest(digest, k) for k in keys) else None
 
-    def gate(self, names: set[str]) -> MetadataGate:
+    def gate(self, names: set[str], refused: Callable[[str], None] = lambda status: None) -> MetadataGate:
+        """`refused(status)`: called for each call the gate refuses (the router's metrics count it)."""
         def refusal(metadata: dict[str, str]) -> str | None:
             if self.owner(metadata.get(AUTHORIZATION_METADATA_KEY, "")) is not None:
                 return None
+            refused("UNAUTHENTICATED")
             return "missing or unknown API key: send the metadata 'authorization: Bearer <key>' with a key of " \
                    "router.api_key_file"
 

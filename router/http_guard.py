@@ -26,15 +26,16 @@ Send = Callable[[dict[str, Any]], Awaitable[None]]
 
 class RequestGuard:
     """ASGI middleware over the API: `authorized(header)` says whether an Authorization header holds
-    a current key."""
+    a current key; `refused(status)` counts each refusal."""
 
-    def __init__(self, app: Callable, authorized: Callable[[str], bool]) -> None:
-        self.app, self.authorized = app, authorized
+    def __init__(self, app: Callable, authorized: Callable[[str], bool], refused: Callable[[str], None]) -> None:
+        self.app, self.authorized, self.refused = app, authorized, refused
 
     async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
         if scope["type"] == "http" and scope["path"].startswith("/v1/"):
             refusal = self._refusal(scope)
             if refusal is not None:
+                self.refused(str(refusal.status))
                 await JSONResponse(refusal.body(), status_code=refusal.status)(scope, receive, send)
                 return
         await self.app(scope, receive, send)

@@ -75,7 +75,8 @@ def run_router(rc: RouterConfig, token: str | None, model_dir: Path, model_name:
         http, http_port = None, None
         if rc.http_port is not None:
             authorized = (lambda header: api_keys.owner(header) is not None) if api_keys else (lambda header: True)
-            app = create_app(router.Generate, model_name, metrics.registry, registry.can_serve, authorized)
+            app = create_app(router.Generate, model_name, metrics.registry, registry.can_serve, authorized,
+                             metrics.refusal("http"))
             http = HttpServer(app, rc.host, rc.http_port, tls)
             http_port = http.start()
             undo.callback(http.stop, 0)
@@ -94,8 +95,8 @@ def run_router(rc: RouterConfig, token: str | None, model_dir: Path, model_name:
                               token, internal=[f"{ROUTER_SERVICE}/ListWorkers"], health_servicer=health_servicer,
                               not_ready=[ROUTER_SERVICE],
                               max_workers=_MAX_RUNNING + rc.max_queued_requests + _CONTROL_THREADS,
-                              gates=[api_keys.gate(public)] if api_keys else [], tls=tls, client_auth=False,
-                              max_receive_bytes=MAX_REQUEST_BYTES)
+                              gates=[api_keys.gate(public, metrics.refusal("grpc"))] if api_keys else [], tls=tls,
+                              client_auth=False, max_receive_bytes=MAX_REQUEST_BYTES)
         undo.pop_all()
     threading.Thread(target=_evict_until_stopped, args=(server, registry, rc), name="router-evict", daemon=True).start()
     log.info("router serving on %s:%d, registry on port %d (policy %s, cluster token %s, API keys %s, TLS %s)",

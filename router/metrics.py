@@ -49,6 +49,9 @@ class RouterMetrics:
         self.generation_tokens = Counter("pdspec_generation_tokens", "tokens generated", model, registry=r)
         self.requests = Counter("pdspec_requests", "finished requests by finish reason and gRPC status",
                                 model + ["finish_reason", "status"], registry=r)
+        self.refused = Counter("pdspec_requests_refused", "requests refused before they reached the router's "
+                               "Generate (no current API key, a body too large), by front and status", model +
+                               ["front", "status"], registry=r)
         self.spec_steps = Counter("pdspec_spec_verification_steps", "verification steps that drafted", model,
                                   registry=r)
         self.spec_drafted = Counter("pdspec_spec_draft_tokens", "draft tokens proposed", model, registry=r)
@@ -59,6 +62,10 @@ class RouterMetrics:
 
     def start(self) -> "RequestObserver":
         return RequestObserver(self)
+
+    def refusal(self, front: str) -> Callable[[str], None]:
+        """What a front calls with the status it refused a request with (HTTP's code, gRPC's name)."""
+        return lambda status: self.refused.labels(self.model_name, front, status).inc()
 
 
 class RequestObserver:

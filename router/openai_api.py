@@ -42,13 +42,14 @@ _HTTP_STATUS = {
 
 
 def create_app(generate: Callable, model_name: str, registry: CollectorRegistry, ready: Callable[[], bool],
-               authorized: Callable[[str], bool]) -> FastAPI:
+               authorized: Callable[[str], bool], refused: Callable[[str], None] = lambda status: None) -> FastAPI:
     """`generate`: the router's RouterServicer.Generate; `ready`: whether a request sent now has a
     route (the readiness the gRPC health service reports); `authorized`: whether an Authorization
     header holds an API key (checked here, by RequestGuard: the in-process call passes no
-    interceptor; the header goes along as the call's metadata, for Abort's owner)."""
+    interceptor; the header goes along as the call's metadata, for Abort's owner); `refused(status)`:
+    counts a request RequestGuard refused."""
     app = FastAPI(title="pdspec", summary="OpenAI-compatible API of a pdspec cluster")
-    app.add_middleware(RequestGuard, authorized=authorized)  # keys and body sizes, before a body is read
+    app.add_middleware(RequestGuard, authorized=authorized, refused=refused)  # keys and sizes, before a body is read
 
     @app.exception_handler(OpenAIError)
     async def openai_error(request: Request, e: OpenAIError) -> JSONResponse:

@@ -111,6 +111,25 @@ def test_http_refuses_from_the_headers_before_it_reads_a_body(cluster):
         assert refused.value.code() == grpc.StatusCode.RESOURCE_EXHAUSTED
 
 
+def test_refused_requests_are_counted(cluster):
+    """Refused before the router's Generate (no current key, a body too large), a request was in no
+    metric: an operator saw neither a client with a revoked key nor one sending too much."""
+    def refused(front: str, status: str) -> float:
+        text = httpx.get(f"{cluster.http_url.removesuffix('/v1')}/metrics", timeout=10).text
+        line = f'pdspec_requests_refused_total{{front="{front}",model="{cluster.config.served_model_name()}",' \
+               f'status="{status}"}} '
+        return next((float(row.removeprefix(line)) for row in text.splitlines() if row.startswith(line)), 0.0)
+
+    before = {key: refused(*key) for key in (("http", "401"), ("http", "411"), ("grpc", "UNAUTHENTICATED"))}
+    assert httpx.post(f"{cluster.http_url}/completions", json={"prompt": "Hi"}).status_code == 401
+    assert httpx.post(f"{cluster.http_url}/completions", content=iter([b"{}"]),
+                      headers={"authorization": "Bearer key-bob"}).status_code == 411
+    with grpc.insecure_channel(cluster.router_address) as channel, pytest.raises(grpc.RpcError):
+        list(router_pb2_grpc.RouterStub(channel).Generate(QUESTION))
+    assert {key: refused(*key) - count for key, count in before.items()} == {
+        ("http", "401"): 1, ("http", "411"): 1, ("grpc", "UNAUTHENTICATED"): 1}
+
+
 def test_abort_ends_only_requests_made_with_the_same_key(cluster):
     long = router_pb2.GenerateRequest(request_id="alice-1", prompt="Tell me a long story.",
                                       sampling=common_pb2.SamplingOptions(max_tokens=4000, ignore_eos=True))
