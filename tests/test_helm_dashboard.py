@@ -14,7 +14,8 @@ from tests.test_helm import CHART, by_kind, merged_values, render
 
 def exported_samples() -> dict[str, set[str]]:
     """Every sample pdspec's code exports, name -> label names: the router's request metrics after
-    one served request (prometheus-client shows a labelled metric only once a label set is used),
+    one served request and one refused (prometheus-client shows a labelled metric only once a label
+    set is used),
     a decode worker's KV hand-off, and a worker's engine gauges over a stats snapshot."""
     router = RouterMetrics("m", lambda: (0, 0))
     request = router.start()
@@ -25,6 +26,7 @@ def exported_samples() -> dict[str, set[str]]:
         usage=common_pb2.Usage(prompt_tokens=9, completion_tokens=4, cached_prompt_tokens=4, queue_seconds=0.01),
         acceptance=common_pb2.Acceptance(steps=2, drafted=4, accepted=1, accepted_per_position=[1, 0])))
     request.finish("OK")
+    router.refusal("http")("401")
     handoff = HandoffMetrics("w")
     handoff.observe(0.002, 1 << 20)
     stats = EngineStats(kv_blocks_used=3, kv_blocks_total=512, running=1, waiting=0, pinned=0, kv_blocks_waiting=0,
