@@ -167,8 +167,8 @@ def serve(services: Sequence[Registration], address: str, token: str | None = No
     # gRPC sets SO_REUSEPORT by default: a second server on a taken port would bind, and the two
     # would split its connections between them at random.
     server = grpc.server(futures.ThreadPoolExecutor(max_workers=max_workers), interceptors=interceptors,
-                         options=[("grpc.max_send_message_length", MAX_MESSAGE_BYTES),
-                                  ("grpc.max_receive_message_length", max_receive_bytes), ("grpc.so_reuseport", 0)])
+                         options=list((dict(_OPTIONS) | {"grpc.max_receive_message_length": max_receive_bytes,
+                                                         "grpc.so_reuseport": 0}).items()))
     health_servicer = health_servicer or health.HealthServicer()
     health_pb2_grpc.add_HealthServicer_to_server(health_servicer, server)
     names = []

@@ -19,7 +19,7 @@ class EngineHealth(health.HealthServicer):
     def __init__(self, loop: EngineLoop, ready_service: str):
         super().__init__()
         self.loop, self.ready_service = loop, ready_service
-        self.known = False  # by the router (the HTTP /ready reads it too)
+        self.known = False  # by the router
 
     def registered(self, known: bool) -> None:
         """The router knows the worker now (or no longer)."""
@@ -27,7 +27,15 @@ class EngineHealth(health.HealthServicer):
         self.set(self.ready_service, health_pb2.HealthCheckResponse.SERVING if known
                  else health_pb2.HealthCheckResponse.NOT_SERVING)
 
+    def live(self) -> bool:
+        """Liveness: the engine loop serves (the HTTP /health on the metrics port asks too)."""
+        return not self.loop.trouble()
+
+    def ready(self) -> bool:
+        """Readiness: live, and the router knows the worker (the HTTP /ready)."""
+        return self.live() and self.known
+
     def Check(self, request: health_pb2.HealthCheckRequest, context) -> health_pb2.HealthCheckResponse:
-        if self.loop.trouble():
+        if not self.live():
             return health_pb2.HealthCheckResponse(status=health_pb2.HealthCheckResponse.NOT_SERVING)
         return super().Check(request, context)

@@ -2,7 +2,7 @@
 cost), and, on a decode worker, the KV hand-offs it pulled."""
 
 import threading
-from collections.abc import Callable, Iterable
+from collections.abc import Iterable
 from socketserver import ThreadingMixIn
 from wsgiref.simple_server import WSGIRequestHandler, WSGIServer, make_server
 
@@ -14,6 +14,7 @@ from prometheus_client.registry import Collector, CollectorRegistry
 HANDOFF_SECONDS_BUCKETS = (0.0005, 0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 30.0)
 
 from engine.loop import EngineLoop
+from serving.engine_health import EngineHealth
 
 
 class EngineCollector:
@@ -70,13 +71,11 @@ class _QuietHandler(WSGIRequestHandler):
         pass
 
 
-def serve_metrics(loop: EngineLoop, role: str, worker_id: str, host: str, port: int,
-                  collectors: Iterable[Collector] = (), ready: Callable[[], bool] = lambda: True
-                  ) -> tuple[WSGIServer, int]:
-    """Start the plain-HTTP endpoint: /metrics, and /health (200 while the engine loop serves, as
-    the gRPC liveness) and /ready (and `ready()`: the router knows the worker, as the gRPC
-    readiness), else 503: with TLS on the worker's gRPC port, the kubelet's plaintext probes come
-    here. Port 0 picks a free one. Returns (server, port)."""
+def serve_metrics(loop: EngineLoop, role: str, worker_id: str, host: str, port: int, health: EngineHealth,
+                  collectors: Iterable[Collector] = ()) -> tuple[WSGIServer, int]:
+    """Start the plain-HTTP endpoint: /metrics, and /health and /ready answering as `health`'s
+    liveness and readiness do (200, else 503): with TLS on the worker's gRPC port, the kubelet's
+    plaintext probes come here. Port 0 picks a free one. Returns (server, port)."""
     registry = CollectorRegistry()
     for collector in (EngineCollector(loop, role, worker_id), *collectors):
         registry.register(collector)
@@ -86,7 +85,7 @@ def serve_metrics(loop: EngineLoop, role: str, worker_id: str, host: str, port: 
         path = environ.get("PATH_INFO", "")
         if path not in ("/health", "/ready"):
             return metrics(environ, start_response)
-        ok = not loop.trouble() and (path == "/health" or ready())
+        ok = health.live() if path == "/health" else health.ready()
         start_response("200 OK" if ok else "503 Service Unavailable", [("Content-Type", "text/plain")])
         return [b"ok\n" if ok else b"not serving\n"]
 

@@ -138,7 +138,7 @@ def announce(spec: WorkerSpec, loop: EngineLoop, server: grpc.Server, address: s
     """Export metrics (the engine's, and `collectors`) and register with the router, which routes
     to the worker once the first heartbeat lands."""
     metrics_server, metrics_port = serve_metrics(loop, spec.role, spec.worker_id, spec.host, spec.metrics_port,
-                                                 collectors, ready=lambda: health.known)
+                                                 health, collectors)
     engine = loop.engine
     request = registration(spec.worker_id, spec.role, address, layout_message(loop), engine.blocks.num_blocks,
                            engine.context_limit(), spec.engine.max_num_seqs)
