@@ -18,7 +18,7 @@ from serving.roles import WORKER_ROLES
 from tools.eagle3_training.command import add_train_eagle3
 
 if TYPE_CHECKING:  # gRPC is imported by the commands that talk to servers, not by every command
-    from proto.rpc import Tls
+    from proto.tls import Tls
 
 
 # The engine fields `generate` and `bench spec` expose, and every speculative field (two renamed).
@@ -253,7 +253,7 @@ def _answer(router_address: str, prompt: str, tls: "Tls | None", api_key: str | 
 
 
 def _chat(args: argparse.Namespace) -> int:
-    from proto.rpc import Tls
+    from proto.tls import Tls
 
     _answer(args.router, args.prompt, Tls.load(None, None, args.ca_file) if args.ca_file else None, _api_key(args))
     return 0

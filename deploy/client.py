@@ -5,10 +5,11 @@ from collections.abc import Iterator
 
 from proto import rpc
 from proto.pdspec.v1 import common_pb2, router_pb2, router_pb2_grpc
+from proto.tls import Tls
 
 
 def chat(router_address: str, prompt: str, max_tokens: int = 256, temperature: float = 0.0,
-         system: str | None = None, timeout_s: float = 300.0, tls: rpc.Tls | None = None,
+         system: str | None = None, timeout_s: float = 300.0, tls: Tls | None = None,
          api_key: str | None = None) -> Iterator[router_pb2.GenerateResponse]:
     """`api_key`: a key of the router's api_key_file, sent as a bearer token (a router without one ignores it)."""
     messages = ([common_pb2.ChatMessage(role="system", content=system)] if system else [])

@@ -12,7 +12,8 @@ from pydantic import BaseModel, ConfigDict, Field, ValidationError, model_valida
 
 from engine.config import EngineConfig
 from engine.model_dir import model_name
-from proto.rpc import Tls, free_port
+from proto.rpc import free_port
+from proto.tls import Tls
 from router.config import DAY_S, RouterConfig
 from serving.roles import WORKER_ROLES
 
@@ -64,7 +65,8 @@ class RoleConfig(_Strict):
 
 
 class TlsConfig(_Strict):
-    """PEM files every process of the deployment reads (Helm mounts them from a Secret)."""
+    """PEM files every process of the deployment reads (Helm mounts them from a Secret), and reads
+    again when they change (a renewal): new connections, served and opened, use the new certificate."""
 
     cert_file: Path = Field(description="this process's certificate chain, signed by ca_file's CA")
     key_file: Path = Field(description="the certificate's private key")

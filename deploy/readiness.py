@@ -11,9 +11,10 @@ import grpc
 
 from proto import rpc
 from proto.pdspec.v1 import router_pb2, router_pb2_grpc
+from proto.tls import Tls
 
 
-def list_workers(router_address: str, token: str | None, tls: rpc.Tls | None = None) -> dict[str, router_pb2.WorkerStatus]:
+def list_workers(router_address: str, token: str | None, tls: Tls | None = None) -> dict[str, router_pb2.WorkerStatus]:
     """The workers the router lists, by id. ListWorkers hands out internal addresses, so it needs
     the cluster `token`."""
     with rpc.channel(router_address, token, tls) as ch:
@@ -22,7 +23,7 @@ def list_workers(router_address: str, token: str | None, tls: rpc.Tls | None = N
 
 
 def wait_for_workers(router_address: str, token: str | None, expected: Collection[str], timeout_s: float,
-                     check_alive: Callable[[], None], hint: str = "", tls: rpc.Tls | None = None) -> None:
+                     check_alive: Callable[[], None], hint: str = "", tls: Tls | None = None) -> None:
     """Poll the router's ListWorkers (with the cluster `token`) until every id in `expected` is listed.
 
     `check_alive` runs each round and raises when a member can no longer come up; `hint` (e.g.

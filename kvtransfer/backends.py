@@ -6,7 +6,7 @@ import torch
 
 from engine.kv_layout import KVLayout
 from kvtransfer.connector import KVConnector
-from proto.rpc import Tls
+from proto.tls import Tls
 
 
 def make_connector(backend: Literal["nixl", "grpc"], layout: KVLayout, caches: dict[str, torch.Tensor],

@@ -27,7 +27,8 @@ import torch
 from engine.kv_layout import KVLayout, KVLayoutMismatch
 from kvtransfer.layout import block_checksums, check_caches, layout_from_proto
 from proto.pdspec.v1 import kv_pb2, kv_pb2_grpc
-from proto.rpc import Tls, channel
+from proto.rpc import channel
+from proto.tls import Tls, current
 
 log = logging.getLogger(__name__)
 
@@ -144,9 +145,10 @@ class BaseConnector(abc.ABC):
         check_caches(layout, caches)
         self.layout, self.caches, self.token, self.tls = layout, caches, token, tls
         self.block_bytes = {name: layout.block_bytes(shape) for name, shape in layout.caches().items()}
-        # By source address: the channel, pulls using it now, when the last one ended. Sources come
-        # and go (a restarted pod has a new address): one unused for SOURCE_IDLE_S is closed.
-        self._channels: dict[str, _Channel] = {}
+        # By source address and the identity it presents: the channel, pulls using it now, when the
+        # last one ended. Sources come and go (a restarted pod has a new address), certificates are
+        # renewed (a new identity, a new channel): one unused for SOURCE_IDLE_S is closed.
+        self._channels: dict[tuple[str, Tls | None], _Channel] = {}
         self._channels_lock = threading.Lock()
         self._unchecked_said = False  # warned that device caches' blocks go unchecked
         self._pulls = threading.Condition()  # guards the running pulls' cancellations and _closing
@@ -246,9 +248,11 @@ class BaseConnector(abc.ABC):
         with self._channels_lock:
             for gone in [a for a, c in self._channels.items() if idle(c, now)]:
                 self._channels.pop(gone).channel.close()
-            if address not in self._channels:
-                self._channels[address] = _Channel(channel(address, self.token, self.tls))
-            used = self._channels[address]
+            self.tls = current(self.tls)
+            key = (address, self.tls)
+            if key not in self._channels:
+                self._channels[key] = _Channel(channel(address, self.token, self.tls))
+            used = self._channels[key]
             used.users += 1
             return used
 

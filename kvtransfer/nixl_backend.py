@@ -32,7 +32,7 @@ from kvtransfer.connector import (BaseConnector, Cancellation, KVTransferError, 
                                   rpc_failure)
 from kvtransfer.layout import layout_to_proto
 from proto.pdspec.v1 import kv_pb2, kv_pb2_grpc
-from proto.rpc import Tls
+from proto.tls import Tls
 
 log = logging.getLogger(__name__)
 

@@ -17,12 +17,12 @@ import hmac
 import socket
 from collections.abc import Callable, Sequence
 from concurrent import futures
-from dataclasses import dataclass
-from pathlib import Path
 
 import grpc
 from grpc_health.v1 import health, health_pb2, health_pb2_grpc
 from grpc_reflection.v1alpha import reflection
+
+from proto.tls import Tls, current
 
 TOKEN_METADATA_KEY = "x-pdspec-token"
 # Trailing metadata on a failed Decode whose KV source (the prefill worker) failed: its worker id,
@@ -36,47 +36,6 @@ _OPTIONS = [
     ("grpc.max_send_message_length", MAX_MESSAGE_BYTES),
     ("grpc.max_receive_message_length", MAX_MESSAGE_BYTES),
 ]
-
-
-@dataclass(frozen=True)
-class Tls:
-    """A process's TLS identity (PEM certificate chain and key) and the cluster's CA (PEM), which
-    every peer's certificate must chain to; a public client has the CA alone (cert and key None).
-    `server_name`: the name servers' certificates are checked against instead of the dialled host
-    (workers are dialled at addresses, e.g. pod IPs, that a certificate issued in advance cannot name)."""
-
-    cert: bytes | None
-    key: bytes | None
-    ca: bytes
-    server_name: str | None = None
-
-    @classmethod
-    def load(cls, cert_file: Path | None, key_file: Path | None, ca_file: Path, server_name: str | None = None) -> "Tls":
-        pems = {"cert_file": None, "key_file": None}
-        for field, path in (("cert_file", cert_file), ("key_file", key_file), ("ca_file", ca_file)):
-            if path is None:
-                continue
-            try:
-                pems[field] = Path(path).read_bytes()
-            except OSError as e:
-                raise ValueError(f"tls.{field}: cannot read {path}: {e.strerror}") from None
-            if b"-----BEGIN " not in pems[field]:
-                raise ValueError(f"tls.{field}: {path} holds no PEM block")
-        return cls(pems["cert_file"], pems["key_file"], pems["ca_file"], server_name)
-
-    def server_credentials(self, client_auth: bool) -> grpc.ServerCredentials:
-        if self.cert is None or self.key is None:
-            raise ValueError("tls: a server needs cert_file and key_file")
-        return grpc.ssl_server_credentials([(self.key, self.cert)], root_certificates=self.ca,
-                                           require_client_auth=client_auth)
-
-    def channel_credentials(self) -> grpc.ChannelCredentials:
-        """Presents this process's certificate (internal servers require it; public ones ignore it)."""
-        return grpc.ssl_channel_credentials(root_certificates=self.ca, private_key=self.key,
-                                            certificate_chain=self.cert)
-
-    def channel_options(self) -> list[tuple[str, str]]:
-        return [("grpc.ssl_target_name_override", self.server_name)] if self.server_name else []
 
 
 class MetadataGate(grpc.ServerInterceptor):
@@ -219,8 +178,10 @@ def channel(address: str, token: str | None = None, tls: Tls | None = None) -> g
     """A client channel to `address`, sending the cluster token on every call when given, over
     TLS (presenting this process's certificate) when `tls` is given. It retries a lost connection
     within 2 s (gRPC's default backoff grows to 120 s: workers came back that late to a restarted
-    router, whose calls failed at once meanwhile)."""
+    router, whose calls failed at once meanwhile). The identity is its files' as they are now (a
+    renewal since `tls` was read included); the channel presents it for its life."""
     options = _OPTIONS + [("grpc.initial_reconnect_backoff_ms", 250), ("grpc.max_reconnect_backoff_ms", 2000)]
+    tls = current(tls)
     if tls is None:
         ch = grpc.insecure_channel(address, options=options)
     else:

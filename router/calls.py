@@ -9,6 +9,7 @@ from contextlib import contextmanager
 import grpc
 
 from proto import rpc
+from proto.tls import Tls, current
 
 
 def run_key(owner: str, request_id: str) -> str:
@@ -59,21 +60,24 @@ class Run:
 
 
 class Peers:
-    """One channel per worker address, shared by all requests (gRPC multiplexes calls on it).
+    """One channel per worker address, shared by all requests (gRPC multiplexes calls on it), and
+    a new one once the certificate files change (a channel presents the certificate it was opened with).
 
     Never closed: closing cancels in-flight calls, and a worker evicted for a late heartbeat may
     still be serving some; an idle channel costs little."""
 
-    def __init__(self, token: str | None, tls: rpc.Tls | None) -> None:
+    def __init__(self, token: str | None, tls: Tls | None) -> None:
         self._token, self._tls = token, tls
         self._lock = threading.Lock()
-        self._channels: dict[str, grpc.Channel] = {}
+        self._channels: dict[str, tuple[Tls | None, grpc.Channel]] = {}
 
     def channel(self, address: str) -> grpc.Channel:
         with self._lock:
-            if address not in self._channels:
-                self._channels[address] = rpc.channel(address, self._token, self._tls)
-            return self._channels[address]
+            self._tls = current(self._tls)
+            opened = self._channels.get(address)
+            if opened is None or opened[0] is not self._tls:
+                opened = self._channels[address] = (self._tls, rpc.channel(address, self._token, self._tls))
+            return opened[1]
 
 
 class CallSlots:

@@ -1,17 +1,17 @@
 """uvicorn serving the OpenAI API from a thread of the router's process, over TLS when the
 router's gRPC ports are."""
 
+import asyncio
 import socket
-import ssl
-import tempfile
 import threading
 import time
-from pathlib import Path
 
 import uvicorn
 from fastapi import FastAPI
 
-from proto.rpc import Tls
+from proto.tls import Tls
+
+TLS_CHECK_S = 5.0  # how often the HTTP API looks for renewed certificate files
 
 
 class HttpServer:
@@ -20,7 +20,8 @@ class HttpServer:
         config = uvicorn.Config(app, log_config=None, access_log=False, lifespan="on")
         if tls is not None:  # the router's identity; clients need no certificate (API keys authenticate them)
             config.load()
-            config.ssl = _server_context(tls)
+            config.ssl = tls.ssl_server_context()
+        self._tls = tls
         self._host, self._port = host, port
         self._server = uvicorn.Server(config)
         self._thread: threading.Thread | None = None
@@ -38,8 +39,7 @@ class HttpServer:
         except OSError as e:
             sock.close()
             raise RuntimeError(f"router.http_port: cannot listen on {self._host}:{self._port}: {e.strerror}") from None
-        self._thread = threading.Thread(target=self._server.run, kwargs={"sockets": [sock]}, name="http-api",
-                                        daemon=True)
+        self._thread = threading.Thread(target=self._run, args=(sock,), name="http-api", daemon=True)
         self._thread.start()
         deadline = time.monotonic() + timeout_s
         while not self._server.started:
@@ -56,17 +56,26 @@ class HttpServer:
         if self._thread is not None:
             self._thread.join(timeout=grace_s + 10)
 
+    def _run(self, sock: socket.socket) -> None:
+        """uvicorn's Server.run, with the certificate check beside the server on its loop."""
+        with asyncio.Runner(loop_factory=self._server.config.get_loop_factory()) as runner:
+            runner.run(self._serve(sock))
 
-def _server_context(tls: Tls) -> ssl.SSLContext:
-    """A TLS server context of the PEM identity (ssl loads one only from files: a private
-    directory's, removed once read)."""
-    if tls.cert is None or tls.key is None:
-        raise ValueError("tls: the HTTP API needs cert_file and key_file")
-    context = ssl.SSLContext(ssl.PROTOCOL_TLS_SERVER)
-    with tempfile.TemporaryDirectory() as directory:  # created 0700
-        cert, key = Path(directory) / "cert.pem", Path(directory) / "key.pem"
-        cert.write_bytes(tls.cert)
-        key.touch(mode=0o600)
-        key.write_bytes(tls.key)
-        context.load_cert_chain(cert, key)
-    return context
+    async def _serve(self, sock: socket.socket) -> None:
+        reloading = asyncio.create_task(self._reload_tls()) if self._tls is not None else None
+        try:
+            await self._server.serve(sockets=[sock])
+        finally:
+            if reloading is not None:
+                reloading.cancel()
+
+    async def _reload_tls(self) -> None:
+        """New certificate files (a renewal) into the live context, for new connections. On this
+        loop's thread, the one that starts every connection's TLS session from the context, so
+        none starts while the context changes."""
+        while True:
+            await asyncio.sleep(TLS_CHECK_S)
+            fresh = self._tls.reloaded()
+            if fresh is not self._tls:
+                fresh.load_into(self._server.config.ssl)
+                self._tls = fresh

@@ -13,7 +13,8 @@ from grpc_health.v1 import health, health_pb2
 
 from engine.tokenizer import Tokenizer
 from proto.pdspec.v1 import router_pb2_grpc, worker_pb2_grpc
-from proto.rpc import Tls, serve
+from proto.rpc import serve
+from proto.tls import Tls
 from router.admission import Admission
 from router.api_keys import ApiKeys
 from router.config import RouterConfig

@@ -30,6 +30,7 @@ from router.metrics import RouterMetrics
 from engine.tokenizer import Tokenizer
 from proto import rpc
 from proto.pdspec.v1 import common_pb2, kv_pb2, kv_pb2_grpc, router_pb2, router_pb2_grpc, worker_pb2, worker_pb2_grpc
+from proto.tls import Tls
 from router.policy import PrefillPolicy, least_loaded, make_policy
 from router.registry import Registry, WorkerView
 from router.validation import InvalidRequest, ValidRequest, validate
@@ -76,7 +77,7 @@ class _Plan:
 class RouterServicer(router_pb2_grpc.RouterServicer):
     def __init__(self, registry: Registry, tokenizer: Tokenizer, config: RouterConfig, token: str | None,
                  metrics: RouterMetrics, admission: Admission, api_keys: ApiKeys | None = None,
-                 policy: PrefillPolicy | None = None, tls: rpc.Tls | None = None) -> None:
+                 policy: PrefillPolicy | None = None, tls: Tls | None = None) -> None:
         self._registry, self._tokenizer, self._config, self._admission = registry, tokenizer, config, admission
         self._api_keys = api_keys
         self._policy = policy or make_policy(config)

@@ -11,7 +11,8 @@ import grpc
 from engine.loop import EngineLoop
 from serving.convert import kv_event
 from proto.pdspec.v1 import kv_pb2, worker_pb2, worker_pb2_grpc
-from proto.rpc import Tls, channel
+from proto.rpc import channel
+from proto.tls import Tls, current
 
 log = logging.getLogger(__name__)
 
@@ -21,13 +22,25 @@ class RegistryClient:
                  loop: EngineLoop, interval_s: float = 0.5, tls: Tls | None = None,
                  on_registered: Callable[[bool], None] = lambda known: None):
         """`on_registered(known)`: called whenever the router comes to know the worker or stops."""
-        self.stub = worker_pb2_grpc.RegistryStub(channel(router_address, token, tls))
+        self._token, self._tls = token, tls
+        self._channel: grpc.Channel | None = None
         self.registration, self.loop, self.interval_s = registration, loop, interval_s
         self.on_registered = on_registered
         self.router_address = router_address
         self._registration_id = ""
         self._stop = threading.Event()
         self._thread = threading.Thread(target=self._run, name="registry-heartbeat", daemon=True)
+
+    @property
+    def stub(self) -> worker_pb2_grpc.RegistryStub:
+        """The router's stub, on a channel opened again once the certificate files change (a
+        channel presents the certificate it was opened with, until that expires)."""
+        tls = current(self._tls)
+        if self._channel is None or tls is not self._tls:
+            if self._channel is not None:
+                self._channel.close()
+            self._tls, self._channel = tls, channel(self.router_address, self._token, tls)
+        return worker_pb2_grpc.RegistryStub(self._channel)
 
     def start(self) -> None:
         self._thread.start()

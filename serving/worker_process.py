@@ -21,7 +21,8 @@ from engine.engine import Engine
 from engine.loop import EngineLoop
 from kvtransfer.layout import layout_to_proto
 from proto.pdspec.v1 import kv_pb2
-from proto.rpc import Tls, serve
+from proto.rpc import serve
+from proto.tls import Tls
 from serving.metrics import serve_metrics
 from serving.call_limit import CallLimit, request_call_limit
 from serving.engine_health import EngineHealth

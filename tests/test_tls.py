@@ -5,11 +5,13 @@ metadata (the blob never leaves the peer, so it is never deserialized)."""
 
 import datetime
 import ipaddress
+import socket
 import ssl
 import subprocess
 import sys
 import textwrap
 import threading
+import time
 from concurrent import futures
 from pathlib import Path
 
@@ -24,7 +26,10 @@ from cryptography.x509.oid import ExtendedKeyUsageOID, NameOID
 from deploy.config import parse_config
 from deploy.local import LocalCluster
 from proto.pdspec.v1 import kv_pb2, kv_pb2_grpc, worker_pb2_grpc
-from proto.rpc import Tls, channel
+from proto.rpc import channel
+from proto.tls import Tls
+from router.calls import Peers
+from router.http_server import TLS_CHECK_S
 from tests import test_cluster
 from tests.test_router_server import registration
 
@@ -161,7 +166,7 @@ def test_a_destination_never_takes_nixl_metadata_from_a_peer_of_another_ca(pki, 
         from kvtransfer.connector import KVTransferError
         from kvtransfer.layout import layout_to_proto
         from proto.pdspec.v1 import kv_pb2
-        from proto.rpc import Tls
+        from proto.tls import Tls
         from tests.test_kvtransfer import LAYOUT, random_caches
         tls = Tls.load({cluster['cert_file']!r}, {cluster['key_file']!r}, {cluster['ca_file']!r})
         connector = make_connector("nixl", LAYOUT, random_caches(LAYOUT, 4, 0), {TOKEN!r}, tls)
@@ -180,3 +185,70 @@ def test_a_destination_never_takes_nixl_metadata_from_a_peer_of_another_ca(pki, 
         server.stop(0)
     assert "refused:" in done.stdout and "GetNixlMetadata" in done.stdout, done.stdout + done.stderr
     assert not rogue.asked.is_set()  # the handshake failed first: the blob never left the rogue peer
+
+
+def test_an_identity_follows_its_files_once_they_pair(tmp_path):
+    """A renewal seen halfway (the new certificate beside the old key) keeps the identity read
+    before; once the files pair again they are the identity, for whoever asks next."""
+    old, new = make_pki(tmp_path, "old"), make_pki(tmp_path, "new")
+    tls = Tls.load(old["cert_file"], old["key_file"], old["ca_file"])
+    assert tls.reloaded() is tls
+    old["cert_file"].write_bytes(new["cert_file"].read_bytes())
+    assert tls.reloaded() is tls
+    with pytest.raises(ValueError, match="tls.cert_file, tls.key_file"):
+        Tls.load(old["cert_file"], old["key_file"], old["ca_file"])
+    old["key_file"].write_bytes(new["key_file"].read_bytes())
+    renewed = tls.reloaded()
+    assert (renewed.cert, renewed.key, renewed.ca) == (new["cert_file"].read_bytes(), new["key_file"].read_bytes(),
+                                                      old["ca_file"].read_bytes())
+    assert renewed.reloaded() is renewed
+    given = Tls(renewed.cert, renewed.key, renewed.ca)  # given as bytes: nothing to re-read
+    assert given.reloaded() is given
+
+
+def test_the_router_opens_new_channels_to_workers_once_the_certificate_is_renewed(tmp_path):
+    old, new = make_pki(tmp_path, "old"), make_pki(tmp_path, "new")
+    peers = Peers(TOKEN, Tls.load(old["cert_file"], old["key_file"], old["ca_file"]))
+    first = peers.channel("127.0.0.1:1")
+    assert peers.channel("127.0.0.1:1") is first
+    for field, path in old.items():
+        path.write_bytes(new[field].read_bytes())
+    assert peers.channel("127.0.0.1:1") is not first
+
+
+def _presented_serial(address: str, identity: dict[str, Path]) -> int:
+    """The serial number of the certificate a TLS port presents to a new connection, which must
+    chain to identity's CA (the connection presents identity's own certificate: internal ports ask for one)."""
+    host, port = address.rsplit(":", 1)
+    context = ssl.create_default_context(cafile=str(identity["ca_file"]))
+    context.load_cert_chain(identity["cert_file"], identity["key_file"])
+    context.set_alpn_protocols(["h2"])
+    with socket.create_connection((host, int(port)), timeout=10) as raw:
+        with context.wrap_socket(raw, server_hostname=host) as connection:
+            return x509.load_der_x509_certificate(connection.getpeercert(binary_form=True)).serial_number
+
+
+def test_a_renewed_certificate_reaches_every_port_and_the_cluster_answers_on(tls_cluster, pki, tmp_path, reference):
+    """The files change in place, as a renewed Secret's do, here to a new CA's (the old one no
+    longer trusted anywhere): every port presents the new certificate to new connections, without
+    a restart, and the cluster answers through channels opened with it. Last in this module: the
+    cluster keeps the new identity."""
+    renewed = make_pki(tmp_path, "renewed")
+    for field, path in pki["cluster"].items():
+        path.write_bytes(renewed[field].read_bytes())
+    serial = x509.load_pem_x509_certificate(renewed["cert_file"].read_bytes()).serial_number
+    workers = tls_cluster.workers()  # the router's port, asked by a channel opened with the new files
+    for address in [tls_cluster.router_address, tls_cluster.registry_address, *(w.address for w in workers.values())]:
+        assert _presented_serial(address, renewed) == serial, address
+    http = tls_cluster.http_url.removeprefix("https://").split("/")[0]
+    deadline = time.monotonic() + 4 * TLS_CHECK_S
+    while True:  # the HTTP API looks for new files every TLS_CHECK_S
+        try:
+            if _presented_serial(http, renewed) == serial:
+                break
+        except ssl.SSLError:  # still the old CA's certificate
+            pass
+        assert time.monotonic() < deadline, "the HTTP API still presents the old certificate"
+        time.sleep(0.5)
+    test_cluster._check_answers(tls_cluster, reference)
+    assert set(tls_cluster.workers()) == set(workers)  # every worker still registered (its heartbeats go on)
