@@ -20,7 +20,10 @@ import grpc
 log = logging.getLogger(__name__)
 
 _FIELDS = ("cert_file", "key_file", "ca_file")
-_refused: set[tuple] = set()  # file states already logged as unusable (a rotation caught halfway)
+# Shared by every holder of an identity read from the same files, so that each change is read
+# (and logged) once: the latest identity read from them, and their states found unusable.
+_latest: dict[tuple, "Tls"] = {}
+_refused: set[tuple] = set()
 
 
 @dataclass(frozen=True)
@@ -48,8 +51,12 @@ class Tls:
             pems[field], stamp = _read(field, path)
             stamps.append(stamp)
         tls = cls(pems["cert_file"], pems["key_file"], pems["ca_file"], server_name, files, tuple(stamps))
+        try:  # a CA file cut short fails here, not at every peer's handshake
+            ssl.create_default_context(cadata=tls.ca.decode("ascii", "replace"))
+        except ssl.SSLError as e:
+            raise ValueError(f"tls.ca_file: {ca_file} holds no usable CA certificate ({e.reason})") from None
         if tls.cert is not None and tls.key is not None:
-            tls.ssl_server_context()  # a key that is not the certificate's fails here, not at a peer's handshake
+            tls.ssl_server_context()  # so does a key that is not the certificate's
         return tls
 
     def reloaded(self) -> "Tls":
@@ -61,13 +68,19 @@ class Tls:
         stamps = tuple(_stamp(path) for path in self.files)
         if stamps == self.stamps:
             return self
+        key = (self.files, self.server_name)
+        latest = _latest.get(key)
+        if latest is not None and latest.stamps == stamps:
+            return latest
+        if (key, stamps) in _refused:  # until they change again: not read on every call meanwhile
+            return self
         try:
             fresh = Tls.load(*self.files, server_name=self.server_name)
-        except ValueError as e:
-            if stamps not in _refused:
-                _refused.add(stamps)
-                log.error("tls: the changed files are not usable (%s); serving on with the certificate read before", e)
+        except (ValueError, OSError) as e:
+            _refused.add((key, stamps))
+            log.error("tls: the changed files are not usable (%s); going on with the identity read before", e)
             return self
+        _latest[key] = fresh
         log.info("tls: certificate files changed; new connections use them")
         return fresh
 

@@ -2,6 +2,7 @@
 router's gRPC ports are."""
 
 import asyncio
+import logging
 import socket
 import threading
 import time
@@ -11,6 +12,7 @@ from fastapi import FastAPI
 
 from proto.tls import Tls
 
+log = logging.getLogger(__name__)
 TLS_CHECK_S = 5.0  # how often the HTTP API looks for renewed certificate files
 
 
@@ -75,7 +77,10 @@ class HttpServer:
         none starts while the context changes."""
         while True:
             await asyncio.sleep(TLS_CHECK_S)
-            fresh = self._tls.reloaded()
-            if fresh is not self._tls:
-                fresh.load_into(self._server.config.ssl)
-                self._tls = fresh
+            try:
+                fresh = self._tls.reloaded()
+                if fresh is not self._tls:
+                    fresh.load_into(self._server.config.ssl)
+                    self._tls = fresh
+            except Exception:  # the next check tries again; a dead task would never reload
+                log.exception("the HTTP API could not take the renewed certificate files")

@@ -24,6 +24,7 @@ class RegistryClient:
         """`on_registered(known)`: called whenever the router comes to know the worker or stops."""
         self._token, self._tls = token, tls
         self._channel: grpc.Channel | None = None
+        self._channel_lock = threading.Lock()  # heartbeats and stop()'s Deregister may overlap
         self.registration, self.loop, self.interval_s = registration, loop, interval_s
         self.on_registered = on_registered
         self.router_address = router_address
@@ -35,12 +36,13 @@ class RegistryClient:
     def stub(self) -> worker_pb2_grpc.RegistryStub:
         """The router's stub, on a channel opened again once the certificate files change (a
         channel presents the certificate it was opened with, until that expires)."""
-        tls = current(self._tls)
-        if self._channel is None or tls is not self._tls:
-            if self._channel is not None:
-                self._channel.close()
-            self._tls, self._channel = tls, channel(self.router_address, self._token, tls)
-        return worker_pb2_grpc.RegistryStub(self._channel)
+        with self._channel_lock:
+            tls = current(self._tls)
+            if self._channel is None or tls is not self._tls:
+                # The one it replaces is not closed: closing would cancel a call the other thread
+                # may still have on it; unused, it goes with its last reference.
+                self._tls, self._channel = tls, channel(self.router_address, self._token, tls)
+            return worker_pb2_grpc.RegistryStub(self._channel)
 
     def start(self) -> None:
         self._thread.start()

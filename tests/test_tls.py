@@ -25,12 +25,15 @@ from cryptography.x509.oid import ExtendedKeyUsageOID, NameOID
 
 from deploy.config import parse_config
 from deploy.local import LocalCluster
+from kvtransfer.grpc_backend import GrpcConnector
 from proto.pdspec.v1 import kv_pb2, kv_pb2_grpc, worker_pb2_grpc
 from proto.rpc import channel
 from proto.tls import Tls
 from router.calls import Peers
 from router.http_server import TLS_CHECK_S
+from serving.registry_client import RegistryClient
 from tests import test_cluster
+from tests.kv_peers import LAYOUT, random_caches
 from tests.test_router_server import registration
 
 TOKEN = "pdspec-tests"
@@ -187,33 +190,54 @@ def test_a_destination_never_takes_nixl_metadata_from_a_peer_of_another_ca(pki, 
     assert not rogue.asked.is_set()  # the handshake failed first: the blob never left the rogue peer
 
 
-def test_an_identity_follows_its_files_once_they_pair(tmp_path):
+def test_an_identity_follows_its_files_once_they_pair(tmp_path, monkeypatch):
     """A renewal seen halfway (the new certificate beside the old key) keeps the identity read
-    before; once the files pair again they are the identity, for whoever asks next."""
+    before, and is read once, not on every call; once the files pair again they are the identity,
+    the same one for every holder of an older one."""
     old, new = make_pki(tmp_path, "old"), make_pki(tmp_path, "new")
     tls = Tls.load(old["cert_file"], old["key_file"], old["ca_file"])
+    other_holder = Tls.load(old["cert_file"], old["key_file"], old["ca_file"])
     assert tls.reloaded() is tls
     old["cert_file"].write_bytes(new["cert_file"].read_bytes())
-    assert tls.reloaded() is tls
+    loads = []
+    monkeypatch.setattr(Tls, "load", lambda *a, load=Tls.load, **k: loads.append(a) or load(*a, **k))
+    assert tls.reloaded() is tls and tls.reloaded() is tls and len(loads) == 1
     with pytest.raises(ValueError, match="tls.cert_file, tls.key_file"):
         Tls.load(old["cert_file"], old["key_file"], old["ca_file"])
     old["key_file"].write_bytes(new["key_file"].read_bytes())
     renewed = tls.reloaded()
     assert (renewed.cert, renewed.key, renewed.ca) == (new["cert_file"].read_bytes(), new["key_file"].read_bytes(),
                                                       old["ca_file"].read_bytes())
-    assert renewed.reloaded() is renewed
+    assert renewed.reloaded() is renewed and other_holder.reloaded() is renewed
     given = Tls(renewed.cert, renewed.key, renewed.ca)  # given as bytes: nothing to re-read
     assert given.reloaded() is given
 
 
-def test_the_router_opens_new_channels_to_workers_once_the_certificate_is_renewed(tmp_path):
+def test_a_ca_file_cut_short_is_refused(tmp_path):
+    files = make_pki(tmp_path, "cut")
+    pem = files["ca_file"].read_bytes()
+    files["ca_file"].write_bytes(pem[: len(pem) // 2])
+    with pytest.raises(ValueError, match="tls.ca_file"):
+        Tls.load(files["cert_file"], files["key_file"], files["ca_file"])
+
+
+def test_kept_channels_are_opened_again_once_the_certificate_is_renewed(tmp_path):
+    """The router's channels to workers, a decode worker's to its KV sources and a worker's to the
+    router's registry each present the certificate they were opened with: after a renewal, new ones."""
     old, new = make_pki(tmp_path, "old"), make_pki(tmp_path, "new")
-    peers = Peers(TOKEN, Tls.load(old["cert_file"], old["key_file"], old["ca_file"]))
-    first = peers.channel("127.0.0.1:1")
-    assert peers.channel("127.0.0.1:1") is first
+    tls = Tls.load(old["cert_file"], old["key_file"], old["ca_file"])
+    peers = Peers(TOKEN, tls)
+    connector = GrpcConnector(LAYOUT, random_caches(LAYOUT, 4, 0), TOKEN, tls)
+    registry = RegistryClient("127.0.0.1:1", TOKEN, registration("w", "127.0.0.1:2"), loop=None, tls=tls)
+    opened = {"router": lambda: peers.channel("127.0.0.1:1"),
+              "connector": lambda: connector._use_channel("127.0.0.1:1").channel,
+              "registry": lambda: (registry.stub, registry._channel)[1]}
+    first = {name: open_one() for name, open_one in opened.items()}
+    assert all(open_one() is first[name] for name, open_one in opened.items())
     for field, path in old.items():
         path.write_bytes(new[field].read_bytes())
-    assert peers.channel("127.0.0.1:1") is not first
+    assert [name for name, open_one in opened.items() if open_one() is first[name]] == []
+    connector.close()
 
 
 def _presented_serial(address: str, identity: dict[str, Path]) -> int:
