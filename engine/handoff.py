@@ -25,7 +25,11 @@ class Handoff:
         )
         seq.finish_reason = "prefilled"
         self.counters["finished_prefilled"] += 1
-        self.proposer.release(seq)
+        try:
+            self.proposer.release(seq)
+        except BaseException:  # detached, the sequence's blocks are no longer any abort's to free
+            self.blocks.free(seq.seq_id)
+            raise
         del self.seqs[seq.seq_id], self.streams[seq.seq_id]
         self.handed_off[seq.seq_id] = seq
         return RequestOutput(seq.seq_id, [first_token], "", finished=True, finish_reason="prefilled", handle=handle)

@@ -190,7 +190,10 @@ class EngineLoop:
                 except Exception:  # the loop must outlive it: every other request still waits on it
                     log.exception("ending %s after the failed step failed too", request_id)
             # Every stream ends "error" (not "abort", which a client asked for), the requests the
-            # failed step finished or handed off too: their outputs were lost with it.
+            # failed step finished or handed off too: their outputs were lost with it, and with a
+            # hand-off's its handle: nobody will read or release its pinned blocks but here.
+            for request_id in [r for r in self.outputs if r in self.engine.handed_off]:
+                self.engine.release(request_id)
             self._dispatch([RequestOutput(r, [], "", finished=True, finish_reason="error") for r in list(self.outputs)])
         with self.stepped:
             self.stepped.notify_all()

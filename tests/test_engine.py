@@ -328,6 +328,45 @@ def test_a_failed_step_ends_every_stream_even_those_it_finished(engine, prompts,
     assert not engine.has_unfinished() and "lost" not in loop.outputs
 
 
+def test_a_hand_off_lost_with_its_failed_step_frees_its_blocks(engine, prompts, monkeypatch):
+    """A prefill-only request handed off inside a step that then failed: its handle never reached
+    a caller, so nobody would ever release its pinned blocks."""
+    free_before = engine.blocks.num_free_blocks
+    step = engine.step
+
+    def hand_off_then_fail():
+        step()
+        raise RuntimeError("injected fault after the step handed off its request")
+
+    monkeypatch.setattr(engine, "step", hand_off_then_fail)
+    loop = EngineLoop(engine)
+    try:
+        out = loop.submit("lost-handoff", prompts[0], SamplingParams(max_tokens=1), prefill_only=True).get(timeout=60)
+        assert out.finished and out.finish_reason == "error"
+    finally:
+        loop.stop()
+    assert "lost-handoff" not in engine.handed_off and engine.blocks.num_free_blocks == free_before
+
+
+def test_a_hand_off_whose_draft_release_fails_frees_its_blocks(engine, prompts, monkeypatch):
+    """Failing between leaving the batch and being handed off, a prefill-only request's blocks
+    were held by neither: the abort that ends it (the loop's, after the failed step) freed none."""
+    free_before = engine.blocks.num_free_blocks
+    rid = engine.add_request(prompts[0], SamplingParams(max_tokens=1), prefill_only=True)
+
+    def failing_release(seq):
+        raise RuntimeError("injected: the draft cache write failed")
+
+    monkeypatch.setattr(engine.proposer, "release", failing_release)
+    with pytest.raises(RuntimeError, match="injected"):
+        while True:
+            engine.step()
+    with pytest.raises(RuntimeError, match="injected"):
+        engine.abort(rid, reason="error")
+    assert rid not in engine.seqs and rid not in engine.handed_off and not engine.has_unfinished()
+    assert engine.blocks.num_free_blocks == free_before
+
+
 def test_the_loop_waits_for_a_command_while_no_sequence_can_run(monkeypatch):
     """A prefill worker's pool held by handed-off KV (pinned until the decode side reads it): the
     request behind it cannot start, and the loop waits for the release instead of spinning a
