@@ -18,6 +18,8 @@ from dataclasses import dataclass, fields
 
 import torch
 
+from engine import huge_pages
+
 
 class KVLayoutMismatch(ValueError):
     """Two workers' caches cannot exchange blocks; the message names the differing field."""
@@ -94,4 +96,7 @@ class KVLayout:
 
 
 def allocate_cache(layout: KVLayout, cache: CacheShape, num_blocks: int, device: torch.device) -> torch.Tensor:
-    return torch.zeros((num_blocks, *layout.block_shape(cache)), dtype=getattr(torch, layout.dtype), device=device)
+    shape, dtype = (num_blocks, *layout.block_shape(cache)), getattr(torch, layout.dtype)
+    if device.type == "cpu":  # read all over every step: see engine/huge_pages.py
+        return huge_pages.zeros(shape, dtype)
+    return torch.zeros(shape, dtype=dtype, device=device)

@@ -15,9 +15,17 @@ import math
 import torch
 import torch.nn.functional as F
 
-from engine import cpu_kernels
+from engine import cpu_kernels, huge_pages
 from engine.config import ModelConfig, ModelConfigError
 from engine.quant import QuantizedTensor
+
+
+def share_huge_pages(linears: list["Linear"]) -> None:
+    """The packed matrices' panels moved side by side onto huge pages (engine/huge_pages.py): a
+    forward streams them all. Before anything keeps their addresses (NativeDecoder.bind)."""
+    packed = [lin for lin in linears if lin.packed]
+    for lin, weight in zip(packed, huge_pages.gather([lin.weight for lin in packed])):
+        lin.weight = weight
 
 
 def uses_packed_gemm(device: torch.device, dtype: torch.dtype) -> bool:

@@ -16,7 +16,7 @@ from engine import cpu_kernels
 from engine.attention import AttentionMetadata, native_paged_attention, paged_attention, write_kv
 from engine.batch import ForwardBatch
 from engine.config import ModelConfig, ModelConfigError
-from engine.layers import Linear, Rotary, rms_norm
+from engine.layers import Linear, Rotary, rms_norm, share_huge_pages
 from engine.native_decoder import NativeDecoder
 from engine.parallel import TensorParallel
 from engine.quant import QuantizedTensor, cat_rows
@@ -133,6 +133,7 @@ class CausalLM:
         self.embed = None if tied and tp.size == 1 else embed
         self.rotary = Rotary(config, max_positions, self.norm.device, self.dtype)
         self.aux_layer_ids = config.aux_layer_ids
+        share_huge_pages([lin for layer in self.layers for lin in layer.linears] + [self.lm_head])
         self.native = NativeDecoder.bind(self.layers, self.input_norms, self.rotary, self.norm, tp.size)
 
     def embed_tokens(self, ids: torch.Tensor) -> torch.Tensor:

@@ -22,7 +22,7 @@ from pathlib import Path
 import torch
 
 from engine.config import ModelConfig, ModelConfigError
-from engine.layers import Linear, Rotary, rms_norm
+from engine.layers import Linear, Rotary, rms_norm, share_huge_pages
 from engine.batch import ForwardBatch
 from engine.model import DecoderLayer, attention_for
 from engine.native_decoder import NativeDecoder
@@ -108,6 +108,7 @@ class Eagle3Draft:
         own_embed = w.get("embed_tokens.weight")
         self.embed = (lambda ids: own_embed[ids]) if own_embed is not None else target_embed
         self.rotary = Rotary(c, max_positions, device, dtype)
+        share_huge_pages([self.fc, *self.midlayer.linears, self.lm_head])
         self.native = NativeDecoder.bind([self.midlayer], [self.hidden_norm], self.rotary, self.norm, tp_size=1,
                                          embed_norm=self.input_norm)
 
