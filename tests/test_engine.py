@@ -308,9 +308,12 @@ def test_an_incoming_request_whose_transfer_could_not_be_stopped_never_frees_its
     assert engine.blocks.num_free_blocks == reserved
 
 
-def test_a_failed_step_ends_every_stream_even_those_it_finished(engine, prompts, monkeypatch):
+@pytest.mark.parametrize("prefill_only", [False, True])
+def test_a_failed_step_ends_every_stream_even_those_it_finished(engine, prompts, monkeypatch, prefill_only):
     """Outputs of requests that finished inside a failing step are lost with it: their handlers
-    must still get an end, not wait forever."""
+    must still get an end, not wait forever; and a request it handed off, whose handle reached
+    nobody, must not keep its pinned blocks forever."""
+    free_before = engine.blocks.num_free_blocks
     step = engine.step
 
     def finish_then_fail():
@@ -320,32 +323,13 @@ def test_a_failed_step_ends_every_stream_even_those_it_finished(engine, prompts,
     monkeypatch.setattr(engine, "step", finish_then_fail)
     loop = EngineLoop(engine)
     try:
-        outputs = loop.submit("lost", prompts[0], SamplingParams(max_tokens=1))
+        outputs = loop.submit("lost", prompts[0], SamplingParams(max_tokens=1), prefill_only=prefill_only)
         out = outputs.get(timeout=60)
         assert out.finished and out.finish_reason == "error"
     finally:
         loop.stop()
-    assert not engine.has_unfinished() and "lost" not in loop.outputs
-
-
-def test_a_hand_off_lost_with_its_failed_step_frees_its_blocks(engine, prompts, monkeypatch):
-    """A prefill-only request handed off inside a step that then failed: its handle never reached
-    a caller, so nobody would ever release its pinned blocks."""
-    free_before = engine.blocks.num_free_blocks
-    step = engine.step
-
-    def hand_off_then_fail():
-        step()
-        raise RuntimeError("injected fault after the step handed off its request")
-
-    monkeypatch.setattr(engine, "step", hand_off_then_fail)
-    loop = EngineLoop(engine)
-    try:
-        out = loop.submit("lost-handoff", prompts[0], SamplingParams(max_tokens=1), prefill_only=True).get(timeout=60)
-        assert out.finished and out.finish_reason == "error"
-    finally:
-        loop.stop()
-    assert "lost-handoff" not in engine.handed_off and engine.blocks.num_free_blocks == free_before
+    assert not engine.has_unfinished() and "lost" not in loop.outputs and "lost" not in engine.handed_off
+    assert engine.blocks.num_free_blocks == free_before
 
 
 def test_a_hand_off_whose_draft_release_fails_frees_its_blocks(engine, prompts, monkeypatch):
