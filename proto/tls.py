@@ -88,13 +88,13 @@ class Tls:
         """Credentials that re-read the files (`reloaded`) before every new connection's handshake."""
         if self.cert is None or self.key is None:
             raise ValueError("tls: a server needs cert_file and key_file")
-        current = [self]
+        presented = [self]
 
         def fetch() -> grpc.ServerCertificateConfiguration | None:  # gRPC calls it per new connection
-            fresh = current[0].reloaded()
-            if fresh is current[0]:
+            fresh = presented[0].reloaded()
+            if fresh is presented[0]:
                 return None
-            current[0] = fresh
+            presented[0] = fresh
             return fresh._certificate_configuration()
 
         return grpc.dynamic_ssl_server_credentials(self._certificate_configuration(), fetch,
