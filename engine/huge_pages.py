@@ -19,8 +19,7 @@ ALIGN = 64  # each tensor in a shared mapping starts on a cache line
 
 def zeros(shape: tuple[int, ...], dtype: torch.dtype) -> torch.Tensor:
     """A zeroed CPU tensor on huge pages (anonymous memory comes zeroed)."""
-    nbytes = torch.Size(shape).numel() * torch.empty((), dtype=dtype).element_size()
-    return _mapping(nbytes)[:nbytes].view(dtype).view(shape)
+    return _mapping(torch.Size(shape).numel() * dtype.itemsize).view(dtype).view(shape)
 
 
 def gather(tensors: list[torch.Tensor]) -> list[torch.Tensor]:
@@ -29,13 +28,10 @@ def gather(tensors: list[torch.Tensor]) -> list[torch.Tensor]:
     offsets, total = [], 0
     for t in tensors:
         offsets.append(total)
-        total += -(-t.numel() * t.element_size() // ALIGN) * ALIGN
+        total += -(-t.nbytes // ALIGN) * ALIGN
     memory = _mapping(total)
-    copies = []
-    for t, offset in zip(tensors, offsets):
-        copy = memory[offset : offset + t.numel() * t.element_size()].view(t.dtype).view(t.shape)
-        copies.append(copy.copy_(t))
-    return copies
+    return [memory[offset : offset + t.nbytes].view(t.dtype).view(t.shape).copy_(t)
+            for t, offset in zip(tensors, offsets)]
 
 
 def _mapping(nbytes: int) -> torch.Tensor:
