@@ -180,7 +180,7 @@ class BaseConnector(abc.ABC):
             if remote_block_ids:
                 self._move(stub, handle, remote_block_ids, local_block_ids, deadline, cancel)
         finally:
-            found = self._release(stub, handle, deadline)
+            found = self._release(stub, handle, deadline, cancel)
             with self._channels_lock:
                 used.users -= 1
                 used.last_used = time.monotonic()
@@ -272,12 +272,23 @@ class BaseConnector(abc.ABC):
                 raise KVTransferError(f"pull of {handle.request_id}: {problem} (remote {remote}, local {local})",
                                       retryable=False)
 
-    def _release(self, stub: kv_pb2_grpc.KVTransferStub, handle: kv_pb2.KVHandle, deadline: float) -> bool | None:
-        """Ask the source to unpin; whether it still held the pin, None if it could not be asked."""
-        timeout = max(remaining(deadline), RELEASE_MIN_TIMEOUT_S)
+    def _release(self, stub: kv_pb2_grpc.KVTransferStub, handle: kv_pb2.KVHandle, deadline: float,
+                 cancel: Cancellation) -> bool | None:
+        """Ask the source to unpin; whether it still held the pin, None if it could not be asked.
+        Once the pull is cancelled the Release gets RELEASE_MIN_TIMEOUT_S at most: waiting on a stalled
+        source until the pull's deadline held the cancelled request's thread, call slot and blocks
+        (and a closing worker) that long, where a Release lost only leaves the pin to time out."""
+        timeout = RELEASE_MIN_TIMEOUT_S if cancel.is_set() else max(remaining(deadline), RELEASE_MIN_TIMEOUT_S)
+        release = kv_pb2.ReleaseRequest(request_id=handle.request_id, pin_id=handle.pin_id)
+        call = stub.Release.future(release, timeout=timeout)
+        if not cancel.is_set():
+            cancel.on_set(call.cancel)  # cancelled while it waits: cut short (a no-op once it is done)
         try:
-            release = kv_pb2.ReleaseRequest(request_id=handle.request_id, pin_id=handle.pin_id)
-            return stub.Release(release, timeout=timeout).found
+            return call.result().found
+        except grpc.FutureCancelledError:
+            log.warning("Release of %s cut short: its pull was cancelled (the pin on %s times out instead)",
+                        handle.request_id, handle.source_address)
+            return None
         except grpc.RpcError as e:
             log.warning("%s", rpc_failure(e, f"Release of {handle.request_id}", handle.source_address))
             return None

@@ -40,7 +40,8 @@ def random_caches(layout: KVLayout, num_blocks: int, seed: int) -> dict[str, tor
 class FaultyServicer(KVTransferServicer):
     """Faults on purpose, by request id: "corrupt*" flips a byte after the checksum was taken
     ("changed*", in _serve_source: a pinned block changes after the handle's checksums were taken);
-    "stall*" reports that its first chunk went out, then sends no other; "slow*" takes 0.3 s
+    "stall*" reports that its first chunk went out, then sends no other, and its Release reports
+    the seconds its caller gave it, then waits until the caller gives up; "slow*" takes 0.3 s
     before its first chunk; "lapsed*" ends its pin at Release but answers that it had lapsed
     already (found=False)."""
 
@@ -61,6 +62,10 @@ class FaultyServicer(KVTransferServicer):
         return chunk
 
     def Release(self, request, context):
+        if request.request_id.startswith("stall"):
+            self.report("release-timeout", context.time_remaining())
+            while context.is_active():
+                time.sleep(0.05)
         response = super().Release(request, context)
         if request.request_id.startswith("lapsed"):
             response.found = False
@@ -223,9 +228,10 @@ def _serve_destination(conn) -> None:
             elif command == "close":  # every connector; the running pull's outcome comes first
                 for connector in connectors.values():
                     connector.close()
+                registered = [bool(c._memory._registered) for c in connectors.values() if hasattr(c, "_memory")]
                 connectors.clear()
                 puller.join()  # its outcome sent first
-                conn.send("closed")
+                conn.send(("closed", registered))
             elif command == "pulls":  # at once, from threads: [(handle, remote, local)] -> errors or None
                 backend, layout, token, pulls = args
                 key = (backend, layout, token)
@@ -302,8 +308,11 @@ class DestinationProcess(_Child):
         then `wait_closed`."""
         self._conn.send(("close",))
 
-    def wait_closed(self) -> None:
-        assert self._recv() == "closed"
+    def wait_closed(self) -> list[bool]:
+        """Whether each closed NIXL connector left its memory registered."""
+        closed, registered = self._recv()
+        assert closed == "closed"
+        return registered
 
 
 def assert_local(dest: DestinationProcess, pulled: dict[int, int], undefined: list[int] = (),

@@ -11,6 +11,7 @@ import grpc
 import pytest
 
 from engine.kv_layout import CacheShape
+from kvtransfer.connector import RELEASE_MIN_TIMEOUT_S
 from kvtransfer.layout import layout_from_proto, layout_to_proto
 from kvtransfer.source import KVSource
 from proto.pdspec.v1 import kv_pb2, kv_pb2_grpc
@@ -218,12 +219,27 @@ def test_a_nixl_read_that_cannot_be_cancelled_says_its_blocks_may_still_be_writt
     source.wait_released(handle.request_id)  # the pin still went back
 
 
+def test_a_closing_connector_keeps_the_memory_an_uncancelled_read_may_write(source):
+    """The READ's pull ended long before (its blocks retired): closing the connector must still not
+    deregister the memory that READ may write into (undefined behaviour in UCX)."""
+    dest = DestinationProcess()  # of its own: it ends with its caches registered for good
+    try:
+        handle = source.pin("unstoppable-then-close")
+        assert dest.pull_error("nixl", handle, fault="unstoppable").may_still_write
+        dest.close()
+        assert dest.wait_closed() == [True]
+    finally:
+        dest.stop()
+    source.wait_released(handle.request_id)
+
+
 @pytest.mark.parametrize("stop", ["cancel", "close"])
 @pytest.mark.parametrize("backend", BACKENDS)
 def test_a_pull_stops_when_cancelled_or_its_connector_closes(backend, stop, doomed_source, dest):
     """A cancelled request's pull (its client gone) or one under a closing worker ends at once, its
     pin released: it ran on for its timeout, holding a source pull slot, the pin and its blocks,
-    and a closing NIXL connector deregistered memory a READ still wrote into."""
+    and a closing NIXL connector deregistered memory a READ still wrote into. Its Release to a
+    source that stalls as well waits RELEASE_MIN_TIMEOUT_S at most, not the rest of the pull's time."""
     handle = doomed_source.pin("stall")
     if backend == "grpc":
         dest.start_pull("grpc", handle)  # the source sends one chunk, then stalls for good
@@ -237,7 +253,8 @@ def test_a_pull_stops_when_cancelled_or_its_connector_closes(backend, stop, doom
     assert error is not None and "cancelled" in str(error) and error.retryable, error
     assert not error.may_still_write
     if stop == "close":
-        dest.wait_closed()
+        assert not any(dest.wait_closed())  # NIXL's memory deregistered: no READ left running
+    assert doomed_source.expect("release-timeout") < RELEASE_MIN_TIMEOUT_S + 1  # as gRPC carries it (rounded up)
     doomed_source.wait_released(handle.request_id)
     dest.reset()
     assert dest.pull(backend, doomed_source.pin("after")) is None  # new connectors, or the same one: it pulls
