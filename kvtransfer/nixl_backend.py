@@ -141,10 +141,13 @@ class NixlConnector(BaseConnector):
     def close(self) -> None:
         drained = self._stop_pulls()
         self._close_channels()
-        if drained:
+        with self._lock:  # a READ that could not be cancelled may still write, its pull long ended
+            uncancelled = [s.name for s in self._agents.values() if s.uncancelled_read]
+        if drained and not uncancelled:
             self._memory.close()
         else:  # the process is ending: better its registration outlive it than a READ write freed memory
-            log.error("NIXL memory left registered: KV pulls still run")
+            log.error("NIXL memory left registered: %s", "KV pulls still run" if not drained else
+                      f"READs from {', '.join(uncancelled)} could not be cancelled")
 
     def _move(self, stub: kv_pb2_grpc.KVTransferStub, handle: kv_pb2.KVHandle, remote_block_ids: list[int],
               local_block_ids: list[int], deadline: float, cancel: Cancellation) -> None:
