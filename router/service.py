@@ -107,7 +107,7 @@ class RouterServicer(router_pb2_grpc.RouterServicer):
         run = Run(run_key(self._owner(context), req.request_id))
         with self._runs_lock:
             if run.key in self._runs:
-                context.abort(grpc.StatusCode.INVALID_ARGUMENT,
+                context.abort(grpc.StatusCode.ALREADY_EXISTS,  # as the workers say it: the request is well formed
                               f"request_id: {req.request_id!r} is already running; send a unique id or none")
             self._runs[run.key] = run
         if not context.add_callback(run.cancel):  # fires when the RPC ends: if the client left, stop the worker

@@ -137,6 +137,9 @@ def test_abort_ends_only_requests_made_with_the_same_key(cluster):
         stub = router_pb2_grpc.RouterStub(channel)
         call = stub.Generate(long, metadata=_bearer("key-alice"))
         next(call)  # running
+        with pytest.raises(grpc.RpcError) as twice:  # well formed: a retry under the id while it runs
+            list(stub.Generate(long, metadata=_bearer("key-alice")))
+        assert twice.value.code() == grpc.StatusCode.ALREADY_EXISTS and "already running" in twice.value.details()
         bob = stub.Abort(common_pb2.AbortRequest(request_id="alice-1"), metadata=_bearer("key-bob"))
         assert not bob.found
         # Each key has its own request ids: bob's "alice-1" runs beside alice's (it was refused).
