@@ -9,6 +9,7 @@ from pydantic import BaseModel, ConfigDict, Field, field_validator
 # overflow to inf, and a distribution that sharp is the argmax anyway. The bound is 1e-5 as fp32,
 # the type the gRPC API carries it in, so a temperature means the same through every entry point.
 GREEDY_BELOW = struct.unpack("f", struct.pack("f", 1e-5))[0]
+MAX_STOP_STRINGS, MAX_STOP_CHARS = 32, 512  # OpenAI takes 4 stop strings
 
 
 class SamplingParams(BaseModel):
@@ -26,9 +27,15 @@ class SamplingParams(BaseModel):
 
     @field_validator("stop")
     @classmethod
-    def _no_empty_stop(cls, stop: tuple[str, ...]) -> tuple[str, ...]:
+    def _checked_stop(cls, stop: tuple[str, ...]) -> tuple[str, ...]:
+        # Every new token's text is searched for every stop string on the engine's loop, in the step
+        # that serves the whole batch: unbounded, one request's 200k strings cost ~40 ms a token.
+        if len(stop) > MAX_STOP_STRINGS:
+            raise ValueError(f"at most {MAX_STOP_STRINGS} stop strings, got {len(stop)}")
         if any(s == "" for s in stop):
             raise ValueError("an empty stop string would end every answer at once")
+        if longest := max((len(s) for s in stop if len(s) > MAX_STOP_CHARS), default=0):
+            raise ValueError(f"stop strings of at most {MAX_STOP_CHARS} characters, got one of {longest}")
         return stop
 
     @property

@@ -37,6 +37,25 @@ def invalid(param: str, message: str) -> OpenAIError:
     return OpenAIError(400, f"{param}: {message}", "invalid_request_error", param)
 
 
+def _lone_surrogate(value: Any, path: str) -> OpenAIError | None:
+    """The first string under `value` that no UTF-8 encodes, refused naming it. JSON's \\uXXXX
+    escapes can name half of a surrogate pair (a client that cut a string inside an emoji sends
+    one); it failed the proto's encoding, a 500."""
+    if isinstance(value, str):
+        try:
+            value.encode("utf-8")
+            return None
+        except UnicodeEncodeError as e:
+            return OpenAIError(400, f"{path}: not valid Unicode: a lone surrogate (U+{ord(value[e.start]):04X}) at "
+                               f"character {e.start}", "invalid_request_error", path.split("[")[0].split(".")[0])
+    items = value.items() if isinstance(value, dict) else enumerate(value) if isinstance(value, list) else ()
+    for key, item in items:
+        if found := _lone_surrogate(item, f"{path}.{key}" if isinstance(key, str) and path else
+                                    key if isinstance(key, str) else f"{path}[{key}]"):
+            return found
+    return None
+
+
 class _Body(BaseModel):
     model_config = ConfigDict(extra="ignore")
 
@@ -68,7 +87,12 @@ _UNSUPPORTED = {"logprobs": (None, False), "top_logprobs": (None, 0), "logit_bia
                 "suffix": (None, ""), "min_p": (None, 0), "repetition_penalty": (None, 1), "min_tokens": (None, 0),
                 "prompt_logprobs": (None, 0), "structured_outputs": (None,), "guided_json": (None,),
                 "guided_regex": (None,), "guided_choice": (None,), "guided_grammar": (None,),
-                "include_stop_str_in_output": (None, False), "chat_template_kwargs": (None, {})}
+                "include_stop_str_in_output": (None, False), "chat_template_kwargs": (None, {}),
+                "chat_template": (None,), "add_generation_prompt": (None, True),
+                "continue_final_message": (None, False), "allowed_token_ids": (None,), "bad_words": (None, []),
+                "truncate_prompt_tokens": (None,), "skip_special_tokens": (None, True),
+                "spaces_between_special_tokens": (None, True), "use_beam_search": (None, False),
+                "length_penalty": (None, 1)}
 OPENAI_TEMPERATURE = 1.0  # OpenAI's default
 UNTIL_CONTEXT_LIMIT = 2**31 - 1  # a chat's max_tokens when omitted: the engine stops at the context limit ("length")
 COMPLETION_MAX_TOKENS = 16  # OpenAI's default for /v1/completions
@@ -101,6 +125,8 @@ class _Sampling(BaseModel):
     timeout: float | None = Field(None, gt=0, allow_inf_nan=False)
 
     def check_supported(self) -> None:
+        if error := _lone_surrogate(self.model_dump(exclude=set(self.model_extra or ())), ""):
+            raise error
         if self.n not in (None, 1):
             raise invalid("n", f"only 1 choice per request is supported, got {self.n}")
         if self.stream_options is not None and not self.stream:

@@ -143,16 +143,20 @@ def test_values_that_mean_off_pass_and_fields_that_would_change_the_answer_are_r
     """A float 0.0 penalty, min_p 0.0 and repetition_penalty 1.0 are "off" as their integer forms
     are (they were refused); vLLM's top_k -1 is no top-k; max_completion_tokens holds for a text
     completion as for a chat. vLLM's guided decoding, structured outputs, stop strings kept in the
-    output and chat template arguments would change the answer: refused by name, not dropped."""
+    output, chat template arguments and options, special tokens kept in the text and banned words
+    would change the answer: refused by name, not dropped."""
     from router.openai_schema import ChatCompletionRequest, CompletionRequest, OpenAIError
 
     off = {"presence_penalty": 0.0, "frequency_penalty": 0.0, "min_p": 0.0, "repetition_penalty": 1.0,
-           "include_stop_str_in_output": False, "top_k": -1}
+           "include_stop_str_in_output": False, "top_k": -1, "add_generation_prompt": True,
+           "continue_final_message": False, "skip_special_tokens": True}
     assert ChatCompletionRequest(messages=QUESTION, **off).generate_request("r").sampling.top_k == 0
     assert CompletionRequest(prompt="Hi", max_completion_tokens=40).generate_request("r").sampling.max_tokens == 40
     for field, value in [("guided_choice", ["yes", "no"]), ("guided_json", {"type": "object"}),
                          ("guided_regex", "[0-9]+"), ("structured_outputs", {"choice": ["a"]}),
-                         ("include_stop_str_in_output", True), ("chat_template_kwargs", {"enable_thinking": False})]:
+                         ("include_stop_str_in_output", True), ("chat_template_kwargs", {"enable_thinking": False}),
+                         ("continue_final_message", True), ("add_generation_prompt", False),
+                         ("skip_special_tokens", False), ("bad_words", ["no"]), ("chat_template", "{{ x }}")]:
         with pytest.raises(OpenAIError) as e:
             ChatCompletionRequest(messages=QUESTION, **{field: value}).generate_request("r")
         assert (e.value.status, e.value.param) == (400, field)
@@ -183,10 +187,16 @@ def test_the_published_schema_takes_the_seeds_the_engine_takes():
     ({"repetition_penalty": 1.2}, "repetition_penalty"),
     ({"max_completion_tokens": 0}, "max_completion_tokens"),
     ({"stream_options": {"include_usage": True}}, "stream_options"),  # without stream
+    ({"stop": ["s%d" % i for i in range(33)]}, "stop"),  # each is searched for in every token's text
+    ({"messages": [{"role": "user", "content": "cut \ud83d"}]}, "messages"),  # half an emoji: no UTF-8 has it
+    ({"messages": [{"role": "user", "content": [{"type": "text", "text": "\udc00"}]}]}, "messages"),
+    ({"stop": "\ud800"}, "stop"),
 ])
 def test_bad_fields_are_400_naming_the_field(cluster, fields, param):
     body = {"model": MODEL, "messages": QUESTION, **fields}
-    response = httpx.post(f"{cluster.http_url}/chat/completions", json=body, timeout=60)
+    # json.dumps escapes a lone surrogate as JSON may (httpx's own encoding fails on one)
+    response = httpx.post(f"{cluster.http_url}/chat/completions", content=json.dumps(body), timeout=60,
+                          headers={"content-type": "application/json"})
     assert response.status_code == 400, response.text
     error = response.json()["error"]
     assert error["type"] == "invalid_request_error" and error["param"] == param and param in error["message"]
