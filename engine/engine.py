@@ -153,7 +153,7 @@ class Engine(Handoff):
                 self.proposer.observe(s.seq, chunk.start, _rows(out.aux_hidden, row, rows))
             s.seq.num_computed += len(rows)
             row += len(chunk.token_ids)
-        mid_prompt = [s.seq for s in scheduled if not s.yields_token]
+        mid_prompt = [s.seq for i, s in enumerate(scheduled) if i not in paths]  # (yields_token has moved on)
         if mid_prompt:
             self.proposer.write_prompt_blocks(mid_prompt)
         outputs = []

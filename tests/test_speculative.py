@@ -201,14 +201,16 @@ def test_draft_caches_left_behind_catch_up_to_what_one_forward_computes(spec_pro
                                    atol=1e-4, rtol=1e-4)
 
 
-def test_a_prompts_blocks_hold_their_draft_entries_as_its_chunks_fill_them(spec_prompts):
+@pytest.mark.parametrize("chunks", [3, 2])
+def test_a_prompts_blocks_hold_their_draft_entries_as_its_chunks_fill_them(spec_prompts, chunks):
     """A block enters the prefix cache when a prompt's chunk fills it: its draft entries must be in
     it then, not at the prompt's last chunk (a request reusing the block meanwhile drafted from
-    stale entries, and its hand-off shipped them so to a decode worker's prefix cache)."""
+    stale entries, and its hand-off shipped them so to a decode worker's prefix cache). Also where
+    the rest of the prompt is one chunk as long as this one (the step took it for the last)."""
     config = EngineConfig(num_kv_blocks=64, long_prefill_token_threshold=16,
                           speculative={"adaptive": False, "method": "eagle3", "num_speculative_tokens": 5})
     chunked, reference = Engine(config), Engine(config)
-    prompt = (spec_prompts[0] + spec_prompts[1])[:48]  # three chunks of 16
+    prompt = (spec_prompts[0] + spec_prompts[1])[:16 * chunks]  # chunks of 16
     rid = chunked.add_request(prompt, SamplingParams(max_tokens=4))
     chunked.step()
     assert chunked.seqs[rid].num_computed == 16  # one chunk in: block 0 full (and cached), the prompt not
