@@ -36,6 +36,16 @@ def test_the_spine_stops_at_its_slots_and_below_the_threshold():
     assert tree.proposal(max_tokens=15).parents is None  # a chain of one
 
 
+def test_a_static_tree_verifies_no_deeper_than_the_sequences_draft_slots():
+    """A request's K (or the tokens it may still emit) bounds the tree's depth: a shape two levels
+    deep, with one slot, verified a second level the output then cut."""
+    tree = DraftTree(width=1, max_spine=1, threshold=0.0, shape=frozenset({(0,), (0, 0), (1,)}))
+    tree.add_children(-1, [5, 6], [0.6, 0.3])
+    assert tree.grow() == [0] and not tree.expands()
+    proposal = tree.proposal(max_tokens=8)
+    assert proposal.token_ids == [5, 6] and proposal.parents == [-1, -1]
+
+
 def test_a_static_tree_keeps_its_paths_and_drafts_its_inner_nodes_further():
     """vLLM-style shape [[0], [1], [0, 0], [0, 1], [1, 0], [0, 0, 0]]: the root's two best, the
     first's two best, the second's best, and one more level under [0, 0]."""

@@ -61,9 +61,14 @@ class DraftTree:
         return self.frontier
 
     def expands(self) -> bool:
-        """Whether the frontier is drafted further: a static tree's always (its inner nodes), a
+        """Whether the frontier is drafted further: a static tree's (its inner nodes) while their
+        children are no deeper than the sequence's draft slots (its K, or what it may still emit), a
         dynamic one's while the spine has room for another level."""
-        return bool(self.frontier) and (self.shape is not None or len(self.spine) < self.max_spine)
+        if not self.frontier:
+            return False
+        if self.shape is not None:
+            return len(self.nodes[self.frontier[0]].path) < self.max_spine  # a level's nodes share a depth
+        return len(self.spine) < self.max_spine
 
     def is_chain(self) -> bool:
         """Each spine node continues the one before it (width 1, or a single survivor per level)."""
