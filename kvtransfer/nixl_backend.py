@@ -37,6 +37,7 @@ from proto.tls import Tls
 log = logging.getLogger(__name__)
 
 POLL_S = 0.0005  # between transfer state checks: sleeps, so a long READ costs no CPU here
+LOCK_POLL_S = 0.05  # between checks of a pull's cancel while another pull fetches its source's metadata
 PROGRESS_POLL_US = 10_000  # NIXL progress thread poll timeout; UCX events wake it sooner
 # The bindings raise one exception class per NIXL status, with no common base but Exception.
 NIXL_ERRORS = tuple(v for k, v in vars(nixl_bindings).items()
@@ -153,7 +154,7 @@ class NixlConnector(BaseConnector):
               local_block_ids: list[int], deadline: float, cancel: Cancellation) -> None:
         address = handle.source_address
         self._forget_idle()
-        source = self._use(stub, handle, deadline)
+        source = self._use(stub, handle, deadline, cancel)
         forget = False
         try:
             self._read(source, handle, remote_block_ids, local_block_ids, deadline, cancel)
@@ -164,10 +165,11 @@ class NixlConnector(BaseConnector):
             source.uncancelled_read |= e.may_still_write
             raise
         finally:
-            with self._address_lock(address), self._lock:
+            with self._lock:  # not under the address's lock: another pull may hold it, fetching metadata
                 source.users -= 1
                 source.last_used = time.monotonic()
-                if forget or source.forgotten:
+            if forget or source.forgotten:
+                with self._address_lock(address), self._lock:
                     self._forget(address, source)
 
     # Locks: an address's lock, then self._lock, never the other way round. An agent is loaded and
@@ -176,19 +178,30 @@ class NixlConnector(BaseConnector):
         with self._lock:
             return self._address_locks.setdefault(address, threading.Lock())
 
-    def _use(self, stub: kv_pb2_grpc.KVTransferStub, handle: kv_pb2.KVHandle, deadline: float) -> _Source:
+    def _use(self, stub: kv_pb2_grpc.KVTransferStub, handle: kv_pb2.KVHandle, deadline: float,
+             cancel: Cancellation) -> _Source:
         """The source's agent, loaded if new or if the handle names another (restarted at the
         address); counted as in use until the pull ends."""
         address, agent_name = handle.source_address, handle.nixl_agent
-        with self._address_lock(address):
+        lock = self._address_lock(address)
+        # Another pull may hold the lock while it fetches the source's metadata: wait for it only
+        # until this pull's deadline or cancel (a stalled source held every pull from it that long).
+        while not lock.acquire(timeout=min(LOCK_POLL_S, remaining(deadline))):
+            if cancel.is_set() or not remaining(deadline):
+                raise KVTransferError(f"pull of {handle.request_id} {'cancelled' if cancel.is_set() else 'timed out'} "
+                                      f"while another pull fetched the NIXL metadata of {address}", retryable=True)
+        try:
             with self._lock:
                 source = self._sources.get(address)
                 if source is not None and source.name == agent_name and source.sha256 == handle.nixl_metadata_sha256:
                     source.users += 1
                     return source
-            return self._connect(stub, handle, deadline)
+            return self._connect(stub, handle, deadline, cancel)
+        finally:
+            lock.release()
 
-    def _connect(self, stub: kv_pb2_grpc.KVTransferStub, handle: kv_pb2.KVHandle, deadline: float) -> _Source:
+    def _connect(self, stub: kv_pb2_grpc.KVTransferStub, handle: kv_pb2.KVHandle, deadline: float,
+                 cancel: Cancellation) -> _Source:
         """Under the address's lock: the source's current agent (loaded unless NIXL holds it
         still, and only from metadata the handle vouches for), made the address's and counted as
         in use; an earlier agent of the address is forgotten. A handle of an agent the source no
@@ -199,8 +212,13 @@ class NixlConnector(BaseConnector):
                                   "metadata (a prefill worker without NIXL, or of an older pdspec): its blocks are not "
                                   "read over NIXL; run prefill and decode workers of one version with kv_transfer nixl",
                                   retryable=True)
+        call = stub.GetNixlMetadata.future(kv_pb2.NixlMetadataRequest(), timeout=remaining(deadline))
+        cancel.on_set(call.cancel)
         try:
-            meta = stub.GetNixlMetadata(kv_pb2.NixlMetadataRequest(), timeout=remaining(deadline))
+            meta = call.result()
+        except grpc.FutureCancelledError:
+            raise KVTransferError(f"pull of {handle.request_id} cancelled while it fetched the NIXL metadata of "
+                                  f"{address}", retryable=True) from None
         except grpc.RpcError as e:
             raise rpc_failure(e, "GetNixlMetadata", address) from None
         if meta.agent_name != agent_name:  # its pins went with the process that made them
@@ -255,10 +273,16 @@ class NixlConnector(BaseConnector):
         with self._lock:
             unused = [a for a, s in self._sources.items() if idle(s, now)]
         for address in unused:
-            with self._address_lock(address), self._lock:
-                source = self._sources.get(address)
-                if source is not None and idle(source, now):
-                    self._forget(address, source)
+            lock = self._address_lock(address)
+            if not lock.acquire(blocking=False):  # a pull is fetching the address's agent: it takes it up or replaces it
+                continue
+            try:
+                with self._lock:
+                    source = self._sources.get(address)
+                    if source is not None and idle(source, now):
+                        self._forget(address, source)
+            finally:
+                lock.release()
 
     def _read(self, source: _Source, handle: kv_pb2.KVHandle, remote_block_ids: list[int],
               local_block_ids: list[int], deadline: float, cancel: Cancellation) -> None:

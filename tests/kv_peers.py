@@ -43,11 +43,20 @@ class FaultyServicer(KVTransferServicer):
     "stall*" reports that its first chunk went out, then sends no other, and its Release reports
     the seconds its caller gave it, then waits until the caller gives up; "slow*" takes 0.3 s
     before its first chunk; "lapsed*" ends its pin at Release but answers that it had lapsed
-    already (found=False)."""
+    already (found=False). Once "hang-metadata*" is pinned, GetNixlMetadata reports that it was
+    asked, then waits until its caller gives up."""
 
     def __init__(self, source: KVSource, report):
         super().__init__(source, source.servicer.pulls)
         self.report = report
+        self.hang_metadata = threading.Event()
+
+    def GetNixlMetadata(self, request, context):
+        if self.hang_metadata.is_set():
+            self.report("metadata-asked", None)
+            while context.is_active():
+                time.sleep(0.05)
+        return super().GetNixlMetadata(request, context)
 
     def chunk(self, request_id, pin_id, block_id, cache, context):
         if request_id.startswith("slow") and block_id == REMOTE[0] and cache == "target":
@@ -97,6 +106,8 @@ def _serve_source(conn, pin_timeout_s: float, nixl: bool, faulty: bool, max_pull
             checksums = block_checksums(source.caches, list(LAYOUT.caches()), block_ids)  # as a prefill worker's handle
             if faulty and request_id.startswith("changed"):  # a pinned block changes after its checksum was taken
                 source.caches["draft"][block_ids[-1]].view(-1)[-1] += 1
+            if faulty and request_id.startswith("hang-metadata"):
+                servicer.hang_metadata.set()
             report("pinned", (request_id, pin_id, checksums))
     except (EOFError, OSError):  # the test is done with this source
         server.stop(None).wait()
@@ -200,6 +211,7 @@ def _serve_destination(conn) -> None:
     torch.set_num_threads(1)
     caches: dict[KVLayout, dict[str, torch.Tensor]] = {}
     connectors = {}
+    pullers: list[threading.Thread] = []
 
     def local(layout: KVLayout) -> dict[str, torch.Tensor]:
         return caches.setdefault(layout, random_caches(layout, LOCAL_BLOCKS, LOCAL_SEED))
@@ -221,16 +233,18 @@ def _serve_destination(conn) -> None:
                 if key not in connectors:
                     connectors[key] = make_connector(backend, layout, local(layout), token)
                 cancel = Cancellation()
-                puller = threading.Thread(target=pull_one, args=(connectors[key], handle, remote, local_ids, fault))
-                puller.start()
-            elif command == "cancel":  # the running pull's
+                pullers.append(threading.Thread(target=pull_one, args=(connectors[key], handle, remote, local_ids, fault)))
+                pullers[-1].start()
+            elif command == "cancel":  # the last started pull's
                 cancel.set()
             elif command == "close":  # every connector; the running pull's outcome comes first
                 for connector in connectors.values():
                     connector.close()
                 registered = [bool(c._memory._registered) for c in connectors.values() if hasattr(c, "_memory")]
                 connectors.clear()
-                puller.join()  # its outcome sent first
+                for puller in pullers:  # their outcomes sent first
+                    puller.join()
+                pullers.clear()
                 conn.send(("closed", registered))
             elif command == "pulls":  # at once, from threads: [(handle, remote, local)] -> errors or None
                 backend, layout, token, pulls = args

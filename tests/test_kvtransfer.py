@@ -224,6 +224,9 @@ def test_a_closing_connector_keeps_the_memory_an_uncancelled_read_may_write(sour
     deregister the memory that READ may write into (undefined behaviour in UCX)."""
     dest = DestinationProcess()  # of its own: it ends with its caches registered for good
     try:
+        assert dest.pull("nixl", source.pin("before-close")) is None
+        dest.close()
+        assert dest.wait_closed() == [False]  # deregistered: no READ left that may write
         handle = source.pin("unstoppable-then-close")
         assert dest.pull_error("nixl", handle, fault="unstoppable").may_still_write
         dest.close()
@@ -253,12 +256,31 @@ def test_a_pull_stops_when_cancelled_or_its_connector_closes(backend, stop, doom
     assert error is not None and "cancelled" in str(error) and error.retryable, error
     assert not error.may_still_write
     if stop == "close":
-        assert not any(dest.wait_closed())  # NIXL's memory deregistered: no READ left running
+        dest.wait_closed()
     assert doomed_source.expect("release-timeout") < RELEASE_MIN_TIMEOUT_S + 1  # as gRPC carries it (rounded up)
     doomed_source.wait_released(handle.request_id)
     dest.reset()
     assert dest.pull(backend, doomed_source.pin("after")) is None  # new connectors, or the same one: it pulls
     assert_local(dest, dict(zip(LOCAL, REMOTE)))
+
+
+def test_pulls_held_up_by_a_source_stalling_its_nixl_metadata_stop_when_cancelled(doomed_source, dest):
+    """A source's agent is loaded under its address's lock: a source that stalled its metadata held
+    the pull fetching it, and every other pull from it waiting on the lock, until their deadlines,
+    cancelled or not (and a closing worker with them)."""
+    first, second = doomed_source.pin("hang-metadata-1"), doomed_source.pin("hang-metadata-2")
+    dest.start_pull("nixl", first)
+    doomed_source.expect("metadata-asked")
+    dest.start_pull("nixl", second)  # waits for the address's lock
+    dest.cancel()  # the second pull's
+    error = dest.result()
+    assert error is not None and "cancelled while another pull fetched the NIXL metadata" in str(error), error
+    dest.close()  # cancels the first
+    error = dest.result()
+    assert error is not None and "cancelled while it fetched the NIXL metadata" in str(error) and error.retryable
+    dest.wait_closed()
+    for handle in (first, second):
+        doomed_source.wait_released(handle.request_id)
 
 
 def test_a_handle_of_another_nixl_agent_at_the_address_is_a_restarted_source(source, dest):
