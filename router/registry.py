@@ -57,6 +57,7 @@ class _Worker:
     routed_blocks: int = 0  # routed here since its last heartbeat (the next one reports them)
     routed_requests: int = 0
     awaited: int = 0  # decode requests routed here whose prefill still runs: not here yet, whatever heartbeats say
+    awaited_blocks: int = 0  # their prompts' blocks, uncounted by heartbeats as well
 
 
 class Registry:
@@ -157,19 +158,22 @@ class Registry:
         since the worker cannot report a request for the seconds a long prompt's prefill takes."""
         with self._lock:
             worker = self._workers.get(worker_id)
-            if worker is not None:
+            if worker is None:
+                return
+            if awaited:
+                worker.awaited += 1
+                worker.awaited_blocks += blocks
+            else:
+                worker.routed_requests += 1
                 worker.routed_blocks += blocks
-                if awaited:
-                    worker.awaited += 1
-                else:
-                    worker.routed_requests += 1
 
-    def note_arrived(self, worker_id: str) -> None:
-        """An awaited request reached `worker_id` (or will not): its own reports count it from now."""
+    def note_arrived(self, worker_id: str, blocks: int) -> None:
+        """An awaited request of `blocks` reached `worker_id` (or will not): its own reports count it from now."""
         with self._lock:
             worker = self._workers.get(worker_id)
             if worker is not None:
                 worker.awaited = max(0, worker.awaited - 1)
+                worker.awaited_blocks = max(0, worker.awaited_blocks - blocks)
 
     def capacity(self) -> int:
         """Requests the cluster runs at once: the decode workers' batches when a prefill and a
@@ -201,7 +205,8 @@ class Registry:
             worker_id=worker_id, role=r.role, address=r.address,
             # Queued requests are work too: without them a worker's backlog vanished from its cost
             # at each heartbeat (its blocks not yet allocated), and it went on taking bursts.
-            active_blocks=load.active_blocks + load.waiting_blocks + worker.routed_blocks, total_blocks=load.total_blocks,
+            active_blocks=load.active_blocks + load.waiting_blocks + worker.routed_blocks + worker.awaited_blocks,
+            total_blocks=load.total_blocks,
             running=load.running + worker.routed_requests + worker.awaited, waiting=load.waiting,
             cached_blocks=self._index.num_blocks(worker_id), seconds_since_heartbeat=now - worker.last_seen,
             metrics_address=r.metrics_address, registration_id=r.registration_id,

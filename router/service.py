@@ -72,6 +72,7 @@ class _WorkerFailed(Exception):
 class _Plan:
     prefill: WorkerView | None  # None: an aggregated worker prefills and decodes
     decode: WorkerView
+    blocks: int  # the prompt's: counted into the decode worker's load until the request reaches it
 
 
 class RouterServicer(router_pb2_grpc.RouterServicer):
@@ -208,9 +209,9 @@ class RouterServicer(router_pb2_grpc.RouterServicer):
         by_role = {role: [w for w in ws if w.worker_id not in avoid] or ws for role, ws in by_role.items()}
         overlaps, blocks = self._registry.prefix_overlaps(req.prompt_token_ids)
         if by_role["prefill"] and by_role["decode"]:
-            plan = _Plan(self._policy.choose(by_role["prefill"], overlaps, blocks), least_loaded(by_role["decode"]))
+            plan = _Plan(self._policy.choose(by_role["prefill"], overlaps, blocks), least_loaded(by_role["decode"]), blocks)
         elif by_role["aggregated"]:
-            plan = _Plan(None, least_loaded(by_role["aggregated"]))
+            plan = _Plan(None, least_loaded(by_role["aggregated"]), blocks)
         else:
             return None
         self._registry.note_routed((plan.prefill or plan.decode).worker_id, blocks)
@@ -234,7 +235,7 @@ class RouterServicer(router_pb2_grpc.RouterServicer):
             raise
         finally:
             if plan.prefill is not None:  # the decode worker has it now, or never will: its reports say
-                self._registry.note_arrived(plan.decode.worker_id)
+                self._registry.note_arrived(plan.decode.worker_id, plan.blocks)
 
     def _release(self, worker: WorkerView, request_id: str, pin_id: str, wait: bool) -> None:
         """`pin_id`: the handle's (empty: the prefill's answer was lost, so whichever pin it made)."""

@@ -152,20 +152,22 @@ def test_routed_load_counts_until_the_next_heartbeat(cluster):
 
 def test_a_decode_request_still_prefilling_counts_until_it_arrives(cluster):
     """A long prompt's prefill takes seconds, heartbeats come every half: the decode worker
-    cannot report the request yet, so the router keeps counting it (else every request routed
-    meanwhile went to the same, seemingly idle, decode worker)."""
+    cannot report the request yet, so the router keeps counting it, its blocks too (else every
+    request routed meanwhile went to the same, seemingly idle, decode worker: the choice goes by
+    the blocks first)."""
     registry, w, _ = cluster
 
-    def running() -> int:
-        return {v.worker_id: v for v in registry.workers()}["a"].running
+    def load() -> tuple[int, int]:
+        view = {v.worker_id: v for v in registry.workers()}["a"]
+        return view.running, view.active_blocks
 
     registry.note_routed("a", 5, awaited=True)
     registry.heartbeat(w["a"].heartbeat())
-    assert running() == 1
-    registry.note_arrived("a")
-    assert running() == 0
-    registry.note_arrived("a")  # never below its reports
-    assert running() == 0
+    assert load() == (1, 5)
+    registry.note_arrived("a", 5)
+    assert load() == (0, 0)
+    registry.note_arrived("a", 5)  # never below its reports
+    assert load() == (0, 0)
 
 
 @pytest.mark.parametrize("change, code, field", [
