@@ -77,6 +77,29 @@ def test_inference_head_reproduces_training_unroll(head):
     assert torch.allclose(step.logits[0], ref[1][0, t - 1], atol=2e-4)
 
 
+def test_a_head_with_its_own_embeddings_drafts_with_int8_weights(head):
+    """Heads that ship their own embed_tokens (vLLM loads them too) drafted nothing on CPU's
+    defaults: the int8 weights' quantization made the table Q8_0 blocks, which a lookup cannot use."""
+    model, path = head
+    weights = load_weights(path, torch.float32, torch.device("cpu")) | {"embed_tokens.weight": model.embed.clone()}
+    config = Eagle3Config.from_dir(path)
+
+    def target_embed(ids):
+        raise AssertionError("the head has its own embeddings")
+
+    int8 = Eagle3Draft(config, weights, target_embed, 4096, BLOCK, int8=True)
+    exact = _inference_head(model, path)  # the target's embeddings: the same table
+    layout = KVLayout("m", "float32", BLOCK, CacheShape(8, 2, 32), CacheShape(1, 2, 32))
+    tokens = torch.randint(0, TARGET.vocab_size, (12,)).tolist()
+    features = torch.randn(11, 3 * TARGET.hidden_size)
+    logits = []
+    for draft in (int8, exact):
+        cache = allocate_cache(layout, layout.draft, 4, torch.device("cpu"))
+        batch = build_batch([SeqChunk(tokens[1:], 0, [0, 1], num_logits=11)], BLOCK, torch.device("cpu"))
+        logits.append(draft.forward(batch, draft.project(features), cache).logits)
+    assert torch.corrcoef(torch.stack([logits[0].flatten(), logits[1].flatten()]))[0, 1] > 0.99
+
+
 def test_d2t_maps_draft_ids_to_target_ids(head):
     model, path = head
     draft = _inference_head(model, path)

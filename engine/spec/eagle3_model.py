@@ -91,9 +91,11 @@ class Eagle3Draft:
         # The draft's weights are read K times per step, and their precision cannot change the
         # output (verification decides): by default bf16 panels halve their memory traffic on CPU;
         # int8 (the quantized target's engines) makes its matrices Q8_0 blocks with int8
-        # activations, a quarter of fp32's bytes through the target's own kernels.
+        # activations, a quarter of fp32's bytes through the target's own kernels. (A head's own
+        # embedding table stays as it is: rows are looked up, never multiplied.)
         if int8:
-            w = quantize_matrices(w)
+            table = {k: w.pop(k) for k in ["embed_tokens.weight"] if k in w}
+            w = quantize_matrices(w) | table
         packed = packed_dtype
         self.fc = Linear(w["fc.weight"], packed_dtype=packed)
         self.input_norm = w["midlayer.input_layernorm.weight"]
