@@ -5,7 +5,7 @@ what is allowed.
 
 import os
 from pathlib import Path
-from typing import Literal
+from typing import Any, Literal
 
 import yaml
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, model_validator
@@ -82,8 +82,10 @@ class TlsConfig(_Strict):
 class DeploymentConfig(_Strict):
     engine: EngineConfig = Field(default_factory=EngineConfig)
     router: RouterConfig = Field(default_factory=RouterConfig)
-    prefill: RoleConfig = Field(default_factory=lambda: RoleConfig(replicas=1))
-    decode: RoleConfig = Field(default_factory=lambda: RoleConfig(replicas=1))
+    prefill: RoleConfig = Field(default_factory=lambda: RoleConfig(replicas=1),
+                                description="default: 1 replica, none when only aggregated is given")
+    decode: RoleConfig = Field(default_factory=lambda: RoleConfig(replicas=1),
+                               description="default: 1 replica, none when only aggregated is given")
     aggregated: RoleConfig = Field(default_factory=RoleConfig)
     pin_timeout_s: float = Field(30.0, gt=0, le=3600, description="prefill blocks stay pinned this long awaiting the decode side")
     cluster_token: str | None = Field(None, description="shared secret of internal RPCs (default: $PDSPEC_CLUSTER_TOKEN)")
@@ -110,6 +112,17 @@ class DeploymentConfig(_Strict):
     def token(self) -> str | None:
         """The cluster token: the config's, else $PDSPEC_CLUSTER_TOKEN."""
         return self.cluster_token or os.environ.get("PDSPEC_CLUSTER_TOKEN")
+
+    @model_validator(mode="before")
+    @classmethod
+    def _aggregated_only(cls, data: Any) -> Any:
+        """`aggregated` given alone means aggregated workers alone: the disaggregated roles' default
+        replica each ran beside them (a config asking for 2 workers started 4)."""
+        if not isinstance(data, dict) or {"prefill", "decode"} & data.keys():
+            return data
+        aggregated = data.get("aggregated")
+        replicas = aggregated.get("replicas") if isinstance(aggregated, dict) else getattr(aggregated, "replicas", None)
+        return {**data, "prefill": {"replicas": 0}, "decode": {"replicas": 0}} if replicas else data
 
     @model_validator(mode="after")
     def _roles(self) -> "DeploymentConfig":

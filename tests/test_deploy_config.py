@@ -13,6 +13,16 @@ def test_per_role_engine_fields_are_refused_under_engine(field):
     assert getattr(parse_config(roles).aggregated, field) == 2
 
 
+def test_aggregated_workers_alone_are_what_a_config_naming_only_them_starts():
+    """Asking for 2 aggregated workers started 4: the disaggregated roles' default replica each too."""
+    roles = lambda c: (c.prefill.replicas, c.decode.replicas, c.aggregated.replicas)  # noqa: E731
+    assert roles(parse_config({"aggregated": {"replicas": 2}})) == (0, 0, 2)
+    assert roles(parse_config({})) == (1, 1, 0)
+    assert roles(parse_config({"aggregated": {"replicas": 2}, "decode": {"replicas": 2}})) == (1, 2, 2)  # mixed: said so
+    config = parse_config({"aggregated": {"replicas": 2}})
+    assert parse_config(config.model_dump()) == config
+
+
 def test_a_dumped_config_parses_again():
     """Launchers hand workers the config as YAML with every field listed, defaults included (a
     static tree's own draft_top_k and draft_tree_width among them)."""
