@@ -221,7 +221,9 @@ class RayCluster:
         self._launch(name, WorkerActor.options(**options).remote(self._actor_config, role, self.registry_address, name))
 
     def _named(self, name: str, env: dict[str, str]) -> dict:
-        if self.config.router.host in _LOOPBACK:  # one host: keep UCX (NIXL) off other interfaces too
+        # One host (a private Ray's node is loopback, whatever router.host says): keep UCX (NIXL) off
+        # other interfaces too.
+        if self.address is None or self.config.router.host in _LOOPBACK:
             env = env | {"UCX_NET_DEVICES": "lo"}
         return {"name": name, "namespace": NAMESPACE, "lifetime": "detached" if self.detached else None,
                 "runtime_env": {"env_vars": env}}

@@ -202,6 +202,18 @@ def test_the_cluster_token_travels_in_the_actors_config_not_their_runtime_env():
     assert cluster._actor_config.token() == cluster.token
 
 
+def test_a_private_ray_keeps_ucx_on_loopback_whatever_router_host_says():
+    """A private Ray's node, and so its workers, are on loopback: a wildcard router.host (the
+    multi-node configs') left UCX listening on every interface."""
+    config = _config()
+    # (no HTTP port: "any" would look for a free one on every interface)
+    config = config.model_copy(update={"router": config.router.model_copy(update={"host": "0.0.0.0", "http_port": None})})
+    env = RayCluster(config, 50051)._named("decode-0", {})["runtime_env"]["env_vars"]
+    assert env["UCX_NET_DEVICES"] == "lo"
+    joined = RayCluster(config, 50051, address="127.0.0.1:6379")._named("decode-0", {})["runtime_env"]["env_vars"]
+    assert "UCX_NET_DEVICES" not in joined  # another cluster's nodes: UCX picks their interfaces
+
+
 def test_a_killed_decode_actor_is_restarted_and_registers_again(deployment, reference):
     actor = deployment.actors["decode-0"]
     before = ray.get(actor.info.remote())
