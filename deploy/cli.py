@@ -358,7 +358,7 @@ def main(argv: list[str] | None = None) -> int:
         return args.func(args)
     except KeyboardInterrupt:  # a server's signal during start-up: what had started was stopped on the way out;
         return 0 if server else 130  # other work was cut short (a recipe must not go on as if it ended)
-    except (ValueError, RuntimeError, FileNotFoundError) as e:
+    except (ValueError, RuntimeError, FileNotFoundError, TimeoutError) as e:  # (a start-up that timed out too)
         print(f"pdspec: error: {e}", file=sys.stderr)
         return 2
 

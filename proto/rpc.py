@@ -197,9 +197,11 @@ def wait_healthy(address: str, timeout: float, tls: Tls | None = None) -> None:
             grpc.channel_ready_future(ch).result(timeout=timeout)
             status = stub.Check(health_pb2.HealthCheckRequest(), timeout=timeout).status
         except (grpc.FutureTimeoutError, grpc.RpcError) as e:
-            raise TimeoutError(f"gRPC server at {address} not healthy within {timeout}s: {e}") from None
+            why = f": {e.code().name}: {e.details()}" if isinstance(e, grpc.RpcError) else ""
+            raise TimeoutError(f"gRPC server at {address} not healthy within {timeout:.1f} s{why}") from None
         if status != health_pb2.HealthCheckResponse.SERVING:
-            raise TimeoutError(f"gRPC server at {address} reports {status}")
+            raise TimeoutError(f"gRPC server at {address} reports "
+                               f"{health_pb2.HealthCheckResponse.ServingStatus.Name(status)}")
 
 
 def time_left(context: grpc.ServicerContext) -> float | None:

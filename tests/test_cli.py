@@ -70,3 +70,12 @@ def test_a_port_flag_is_checked_as_the_configs_own_port(tmp_path):
     result = _pdspec("serve", "--config", str(config), "--port", "50062")
     assert result.returncode == 2, result.stderr
     assert "--port" in result.stderr and "internal_port (50062)" in result.stderr and "must differ" in result.stderr
+
+
+def test_a_cluster_that_does_not_start_in_time_is_a_clear_error(tmp_path):
+    """A traceback and status 1 before; the processes it started are stopped either way."""
+    config = tmp_path / "cluster.yaml"
+    config.write_text("router: {host: 127.0.0.1, port: 0, http_port: null}\nengine: {num_kv_blocks: 64}\n")
+    result = _pdspec("serve", "--config", str(config), "--launcher", "local", "--start-timeout", "0.5")
+    assert result.returncode == 2, result.stderr
+    assert result.stderr.startswith("pdspec: error: ") and "Traceback" not in result.stderr, result.stderr
