@@ -17,6 +17,9 @@ def start_worker(config: DeploymentConfig, role: str, router_address: str, host:
                  advertise_host: str | None = None, worker_id: str | None = None) -> RunningWorker:
     if role not in WORKER_ROLES:
         raise ValueError(f"role: {role!r} is not one of {', '.join(WORKER_ROLES)}")
+    if host in ("0.0.0.0", "::", "") and not advertise_host:  # it would register an address every peer dials itself at
+        raise ValueError(f"--advertise-host: required with --host {host or '(every interface)'}: the address the "
+                         "router and other workers reach this worker at (e.g. this node's IP)")
     role_config = getattr(config, role)
     spec = WorkerSpec(
         role=role,

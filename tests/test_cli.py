@@ -79,3 +79,12 @@ def test_a_cluster_that_does_not_start_in_time_is_a_clear_error(tmp_path):
     result = _pdspec("serve", "--config", str(config), "--launcher", "local", "--start-timeout", "0.5")
     assert result.returncode == 2, result.stderr
     assert result.stderr.startswith("pdspec: error: ") and "Traceback" not in result.stderr, result.stderr
+
+
+def test_a_worker_on_every_interface_must_say_where_peers_reach_it(tmp_path):
+    """It registered 0.0.0.0:port, which the router and decode workers then dialled on their own hosts."""
+    config = tmp_path / "cluster.yaml"
+    config.write_text("engine: {num_kv_blocks: 64}\n")
+    result = _pdspec("worker", "--role", "prefill", "--config", str(config), "--router", "127.0.0.1:1",
+                     "--host", "0.0.0.0")
+    assert result.returncode == 2 and "--advertise-host: required with --host 0.0.0.0" in result.stderr, result.stderr
