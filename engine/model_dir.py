@@ -54,12 +54,13 @@ def weight_files(model_dir: Path) -> list[Path]:
     return files
 
 
-def model_fingerprint(model_dir: Path) -> str:
-    """Identity of the weights (name + XXH3 of the weight files), equal across processes loading the
-    same files; KV blocks may only move between workers whose fingerprints match."""
+def model_fingerprint(model_dir: Path, name: str) -> str:
+    """Identity of the weights (`name` + XXH3 of the weight files), equal across processes loading the
+    same files; KV blocks may only move between workers whose fingerprints match. `name` must not
+    depend on the host: a GGUF's conversion directory is named by the file's path, inode and ctime."""
     digest = xxhash.xxh3_64()
     for f in weight_files(model_dir):
         with open(f, "rb") as fh:
             while chunk := fh.read(1 << 24):
                 digest.update(chunk)
-    return f"{model_dir.name}@{digest.hexdigest()}"
+    return f"{name}@{digest.hexdigest()}"

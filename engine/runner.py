@@ -16,7 +16,7 @@ from engine.spec.eagle3_model import DraftOutput, Eagle3Config, Eagle3Draft
 from engine.kv_layout import CacheShape, KVLayout, allocate_cache
 from engine.loader import load_weights
 from engine.quant import QuantizedTensor, quantize_matrices
-from engine.model_dir import model_fingerprint, resolve_model_dir
+from engine.model_dir import model_fingerprint, model_name, resolve_model_dir
 from engine.model import CausalLM, ForwardOutput
 from engine.parallel import TensorParallel, exit_with_parent
 
@@ -59,8 +59,10 @@ class ModelRunner:
                                    else (None, ""))
         mc = tp.local_config(self.model_config)
         self.layout = KVLayout(
-            # Quantized weights compute other KV than the float ones they came from: not interchangeable.
-            model=model_fingerprint(self.model_dir) + (f"+{blocks}" if quantized else ""),
+            # With what changes the KV they compute: the activations' dtype, and quantized weights' mode
+            # (auto runs a file's other types as floats, int8 as Q8_0; floats compute other KV again).
+            model=f"{model_fingerprint(self.model_dir, model_name(config.model))}/{config.dtype}"
+                  + (f"+{config.quantization}" if quantized else ""),
             dtype=self.cache_dtype,
             block_size=config.block_size,
             target=CacheShape(mc.num_layers, mc.num_kv_heads, mc.head_dim),
@@ -152,7 +154,7 @@ class ModelRunner:
         int8 = self.config.quantization in ("auto", "int8") and self.device.type == "cpu" and self.dtype == torch.float32
         draft = Eagle3Draft(draft_config, weights, self.model.embed_tokens, self.max_model_len, self.config.block_size,
                             int8=int8)
-        return draft, model_fingerprint(draft_dir) + ("+int8" if int8 else "")
+        return draft, f"{model_fingerprint(draft_dir, draft_dir.name)}/{self.config.dtype}" + ("+int8" if int8 else "")
 
 
 def start_tensor_parallel(config: EngineConfig, model: ModelConfig) -> tuple[TensorParallel, list]:

@@ -7,7 +7,7 @@ import pytest
 import torch
 from pydantic import ValidationError
 
-from engine.config import EngineConfig
+from engine.config import EMBEDDED_NAME, EngineConfig
 from engine.engine import Engine
 from engine.errors import CapacityExceeded, InvalidRequest, RequestIdInUse
 from engine.loop import EngineLoop
@@ -428,3 +428,12 @@ def test_a_loop_whose_steps_keep_failing_reports_trouble_until_one_succeeds(engi
         assert not loop.trouble()
     finally:
         loop.stop()
+
+
+def test_the_kv_layouts_model_names_the_weights_and_how_they_run_not_where_they_were_converted(engine):
+    """Each host converts a GGUF into a directory named by the file's path, inode and ctime: in the
+    layout's model id, which a KV hand-off must match, that name failed every hand-off between
+    nodes. bf16 activations, or a file's other types run as Q8_0, compute other KV: named too."""
+    assert engine.runner.model_dir.name.startswith(f"{EMBEDDED_NAME}-")  # the conversion's: name and key
+    model = engine.runner.layout.model
+    assert model.startswith(f"{EMBEDDED_NAME}@") and model.endswith("/float32+auto"), model

@@ -232,7 +232,7 @@ def top1_agreement(engine, reference, prompts, max_tokens: int) -> tuple[int, in
 def test_default_engine_quantizes_activations_and_agrees_with_the_exact_one(engine, exact_engine, chat_prompts):
     model = engine.runner.model
     assert model.layers[0].qkv.int8_dot and model.lm_head.qtype == "Q8_0" and model.lm_head.int8_dot
-    assert engine.runner.layout.model.endswith("+int8") and exact_engine.runner.layout.model.endswith("+exact")
+    assert engine.runner.layout.model.endswith("+auto") and exact_engine.runner.layout.model.endswith("+exact")
     agree, total = top1_agreement(engine, exact_engine, chat_prompts, 48)
     assert agree / total >= INT8_TOP1_AGREEMENT, f"int8 top-1 agrees with exact on {agree}/{total} positions"
 
