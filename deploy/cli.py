@@ -2,7 +2,6 @@
 
 import argparse
 import json
-import logging
 import os
 import signal
 import sys
@@ -12,6 +11,7 @@ from typing import TYPE_CHECKING
 
 from engine.config import EngineConfig, SpeculativeConfig
 from deploy.flags import add_field_flags, field_values, flags_for
+from deploy.logs import configure_logging
 from deploy.supervisor import die_with_parent
 from engine.params import SamplingParams
 from serving.roles import WORKER_ROLES
@@ -188,13 +188,13 @@ def _serve(args: argparse.Namespace) -> int:
     if args.launcher == "local":
         if args.address is not None:
             raise ValueError("--address: a Ray cluster address needs --launcher ray")
-        cluster = LocalCluster(config, port, config.router.host)
+        cluster = LocalCluster(config, port, config.router.host, log_level=args.log_level)
     else:
         from deploy.ray_launch import RayCluster
 
         # On a cluster we connect to, the deployment outlives this command (`pdspec stop` ends
         # it); a Ray we start ourselves ends with it.
-        cluster = RayCluster(config, port, args.address, detached=args.address is not None)
+        cluster = RayCluster(config, port, args.address, detached=args.address is not None, log_level=args.log_level)
     try:
         cluster.start(args.start_timeout)
         logs = f" (logs in {cluster.log_dir})" if args.launcher == "local" else ""
@@ -325,20 +325,6 @@ def _add_cluster(sub: argparse._SubParsersAction) -> None:
     p.set_defaults(func=_worker)
 
 
-_OWN_LOGGERS = ("engine", "router", "prefill_worker", "decode_worker", "kvtransfer", "serving", "deploy",
-                "proto")
-
-
-def _configure_logging(level: str | None, server: bool) -> None:
-    """key=value lines; quiet by default, except that servers report their own start-up and
-    failures at INFO (third-party libraries stay at WARNING)."""
-    logging.basicConfig(level=(level or "WARNING").upper(),
-                        format='ts=%(asctime)s level=%(levelname)s logger=%(name)s pid=%(process)d msg="%(message)s"')
-    if level is None and server:
-        for name in _OWN_LOGGERS:
-            logging.getLogger(name).setLevel(logging.INFO)
-
-
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(prog="pdspec", description="disaggregated prefill/decode serving with EAGLE3")
     parser.add_argument("--log-level", default=None,
@@ -351,7 +337,7 @@ def main(argv: list[str] | None = None) -> int:
     die_with_parent()  # a process the local launcher started: before anything else
     args = parser.parse_args(argv)
     server = args.command in ("serve", "router", "worker")
-    _configure_logging(args.log_level, server=server)
+    configure_logging(args.log_level, server=server)
     if server:
         _catch_signals()
     try:

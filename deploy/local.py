@@ -28,6 +28,7 @@ class LocalCluster:
     config: DeploymentConfig
     router_port: int
     host: str = "127.0.0.1"
+    log_level: str | None = None  # the router's and workers' (--log-level); None: their defaults
     supervisor: Supervisor = field(default_factory=Supervisor)
     log_dir: Path = field(default_factory=lambda: Path(tempfile.mkdtemp(prefix="pdspec-logs-")))
 
@@ -123,7 +124,8 @@ class LocalCluster:
         self.supervisor.stop(first=[n for n in self.supervisor.names() if n != "router"], grace_s=grace_s)
 
     def _spawn(self, name: str, args: list[str], env: dict[str, str]) -> None:
-        self.supervisor.spawn(name, args, env, self.log_dir / f"{name}.log")
+        level = ["--log-level", self.log_level] if self.log_level else []
+        self.supervisor.spawn(name, level + args, env, self.log_dir / f"{name}.log")
 
 
 def check_one_machine_ports(config: DeploymentConfig) -> None:

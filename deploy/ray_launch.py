@@ -28,6 +28,7 @@ from ray.actor import ActorHandle
 from ray.util.scheduling_strategies import NodeAffinitySchedulingStrategy
 
 from deploy.config import ConfigError, DeploymentConfig, RoleConfig, check_launchable, with_fixed_ports
+from deploy.logs import configure_logging
 from deploy.readiness import list_workers, wait_for_workers
 from engine.procfs import child_pids
 from proto.pdspec.v1 import router_pb2
@@ -52,9 +53,11 @@ def _where() -> dict:
 # need not load torch.
 @ray.remote(max_restarts=-1)
 class RouterActor:
-    def __init__(self, config: DeploymentConfig, port: int):
+    def __init__(self, config: DeploymentConfig, port: int, log_level: str | None):
         from engine.model_dir import resolve_model_dir
         from router.main import run_router
+
+        configure_logging(log_level, server=True)  # Ray sets up its own logger only: ours were dropped
 
         tokenizer_dir = resolve_model_dir(config.engine.model, tokenizer_only=True)
         self.router = run_router(config.router, config.token(), tokenizer_dir, config.served_model_name(), port,
@@ -73,8 +76,11 @@ class RouterActor:
 
 @ray.remote(max_restarts=-1)
 class WorkerActor:
-    def __init__(self, config: DeploymentConfig, role: str, router_address: str, worker_id: str):
+    def __init__(self, config: DeploymentConfig, role: str, router_address: str, worker_id: str,
+                 log_level: str | None):
         from deploy.worker import start_worker
+
+        configure_logging(log_level, server=True)
 
         # Bind the address Ray knows this node by: decode workers reach prefill workers there.
         self.worker = start_worker(config, role, router_address, host=ray.util.get_node_ip_address(),
@@ -134,8 +140,8 @@ class RayCluster:
     outlives this process until `stop_deployment` ends it."""
 
     def __init__(self, config: DeploymentConfig, router_port: int, address: str | None = None,
-                 detached: bool = False):
-        self.config, self.address, self.detached = config, address, detached
+                 detached: bool = False, log_level: str | None = None):
+        self.config, self.address, self.detached, self.log_level = config, address, detached, log_level
         # Fixed even when the config says 0: restarted workers must find the router again.
         self.router_port = router_port or free_port(config.router.host)
         self.config = with_fixed_ports(config, any_internal_port=not router_port)  # the same for the others
@@ -173,7 +179,7 @@ class RayCluster:
             self.registry_address = f"{router_host}:{self.config.router.internal_port}"
             here = NodeAffinitySchedulingStrategy(ray.get_runtime_context().get_node_id(), soft=False)
             self._launch(ROUTER, RouterActor.options(num_cpus=0, scheduling_strategy=here, **self._named(ROUTER, {}))
-                         .remote(self._actor_config, self.router_port))
+                         .remote(self._actor_config, self.router_port, self.log_level))
             self._check(ROUTER, timeout_s)  # the router fails alone, before any worker loads a model
             for role in WORKER_ROLES:
                 for i in range(getattr(self.config, role).replicas):
@@ -218,7 +224,8 @@ class RayCluster:
     def _start_worker(self, role: str, name: str) -> None:
         options = replica_options(getattr(self.config, role))
         options |= self._named(name, options.pop("env_vars"))
-        self._launch(name, WorkerActor.options(**options).remote(self._actor_config, role, self.registry_address, name))
+        self._launch(name, WorkerActor.options(**options).remote(self._actor_config, role, self.registry_address, name,
+                                                                 self.log_level))
 
     def _named(self, name: str, env: dict[str, str]) -> dict:
         # One host (a private Ray's node is loopback, whatever router.host says): keep UCX (NIXL) off

@@ -1,8 +1,10 @@
 """`pdspec generate` and `pdspec bench spec` as a user runs them: a subprocess on the embedded default model."""
 
 import json
+import re
 import subprocess
 import sys
+from pathlib import Path
 
 
 def _pdspec(*args: str) -> subprocess.CompletedProcess:
@@ -88,3 +90,16 @@ def test_a_worker_on_every_interface_must_say_where_peers_reach_it(tmp_path):
     result = _pdspec("worker", "--role", "prefill", "--config", str(config), "--router", "127.0.0.1:1",
                      "--host", "0.0.0.0")
     assert result.returncode == 2 and "--advertise-host: required with --host 0.0.0.0" in result.stderr, result.stderr
+
+
+def test_the_log_level_reaches_the_router_and_workers_a_launch_starts(tmp_path):
+    """--log-level set the launcher's own logging only: its router and workers kept their defaults."""
+    config = tmp_path / "cluster.yaml"
+    config.write_text("router: {host: 127.0.0.1, port: 0, http_port: null}\n"
+                      "engine: {num_kv_blocks: 64, max_num_seqs: 2}\n")
+    result = _pdspec("--log-level", "WARNING", "serve", "--config", str(config), "--launcher", "local",
+                     "--once", "Say hi.")
+    assert result.returncode == 0, result.stderr
+    log_dir = Path(re.search(r"logs in (\S+)\)", result.stdout).group(1))
+    for name in ("router", "prefill-0", "decode-0"):  # servers' own start-up lines are INFO by default
+        assert "level=INFO" not in (log_dir / f"{name}.log").read_text(), name
