@@ -161,6 +161,17 @@ def test_aggregated_workers_replace_prefill_and_decode(helm, tmp_path):
         "router": 1, "aggregated": 2}
 
 
+def test_a_long_release_name_still_gives_names_kubernetes_takes(helm):
+    """Names were the release's cut to 63 characters plus a suffix: the API server refused a
+    Service of a release name of 40 characters or more."""
+    release = "my-company-llm-inference-production-eu-west-1-blue"
+    result = run_helm(helm, "template", release, str(CHART), "--set", "config.aggregated.replicas=1")
+    assert result.returncode == 0, result.stderr
+    names = [(d["kind"], d["metadata"]["name"]) for d in yaml.safe_load_all(result.stdout) if d]
+    assert all(len(name) <= 63 for _, name in names), [n for n in names if len(n[1]) > 63]
+    assert len(set(names)) == len(names)
+
+
 def test_probes_are_grpc_health_checks_on_the_serving_port(rendered):
     name, docs = rendered
     config = merged_values(name)["config"]

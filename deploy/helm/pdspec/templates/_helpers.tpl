@@ -1,10 +1,12 @@
 {{/* Names and labels shared by every template. */}}
 
+{{/* 47 characters at most: names add up to 16 more ("-router-registry"), and a Service's name
+     must fit a 63-character DNS label. */}}
 {{- define "pdspec.fullname" -}}
 {{- if contains .Chart.Name .Release.Name -}}
-{{- .Release.Name | trunc 63 | trimSuffix "-" -}}
+{{- .Release.Name | trunc 47 | trimSuffix "-" -}}
 {{- else -}}
-{{- printf "%s-%s" .Release.Name .Chart.Name | trunc 63 | trimSuffix "-" -}}
+{{- printf "%s-%s" .Release.Name .Chart.Name | trunc 47 | trimSuffix "-" -}}
 {{- end -}}
 {{- end -}}
 
