@@ -123,7 +123,8 @@ def create_app(generate: Callable, model_name: str, registry: CollectorRegistry,
                     return JSONResponse(await _whole(call, shape))
                 first = await _next(call)  # a request refused before its first token gets its own HTTP status
             except asyncio.CancelledError:
-                if not left():
+                if not left():  # the server cut it (a drain's grace ran out): its workers stop too
+                    call.cancel()
                     raise
                 return Response(status_code=499)  # nobody reads it: the client closed the connection
         include_usage = body.stream_options is not None and body.stream_options.include_usage
