@@ -50,8 +50,7 @@ def _lone_surrogate(value: Any, path: str) -> OpenAIError | None:
                                f"character {e.start}", "invalid_request_error", path.split("[")[0].split(".")[0])
     items = value.items() if isinstance(value, dict) else enumerate(value) if isinstance(value, list) else ()
     for key, item in items:
-        if found := _lone_surrogate(item, f"{path}.{key}" if isinstance(key, str) and path else
-                                    key if isinstance(key, str) else f"{path}[{key}]"):
+        if found := _lone_surrogate(item, f"{path}[{key}]" if isinstance(key, int) else f"{path}.{key}" if path else key):
             return found
     return None
 
