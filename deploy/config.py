@@ -23,6 +23,7 @@ class _Strict(BaseModel):
     model_config = ConfigDict(extra="forbid", allow_inf_nan=False)
 
 
+WILDCARD_HOSTS = ("0.0.0.0", "::", "")  # bind every interface: no address a peer can dial
 _RAY_BUILTIN_RESOURCES = ("CPU", "GPU", "memory", "object_store_memory")
 
 

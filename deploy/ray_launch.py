@@ -27,7 +27,8 @@ import ray
 from ray.actor import ActorHandle
 from ray.util.scheduling_strategies import NodeAffinitySchedulingStrategy
 
-from deploy.config import ConfigError, DeploymentConfig, RoleConfig, check_launchable, with_fixed_ports
+from deploy.config import (WILDCARD_HOSTS, ConfigError, DeploymentConfig, RoleConfig, check_launchable,
+                           with_fixed_ports)
 from deploy.logs import configure_logging
 from deploy.readiness import list_workers, wait_for_workers
 from engine.procfs import child_pids
@@ -39,7 +40,6 @@ log = logging.getLogger(__name__)
 
 NAMESPACE = "pdspec"
 ROUTER = "router"
-_WILDCARD = ("0.0.0.0", "::", "")
 _LOOPBACK = ("127.0.0.1", "localhost", "::1")
 # Resources fields -> (Ray resource, Ray units per field unit, unit in messages)
 _FIELDS = {"cpus": ("CPU", 1, " CPUs"), "gpus": ("GPU", 1, " GPUs"), "memory_gb": ("memory", 2**30, " GB")}
@@ -174,7 +174,7 @@ class RayCluster:
                 raise RuntimeError(f"a pdspec deployment is already running on this Ray cluster "
                                    f"({', '.join(running)}); end it with `pdspec stop`")
             host = self.config.router.host
-            router_host = ray.util.get_node_ip_address() if host in _WILDCARD else host
+            router_host = ray.util.get_node_ip_address() if host in WILDCARD_HOSTS else host
             self.router_address = f"{router_host}:{self.router_port}"
             self.registry_address = f"{router_host}:{self.config.router.internal_port}"
             here = NodeAffinitySchedulingStrategy(ray.get_runtime_context().get_node_id(), soft=False)

@@ -7,7 +7,7 @@ router's registry, host:router.internal_port).
 """
 
 from decode_worker.main import start_decode_worker
-from deploy.config import DeploymentConfig
+from deploy.config import WILDCARD_HOSTS, DeploymentConfig
 from prefill_worker.main import start_prefill_worker
 from serving.roles import WORKER_ROLES
 from serving.worker_process import RunningWorker, WorkerSpec
@@ -17,7 +17,7 @@ def start_worker(config: DeploymentConfig, role: str, router_address: str, host:
                  advertise_host: str | None = None, worker_id: str | None = None) -> RunningWorker:
     if role not in WORKER_ROLES:
         raise ValueError(f"role: {role!r} is not one of {', '.join(WORKER_ROLES)}")
-    if host in ("0.0.0.0", "::", "") and not advertise_host:  # it would register an address every peer dials itself at
+    if host in WILDCARD_HOSTS and not advertise_host:  # it would register an address every peer dials itself at
         raise ValueError(f"--advertise-host: required with --host {host or '(every interface)'}: the address the "
                          "router and other workers reach this worker at (e.g. this node's IP)")
     role_config = getattr(config, role)
