@@ -27,11 +27,16 @@ class Run:
         self._call: grpc.Future | None = None
         self._on_cancel: Callable[[], None] = lambda: None
         self.cancelled = self.finished = False
+        self._cancelled = threading.Event()  # for pause()
         self.queued_s = 0.0  # waited in the router's admission queue
         self.deadline = float("inf")  # time.monotonic() by which it must be served, retries included
 
     def time_left(self) -> float:
         return max(self.deadline - time.monotonic(), 0.0)
+
+    def pause(self, seconds: float) -> None:
+        """Wait `seconds` (no longer than the time left); a cancel ends the wait."""
+        self._cancelled.wait(min(seconds, self.time_left()))
 
     def track(self, call: grpc.Future, on_cancel: Callable[[], None] = lambda: None) -> None:
         """`call` is now the one in flight; cancel it at once if the run was cancelled meanwhile."""
@@ -53,6 +58,7 @@ class Run:
             if self.cancelled or self.finished:
                 return
             self.cancelled = True
+            self._cancelled.set()
             call, on_cancel = self._call, self._on_cancel
         if call is not None:
             call.cancel()

@@ -40,6 +40,7 @@ from serving.roles import WORKER_ROLES
 log = logging.getLogger(__name__)
 _BEST_EFFORT_TIMEOUT_S = 5.0
 _PROBE_TIMEOUT_S = 1.0
+_FULL_WORKER_PAUSE_S = 0.25  # times the retry's number, before a retry on a worker that refused as full
 # A call still open this long past its request's deadline is stuck in a send to a client that
 # stopped reading (router/watchdog.py); the deadline's own ending, relayed, comes well before.
 _STUCK_AFTER_S = 10.0
@@ -167,15 +168,20 @@ class RouterServicer(router_pb2_grpc.RouterServicer):
         # Workers a retry skips (a failed call's), and workers it prefers to skip: a KV hand-off's two
         # sides, since the decode worker that blames its source may share the fault (its own NIXL/UCX
         # path broken, a pull timed out while it was overloaded) and would otherwise, idle and so the
-        # least loaded, take every retry.
+        # least loaded, take every retry. A worker that refused as full is healthy too: avoided, and
+        # tried again after a pause when no other worker has its role (a cancelled call may have
+        # held its place for a moment).
         suspects: set[str] = set()
         avoid: set[str] = set()
+        full: set[str] = set()
         failure: _WorkerFailed | None = None
         for attempts in range(1, self._config.max_retries + 2):
             plan = self._plan(req, suspects, avoid)
             if plan is None:
                 attempts -= 1
                 break
+            if full & {plan.decode.worker_id, plan.prefill.worker_id if plan.prefill else ""}:
+                run.pause(_FULL_WORKER_PAUSE_S * (attempts - 1))
             try:
                 first, rest = self._attempt(req, plan, run, context)
             except _Cancelled:
@@ -188,13 +194,16 @@ class RouterServicer(router_pb2_grpc.RouterServicer):
                 if e.code == grpc.StatusCode.DEADLINE_EXCEEDED and run.time_left() <= 0:  # no time left to retry in
                     log.warning("request %s: %s; no time left to retry", req.request_id, e.logged)
                     context.abort(e.code, f"{e}{self._deadline_note(context)}")
-                log.warning("request %s: %s; retrying on another worker", req.request_id, e.logged)
+                log.warning("request %s: %s; retrying", req.request_id, e.logged)
                 if e.code != grpc.StatusCode.RESOURCE_EXHAUSTED:  # a full worker is a healthy one
                     self._probe(e.worker)
-                if e.reported_by is None:
-                    suspects.add(e.worker.worker_id)
-                else:
+                if e.reported_by is not None:
                     avoid |= {e.worker.worker_id, e.reported_by.worker_id}
+                elif e.code == grpc.StatusCode.RESOURCE_EXHAUSTED:
+                    full.add(e.worker.worker_id)
+                    avoid.add(e.worker.worker_id)
+                else:
+                    suspects.add(e.worker.worker_id)
                 failure = e
                 continue
             yield from self._relay(req, plan, first, rest, run, context)

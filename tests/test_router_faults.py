@@ -213,7 +213,7 @@ class _BusyPrefillWorker(_PrefillWorker):
 def test_a_burst_beyond_a_prefill_workers_call_limit_waits_for_it(model_dir):
     """Admission counts the decode workers' batches (16 here); the one prefill worker takes 8 calls
     at once. A burst of 12 requests waits at the router for its prefill calls instead of having 4
-    refused there (each one a RESOURCE_EXHAUSTED at once, the only prefill worker a suspect)."""
+    refused there."""
     prefill = _BusyPrefillWorker("prefill-a")
     fakes = {"prefill-a": prefill, "decode": _SourceBlamingDecodeWorker(refusals=0)}
     with _router_over_fakes(model_dir, fakes, max_num_seqs={"decode": 16}) as router, \
@@ -222,6 +222,28 @@ def test_a_burst_beyond_a_prefill_workers_call_limit_waits_for_it(model_dir):
                                                                timeout=30)), range(12)))
     assert all([r.text for r in answer] == ["x"] for answer in answers)
     assert prefill.prefills == 12 and prefill.most_open == 8
+
+
+class _FullOncePrefillWorker(_PrefillWorker):
+    """An injected fault: the first call is refused as serving/call_limit.py refuses one past its
+    limit (a cancelled request's call may still hold its place there for a moment)."""
+
+    refused = False
+
+    def Prefill(self, request, context):
+        if not self.refused:
+            self.refused = True
+            context.abort(grpc.StatusCode.RESOURCE_EXHAUSTED, "this worker serves 8 prefill calls already")
+        return super().Prefill(request, context)
+
+
+def test_the_only_prefill_worker_refusing_as_full_is_tried_again(model_dir):
+    """A full worker is a healthy one: when no other worker has its role, the retry goes back to it
+    after a pause (written off as failed, it left no prefill worker and the request failed)."""
+    prefill = _FullOncePrefillWorker("prefill-a")
+    with _router_over_fakes(model_dir, {"prefill-a": prefill, "decode": _SourceBlamingDecodeWorker(0)}) as router:
+        answer = list(router.Generate(HELLO, timeout=30))
+    assert [r.text for r in answer] == ["x"] and (prefill.refused, prefill.prefills) == (True, 1)
 
 
 @pytest.mark.parametrize("first", [0, 1])
