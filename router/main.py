@@ -82,7 +82,7 @@ def run_router(rc: RouterConfig, token: str | None, model_dir: Path, model_name:
             http_port = http.start()
             undo.callback(http.stop, 0)
         registry_service = (worker_pb2_grpc.add_RegistryServicer_to_server,
-                            RegistryServicer(registry, rc.heartbeat_interval_s), "pdspec.v1.Registry")
+                            RegistryServicer(registry, rc.heartbeat_interval_s, router.unreachable), "pdspec.v1.Registry")
         internal_server, internal_bound = serve(
             [registry_service], f"{rc.host}:{rc.internal_port if internal_port is None else internal_port}", token,
             internal=["pdspec.v1.Registry"], tls=tls)

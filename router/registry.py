@@ -251,12 +251,23 @@ def _show(value: object) -> str:
 
 
 class RegistryServicer(worker_pb2_grpc.RegistryServicer):
-    def __init__(self, registry: Registry, heartbeat_interval_s: float) -> None:
+    def __init__(self, registry: Registry, heartbeat_interval_s: float,
+                 unreachable: Callable[[str], str] = lambda address: "") -> None:
+        """`unreachable(address)`: why the router cannot call a worker there, or ""."""
         self._registry = registry
         self._interval_ms = round(heartbeat_interval_s * 1000)
+        self._unreachable = unreachable
 
     def Register(self, request, context) -> worker_pb2.RegisterResponse:
         try:
+            _check_fields(request)
+            # Routed to, a worker the router cannot dial failed each call, was dropped, and
+            # registered again at its next heartbeat: refused here, its log tells its operator.
+            why = self._unreachable(request.address)
+            if why:
+                raise RegistrationError(grpc.StatusCode.FAILED_PRECONDITION,
+                                        f"address: the router cannot reach this worker at {request.address} ({why}); "
+                                        "start it with --advertise-host set to a host the router can dial")
             self._registry.register(request)
         except RegistrationError as e:
             context.abort(e.code, str(e))

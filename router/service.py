@@ -40,6 +40,7 @@ from serving.roles import WORKER_ROLES
 log = logging.getLogger(__name__)
 _BEST_EFFORT_TIMEOUT_S = 5.0
 _PROBE_TIMEOUT_S = 1.0
+_REACH_TIMEOUT_S = 3.0  # a registering worker's check: within the 5 s its Register waits
 _FULL_WORKER_PAUSE_S = 0.25  # times the retry's number, before a retry on a worker that refused as full
 # A call still open this long past its request's deadline is stuck in a send to a client that
 # stopped reading (router/watchdog.py); the deadline's own ending, relayed, comes well before.
@@ -339,6 +340,17 @@ class RouterServicer(router_pb2_grpc.RouterServicer):
             return ": the client's deadline passed"
         return (f"; router.request_timeout_s ({self._config.request_timeout_s:g} s) bounds a whole request, its "
                 "retries and stream included: raise it for long generations")
+
+    def unreachable(self, address: str) -> str:
+        """Why calls to a worker at `address` cannot get there, or "": a health check that is
+        answered at all (even UNIMPLEMENTED) shows the way is open."""
+        stub = health_pb2_grpc.HealthStub(self._peers.channel(address))
+        try:
+            stub.Check(health_pb2.HealthCheckRequest(), timeout=_REACH_TIMEOUT_S)
+        except grpc.RpcError as e:
+            if e.code() in (grpc.StatusCode.UNAVAILABLE, grpc.StatusCode.DEADLINE_EXCEEDED):
+                return f"its health check: {e.code().name}: {e.details()}"
+        return ""
 
     def _probe(self, worker: WorkerView) -> None:
         """A call to `worker` failed: check its health now, and if that fails too (or answers

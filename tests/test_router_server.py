@@ -1,10 +1,13 @@
 """The real router server on a free port: health, reflection, errors, registry, eviction, retries
 (with workers that fail on purpose: tests/test_router_faults.py)."""
 
+import contextlib
 import socket
 import subprocess
 import sys
 import time
+from collections.abc import Iterator
+from concurrent import futures
 from pathlib import Path
 
 import grpc
@@ -48,6 +51,21 @@ def dead_address() -> str:
         return f"127.0.0.1:{s.getsockname()[1]}"
 
 
+@contextlib.contextmanager
+def listening(count: int = 1) -> Iterator[list[str]]:
+    """The addresses of `count` bare gRPC servers (every call UNIMPLEMENTED): workers the router can
+    reach when they register; stopped on exit, workers that died."""
+    servers = [grpc.server(futures.ThreadPoolExecutor(max_workers=1)) for _ in range(count)]
+    addresses = [f"127.0.0.1:{server.add_insecure_port('127.0.0.1:0')}" for server in servers]
+    for server in servers:
+        server.start()
+    try:
+        yield addresses
+    finally:
+        for server in servers:
+            server.stop(0)
+
+
 def rpc_error(call) -> grpc.RpcError:
     with pytest.raises(grpc.RpcError) as e:
         call()
@@ -64,16 +82,17 @@ def test_health_and_reflection(router):
     serving, not_serving = health_pb2.HealthCheckResponse.SERVING, health_pb2.HealthCheckResponse.NOT_SERVING
     # Readiness: a request sent now would be served. Liveness ("") holds throughout.
     assert (status(), status("")) == (not_serving, serving)
-    registry.Register(registration("p", "127.0.0.1:1", role="prefill"), timeout=10)
-    assert status() == not_serving  # a prefill worker alone is no route
-    registry.Register(registration("d", "127.0.0.1:2", role="decode"), timeout=10)
-    assert status() == serving
-    deadline = time.monotonic() + 10
-    while status() == serving and time.monotonic() < deadline:  # no heartbeats: both evicted after 0.5 s
-        time.sleep(0.1)
-    assert (status(), status("")) == (not_serving, serving)
-    registry.Register(registration("agg", "127.0.0.1:3"), timeout=10)
-    assert status() == serving
+    with listening(3) as (prefill, decode, aggregated):
+        registry.Register(registration("p", prefill, role="prefill"), timeout=10)
+        assert status() == not_serving  # a prefill worker alone is no route
+        registry.Register(registration("d", decode, role="decode"), timeout=10)
+        assert status() == serving
+        deadline = time.monotonic() + 10
+        while status() == serving and time.monotonic() < deadline:  # no heartbeats: both evicted after 0.5 s
+            time.sleep(0.1)
+        assert (status(), status("")) == (not_serving, serving)
+        registry.Register(registration("agg", aggregated), timeout=10)
+        assert status() == serving
     reflection = reflection_pb2_grpc.ServerReflectionStub(public)
     answer = next(reflection.ServerReflectionInfo(iter([reflection_pb2.ServerReflectionRequest(list_services="")])))
     services = {s.name for s in answer.list_services_response.service}
@@ -114,7 +133,8 @@ def test_registry_needs_the_cluster_token_and_is_not_on_the_public_port(model_di
 
 def test_registered_workers_are_listed_until_their_heartbeats_stop(router):
     stub, registry, _, internal = router
-    assert registry.Register(registration("agg-1", "127.0.0.1:1"), timeout=10).heartbeat_interval_ms == 100
+    with listening() as [address]:
+        assert registry.Register(registration("agg-1", address), timeout=10).heartbeat_interval_ms == 100
     beat = worker_pb2.HeartbeatRequest(worker_id="agg-1", load=worker_pb2.Load(active_blocks=7, total_blocks=64))
     assert registry.Heartbeat(beat, timeout=10).registered
     with pytest.raises(grpc.RpcError) as refused:  # it hands out internal addresses: the cluster token only
@@ -131,10 +151,23 @@ def test_registered_workers_are_listed_until_their_heartbeats_stop(router):
     assert not registry.Heartbeat(beat, timeout=10).registered
 
 
+def test_a_worker_the_router_cannot_reach_is_refused_at_registration(router):
+    """A worker advertising an address the router cannot dial (a wrong --advertise-host) was
+    registered, dropped by the failed call's probe, and registered again at its next heartbeat,
+    forever: every request sent its way failed first. Refused at registration, its log says why."""
+    stub, registry, _, internal = router
+    address = dead_address()
+    e = rpc_error(lambda: registry.Register(registration("far", address), timeout=10))
+    assert e.code() == grpc.StatusCode.FAILED_PRECONDITION, e
+    assert f"cannot reach this worker at {address}" in e.details() and "--advertise-host" in e.details(), e.details()
+    assert not router_pb2_grpc.RouterStub(internal).ListWorkers(router_pb2.ListWorkersRequest(), timeout=10).workers
+
+
 def test_failed_workers_are_retried_elsewhere_then_named(router):
     stub, registry, _, _ = router
-    for worker_id in ("agg-1", "agg-2"):
-        registry.Register(registration(worker_id, dead_address()), timeout=10)
+    with listening(2) as addresses:
+        for worker_id, address in zip(("agg-1", "agg-2"), addresses):
+            registry.Register(registration(worker_id, address), timeout=10)
     e = rpc_error(lambda: list(stub.Generate(HELLO, timeout=10)))
     assert e.code() == grpc.StatusCode.UNAVAILABLE
     assert "Decode on aggregated worker agg-2" in e.details() and "gave up after 2 failed attempt(s)" in e.details()
@@ -146,8 +179,9 @@ def test_a_worker_whose_call_and_health_check_fail_is_dropped_at_once(model_dir)
     router = run_router(config, TOKEN, model_dir, "smollm2", port=0, internal_port=0)
     address = f"127.0.0.1:{router.port}"
     try:
-        with channel(address, TOKEN) as internal, channel(f"127.0.0.1:{router.internal_port}", TOKEN) as registry:
-            worker_pb2_grpc.RegistryStub(registry).Register(registration("agg", dead_address()), timeout=10)
+        with channel(address, TOKEN) as internal, channel(f"127.0.0.1:{router.internal_port}", TOKEN) as registry, \
+                listening() as [worker_address]:
+            worker_pb2_grpc.RegistryStub(registry).Register(registration("agg", worker_address), timeout=10)
             stub = router_pb2_grpc.RouterStub(internal)
             assert rpc_error(lambda: list(stub.Generate(HELLO, timeout=10))).code() == grpc.StatusCode.UNAVAILABLE
             deadline = time.monotonic() + 10
@@ -173,8 +207,8 @@ def test_the_http_api_follows_readiness_and_answers_errors_in_openai_shape(model
         answer = httpx.post(f"{root}/v1/chat/completions", json={"messages": [{"role": "user", "content": "Hi"}]})
         assert answer.status_code == 503 and answer.json()["error"]["type"] == "service_unavailable"
         assert "no prefill/decode workers registered" in answer.json()["error"]["message"]
-        with channel(f"127.0.0.1:{router.internal_port}", TOKEN) as registry:
-            worker_pb2_grpc.RegistryStub(registry).Register(registration("agg", "127.0.0.1:3"), timeout=10)
+        with channel(f"127.0.0.1:{router.internal_port}", TOKEN) as registry, listening() as [address]:
+            worker_pb2_grpc.RegistryStub(registry).Register(registration("agg", address), timeout=10)
         assert httpx.get(f"{root}/ready").status_code == 200
         deadline = time.monotonic() + 10
         while httpx.get(f"{root}/ready").status_code == 200 and time.monotonic() < deadline:  # evicted: no heartbeats
