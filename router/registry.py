@@ -143,12 +143,16 @@ class Registry:
             return [self._view(wid, w, now) for wid, w in sorted(self._workers.items())]
 
     def prefix_overlaps(self, token_ids: Sequence[int]) -> tuple[dict[str, int], int]:
-        """(worker id -> leading blocks of `token_ids` it has cached, number of blocks `token_ids` spans)."""
+        """(worker id -> leading blocks of `token_ids` it has cached and would reuse, number of blocks
+        `token_ids` spans)."""
         with self._lock:
             block_size = next((w.registration.layout.block_size for w in self._workers.values()), None)
         if block_size is None:
             return {}, 0
-        chain = hash_blocks(token_ids, block_size)  # outside the lock: heartbeats need not wait for it
+        # The blocks before the last token: that one is computed however much is cached (for its
+        # logits), so a worker reuses no block holding it (engine/block_manager.py's _match_prefix).
+        # Outside the lock: heartbeats need not wait for it.
+        chain = hash_blocks(token_ids[: len(token_ids) - 1], block_size)
         with self._lock:
             return self._index.overlaps(chain), math.ceil(len(token_ids) / block_size)
 

@@ -56,6 +56,12 @@ def tokens(start: int, n: int) -> list[int]:
     return list(range(start, start + n))
 
 
+def continued(prompt: list[int]) -> list[int]:
+    """A later prompt that goes on from `prompt`: each of `prompt`'s full blocks is reusable (a
+    prompt's last token is computed, cached or not)."""
+    return prompt + [10_000]
+
+
 @pytest.fixture
 def cluster():
     clock = Clock()
@@ -82,6 +88,16 @@ def test_overlap_is_the_leading_cached_blocks(cluster):
     assert {v.worker_id: v.cached_blocks for v in registry.workers()} == {"a": 3, "b": 3}
 
 
+@pytest.mark.parametrize("length", [2 * BS, 2 * BS + 1, 3 * BS - 1, 3 * BS])
+def test_overlap_is_what_the_worker_would_reuse(cluster, length):
+    """A prompt of whole blocks reuses all but its last one (its last token is computed for its
+    logits): counted as cached, routing overrated the worker holding it by a block."""
+    registry, w, _ = cluster
+    serve(registry, w["a"], "s1", tokens(0, 3 * BS))
+    prompt = tokens(0, length)
+    assert registry.prefix_overlaps(prompt)[0] == {"a": w["a"].blocks.get_num_cached_tokens(prompt) // BS}
+
+
 def test_a_missing_block_ends_the_run():
     index = KVIndex()
     chain = hash_blocks(tokens(0, 4 * BS), BS)
@@ -96,10 +112,10 @@ def test_evicted_blocks_leave_the_index(cluster):
     registry.register(small.registration())
     first, second = tokens(0, 3 * BS), tokens(100, 4 * BS)
     serve(registry, small, "s1", first)
-    assert registry.prefix_overlaps(first)[0] == {"c": 3}
+    assert registry.prefix_overlaps(continued(first))[0] == {"c": 3}
     serve(registry, small, "s2", second)  # needs the whole pool: evicts the first prompt's blocks
-    assert registry.prefix_overlaps(first)[0] == {}
-    assert registry.prefix_overlaps(second)[0] == {"c": 4}
+    assert registry.prefix_overlaps(continued(first))[0] == {}
+    assert registry.prefix_overlaps(continued(second))[0] == {"c": 4}
 
 
 def test_all_blocks_cleared_resets_only_that_worker(cluster):
@@ -110,8 +126,8 @@ def test_all_blocks_cleared_resets_only_that_worker(cluster):
     w["a"].run("s2", running)
     w["a"].blocks.clear_prefix_cache()  # AllBlocksCleared, then BlockStored for blocks still in use
     assert registry.heartbeat(w["a"].heartbeat())
-    assert registry.prefix_overlaps(done)[0] == {"b": 2}
-    assert registry.prefix_overlaps(running)[0] == {"a": 2}
+    assert registry.prefix_overlaps(continued(done))[0] == {"b": 2}
+    assert registry.prefix_overlaps(continued(running))[0] == {"a": 2}
 
 
 def test_silent_workers_are_evicted_with_their_entries(cluster):
@@ -124,7 +140,7 @@ def test_silent_workers_are_evicted_with_their_entries(cluster):
     clock.now = 3.5
     assert registry.evict_stale(timeout_s=3.0) == ["b"]
     assert [v.worker_id for v in registry.workers()] == ["a"]
-    assert registry.prefix_overlaps(prompt)[0] == {"a": 2}
+    assert registry.prefix_overlaps(continued(prompt))[0] == {"a": 2}
     assert not registry.heartbeat(w["b"].heartbeat())  # b must register again
 
 
@@ -134,10 +150,10 @@ def test_registration_snapshot_replaces_what_the_index_knew(cluster):
     serve(registry, w["a"], "s1", prompt)
     restarted = w["a"].registration()
     registry.register(restarted)  # empty snapshot: the restarted worker's cache is empty
-    assert registry.prefix_overlaps(prompt)[0] == {}
+    assert registry.prefix_overlaps(continued(prompt))[0] == {}
     restarted.cached_block_hashes.extend(hash_blocks(prompt, BS))
     registry.register(restarted)
-    assert registry.prefix_overlaps(prompt)[0] == {"a": 2}
+    assert registry.prefix_overlaps(continued(prompt))[0] == {"a": 2}
 
 
 def test_routed_load_counts_until_the_next_heartbeat(cluster):
@@ -231,7 +247,7 @@ def test_a_late_heartbeat_of_an_earlier_registration_changes_nothing(cluster):
     second = worker.registration()
     second.registration_id = "r2"  # an empty cache
     registry.register(second)
-    assert not registry.heartbeat(late) and registry.prefix_overlaps(prompt)[0] == {}
+    assert not registry.heartbeat(late) and registry.prefix_overlaps(continued(prompt))[0] == {}
     current = worker.heartbeat()
     current.registration_id = "r2"
     assert registry.heartbeat(current)
