@@ -64,6 +64,7 @@ class RegistryClient:
 
     def _run(self) -> None:
         registered = False
+        refusal = ""  # the failure last logged: the same again (a refusal repeats every interval) is debug only
         while not self._stop.is_set():
             was = registered
             try:
@@ -78,11 +79,14 @@ class RegistryClient:
                         registered = True
                     registered = self._heartbeat()
             except grpc.RpcError as e:
-                log.warning("router %s: %s (%s); retrying", self.router_address, e.code(), e.details())
-                registered = False
+                said = f"router {self.router_address}: {e.code()} ({e.details()})"
+                log.log(logging.DEBUG if said == refusal else logging.WARNING, "%s; retrying", said)
+                registered, refusal = False, said
             except Exception:  # the thread must outlive it: without heartbeats the worker is evicted for good
                 log.exception("heartbeat to router %s failed; retrying", self.router_address)
                 registered = False
+            if registered:
+                refusal = ""
             if registered != was and not self._stop.is_set():
                 self.on_registered(registered)
             self._stop.wait(self.interval_s)
