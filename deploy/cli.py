@@ -284,6 +284,16 @@ def _worker(args: argparse.Namespace) -> int:
     return 0
 
 
+def _check_config(args: argparse.Namespace) -> int:
+    from deploy.config import load_config
+
+    config = load_config(Path(args.config))
+    workers = ", ".join(f"{role} x{getattr(config, role).replicas}" for role in WORKER_ROLES
+                        if getattr(config, role).replicas)
+    print(f"{args.config}: valid ({workers})")
+    return 0
+
+
 def _add_cluster(sub: argparse._SubParsersAction) -> None:
     p = sub.add_parser("serve", help="start the router and every worker of a config (Ray actors or local processes)")
     p.add_argument("--config", required=True, help="deployment YAML (see deploy/configs/)")
@@ -310,6 +320,10 @@ def _add_cluster(sub: argparse._SubParsersAction) -> None:
     p.add_argument("--ca-file", default=None, help="the router's CA (PEM): talk TLS, as a router with tls set needs")
     _add_api_key(p)
     p.set_defaults(func=_chat)
+    p = sub.add_parser("check-config", help="check a deployment YAML as serve, router and worker read it, and "
+                       "exit: 0 if valid, else 2 with the field, its value and what is allowed")
+    p.add_argument("--config", required=True)
+    p.set_defaults(func=_check_config)
     p = sub.add_parser("router", help="run the router (one process)")
     p.add_argument("--config", required=True)
     p.add_argument("--port", type=int, default=None)

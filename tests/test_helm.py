@@ -6,6 +6,7 @@ import base64
 import json
 import re
 import subprocess
+import sys
 import tomllib
 from pathlib import Path
 
@@ -118,13 +119,51 @@ def test_every_pod_runs_pdspec_with_the_mounted_config(rendered):
 def test_every_pod_meets_the_restricted_pod_security_standard(rendered):
     """What a namespace enforcing Pod Security "restricted" requires of each pod, or admits none."""
     _, docs = rendered
-    for deployment in by_kind(docs, "Deployment").values():
-        pod = deployment["spec"]["template"]["spec"]
+    for owner in [*by_kind(docs, "Deployment").values(), *by_kind(docs, "Job").values()]:
+        pod = owner["spec"]["template"]["spec"]
         assert pod["securityContext"]["runAsNonRoot"] is True
         assert pod["securityContext"]["seccompProfile"] == {"type": "RuntimeDefault"}
         for container in pod["containers"]:
             assert container["securityContext"]["allowPrivilegeEscalation"] is False
             assert container["securityContext"]["capabilities"]["drop"] == ["ALL"]
+
+
+def run_config_check(docs: list[dict], tmp_path: Path) -> subprocess.CompletedProcess:
+    """The config-check hook's Job, run here: its container's arguments on its ConfigMap's config."""
+    job = by_kind(docs, "Job")["rel-pdspec-config-check"]
+    pod = job["spec"]["template"]["spec"]
+    (container,) = pod["containers"]
+    (volume,) = pod["volumes"]
+    (mount,) = container["volumeMounts"]
+    config = tmp_path / "config.yaml"
+    config.write_text(by_kind(docs, "ConfigMap")[volume["configMap"]["name"]]["data"]["config.yaml"])
+    args = [arg.replace(mount["mountPath"], str(tmp_path)) for arg in container["args"]]
+    return subprocess.run([sys.executable, "-m", "deploy.cli", *args], capture_output=True, text=True, cwd=ROOT)
+
+
+def test_pdspec_checks_the_pods_config_before_install_and_upgrade(rendered, tmp_path):
+    """A hook Job runs pdspec's own check on the config the pods will read; their ConfigMap does
+    not exist yet when hooks run, so the hook brings its own copy, created first."""
+    _, docs = rendered
+    maps, job = by_kind(docs, "ConfigMap"), by_kind(docs, "Job")["rel-pdspec-config-check"]
+    hook_map = maps["rel-pdspec-config-check"]
+    assert hook_map["data"]["config.yaml"] == maps["rel-pdspec-config"]["data"]["config.yaml"]
+    annotations = [doc["metadata"]["annotations"] for doc in (hook_map, job)]
+    assert {a["helm.sh/hook"] for a in annotations} == {"pre-install,pre-upgrade"}
+    assert int(annotations[0]["helm.sh/hook-weight"]) < int(annotations[1]["helm.sh/hook-weight"])
+    assert job["spec"]["backoffLimit"] == 0
+    checked = run_config_check(docs, tmp_path)
+    assert checked.returncode == 0 and "valid" in checked.stdout, checked.stderr
+
+
+def test_a_config_only_pdspec_can_refuse_fails_the_install(helm, tmp_path):
+    """values.schema.json holds per-field rules: this config renders (every pod would then exit with
+    the error), and the hook's check refuses it, naming the field."""
+    speculative = {"method": "ngram", "draft_top_k": 4}
+    docs = render(helm, values={"config": {"engine": {"speculative": speculative}}}, tmp_path=tmp_path)
+    checked = run_config_check(docs, tmp_path)
+    assert checked.returncode == 2, checked.stdout
+    assert "engine.speculative" in checked.stderr and "draft_top_k > 1 needs method 'eagle3'" in checked.stderr
 
 
 def test_workers_register_with_the_router_and_advertise_their_pod_ip(rendered):

@@ -46,7 +46,7 @@ def dashboard_config_map(docs: list[dict]) -> dict:
 
 
 def test_dashboard_is_off_by_default(helm):
-    assert set(by_kind(render(helm), "ConfigMap")) == {"rel-pdspec-config"}
+    assert "rel-pdspec-dashboard" not in by_kind(render(helm), "ConfigMap")
     # the multi-GPU example turns it on, so the Kubernetes schema test validates its ConfigMap
     assert merged_values("multi-gpu")["grafanaDashboard"]["enabled"]
 

@@ -55,6 +55,10 @@ CHART_PROPERTIES = {
         "serverName": {"type": "string", "minLength": 1, "description": "the certificates' DNS name peers check"},
     }, required=("serverName",)),
     "logLevel": {"enum": ["", "DEBUG", "INFO", "WARNING", "ERROR"]},
+    "configCheck": _strict({
+        "enabled": {"type": "boolean", "description": "check the config with pdspec before installs and upgrades"},
+        "timeoutSeconds": {"type": "integer", "minimum": 1},
+    }),
     "service": _strict({"type": {"enum": ["ClusterIP", "NodePort", "LoadBalancer"]}, "annotations": _STR_MAP}),
     "routerResources": {"type": "object"},
     "placement": _strict({role: _PLACEMENT for role in ("router", *WORKER_ROLES)}),

@@ -159,6 +159,21 @@ holds only per-field rules, and a config breaking one rendered fine, then every 
 {{- end -}}
 
 {{/* Pod-level fields every pod shares. */}}
+{{/* The deployment config the pods read: .Values.config plus where the API keys' and TLS
+Secrets are mounted. */}}
+{{- define "pdspec.configYaml" -}}
+{{- $config := deepCopy .Values.config }}
+{{- if .Values.apiKeys.existingSecret }}
+{{- $_ := set $config.router "api_key_file" (include "pdspec.apiKeyFile" .) }}
+{{- end }}
+{{- with .Values.tls.existingSecret }}
+{{- $dir := include "pdspec.tlsDir" $ }}
+{{- $_ := set $config "tls" (dict "cert_file" (printf "%s/tls.crt" $dir) "key_file" (printf "%s/tls.key" $dir)
+                                  "ca_file" (printf "%s/ca.crt" $dir) "server_name" $.Values.tls.serverName) }}
+{{- end }}
+{{- toYaml $config }}
+{{- end -}}
+
 {{- define "pdspec.podCommon" -}}
 securityContext:
   {{- toYaml .Values.podSecurityContext | nindent 2 }}
