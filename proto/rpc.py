@@ -174,13 +174,17 @@ class _TokenHeader(grpc.UnaryUnaryClientInterceptor, grpc.UnaryStreamClientInter
         return continuation(self._with_token(details), request)
 
 
-def channel(address: str, token: str | None = None, tls: Tls | None = None) -> grpc.Channel:
+def channel(address: str, token: str | None = None, tls: Tls | None = None, own_connection: bool = False
+            ) -> grpc.Channel:
     """A client channel to `address`, sending the cluster token on every call when given, over
     TLS (presenting this process's certificate) when `tls` is given. It retries a lost connection
     within 2 s (gRPC's default backoff grows to 120 s: workers came back that late to a restarted
     router, whose calls failed at once meanwhile). The identity is its files' as they are now (a
-    renewal since `tls` was read included); the channel presents it for its life."""
+    renewal since `tls` was read included); the channel presents it for its life. `own_connection`:
+    dial anew (channels to one address otherwise share a connection, and its backoff after a failure)."""
     options = _OPTIONS + [("grpc.initial_reconnect_backoff_ms", 250), ("grpc.max_reconnect_backoff_ms", 2000)]
+    if own_connection:
+        options.append(("grpc.use_local_subchannel_pool", 1))
     tls = current(tls)
     if tls is None:
         ch = grpc.insecure_channel(address, options=options)

@@ -77,6 +77,12 @@ class Peers:
         self._lock = threading.Lock()
         self._channels: dict[str, tuple[Tls | None, grpc.Channel]] = {}
 
+    def fresh_channel(self, address: str) -> grpc.Channel:
+        """A new channel to `address` on a connection of its own, not kept (the caller closes it)."""
+        with self._lock:
+            self._tls = current(self._tls)
+            return rpc.channel(address, self._token, self._tls, own_connection=True)
+
     def channel(self, address: str) -> grpc.Channel:
         with self._lock:
             self._tls = current(self._tls)

@@ -171,13 +171,17 @@ class Registry:
                 worker.routed_requests += 1
                 worker.routed_blocks += blocks
 
-    def note_arrived(self, worker_id: str, blocks: int) -> None:
-        """An awaited request of `blocks` reached `worker_id` (or will not): its own reports count it from now."""
+    def note_arrived(self, worker_id: str, blocks: int, arrived: bool = True) -> None:
+        """An awaited request of `blocks` reached `worker_id` (`arrived`: counted on until the
+        worker's next heartbeat reports it) or will not (its attempt failed)."""
         with self._lock:
             worker = self._workers.get(worker_id)
             if worker is not None:
                 worker.awaited = max(0, worker.awaited - 1)
                 worker.awaited_blocks = max(0, worker.awaited_blocks - blocks)
+                if arrived:
+                    worker.routed_requests += 1
+                    worker.routed_blocks += blocks
 
     def capacity(self) -> int:
         """Requests the cluster runs at once: the decode workers' batches when a prefill and a

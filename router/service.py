@@ -76,6 +76,9 @@ class _Plan:
     decode: WorkerView
     blocks: int  # the prompt's: counted into the decode worker's load until the request reaches it
 
+    def worker_ids(self) -> set[str]:
+        return {self.decode.worker_id} | ({self.prefill.worker_id} if self.prefill else set())
+
 
 class RouterServicer(router_pb2_grpc.RouterServicer):
     def __init__(self, registry: Registry, tokenizer: Tokenizer, config: RouterConfig, token: str | None,
@@ -178,11 +181,16 @@ class RouterServicer(router_pb2_grpc.RouterServicer):
         failure: _WorkerFailed | None = None
         for attempts in range(1, self._config.max_retries + 2):
             plan = self._plan(req, suspects, avoid)
+            if plan is not None and full & plan.worker_ids():
+                run.pause(_FULL_WORKER_PAUSE_S * (attempts - 1))
+                if run.cancelled:
+                    yield _aborted(req, completion_tokens=0)
+                    return
+                plan = self._plan(req, suspects, avoid)  # workers may have come or gone meanwhile
             if plan is None:
                 attempts -= 1
                 break
-            if full & {plan.decode.worker_id, plan.prefill.worker_id if plan.prefill else ""}:
-                run.pause(_FULL_WORKER_PAUSE_S * (attempts - 1))
+            self._note_routed(plan)
             try:
                 first, rest = self._attempt(req, plan, run, context)
             except _Cancelled:
@@ -219,23 +227,26 @@ class RouterServicer(router_pb2_grpc.RouterServicer):
         by_role = {role: [w for w in ws if w.worker_id not in avoid] or ws for role, ws in by_role.items()}
         overlaps, blocks = self._registry.prefix_overlaps(req.prompt_token_ids)
         if by_role["prefill"] and by_role["decode"]:
-            plan = _Plan(self._policy.choose(by_role["prefill"], overlaps, blocks), least_loaded(by_role["decode"]), blocks)
-        elif by_role["aggregated"]:
-            plan = _Plan(None, least_loaded(by_role["aggregated"]), blocks)
-        else:
-            return None
-        self._registry.note_routed((plan.prefill or plan.decode).worker_id, blocks)
+            return _Plan(self._policy.choose(by_role["prefill"], overlaps, blocks), least_loaded(by_role["decode"]), blocks)
+        if by_role["aggregated"]:
+            return _Plan(None, least_loaded(by_role["aggregated"]), blocks)
+        return None
+
+    def _note_routed(self, plan: _Plan) -> None:
+        """Count the request into its workers' load until their reports do."""
+        self._registry.note_routed((plan.prefill or plan.decode).worker_id, plan.blocks)
         if plan.prefill is not None:
-            self._registry.note_routed(plan.decode.worker_id, blocks, awaited=True)  # until _attempt ends
-        return plan
+            self._registry.note_routed(plan.decode.worker_id, plan.blocks, awaited=True)  # until _attempt ends
 
     def _attempt(self, req: ValidRequest, plan: _Plan, run: Run, context) -> tuple[
             worker_pb2.DecodeResponse, Iterator[worker_pb2.DecodeResponse]]:
         """Prefill (if disaggregated), then open the decode stream up to its first response."""
-        handle = None
+        handle, arrived = None, False
         try:
             handle = self._prefill(req, plan.prefill, run, context) if plan.prefill is not None else None
-            return self._open_decode(req, plan, handle, run, context)
+            opened = self._open_decode(req, plan, handle, run, context)
+            arrived = True
+            return opened
         except (_WorkerFailed, _Cancelled) as e:
             if plan.prefill is not None:  # nobody will fetch the prompt's blocks: unpin them now
                 # If the prefill worker may serve the retry, let the Release land first: arriving
@@ -244,8 +255,8 @@ class RouterServicer(router_pb2_grpc.RouterServicer):
                 self._release(plan.prefill, run.key, handle.pin_id if handle else "", wait=retry_may_reuse)
             raise
         finally:
-            if plan.prefill is not None:  # the decode worker has it now, or never will: its reports say
-                self._registry.note_arrived(plan.decode.worker_id, plan.blocks)
+            if plan.prefill is not None:  # the decode worker has it now (its next report says), or never will
+                self._registry.note_arrived(plan.decode.worker_id, plan.blocks, arrived)
 
     def _release(self, worker: WorkerView, request_id: str, pin_id: str, wait: bool) -> None:
         """`pin_id`: the handle's (empty: the prefill's answer was lost, so whichever pin it made)."""
@@ -343,13 +354,14 @@ class RouterServicer(router_pb2_grpc.RouterServicer):
 
     def unreachable(self, address: str) -> str:
         """Why calls to a worker at `address` cannot get there, or "": a health check that is
-        answered at all (even UNIMPLEMENTED) shows the way is open."""
-        stub = health_pb2_grpc.HealthStub(self._peers.channel(address))
-        try:
-            stub.Check(health_pb2.HealthCheckRequest(), timeout=_REACH_TIMEOUT_S)
-        except grpc.RpcError as e:
-            if e.code() in (grpc.StatusCode.UNAVAILABLE, grpc.StatusCode.DEADLINE_EXCEEDED):
-                return f"its health check: {e.code().name}: {e.details()}"
+        answered at all (even UNIMPLEMENTED) shows the way is open. On a channel of its own: the
+        kept one may still be backing off after a worker that ran there before died."""
+        with self._peers.fresh_channel(address) as channel:
+            try:
+                health_pb2_grpc.HealthStub(channel).Check(health_pb2.HealthCheckRequest(), timeout=_REACH_TIMEOUT_S)
+            except grpc.RpcError as e:
+                if e.code() in (grpc.StatusCode.UNAVAILABLE, grpc.StatusCode.DEADLINE_EXCEEDED):
+                    return f"its health check: {e.code().name}: {e.details()}"
         return ""
 
     def _probe(self, worker: WorkerView) -> None:

@@ -180,9 +180,15 @@ def test_a_decode_request_still_prefilling_counts_until_it_arrives(cluster):
     registry.note_routed("a", 5, awaited=True)
     registry.heartbeat(w["a"].heartbeat())
     assert load() == (1, 5)
-    registry.note_arrived("a", 5)
+    registry.note_arrived("a", 5)  # there now: counted until a heartbeat can report it
+    assert load() == (1, 5)
+    registry.heartbeat(w["a"].heartbeat())
+    assert load() == (0, 0)
+    registry.note_routed("a", 5, awaited=True)
+    registry.note_arrived("a", 5, arrived=False)  # its attempt failed: nothing comes
     assert load() == (0, 0)
     registry.note_arrived("a", 5)  # never below its reports
+    registry.heartbeat(w["a"].heartbeat())
     assert load() == (0, 0)
 
 

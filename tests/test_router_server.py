@@ -163,6 +163,22 @@ def test_a_worker_the_router_cannot_reach_is_refused_at_registration(router):
     assert not router_pb2_grpc.RouterStub(internal).ListWorkers(router_pb2.ListWorkersRequest(), timeout=10).workers
 
 
+def test_a_worker_restarted_at_its_address_registers_again_at_once(router):
+    """The router's kept channel to a worker that died backs off before it dials again; the check
+    of a worker restarted at that address must not take the backoff for unreachability."""
+    stub, registry, _, _ = router
+    with listening() as [address]:
+        registry.Register(registration("agg", address), timeout=10)
+    rpc_error(lambda: list(stub.Generate(HELLO, timeout=10)))  # the calls to the dead worker fail
+    restarted = grpc.server(futures.ThreadPoolExecutor(max_workers=1))
+    restarted.add_insecure_port(address)
+    restarted.start()
+    try:
+        registry.Register(registration("agg", address), timeout=10)
+    finally:
+        restarted.stop(0)
+
+
 def test_failed_workers_are_retried_elsewhere_then_named(router):
     stub, registry, _, _ = router
     with listening(2) as addresses:
