@@ -80,9 +80,10 @@ class LocalCluster:
             try:
                 wait_healthy(self.router_address, min(1.0, max(deadline - time.monotonic(), 0.1)), self.tls)
                 break
-            except TimeoutError:
+            except TimeoutError as e:  # its message names the last try's second, not the whole wait
                 if time.monotonic() > deadline:
-                    raise
+                    raise TimeoutError(f"the router did not become healthy within {timeout_s:g} s "
+                                       f"(--start-timeout); the last check: {e}; logs in {self.log_dir}") from None
         for role in WORKER_ROLES:
             for i in range(getattr(self.config, role).replicas):
                 name = f"{role}-{i}"
