@@ -119,6 +119,7 @@ class _Source:
     that READ's request), and taken up again meanwhile if its source still answers with it; one
     with a READ that could not be cancelled is never removed (that READ may still run)."""
     name: str
+    address: str  # where its metadata came from last
     nixl_name: str | bytes  # as NIXL's add_remote_agent returned it, for its calls
     sha256: bytes  # of the metadata it was loaded from
     regions: dict[str, kv_pb2.NixlRegion]
@@ -168,9 +169,9 @@ class NixlConnector(BaseConnector):
             with self._lock:  # not under the address's lock: another pull may hold it, fetching metadata
                 source.users -= 1
                 source.last_used = time.monotonic()
-            if forget or source.forgotten:
-                with self._address_lock(address), self._lock:
-                    self._forget(address, source)
+                source.forgotten |= forget
+            if source.forgotten:
+                self._forget_unless_busy(address, source)
 
     # Locks: an address's lock, then self._lock, never the other way round. An agent is loaded and
     # removed under its address's lock (NIXL knows it by name: never both at once).
@@ -193,7 +194,8 @@ class NixlConnector(BaseConnector):
         try:
             with self._lock:
                 source = self._sources.get(address)
-                if source is not None and source.name == agent_name and source.sha256 == handle.nixl_metadata_sha256:
+                if (source is not None and not source.forgotten and source.name == agent_name
+                        and source.sha256 == handle.nixl_metadata_sha256):
                     source.users += 1
                     return source
             return self._connect(stub, handle, deadline, cancel)
@@ -239,12 +241,13 @@ class NixlConnector(BaseConnector):
             source = self._agents.get(meta.agent_name)
         if source is None:
             try:
-                source = _Source(meta.agent_name, self._memory.agent.add_remote_agent(meta.agent_metadata), sha256,
-                                 regions)
+                source = _Source(meta.agent_name, address, self._memory.agent.add_remote_agent(meta.agent_metadata),
+                                 sha256, regions)
             except NIXL_ERRORS as e:
                 raise KVTransferError(f"NIXL could not load the agent of {address}: {e}", retryable=True) from None
         with self._lock:
-            source.forgotten, source.regions = False, regions  # a forgotten one still loaded: taken up again
+            # a forgotten one still loaded: taken up again
+            source.forgotten, source.regions, source.address = False, regions, address
             self._agents[source.name] = source
             old = self._sources.get(address)
             if old is not None and old is not source:  # the address's earlier agent (its source restarted)
@@ -266,21 +269,35 @@ class NixlConnector(BaseConnector):
             except NIXL_ERRORS as e:
                 log.warning("NIXL could not drop the agent of %s: %s", address, e)
 
+    def _forget_unless_busy(self, address: str, source: _Source) -> None:
+        """_forget, unless another pull holds the address's lock (fetching metadata, which may take
+        until its deadline: a pull's end must not wait that long): `source` stays marked
+        forgotten then, unused by new pulls, and _forget_idle drops it later."""
+        lock = self._address_lock(address)
+        if not lock.acquire(blocking=False):
+            return
+        try:
+            with self._lock:
+                self._forget(address, source)
+        finally:
+            lock.release()
+
     def _forget_idle(self) -> None:
-        """Sources no pull used for a while (`idle`: gone, or no longer routed here), checked as
-        pulls start: their agents and UCX endpoints would otherwise stay loaded for good."""
+        """Sources no pull used for a while (`idle`: gone, or no longer routed here), and forgotten
+        agents no pull uses now, checked as pulls start: their agents and UCX endpoints would
+        otherwise stay loaded for good."""
         now = time.monotonic()
         with self._lock:
-            unused = [a for a, s in self._sources.items() if idle(s, now)]
-        for address in unused:
-            lock = self._address_lock(address)
+            unused = [s for s in self._sources.values() if idle(s, now)]
+            unused += [s for s in self._agents.values() if s.forgotten and not s.users and not s.uncancelled_read]
+        for source in unused:
+            lock = self._address_lock(source.address)
             if not lock.acquire(blocking=False):  # a pull is fetching the address's agent: it takes it up or replaces it
                 continue
             try:
                 with self._lock:
-                    source = self._sources.get(address)
-                    if source is not None and idle(source, now):
-                        self._forget(address, source)
+                    if not source.users and (source.forgotten or idle(source, now)):
+                        self._forget(source.address, source)
             finally:
                 lock.release()
 
