@@ -7,9 +7,13 @@ from collections.abc import Callable, Iterator
 from contextlib import contextmanager
 
 import grpc
+from grpc_health.v1 import health_pb2, health_pb2_grpc
 
 from proto import rpc
 from proto.tls import Tls, current
+
+
+_REACH_TIMEOUT_S = 3.0  # a registering worker's check: within the 5 s its Register waits
 
 
 def run_key(owner: str, request_id: str) -> str:
@@ -77,11 +81,20 @@ class Peers:
         self._lock = threading.Lock()
         self._channels: dict[str, tuple[Tls | None, grpc.Channel]] = {}
 
-    def fresh_channel(self, address: str) -> grpc.Channel:
-        """A new channel to `address` on a connection of its own, not kept (the caller closes it)."""
+    def unreachable(self, address: str) -> str:
+        """Why calls to `address` cannot get there, or "": a health check that is answered at all
+        (even UNIMPLEMENTED) shows the way is open. On a connection of its own: the kept one may
+        still be backing off after a process that served there before died."""
         with self._lock:
             self._tls = current(self._tls)
-            return rpc.channel(address, self._token, self._tls, own_connection=True)
+            fresh = rpc.channel(address, self._token, self._tls, own_connection=True)
+        with fresh:
+            try:
+                health_pb2_grpc.HealthStub(fresh).Check(health_pb2.HealthCheckRequest(), timeout=_REACH_TIMEOUT_S)
+            except grpc.RpcError as e:
+                if e.code() in (grpc.StatusCode.UNAVAILABLE, grpc.StatusCode.DEADLINE_EXCEEDED):
+                    return f"its health check: {e.code().name}: {e.details()}"
+        return ""
 
     def channel(self, address: str) -> grpc.Channel:
         with self._lock:

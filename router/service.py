@@ -11,18 +11,18 @@ for full workers) naming the worker.
 """
 
 import logging
-import re
 import threading
 import time
 from collections import Counter
 from collections.abc import Iterator
-from dataclasses import asdict, dataclass
+from dataclasses import asdict
 from typing import NoReturn
 
 import grpc
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 
 from router.admission import Admission, LeftQueue, Overloaded, QueueDeadline
+from router.attempt import Plan, WorkerFailed, client_code, culprit
 from router.api_keys import AUTHORIZATION_METADATA_KEY, ApiKeys
 from router.calls import CallSlots, Peers, Run, run_key
 from router.config import RouterConfig
@@ -40,44 +40,14 @@ from serving.roles import WORKER_ROLES
 log = logging.getLogger(__name__)
 _BEST_EFFORT_TIMEOUT_S = 5.0
 _PROBE_TIMEOUT_S = 1.0
-_REACH_TIMEOUT_S = 3.0  # a registering worker's check: within the 5 s its Register waits
 _FULL_WORKER_PAUSE_S = 0.25  # times the retry's number, before a retry on a worker that refused as full
 # A call still open this long past its request's deadline is stuck in a send to a client that
 # stopped reading (router/watchdog.py); the deadline's own ending, relayed, comes well before.
 _STUCK_AFTER_S = 10.0
-# An IP address, bare or as gRPC writes a peer (ipv4:10.0.0.5:50051, ipv6:[fe80::1]:50051), with its port.
-_NETWORK_ADDRESS = re.compile(r"(?:ipv[46]:)?(?:\[[0-9a-fA-F.]*:[0-9a-fA-F:.]*\]|\b\d{1,3}(?:\.\d{1,3}){3}\b)(?::\d+)?")
 
 
 class _Cancelled(Exception):
     """The client went away or called Abort."""
-
-
-class _WorkerFailed(Exception):
-    def __init__(self, worker: WorkerView, step: str, error: grpc.RpcError | str,
-                 reported_by: WorkerView | None = None) -> None:
-        self.worker = worker
-        self.reported_by = reported_by  # the decode worker that blamed `worker`, its KV source
-        self.code = error.code() if isinstance(error, grpc.RpcError) else grpc.StatusCode.UNAVAILABLE
-        # The worker called refused the request itself (no worker will take it), rather than reporting
-        # another worker's fault (a decode worker refusing the prefill worker's handle).
-        self.request_refused = self.code == grpc.StatusCode.INVALID_ARGUMENT and reported_by is None
-        details = (error.details() or "") if isinstance(error, grpc.RpcError) else error
-        # What the client reads names workers by id; network addresses (the worker's, and those its
-        # report names: a KV source's, gRPC's "ipv4:..." peers) are for the router's log.
-        head = f"{step} on {worker.role} worker {worker.worker_id} failed: {self.code.name}: "
-        super().__init__(head + _NETWORK_ADDRESS.sub("<address>", details.replace(worker.address, "<address>")))
-        self.logged = f"{head}{details} (worker address {worker.address})"
-
-
-@dataclass(frozen=True)
-class _Plan:
-    prefill: WorkerView | None  # None: an aggregated worker prefills and decodes
-    decode: WorkerView
-    blocks: int  # the prompt's: counted into the decode worker's load until the request reaches it
-
-    def worker_ids(self) -> set[str]:
-        return {self.decode.worker_id} | ({self.prefill.worker_id} if self.prefill else set())
 
 
 class RouterServicer(router_pb2_grpc.RouterServicer):
@@ -178,7 +148,7 @@ class RouterServicer(router_pb2_grpc.RouterServicer):
         suspects: set[str] = set()
         avoid: set[str] = set()
         full: set[str] = set()
-        failure: _WorkerFailed | None = None
+        failure: WorkerFailed | None = None
         for attempts in range(1, self._config.max_retries + 2):
             plan = self._plan(req, suspects, avoid)
             if plan is not None and full & plan.worker_ids():
@@ -196,7 +166,7 @@ class RouterServicer(router_pb2_grpc.RouterServicer):
             except _Cancelled:
                 yield _aborted(req, completion_tokens=0)
                 return
-            except _WorkerFailed as e:
+            except WorkerFailed as e:
                 if e.request_refused:
                     log.info("request %s refused: %s", req.request_id, e.logged)
                     context.abort(e.code, str(e))
@@ -219,7 +189,7 @@ class RouterServicer(router_pb2_grpc.RouterServicer):
             return
         self._give_up(req, failure, attempts, context)
 
-    def _plan(self, req: ValidRequest, suspects: set[str], avoid: set[str]) -> _Plan | None:
+    def _plan(self, req: ValidRequest, suspects: set[str], avoid: set[str]) -> Plan | None:
         """Disaggregated if a prefill and a decode worker are available, else aggregated, else None;
         of each role, workers outside `avoid` where there are any."""
         workers = [w for w in self._registry.workers() if w.worker_id not in suspects]
@@ -227,18 +197,18 @@ class RouterServicer(router_pb2_grpc.RouterServicer):
         by_role = {role: [w for w in ws if w.worker_id not in avoid] or ws for role, ws in by_role.items()}
         overlaps, blocks = self._registry.prefix_overlaps(req.prompt_token_ids)
         if by_role["prefill"] and by_role["decode"]:
-            return _Plan(self._policy.choose(by_role["prefill"], overlaps, blocks), least_loaded(by_role["decode"]), blocks)
+            return Plan(self._policy.choose(by_role["prefill"], overlaps, blocks), least_loaded(by_role["decode"]), blocks)
         if by_role["aggregated"]:
-            return _Plan(None, least_loaded(by_role["aggregated"]), blocks)
+            return Plan(None, least_loaded(by_role["aggregated"]), blocks)
         return None
 
-    def _note_routed(self, plan: _Plan) -> None:
+    def _note_routed(self, plan: Plan) -> None:
         """Count the request into its workers' load until their reports do."""
         self._registry.note_routed((plan.prefill or plan.decode).worker_id, plan.blocks)
         if plan.prefill is not None:
             self._registry.note_routed(plan.decode.worker_id, plan.blocks, awaited=True)  # until _attempt ends
 
-    def _attempt(self, req: ValidRequest, plan: _Plan, run: Run, context) -> tuple[
+    def _attempt(self, req: ValidRequest, plan: Plan, run: Run, context) -> tuple[
             worker_pb2.DecodeResponse, Iterator[worker_pb2.DecodeResponse]]:
         """Prefill (if disaggregated), then open the decode stream up to its first response."""
         handle, arrived = None, False
@@ -247,11 +217,11 @@ class RouterServicer(router_pb2_grpc.RouterServicer):
             opened = self._open_decode(req, plan, handle, run, context)
             arrived = True
             return opened
-        except (_WorkerFailed, _Cancelled) as e:
+        except (WorkerFailed, _Cancelled) as e:
             if plan.prefill is not None:  # nobody will fetch the prompt's blocks: unpin them now
                 # If the prefill worker may serve the retry, let the Release land first: arriving
                 # late, it would unpin the retry's prefill of the same request id.
-                retry_may_reuse = isinstance(e, _WorkerFailed) and e.worker.worker_id != plan.prefill.worker_id
+                retry_may_reuse = isinstance(e, WorkerFailed) and e.worker.worker_id != plan.prefill.worker_id
                 self._release(plan.prefill, run.key, handle.pin_id if handle else "", wait=retry_may_reuse)
             raise
         finally:
@@ -279,9 +249,9 @@ class RouterServicer(router_pb2_grpc.RouterServicer):
             except grpc.FutureCancelledError:
                 raise _Cancelled() from None
             except grpc.RpcError as e:
-                raise (_Cancelled() if run.cancelled else _WorkerFailed(worker, "Prefill", e)) from None
+                raise (_Cancelled() if run.cancelled else WorkerFailed(worker, "Prefill", e)) from None
 
-    def _open_decode(self, req: ValidRequest, plan: _Plan, handle: kv_pb2.KVHandle | None, run: Run,
+    def _open_decode(self, req: ValidRequest, plan: Plan, handle: kv_pb2.KVHandle | None, run: Run,
                      context) -> tuple[worker_pb2.DecodeResponse, Iterator[worker_pb2.DecodeResponse]]:
         worker = plan.decode
         stub = worker_pb2_grpc.DecodeWorkerStub(self._peers.channel(worker.address))
@@ -296,15 +266,15 @@ class RouterServicer(router_pb2_grpc.RouterServicer):
         try:
             return next(call), call
         except StopIteration:
-            raise _WorkerFailed(worker, "Decode", "the stream ended before its first response") from None
+            raise WorkerFailed(worker, "Decode", "the stream ended before its first response") from None
         except grpc.RpcError as e:
             if run.cancelled:
                 raise _Cancelled() from None
-            culprit = _culprit(e, plan)
-            step = "Decode" if culprit is worker else f"KV hand-off to decode worker {worker.worker_id}"
-            raise _WorkerFailed(culprit, step, e, reported_by=worker if culprit is not worker else None) from None
+            failed = culprit(e, plan)
+            step = "Decode" if failed is worker else f"KV hand-off to decode worker {worker.worker_id}"
+            raise WorkerFailed(failed, step, e, reported_by=worker if failed is not worker else None) from None
 
-    def _relay(self, req: ValidRequest, plan: _Plan, first: worker_pb2.DecodeResponse,
+    def _relay(self, req: ValidRequest, plan: Plan, first: worker_pb2.DecodeResponse,
                rest: Iterator[worker_pb2.DecodeResponse], run: Run, context) -> Iterator[router_pb2.GenerateResponse]:
         response = _response(first, run.queued_s)
         response.request_id = req.request_id  # the first message names the request and its route
@@ -324,14 +294,14 @@ class RouterServicer(router_pb2_grpc.RouterServicer):
             if run.finished:  # the stream failed after its last message: the answer is whole
                 return
             if not run.cancelled:
-                failure = _WorkerFailed(plan.decode, "Decode", e)
+                failure = WorkerFailed(plan.decode, "Decode", e)
                 log.warning("request %s: %s after %d streamed tokens", req.request_id, failure.logged, emitted)
                 self._probe(plan.decode)
-                context.abort(_client_code(failure.code), f"{failure} after {emitted} tokens were streamed; not retried, "
+                context.abort(client_code(failure.code), f"{failure} after {emitted} tokens were streamed; not retried, "
                               f"the output was already sent{self._deadline_note(context, failure.code)}")
             yield _aborted(req, emitted, first=False)
 
-    def _give_up(self, req: ValidRequest, failure: _WorkerFailed | None, attempts: int, context) -> NoReturn:
+    def _give_up(self, req: ValidRequest, failure: WorkerFailed | None, attempts: int, context) -> NoReturn:
         if failure is None:
             roles = Counter(w.role for w in self._registry.workers())
             context.abort(grpc.StatusCode.UNAVAILABLE,
@@ -339,7 +309,7 @@ class RouterServicer(router_pb2_grpc.RouterServicer):
                           f"aggregated one (registered: {dict(roles) or 'none'})")
         log.warning("request %s: gave up after %d failed attempt(s); the last: %s", req.request_id, attempts,
                     failure.logged)
-        context.abort(_client_code(failure.code),
+        context.abort(client_code(failure.code),
                       f"request {req.request_id}: {failure}; gave up after {attempts} failed attempt(s) "
                       f"(router.max_retries={self._config.max_retries}){self._deadline_note(context, failure.code)}")
 
@@ -353,16 +323,8 @@ class RouterServicer(router_pb2_grpc.RouterServicer):
                 "retries and stream included: raise it for long generations")
 
     def unreachable(self, address: str) -> str:
-        """Why calls to a worker at `address` cannot get there, or "": a health check that is
-        answered at all (even UNIMPLEMENTED) shows the way is open. On a channel of its own: the
-        kept one may still be backing off after a worker that ran there before died."""
-        with self._peers.fresh_channel(address) as channel:
-            try:
-                health_pb2_grpc.HealthStub(channel).Check(health_pb2.HealthCheckRequest(), timeout=_REACH_TIMEOUT_S)
-            except grpc.RpcError as e:
-                if e.code() in (grpc.StatusCode.UNAVAILABLE, grpc.StatusCode.DEADLINE_EXCEEDED):
-                    return f"its health check: {e.code().name}: {e.details()}"
-        return ""
+        """Why this router's calls to a worker at `address` cannot get there, or ""."""
+        return self._peers.unreachable(address)
 
     def _probe(self, worker: WorkerView) -> None:
         """A call to `worker` failed: check its health now, and if that fails too (or answers
@@ -403,22 +365,6 @@ def _status_name(context) -> str:
     if code is not None:
         return code.name
     return "OK" if context.is_active() else "CANCELLED"
-
-
-def _client_code(code: grpc.StatusCode) -> grpc.StatusCode:
-    """What the client is told of a worker's failure: a deadline or a full worker as they are (the
-    client may wait, or retry later), anything else as the cluster being unavailable."""
-    kept = (grpc.StatusCode.DEADLINE_EXCEEDED, grpc.StatusCode.RESOURCE_EXHAUSTED)
-    return code if code in kept else grpc.StatusCode.UNAVAILABLE
-
-
-def _culprit(e: grpc.RpcError, plan: _Plan) -> WorkerView:
-    """The worker to avoid on the retry: the prefill worker if the decode worker names it as the
-    KV source that failed (it died after prefilling, or its handle was unfit), else the decode worker."""
-    failed_source = dict(e.trailing_metadata() or ()).get(rpc.FAILED_KV_SOURCE_METADATA_KEY)
-    if plan.prefill is not None and failed_source == plan.prefill.worker_id:
-        return plan.prefill
-    return plan.decode
 
 
 def _fire_and_forget(call: grpc.Future, what: str) -> None:
