@@ -281,8 +281,8 @@ class BaseConnector(abc.ABC):
         timeout = RELEASE_MIN_TIMEOUT_S if cancel.is_set() else max(remaining(deadline), RELEASE_MIN_TIMEOUT_S)
         release = kv_pb2.ReleaseRequest(request_id=handle.request_id, pin_id=handle.pin_id)
         call = stub.Release.future(release, timeout=timeout)
-        if not cancel.is_set():
-            cancel.on_set(call.cancel)  # cancelled while it waits: cut short (a no-op once it is done)
+        if not cancel.is_set():  # cancelled while it waits: RELEASE_MIN_TIMEOUT_S more (it may be on its way)
+            cancel.on_set(lambda: _cancel_later(call, RELEASE_MIN_TIMEOUT_S))
         try:
             return call.result().found
         except grpc.FutureCancelledError:
@@ -292,6 +292,13 @@ class BaseConnector(abc.ABC):
         except grpc.RpcError as e:
             log.warning("%s", rpc_failure(e, f"Release of {handle.request_id}", handle.source_address))
             return None
+
+
+def _cancel_later(call: grpc.Future, seconds: float) -> None:
+    """Cancel `call` in `seconds` (a no-op if it is done by then)."""
+    timer = threading.Timer(seconds, call.cancel)
+    timer.daemon = True
+    timer.start()
 
 
 @dataclass

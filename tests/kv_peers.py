@@ -43,8 +43,10 @@ class FaultyServicer(KVTransferServicer):
     "stall*" reports that its first chunk went out, then sends no other, and its Release reports
     the seconds its caller gave it, then waits until the caller gives up; "slow*" takes 0.3 s
     before its first chunk; "lapsed*" ends its pin at Release but answers that it had lapsed
-    already (found=False). Once "hang-metadata*" is pinned, GetNixlMetadata reports that it was
-    asked, then waits until its caller gives up."""
+    already (found=False); "queued-release*" Releases report that they were sent, then wait 0.5 s
+    (queued behind busy server threads) and unpin only if their caller still waits. Once
+    "hang-metadata*" is pinned, GetNixlMetadata reports that it was asked, then waits until its
+    caller gives up."""
 
     def __init__(self, source: KVSource, report):
         super().__init__(source, source.servicer.pulls)
@@ -71,6 +73,11 @@ class FaultyServicer(KVTransferServicer):
         return chunk
 
     def Release(self, request, context):
+        if request.request_id.startswith("queued-release"):
+            self.report("release-sent", request.request_id)
+            time.sleep(0.5)
+            if not context.is_active():  # cancelled before a thread took it up: never handled
+                return kv_pb2.ReleaseResponse()
         if request.request_id.startswith("stall"):
             self.report("release-timeout", context.time_remaining())
             while context.is_active():

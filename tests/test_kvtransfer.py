@@ -264,6 +264,19 @@ def test_a_pull_stops_when_cancelled_or_its_connector_closes(backend, stop, doom
     assert_local(dest, dict(zip(LOCAL, REMOTE)))
 
 
+@pytest.mark.parametrize("backend", BACKENDS)
+def test_a_release_under_way_when_its_pull_is_cancelled_still_lands(backend, doomed_source, dest):
+    """The bytes moved and the Release is on its way when the pull is cancelled (its client gone,
+    the worker closing): the Release was cut off at once, and the source kept the pin until it
+    timed out. It gets RELEASE_MIN_TIMEOUT_S still."""
+    handle = doomed_source.pin("queued-release")
+    dest.start_pull(backend, handle)
+    assert doomed_source.expect("release-sent") == handle.request_id
+    dest.cancel()
+    dest.result()  # done or cancelled: the pin is what matters here
+    assert doomed_source.expect("released") == handle.request_id
+
+
 def test_pulls_held_up_by_a_source_stalling_its_nixl_metadata_stop_when_cancelled(doomed_source, dest):
     """A source's agent is loaded under its address's lock: a source that stalled its metadata held
     the pull fetching it, and every other pull from it waiting on the lock, until their deadlines,
