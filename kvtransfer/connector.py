@@ -282,7 +282,7 @@ class BaseConnector(abc.ABC):
         release = kv_pb2.ReleaseRequest(request_id=handle.request_id, pin_id=handle.pin_id)
         call = stub.Release.future(release, timeout=timeout)
         if not cancel.is_set():  # cancelled while it waits: RELEASE_MIN_TIMEOUT_S more (it may be on its way)
-            cancel.on_set(lambda: _cancel_later(call, RELEASE_MIN_TIMEOUT_S))
+            cancel.on_set(lambda: call.done() or _cancel_later(call, RELEASE_MIN_TIMEOUT_S))  # every stream's end sets it
         try:
             return call.result().found
         except grpc.FutureCancelledError:

@@ -5,7 +5,7 @@ Generate waits for a running slot in the admission queue (router/admission.py), 
 choose workers -> Prefill (disaggregated only) -> Decode(prefilled=handle)
 -> relay the decode stream. An attempt that fails before the decode stream's first response
 releases the prefill worker's pin and is retried on other workers (the failed one is skipped for
-this request), up to router.max_retries times. Once output has reached the client nothing is
+this request; one that refused as full is only avoided), up to router.max_retries times. Once output has reached the client nothing is
 retried: the stream ends with UNAVAILABLE (DEADLINE_EXCEEDED for a deadline, RESOURCE_EXHAUSTED
 for full workers) naming the worker.
 """

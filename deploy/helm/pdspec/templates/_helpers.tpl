@@ -158,7 +158,6 @@ holds only per-field rules, and a config breaking one rendered fine, then every 
 {{- end }}
 {{- end -}}
 
-{{/* Pod-level fields every pod shares. */}}
 {{/* The deployment config the pods read: .Values.config plus where the API keys' and TLS
 Secrets are mounted. */}}
 {{- define "pdspec.configYaml" -}}
@@ -174,6 +173,7 @@ Secrets are mounted. */}}
 {{- toYaml $config }}
 {{- end -}}
 
+{{/* Pod-level fields every pod shares. */}}
 {{- define "pdspec.podCommon" -}}
 securityContext:
   {{- toYaml .Values.podSecurityContext | nindent 2 }}
