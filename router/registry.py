@@ -79,9 +79,18 @@ class Registry:
             roles = {w.registration.role for w in self._workers.values()}
         return "aggregated" in roles or {"prefill", "decode"} <= roles
 
-    def register(self, request: worker_pb2.RegisterRequest) -> None:
-        """Add (or replace, after a worker restart) a worker; raises RegistrationError."""
+    def register(self, request: worker_pb2.RegisterRequest,
+                 unreachable: Callable[[str], str] = lambda address: "") -> None:
+        """Add (or replace, after a worker restart) a worker; raises RegistrationError.
+        `unreachable(address)`: why the router cannot call a worker there, or ""."""
         _check_fields(request)
+        # Routed to, a worker the router cannot dial failed each call, was dropped, and registered
+        # again at its next heartbeat: refused here, its log tells its operator.
+        why = unreachable(request.address)
+        if why:
+            raise RegistrationError(grpc.StatusCode.FAILED_PRECONDITION,
+                                    f"address: the router cannot reach this worker at {request.address} ({why}); "
+                                    "start it with --advertise-host set to a host the router can dial")
         with self._lock:
             others = [w.registration for wid, w in self._workers.items() if wid != request.worker_id]
             if others:
@@ -268,15 +277,7 @@ class RegistryServicer(worker_pb2_grpc.RegistryServicer):
 
     def Register(self, request, context) -> worker_pb2.RegisterResponse:
         try:
-            _check_fields(request)
-            # Routed to, a worker the router cannot dial failed each call, was dropped, and
-            # registered again at its next heartbeat: refused here, its log tells its operator.
-            why = self._unreachable(request.address)
-            if why:
-                raise RegistrationError(grpc.StatusCode.FAILED_PRECONDITION,
-                                        f"address: the router cannot reach this worker at {request.address} ({why}); "
-                                        "start it with --advertise-host set to a host the router can dial")
-            self._registry.register(request)
+            self._registry.register(request, self._unreachable)
         except RegistrationError as e:
             context.abort(e.code, str(e))
         log.info("registered %s worker %s at %s", request.role, request.worker_id, request.address)
