@@ -17,7 +17,7 @@ import time
 from dataclasses import dataclass
 from pathlib import Path
 
-from engine.parallel import exit_with_parent
+from engine.procfs import exit_with_parent
 
 log = logging.getLogger(__name__)
 _PARENT_ENV = "PDSPEC_DIE_WITH_PID"  # set for a process the supervisor starts: the launcher's pid

@@ -11,10 +11,6 @@ the other ranks, which only run forwards (`ModelRunner.follow`; engine/runner.py
 the ranks' processes). gloo on CPU, NCCL on CUDA.
 """
 
-import ctypes
-import os
-import signal
-import sys
 from dataclasses import dataclass, replace
 
 import torch
@@ -81,16 +77,3 @@ class TensorParallel:
     def vocab_slice(self, vocab_size: int) -> slice:
         n = vocab_size // self.size
         return slice(self.rank * n, (self.rank + 1) * n)
-
-
-def exit_with_parent(parent_pid: int) -> None:
-    """The kernel is to send this process SIGTERM when its parent dies, however it dies (SIGKILL,
-    a crash); if the parent `parent_pid` is gone already, exit now. Linux only (elsewhere a no-op)."""
-    if sys.platform != "linux":
-        return
-    ctypes.CDLL(None).prctl(_PR_SET_PDEATHSIG, signal.SIGTERM)
-    if os.getppid() != parent_pid:
-        sys.exit("pdspec: the process that started this one is gone")
-
-
-_PR_SET_PDEATHSIG = 1  # linux/prctl.h

@@ -1,7 +1,11 @@
-"""Processes as Linux's /proc tells them: a build directory's owner (engine/conversions.py), the
-children a failed Ray start left (deploy/ray_launch.py)."""
+"""Processes as Linux tells them: a build directory's owner (engine/conversions.py), the children a
+failed Ray start left (deploy/ray_launch.py), a child that is to die with its parent
+(deploy/supervisor.py, engine/runner.py). Torch-free: the CLI's light commands import it."""
 
+import ctypes
 import os
+import signal
+import sys
 from pathlib import Path
 
 
@@ -20,3 +24,16 @@ def child_pids() -> set[int]:
     me = str(os.getpid())
     return {int(entry.name) for entry in Path("/proc").iterdir()
             if entry.name.isdigit() and (fields := stat_fields(entry.name)) is not None and fields[1] == me}
+
+
+def exit_with_parent(parent_pid: int) -> None:
+    """The kernel is to send this process SIGTERM when its parent dies, however it dies (SIGKILL,
+    a crash); if the parent `parent_pid` is gone already, exit now. Linux only (elsewhere a no-op)."""
+    if sys.platform != "linux":
+        return
+    ctypes.CDLL(None).prctl(_PR_SET_PDEATHSIG, signal.SIGTERM)
+    if os.getppid() != parent_pid:
+        sys.exit("pdspec: the process that started this one is gone")
+
+
+_PR_SET_PDEATHSIG = 1  # linux/prctl.h

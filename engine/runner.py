@@ -18,7 +18,8 @@ from engine.loader import load_weights
 from engine.quant import QuantizedTensor, quantize_matrices
 from engine.model_dir import model_fingerprint, model_name, resolve_model_dir
 from engine.model import CausalLM, ForwardOutput
-from engine.parallel import TensorParallel, exit_with_parent
+from engine.parallel import TensorParallel
+from engine.procfs import exit_with_parent
 
 # The EAGLE3 head this project trained for the embedded default model (see its MODEL_CARD.md).
 EMBEDDED_DRAFT_DIR = Path(__file__).parent / "spec" / "eagle3_heads" / "SmolLM2-135M-Instruct-eagle3"

@@ -4,6 +4,7 @@ manifest. No cluster is needed (test_dockerfile.py: the container image)."""
 
 import base64
 import json
+import os
 import re
 import subprocess
 import sys
@@ -129,7 +130,8 @@ def test_every_pod_meets_the_restricted_pod_security_standard(rendered):
 
 
 def run_config_check(docs: list[dict], tmp_path: Path) -> subprocess.CompletedProcess:
-    """The config-check hook's Job, run here: its container's arguments on its ConfigMap's config."""
+    """The config-check hook's Job, run here: its container's arguments on its ConfigMap's config,
+    with torch unimportable (the Job's memory limit leaves no room for it)."""
     job = by_kind(docs, "Job")["rel-pdspec-config-check"]
     pod = job["spec"]["template"]["spec"]
     (container,) = pod["containers"]
@@ -138,7 +140,11 @@ def run_config_check(docs: list[dict], tmp_path: Path) -> subprocess.CompletedPr
     config = tmp_path / "config.yaml"
     config.write_text(by_kind(docs, "ConfigMap")[volume["configMap"]["name"]]["data"]["config.yaml"])
     args = [arg.replace(mount["mountPath"], str(tmp_path)) for arg in container["args"]]
-    return subprocess.run([sys.executable, "-m", "deploy.cli", *args], capture_output=True, text=True, cwd=ROOT)
+    no_torch = tmp_path / "no_torch"
+    no_torch.mkdir()
+    (no_torch / "torch.py").write_text("raise ImportError('the config check imported torch')\n")
+    env = {**os.environ, "PYTHONPATH": os.pathsep.join([str(no_torch), str(ROOT)])}
+    return subprocess.run([sys.executable, "-m", "deploy.cli", *args], capture_output=True, text=True, cwd=ROOT, env=env)
 
 
 def test_pdspec_checks_the_pods_config_before_install_and_upgrade(rendered, tmp_path):
