@@ -127,13 +127,12 @@ class DecodeServicer(worker_pb2_grpc.DecodeWorkerServicer):
 
     def _reserve(self, rid, prompt, params, context) -> tuple[int, list[int]]:
         """Allocate the prompt's blocks, waiting while the pool or the batch is full."""
-        engine = self.loop.engine
         left = time_left(context)
         deadline_first = left is not None and left < self.admission_timeout_s  # then the request's deadline ends it
         waited_from = time.monotonic()
         deadline = waited_from + (left if deadline_first else self.admission_timeout_s)
         while time.monotonic() < deadline and context.is_active():
-            reserved = self.loop.call(engine.take_over, rid, prompt, params)
+            reserved = self.loop.take_over(rid, prompt, params)
             if reserved is not None:
                 return reserved
             self.loop.wait_step(0.2)

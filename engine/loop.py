@@ -36,6 +36,9 @@ class EngineLoop:
         # heartbeats must not wait for a long step (the router evicts silent workers).
         self.events: collections.deque[KVEvent] = collections.deque()
         engine.blocks.subscribe(self.events.append)
+        # Requests added or taken over here, for the next heartbeat to name: from then on this
+        # worker's load counts them, and the router stops counting them itself. Same deque rule.
+        self.arrivals: collections.deque[str] = collections.deque()
         self._commands: queue.SimpleQueue[tuple[Callable, tuple, Future]] = queue.SimpleQueue()
         self._wake = threading.Event()
         self.stepped = threading.Condition()  # notified after every step (back-pressure waits on it)
@@ -67,9 +70,20 @@ class EngineLoop:
         """Queue a request and return its output queue; raises InvalidRequest/CapacityExceeded."""
         def add():
             self.engine.add_request(prompt, params, request_id, prefill_only=prefill_only)
+            self.arrivals.append(request_id)
             return self.outputs.setdefault(request_id, queue.SimpleQueue())
 
         return self.call(add)
+
+    def take_over(self, request_id: str, prompt: list[int], params: SamplingParams) -> tuple[int, list[int]] | None:
+        """Engine.take_over (a prefilled request's blocks reserved for its KV) if there is room now."""
+        def take():
+            reserved = self.engine.take_over(request_id, prompt, params)
+            if reserved is not None:
+                self.arrivals.append(request_id)
+            return reserved
+
+        return self.call(take)
 
     def admit_prefilled(self, request_id: str, handle: KVHandle) -> queue.SimpleQueue[RequestOutput]:
         def admit():
@@ -104,10 +118,10 @@ class EngineLoop:
         return out is not None
 
     def drain_events(self) -> list[KVEvent]:
-        events = []
-        while self.events:
-            events.append(self.events.popleft())
-        return events
+        return _drain(self.events)
+
+    def drain_arrivals(self) -> list[str]:
+        return _drain(self.arrivals)
 
     def cache_snapshot(self) -> list[int]:
         """The prefix cache's hashes now; events queued so far are dropped (the snapshot has them)."""
@@ -198,3 +212,10 @@ class EngineLoop:
         with self.stepped:
             self.stepped.notify_all()
 
+
+def _drain(items: collections.deque) -> list:
+    """What another thread appended so far, removed (whatever it appends meanwhile stays)."""
+    drained = []
+    while items:
+        drained.append(items.popleft())
+    return drained

@@ -8,8 +8,8 @@ import logging
 import math
 import threading
 import time
-from collections.abc import Callable, Sequence
-from dataclasses import dataclass
+from collections.abc import Callable, Iterable, Sequence
+from dataclasses import dataclass, field
 
 import grpc
 from google.protobuf.message import Message
@@ -54,10 +54,10 @@ class _Worker:
     registration: worker_pb2.RegisterRequest
     last_seen: float
     load: worker_pb2.Load
-    routed_blocks: int = 0  # routed here since its last heartbeat (the next one reports them)
-    routed_requests: int = 0
-    awaited: int = 0  # decode requests routed here whose prefill still runs: not here yet, whatever heartbeats say
-    awaited_blocks: int = 0  # their prompts' blocks, uncounted by heartbeats as well
+    # Requests routed here that its load does not count yet (request id -> the prompt's blocks):
+    # each until a heartbeat names it among its arrivals, or its attempt fails. A decode request
+    # waits here for as long as its prompt's prefill runs elsewhere.
+    pending: dict[str, int] = field(default_factory=dict)
 
 
 class Registry:
@@ -111,7 +111,8 @@ class Registry:
             worker.load.CopyFrom(request.load)
             if not request.load.total_blocks:
                 worker.load.total_blocks = worker.registration.total_blocks
-            worker.routed_blocks = worker.routed_requests = 0  # the new load includes them
+            for request_id in request.arrived_request_ids:  # the new load counts them
+                worker.pending.pop(request_id, None)
             for event in request.events:
                 self._index.apply(request.worker_id, event)
             return True
@@ -165,32 +166,21 @@ class Registry:
         with self._lock:
             return self._index.overlaps(chain), math.ceil(len(token_ids) / block_size)
 
-    def note_routed(self, worker_id: str, blocks: int, awaited: bool = False) -> None:
-        """Count a request routed to `worker_id` into its load until its next heartbeat; `awaited`
-        (a decode worker, its request still prefilling elsewhere): until `note_arrived` instead,
-        since the worker cannot report a request for the seconds a long prompt's prefill takes."""
+    def note_routed(self, worker_ids: Iterable[str], request_id: str, blocks: int) -> None:
+        """Count a request of `blocks` routed to these workers into their load, each until its
+        heartbeat names the request (sent before the worker had it, a heartbeat would not count it)."""
         with self._lock:
-            worker = self._workers.get(worker_id)
-            if worker is None:
-                return
-            if awaited:
-                worker.awaited += 1
-                worker.awaited_blocks += blocks
-            else:
-                worker.routed_requests += 1
-                worker.routed_blocks += blocks
+            for worker_id in worker_ids:
+                if (worker := self._workers.get(worker_id)) is not None:
+                    worker.pending[request_id] = blocks
 
-    def note_arrived(self, worker_id: str, blocks: int, arrived: bool = True) -> None:
-        """An awaited request of `blocks` reached `worker_id` (`arrived`: counted on until the
-        worker's next heartbeat reports it) or will not (its attempt failed)."""
+    def note_unreached(self, worker_ids: Iterable[str], request_id: str) -> None:
+        """The request's attempt failed: what these workers may still hold of it, their loads
+        count (a heartbeat naming it later finds nothing to drop); stop counting it here."""
         with self._lock:
-            worker = self._workers.get(worker_id)
-            if worker is not None:
-                worker.awaited = max(0, worker.awaited - 1)
-                worker.awaited_blocks = max(0, worker.awaited_blocks - blocks)
-                if arrived:
-                    worker.routed_requests += 1
-                    worker.routed_blocks += blocks
+            for worker_id in worker_ids:
+                if (worker := self._workers.get(worker_id)) is not None:
+                    worker.pending.pop(request_id, None)
 
     def capacity(self) -> int:
         """Requests the cluster runs at once: the decode workers' batches when a prefill and a
@@ -222,9 +212,9 @@ class Registry:
             worker_id=worker_id, role=r.role, address=r.address,
             # Queued requests are work too: without them a worker's backlog vanished from its cost
             # at each heartbeat (its blocks not yet allocated), and it went on taking bursts.
-            active_blocks=load.active_blocks + load.waiting_blocks + worker.routed_blocks + worker.awaited_blocks,
+            active_blocks=load.active_blocks + load.waiting_blocks + sum(worker.pending.values()),
             total_blocks=load.total_blocks,
-            running=load.running + worker.routed_requests + worker.awaited, waiting=load.waiting,
+            running=load.running + len(worker.pending), waiting=load.waiting,
             cached_blocks=self._index.num_blocks(worker_id), seconds_since_heartbeat=now - worker.last_seen,
             metrics_address=r.metrics_address, registration_id=r.registration_id,
         )
@@ -248,12 +238,12 @@ def _check_fields(r: worker_pb2.RegisterRequest) -> None:
 def _check_layout(layout: kv_pb2.KVLayout, registered: worker_pb2.RegisterRequest) -> None:
     """Every worker must share one layout: any prefill worker may hand its KV to any decode worker,
     and one block size keeps the hash chains comparable across the index."""
-    for field in kv_pb2.KVLayout.DESCRIPTOR.fields:
-        theirs, ours = _field(layout, field.name), _field(registered.layout, field.name)
+    for descriptor in kv_pb2.KVLayout.DESCRIPTOR.fields:
+        theirs, ours = _field(layout, descriptor.name), _field(registered.layout, descriptor.name)
         if theirs != ours:
             raise RegistrationError(
                 grpc.StatusCode.FAILED_PRECONDITION,
-                f"layout.{field.name}: {_show(theirs)} differs from {_show(ours)} of registered worker "
+                f"layout.{descriptor.name}: {_show(theirs)} differs from {_show(ours)} of registered worker "
                 f"{registered.worker_id!r}; all workers must share one KV layout",
             )
 

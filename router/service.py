@@ -160,7 +160,7 @@ class RouterServicer(router_pb2_grpc.RouterServicer):
             if plan is None:
                 attempts -= 1
                 break
-            self._note_routed(plan)
+            self._registry.note_routed(plan.worker_ids(), run.key, plan.blocks)
             try:
                 first, rest = self._attempt(req, plan, run, context)
             except _Cancelled:
@@ -202,12 +202,6 @@ class RouterServicer(router_pb2_grpc.RouterServicer):
             return Plan(None, least_loaded(by_role["aggregated"]), blocks)
         return None
 
-    def _note_routed(self, plan: Plan) -> None:
-        """Count the request into its workers' load until their reports do."""
-        self._registry.note_routed((plan.prefill or plan.decode).worker_id, plan.blocks)
-        if plan.prefill is not None:
-            self._registry.note_routed(plan.decode.worker_id, plan.blocks, awaited=True)  # until _attempt ends
-
     def _attempt(self, req: ValidRequest, plan: Plan, run: Run, context) -> tuple[
             worker_pb2.DecodeResponse, Iterator[worker_pb2.DecodeResponse]]:
         """Prefill (if disaggregated), then open the decode stream up to its first response."""
@@ -225,8 +219,8 @@ class RouterServicer(router_pb2_grpc.RouterServicer):
                 self._release(plan.prefill, run.key, handle.pin_id if handle else "", wait=retry_may_reuse)
             raise
         finally:
-            if plan.prefill is not None:  # the decode worker has it now (its next report says), or never will
-                self._registry.note_arrived(plan.decode.worker_id, plan.blocks, arrived)
+            if not arrived:  # on success, each worker's next heartbeat takes over counting it
+                self._registry.note_unreached(plan.worker_ids(), run.key)
 
     def _release(self, worker: WorkerView, request_id: str, pin_id: str, wait: bool) -> None:
         """`pin_id`: the handle's (empty: the prefill's answer was lost, so whichever pin it made)."""

@@ -110,13 +110,16 @@ class RegistryClient:
         log.info("registered %s (%s) with router %s", request.worker_id, request.role, self.router_address)
 
     def _heartbeat(self) -> bool:
+        # Arrivals first: each one drained is in the stats read after it (the reverse order could
+        # name a request these stats miss, and the router would count it nowhere until the next).
+        arrived = self.loop.drain_arrivals()
         stats = self.loop.stats()
         load = worker_pb2.Load(active_blocks=stats.kv_blocks_used, total_blocks=stats.kv_blocks_total,
                                running=stats.running, waiting=stats.waiting, waiting_blocks=stats.kv_blocks_waiting)
         events = [kv_event(e) for e in self.loop.drain_events()]
         response = self.stub.Heartbeat(
             worker_pb2.HeartbeatRequest(worker_id=self.registration.worker_id, load=load, events=events,
-                                        registration_id=self._registration_id),
+                                        registration_id=self._registration_id, arrived_request_ids=arrived),
             timeout=5,
         )
         return response.registered

@@ -295,6 +295,24 @@ def test_a_prefilled_request_is_taken_over_only_with_a_slot_free_and_nobody_wait
     assert engine.take_over("third", prompts[2], params) is None  # the batch is full: 1 running + 1 arriving
 
 
+def test_the_loop_names_each_request_it_took_once_for_the_next_heartbeat(prompts):
+    """From a heartbeat naming a request on, the router leaves counting it to the worker's load
+    (router/registry.py): every request added or taken over is named once; one refused for want
+    of room, never (it is not here)."""
+    loop = EngineLoop(Engine(EngineConfig(num_kv_blocks=64, max_num_seqs=2)))
+    params = SamplingParams(max_tokens=8)
+    try:
+        loop.submit("added", prompts[0], params)
+        deadline = time.monotonic() + 60
+        while loop.take_over("taken", prompts[1], params) is None and time.monotonic() < deadline:
+            loop.wait_step(0.2)  # until "added" runs (nobody waiting)
+        assert loop.take_over("refused", prompts[2], params) is None  # the batch is full
+        assert loop.drain_arrivals() == ["added", "taken"]
+        assert loop.drain_arrivals() == []
+    finally:
+        loop.stop()
+
+
 def test_an_incoming_request_whose_transfer_could_not_be_stopped_never_frees_its_blocks(prompts):
     """A NIXL READ that failed and could not be cancelled may still write into its blocks."""
     engine = Engine(EngineConfig(num_kv_blocks=64))  # its own pool: this one loses blocks for good

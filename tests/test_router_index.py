@@ -156,40 +156,34 @@ def test_registration_snapshot_replaces_what_the_index_knew(cluster):
     assert registry.prefix_overlaps(continued(prompt))[0] == {"a": 2}
 
 
-def test_routed_load_counts_until_the_next_heartbeat(cluster):
-    registry, w, _ = cluster
-    registry.note_routed("a", 5)
-    view = {v.worker_id: v for v in registry.workers()}["a"]
-    assert (view.active_blocks, view.running) == (5, 1)
-    registry.heartbeat(w["a"].heartbeat())
-    view = {v.worker_id: v for v in registry.workers()}["a"]
-    assert (view.active_blocks, view.running) == (0, 0)
-
-
-def test_a_decode_request_still_prefilling_counts_until_it_arrives(cluster):
-    """A long prompt's prefill takes seconds, heartbeats come every half: the decode worker
-    cannot report the request yet, so the router keeps counting it, its blocks too (else every
-    request routed meanwhile went to the same, seemingly idle, decode worker: the choice goes by
-    the blocks first)."""
-    registry, w, _ = cluster
+def test_a_routed_request_counts_once_until_its_workers_heartbeat_names_it(cluster):
+    """The router counts a request it routed until the worker's load does: a heartbeat sent before
+    the worker had the request (a long prompt's prefill elsewhere takes seconds) does not count it,
+    one after it does, and names it; counted by both, it made its worker look busier than it was."""
+    registry, _, _ = cluster
 
     def load() -> tuple[int, int]:
         view = {v.worker_id: v for v in registry.workers()}["a"]
         return view.running, view.active_blocks
 
-    registry.note_routed("a", 5, awaited=True)
-    registry.heartbeat(w["a"].heartbeat())
+    def heartbeat(running: int, blocks: int, arrived: list[str]) -> None:
+        registry.heartbeat(worker_pb2.HeartbeatRequest(worker_id="a", arrived_request_ids=arrived,
+                                                       load=worker_pb2.Load(active_blocks=blocks, running=running)))
+
+    registry.note_routed(["a", "b"], "r1", 5)
     assert load() == (1, 5)
-    registry.note_arrived("a", 5)  # there now: counted until a heartbeat can report it
+    heartbeat(0, 0, [])  # before r1 reached it
     assert load() == (1, 5)
-    registry.heartbeat(w["a"].heartbeat())
-    assert load() == (0, 0)
-    registry.note_routed("a", 5, awaited=True)
-    registry.note_arrived("a", 5, arrived=False)  # its attempt failed: nothing comes
-    assert load() == (0, 0)
-    registry.note_arrived("a", 5)  # never below its reports
-    registry.heartbeat(w["a"].heartbeat())
-    assert load() == (0, 0)
+    heartbeat(1, 5, ["r1"])  # its load counts r1 now (e.g. taken over, its KV still on the way)
+    assert load() == (1, 5)
+    heartbeat(1, 6, [])
+    assert load() == (1, 6)
+    registry.note_routed(["a"], "r2", 3)
+    registry.note_unreached(["a"], "r2")  # its attempt failed before it reached the worker
+    heartbeat(1, 6, ["r2"])  # a late report of a request the attempt gave up on: nothing to drop
+    assert load() == (1, 6)
+    registry.note_unreached(["gone"], "r1")  # a worker evicted meanwhile
+    assert {v.worker_id: v.running for v in registry.workers()}["b"] == 1  # b's heartbeats have not named r1
 
 
 @pytest.mark.parametrize("change, code, field", [

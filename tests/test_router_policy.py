@@ -77,10 +77,10 @@ def test_a_burst_spreads_before_heartbeats_report_it():
     registry = _two_prefill_workers()
     policy = KVPolicy(overlap_weight=1.0, temperature=0.0)
     chosen = []
-    for _ in range(4):
+    for i in range(4):
         overlaps, blocks = registry.prefix_overlaps(list(range(16)))
         chosen.append(policy.choose(registry.workers(), overlaps, blocks).worker_id)
-        registry.note_routed(chosen[-1], blocks)
+        registry.note_routed([chosen[-1]], f"r{i}", blocks)
     assert chosen == ["a", "b", "a", "b"]
 
 

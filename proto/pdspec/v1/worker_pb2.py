@@ -26,7 +26,7 @@ from proto.pdspec.v1 import common_pb2 as proto_dot_pdspec_dot_v1_dot_common__pb
 from proto.pdspec.v1 import kv_pb2 as proto_dot_pdspec_dot_v1_dot_kv__pb2
 
 
-DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n\x1cproto/pdspec/v1/worker.proto\x12\tpdspec.v1\x1a\x1cproto/pdspec/v1/common.proto\x1a\x18proto/pdspec/v1/kv.proto\"P\n\x11\x44\x65registerRequest\x12\x11\n\tworker_id\x18\x01 \x01(\t\x12\x0f\n\x07\x61\x64\x64ress\x18\x02 \x01(\t\x12\x17\n\x0fregistration_id\x18\x03 \x01(\t\"#\n\x12\x44\x65registerResponse\x12\r\n\x05\x66ound\x18\x01 \x01(\x08\"\xfa\x01\n\x0fRegisterRequest\x12\x11\n\tworker_id\x18\x01 \x01(\t\x12\x0c\n\x04role\x18\x02 \x01(\t\x12\x0f\n\x07\x61\x64\x64ress\x18\x03 \x01(\t\x12#\n\x06layout\x18\x04 \x01(\x0b\x32\x13.pdspec.v1.KVLayout\x12\x14\n\x0ctotal_blocks\x18\x05 \x01(\x05\x12\x15\n\rmax_model_len\x18\x06 \x01(\x05\x12\x1b\n\x13\x63\x61\x63hed_block_hashes\x18\x07 \x03(\x04\x12\x17\n\x0fmetrics_address\x18\x08 \x01(\t\x12\x14\n\x0cmax_num_seqs\x18\t \x01(\x05\x12\x17\n\x0fregistration_id\x18\n \x01(\t\"1\n\x10RegisterResponse\x12\x1d\n\x15heartbeat_interval_ms\x18\x01 \x01(\x05\"m\n\x04Load\x12\x15\n\ractive_blocks\x18\x01 \x01(\x05\x12\x14\n\x0ctotal_blocks\x18\x02 \x01(\x05\x12\x0f\n\x07running\x18\x03 \x01(\x05\x12\x0f\n\x07waiting\x18\x04 \x01(\x05\x12\x16\n\x0ewaiting_blocks\x18\x05 \x01(\x05\"\x81\x01\n\x10HeartbeatRequest\x12\x11\n\tworker_id\x18\x01 \x01(\t\x12\x1d\n\x04load\x18\x02 \x01(\x0b\x32\x0f.pdspec.v1.Load\x12\"\n\x06\x65vents\x18\x03 \x03(\x0b\x32\x12.pdspec.v1.KVEvent\x12\x17\n\x0fregistration_id\x18\x04 \x01(\t\"\'\n\x11HeartbeatResponse\x12\x12\n\nregistered\x18\x01 \x01(\x08\"l\n\x0ePrefillRequest\x12\x12\n\nrequest_id\x18\x01 \x01(\t\x12\x18\n\x10prompt_token_ids\x18\x02 \x03(\x05\x12,\n\x08sampling\x18\x03 \x01(\x0b\x32\x1a.pdspec.v1.SamplingOptions\"\xc7\x01\n\rDecodeRequest\x12\x12\n\nrequest_id\x18\x01 \x01(\t\x12\x18\n\x10prompt_token_ids\x18\x02 \x03(\x05\x12,\n\x08sampling\x18\x03 \x01(\x0b\x32\x1a.pdspec.v1.SamplingOptions\x12\x32\n\x0bspeculation\x18\x04 \x01(\x0b\x32\x1d.pdspec.v1.SpeculationOptions\x12&\n\tprefilled\x18\x05 \x01(\x0b\x32\x13.pdspec.v1.KVHandle\"\x94\x01\n\x0e\x44\x65\x63odeResponse\x12\x11\n\ttoken_ids\x18\x01 \x03(\x05\x12\x0c\n\x04text\x18\x02 \x01(\t\x12\x15\n\rfinish_reason\x18\x03 \x01(\t\x12\x1f\n\x05usage\x18\x04 \x01(\x0b\x32\x10.pdspec.v1.Usage\x12)\n\nacceptance\x18\x05 \x01(\x0b\x32\x15.pdspec.v1.Acceptance2\xe2\x01\n\x08Registry\x12\x43\n\x08Register\x12\x1a.pdspec.v1.RegisterRequest\x1a\x1b.pdspec.v1.RegisterResponse\x12\x46\n\tHeartbeat\x12\x1b.pdspec.v1.HeartbeatRequest\x1a\x1c.pdspec.v1.HeartbeatResponse\x12I\n\nDeregister\x12\x1c.pdspec.v1.DeregisterRequest\x1a\x1d.pdspec.v1.DeregisterResponse2J\n\rPrefillWorker\x12\x39\n\x07Prefill\x12\x19.pdspec.v1.PrefillRequest\x1a\x13.pdspec.v1.KVHandle2\x8b\x01\n\x0c\x44\x65\x63odeWorker\x12?\n\x06\x44\x65\x63ode\x12\x18.pdspec.v1.DecodeRequest\x1a\x19.pdspec.v1.DecodeResponse0\x01\x12:\n\x05\x41\x62ort\x12\x17.pdspec.v1.AbortRequest\x1a\x18.pdspec.v1.AbortResponseb\x06proto3')
+DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n\x1cproto/pdspec/v1/worker.proto\x12\tpdspec.v1\x1a\x1cproto/pdspec/v1/common.proto\x1a\x18proto/pdspec/v1/kv.proto\"P\n\x11\x44\x65registerRequest\x12\x11\n\tworker_id\x18\x01 \x01(\t\x12\x0f\n\x07\x61\x64\x64ress\x18\x02 \x01(\t\x12\x17\n\x0fregistration_id\x18\x03 \x01(\t\"#\n\x12\x44\x65registerResponse\x12\r\n\x05\x66ound\x18\x01 \x01(\x08\"\xfa\x01\n\x0fRegisterRequest\x12\x11\n\tworker_id\x18\x01 \x01(\t\x12\x0c\n\x04role\x18\x02 \x01(\t\x12\x0f\n\x07\x61\x64\x64ress\x18\x03 \x01(\t\x12#\n\x06layout\x18\x04 \x01(\x0b\x32\x13.pdspec.v1.KVLayout\x12\x14\n\x0ctotal_blocks\x18\x05 \x01(\x05\x12\x15\n\rmax_model_len\x18\x06 \x01(\x05\x12\x1b\n\x13\x63\x61\x63hed_block_hashes\x18\x07 \x03(\x04\x12\x17\n\x0fmetrics_address\x18\x08 \x01(\t\x12\x14\n\x0cmax_num_seqs\x18\t \x01(\x05\x12\x17\n\x0fregistration_id\x18\n \x01(\t\"1\n\x10RegisterResponse\x12\x1d\n\x15heartbeat_interval_ms\x18\x01 \x01(\x05\"m\n\x04Load\x12\x15\n\ractive_blocks\x18\x01 \x01(\x05\x12\x14\n\x0ctotal_blocks\x18\x02 \x01(\x05\x12\x0f\n\x07running\x18\x03 \x01(\x05\x12\x0f\n\x07waiting\x18\x04 \x01(\x05\x12\x16\n\x0ewaiting_blocks\x18\x05 \x01(\x05\"\x9e\x01\n\x10HeartbeatRequest\x12\x11\n\tworker_id\x18\x01 \x01(\t\x12\x1d\n\x04load\x18\x02 \x01(\x0b\x32\x0f.pdspec.v1.Load\x12\"\n\x06\x65vents\x18\x03 \x03(\x0b\x32\x12.pdspec.v1.KVEvent\x12\x17\n\x0fregistration_id\x18\x04 \x01(\t\x12\x1b\n\x13\x61rrived_request_ids\x18\x05 \x03(\t\"\'\n\x11HeartbeatResponse\x12\x12\n\nregistered\x18\x01 \x01(\x08\"l\n\x0ePrefillRequest\x12\x12\n\nrequest_id\x18\x01 \x01(\t\x12\x18\n\x10prompt_token_ids\x18\x02 \x03(\x05\x12,\n\x08sampling\x18\x03 \x01(\x0b\x32\x1a.pdspec.v1.SamplingOptions\"\xc7\x01\n\rDecodeRequest\x12\x12\n\nrequest_id\x18\x01 \x01(\t\x12\x18\n\x10prompt_token_ids\x18\x02 \x03(\x05\x12,\n\x08sampling\x18\x03 \x01(\x0b\x32\x1a.pdspec.v1.SamplingOptions\x12\x32\n\x0bspeculation\x18\x04 \x01(\x0b\x32\x1d.pdspec.v1.SpeculationOptions\x12&\n\tprefilled\x18\x05 \x01(\x0b\x32\x13.pdspec.v1.KVHandle\"\x94\x01\n\x0e\x44\x65\x63odeResponse\x12\x11\n\ttoken_ids\x18\x01 \x03(\x05\x12\x0c\n\x04text\x18\x02 \x01(\t\x12\x15\n\rfinish_reason\x18\x03 \x01(\t\x12\x1f\n\x05usage\x18\x04 \x01(\x0b\x32\x10.pdspec.v1.Usage\x12)\n\nacceptance\x18\x05 \x01(\x0b\x32\x15.pdspec.v1.Acceptance2\xe2\x01\n\x08Registry\x12\x43\n\x08Register\x12\x1a.pdspec.v1.RegisterRequest\x1a\x1b.pdspec.v1.RegisterResponse\x12\x46\n\tHeartbeat\x12\x1b.pdspec.v1.HeartbeatRequest\x1a\x1c.pdspec.v1.HeartbeatResponse\x12I\n\nDeregister\x12\x1c.pdspec.v1.DeregisterRequest\x1a\x1d.pdspec.v1.DeregisterResponse2J\n\rPrefillWorker\x12\x39\n\x07Prefill\x12\x19.pdspec.v1.PrefillRequest\x1a\x13.pdspec.v1.KVHandle2\x8b\x01\n\x0c\x44\x65\x63odeWorker\x12?\n\x06\x44\x65\x63ode\x12\x18.pdspec.v1.DecodeRequest\x1a\x19.pdspec.v1.DecodeResponse0\x01\x12:\n\x05\x41\x62ort\x12\x17.pdspec.v1.AbortRequest\x1a\x18.pdspec.v1.AbortResponseb\x06proto3')
 
 _globals = globals()
 _builder.BuildMessageAndEnumDescriptors(DESCRIPTOR, _globals)
@@ -44,19 +44,19 @@ if not _descriptor._USE_C_DESCRIPTORS:
   _globals['_LOAD']._serialized_start=522
   _globals['_LOAD']._serialized_end=631
   _globals['_HEARTBEATREQUEST']._serialized_start=634
-  _globals['_HEARTBEATREQUEST']._serialized_end=763
-  _globals['_HEARTBEATRESPONSE']._serialized_start=765
-  _globals['_HEARTBEATRESPONSE']._serialized_end=804
-  _globals['_PREFILLREQUEST']._serialized_start=806
-  _globals['_PREFILLREQUEST']._serialized_end=914
-  _globals['_DECODEREQUEST']._serialized_start=917
-  _globals['_DECODEREQUEST']._serialized_end=1116
-  _globals['_DECODERESPONSE']._serialized_start=1119
-  _globals['_DECODERESPONSE']._serialized_end=1267
-  _globals['_REGISTRY']._serialized_start=1270
-  _globals['_REGISTRY']._serialized_end=1496
-  _globals['_PREFILLWORKER']._serialized_start=1498
-  _globals['_PREFILLWORKER']._serialized_end=1572
-  _globals['_DECODEWORKER']._serialized_start=1575
-  _globals['_DECODEWORKER']._serialized_end=1714
+  _globals['_HEARTBEATREQUEST']._serialized_end=792
+  _globals['_HEARTBEATRESPONSE']._serialized_start=794
+  _globals['_HEARTBEATRESPONSE']._serialized_end=833
+  _globals['_PREFILLREQUEST']._serialized_start=835
+  _globals['_PREFILLREQUEST']._serialized_end=943
+  _globals['_DECODEREQUEST']._serialized_start=946
+  _globals['_DECODEREQUEST']._serialized_end=1145
+  _globals['_DECODERESPONSE']._serialized_start=1148
+  _globals['_DECODERESPONSE']._serialized_end=1296
+  _globals['_REGISTRY']._serialized_start=1299
+  _globals['_REGISTRY']._serialized_end=1525
+  _globals['_PREFILLWORKER']._serialized_start=1527
+  _globals['_PREFILLWORKER']._serialized_end=1601
+  _globals['_DECODEWORKER']._serialized_start=1604
+  _globals['_DECODEWORKER']._serialized_end=1743
 # @@protoc_insertion_point(module_scope)

@@ -69,16 +69,18 @@ class Load(_message.Message):
     def __init__(self, active_blocks: _Optional[int] = ..., total_blocks: _Optional[int] = ..., running: _Optional[int] = ..., waiting: _Optional[int] = ..., waiting_blocks: _Optional[int] = ...) -> None: ...
 
 class HeartbeatRequest(_message.Message):
-    __slots__ = ("worker_id", "load", "events", "registration_id")
+    __slots__ = ("worker_id", "load", "events", "registration_id", "arrived_request_ids")
     WORKER_ID_FIELD_NUMBER: _ClassVar[int]
     LOAD_FIELD_NUMBER: _ClassVar[int]
     EVENTS_FIELD_NUMBER: _ClassVar[int]
     REGISTRATION_ID_FIELD_NUMBER: _ClassVar[int]
+    ARRIVED_REQUEST_IDS_FIELD_NUMBER: _ClassVar[int]
     worker_id: str
     load: Load
     events: _containers.RepeatedCompositeFieldContainer[_kv_pb2.KVEvent]
     registration_id: str
-    def __init__(self, worker_id: _Optional[str] = ..., load: _Optional[_Union[Load, _Mapping]] = ..., events: _Optional[_Iterable[_Union[_kv_pb2.KVEvent, _Mapping]]] = ..., registration_id: _Optional[str] = ...) -> None: ...
+    arrived_request_ids: _containers.RepeatedScalarFieldContainer[str]
+    def __init__(self, worker_id: _Optional[str] = ..., load: _Optional[_Union[Load, _Mapping]] = ..., events: _Optional[_Iterable[_Union[_kv_pb2.KVEvent, _Mapping]]] = ..., registration_id: _Optional[str] = ..., arrived_request_ids: _Optional[_Iterable[str]] = ...) -> None: ...
 
 class HeartbeatResponse(_message.Message):
     __slots__ = ("registered",)
