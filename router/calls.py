@@ -71,10 +71,13 @@ class Run:
 
 class Peers:
     """One channel per worker address, shared by all requests (gRPC multiplexes calls on it), and
-    a new one once the certificate files change (a channel presents the certificate it was opened with).
+    a new one once the certificate files change (a channel presents the certificate it was opened
+    with) or a worker registers there (see `unreachable`). Each on a connection of its own: gRPC
+    otherwise shares one per address, and with it the backoff after a failure.
 
     Never closed: closing cancels in-flight calls, and a worker evicted for a late heartbeat may
-    still be serving some; an idle channel costs little."""
+    still be serving some; an idle channel costs little (and one replaced, dropped, closes once
+    its last call ends)."""
 
     def __init__(self, token: str | None, tls: Tls | None) -> None:
         self._token, self._tls = token, tls
@@ -83,17 +86,20 @@ class Peers:
 
     def unreachable(self, address: str) -> str:
         """Why calls to `address` cannot get there, or "": a health check that is answered at all
-        (even UNIMPLEMENTED) shows the way is open. On a connection of its own: the kept one may
-        still be backing off after a process that served there before died."""
+        (even UNIMPLEMENTED) shows the way is open, and its fresh channel becomes the address's.
+        The kept one may still be backing off after a process that served there before died: the
+        check would fail, and so would the first calls to a worker restarted there."""
         with self._lock:
             self._tls = current(self._tls)
-            fresh = rpc.channel(address, self._token, self._tls, own_connection=True)
-        with fresh:
-            try:
-                health_pb2_grpc.HealthStub(fresh).Check(health_pb2.HealthCheckRequest(), timeout=_REACH_TIMEOUT_S)
-            except grpc.RpcError as e:
-                if e.code() in (grpc.StatusCode.UNAVAILABLE, grpc.StatusCode.DEADLINE_EXCEEDED):
-                    return f"its health check: {e.code().name}: {e.details()}"
+            tls, fresh = self._tls, self._open(address)
+        try:
+            health_pb2_grpc.HealthStub(fresh).Check(health_pb2.HealthCheckRequest(), timeout=_REACH_TIMEOUT_S)
+        except grpc.RpcError as e:
+            if e.code() in (grpc.StatusCode.UNAVAILABLE, grpc.StatusCode.DEADLINE_EXCEEDED):
+                fresh.close()
+                return f"its health check: {e.code().name}: {e.details()}"
+        with self._lock:
+            self._channels[address] = (tls, fresh)
         return ""
 
     def channel(self, address: str) -> grpc.Channel:
@@ -101,8 +107,12 @@ class Peers:
             self._tls = current(self._tls)
             opened = self._channels.get(address)
             if opened is None or opened[0] is not self._tls:
-                opened = self._channels[address] = (self._tls, rpc.channel(address, self._token, self._tls))
+                opened = self._channels[address] = (self._tls, self._open(address))
             return opened[1]
+
+    def _open(self, address: str) -> grpc.Channel:
+        """With the lock held, self._tls current."""
+        return rpc.channel(address, self._token, self._tls, own_connection=True)
 
 
 class CallSlots:

@@ -163,18 +163,26 @@ def test_a_worker_the_router_cannot_reach_is_refused_at_registration(router):
     assert not router_pb2_grpc.RouterStub(internal).ListWorkers(router_pb2.ListWorkersRequest(), timeout=10).workers
 
 
-def test_a_worker_restarted_at_its_address_registers_again_at_once(router):
-    """The router's kept channel to a worker that died backs off before it dials again; the check
-    of a worker restarted at that address must not take the backoff for unreachability."""
+class _OneTokenWorker(worker_pb2_grpc.DecodeWorkerServicer):
+    def Decode(self, request, context):
+        yield worker_pb2.DecodeResponse(token_ids=[42], text="x", finish_reason="length")
+
+
+def test_a_worker_restarted_at_its_address_registers_and_serves_at_once(router):
+    """The router's kept channel to a worker that died backs off before it dials again: neither the
+    check of a worker restarted at that address nor its first request may take the backoff for
+    unreachability (the request failed, and the worker was evicted)."""
     stub, registry, _, _ = router
     with listening() as [address]:
         registry.Register(registration("agg", address), timeout=10)
     rpc_error(lambda: list(stub.Generate(HELLO, timeout=10)))  # the calls to the dead worker fail
-    restarted = grpc.server(futures.ThreadPoolExecutor(max_workers=1))
+    restarted = grpc.server(futures.ThreadPoolExecutor(max_workers=2))
+    worker_pb2_grpc.add_DecodeWorkerServicer_to_server(_OneTokenWorker(), restarted)
     restarted.add_insecure_port(address)
     restarted.start()
     try:
         registry.Register(registration("agg", address), timeout=10)
+        assert [r.text for r in stub.Generate(HELLO, timeout=10)] == ["x"]
     finally:
         restarted.stop(0)
 
