@@ -127,6 +127,7 @@ class _Source:
     forgotten: bool = False
     last_used: float = 0.0
     uncancelled_read: bool = False
+    removal_refused: bool = False  # NIXL refused to drop it: left loaded, not asked again while forgotten
 
 
 class NixlConnector(BaseConnector):
@@ -247,7 +248,7 @@ class NixlConnector(BaseConnector):
                 raise KVTransferError(f"NIXL could not load the agent of {address}: {e}", retryable=True) from None
         with self._lock:
             # a forgotten one still loaded: taken up again
-            source.forgotten, source.regions, source.address = False, regions, address
+            source.forgotten, source.removal_refused, source.regions, source.address = False, False, regions, address
             self._agents[source.name] = source
             old = self._sources.get(address)
             if old is not None and old is not source:  # the address's earlier agent (its source restarted)
@@ -267,7 +268,8 @@ class NixlConnector(BaseConnector):
                 self._memory.agent.remove_remote_agent(source.nixl_name)
                 del self._agents[source.name]
             except NIXL_ERRORS as e:
-                log.warning("NIXL could not drop the agent of %s: %s", address, e)
+                source.removal_refused = True
+                log.warning("NIXL could not drop the agent of %s (left loaded): %s", address, e)
 
     def _forget_unless_busy(self, address: str, source: _Source) -> None:
         """_forget, unless another pull holds the address's lock (fetching metadata, which may take
@@ -289,7 +291,8 @@ class NixlConnector(BaseConnector):
         now = time.monotonic()
         with self._lock:
             unused = [s for s in self._sources.values() if idle(s, now)]
-            unused += [s for s in self._agents.values() if s.forgotten and not s.users and not s.uncancelled_read]
+            unused += [s for s in self._agents.values()
+                       if s.forgotten and not s.users and not s.uncancelled_read and not s.removal_refused]
         for source in unused:
             lock = self._address_lock(source.address)
             if not lock.acquire(blocking=False):  # a pull is fetching the address's agent: it takes it up or replaces it

@@ -210,7 +210,25 @@ def _stuck_reads():
         yield
 
 
-_FAULTS = {None: contextlib.nullcontext, "unstoppable": _unstoppable_reads, "stuck": _stuck_reads}
+_REFUSED_REMOVALS: list[str] = []  # the agents NIXL was asked to drop under "refused-removal"
+
+
+@contextlib.contextmanager
+def _refused_removals():
+    """Faults on purpose: NIXL refuses to drop any remote agent (each request is counted)."""
+    from nixl_cu12._api import nixl_agent
+    from kvtransfer.nixl_backend import nixl_bindings
+
+    def refusing_remove(agent, name):
+        _REFUSED_REMOVALS.append(name)
+        raise nixl_bindings.nixlBackendError("injected: the agent is busy")
+
+    with mock.patch.object(nixl_agent, "remove_remote_agent", refusing_remove):
+        yield
+
+
+_FAULTS = {None: contextlib.nullcontext, "unstoppable": _unstoppable_reads, "stuck": _stuck_reads,
+           "refused-removal": _refused_removals}
 
 
 def _serve_destination(conn) -> None:
@@ -271,6 +289,8 @@ def _serve_destination(conn) -> None:
                 for t in threads:
                     t.join()
                 conn.send(errors)
+            elif command == "refused-removals":
+                conn.send(len(_REFUSED_REMOVALS))
             elif command == "caches":
                 conn.send({name: t.view(torch.uint8).numpy().copy() for name, t in local(args[0]).items()})
             elif command == "reset":  # in place: the NIXL connectors registered these tensors
@@ -290,8 +310,13 @@ class DestinationProcess(_Child):
     def start_pull(self, backend: str, handle: kv_pb2.KVHandle, remote: list[int] = REMOTE,
                    local: list[int] = LOCAL, layout: KVLayout = LAYOUT, token: str = TOKEN,
                    fault: str | None = None) -> None:
-        """`fault` (NIXL): "unstoppable" READs fail and cannot be cancelled, "stuck" ones never end."""
+        """`fault` (NIXL): "unstoppable" READs fail and cannot be cancelled, "stuck" ones never end,
+        under "refused-removal" no agent is dropped (`refused_removals` counts the requests)."""
         self._conn.send(("pull", backend, layout, token, handle.SerializeToString(), remote, local, fault))
+
+    def refused_removals(self) -> int:
+        self._conn.send(("refused-removals",))
+        return self._recv()
 
     def result(self) -> KVTransferError | None:
         """How the started pull ended: None when it succeeded."""

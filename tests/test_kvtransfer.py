@@ -219,6 +219,20 @@ def test_a_nixl_read_that_cannot_be_cancelled_says_its_blocks_may_still_be_writt
     source.wait_released(handle.request_id)  # the pin still went back
 
 
+def test_an_agent_nixl_refuses_to_drop_is_not_asked_again_at_every_pull(doomed_source, source, dest):
+    """A READ from a source that died forgets its agent; NIXL refusing to drop it left it to the
+    idle sweep, which asked again (and warned) as every later pull started."""
+    assert dest.pull("nixl", doomed_source.pin("warm")) is None  # its agent loaded
+    handle = doomed_source.pin("doomed")
+    doomed_source.kill()
+    refused = dest.refused_removals()
+    assert dest.pull_error("nixl", handle, fault="refused-removal").retryable
+    assert dest.refused_removals() == refused + 1
+    for i in range(3):
+        assert dest.pull("nixl", source.pin(f"later-{i}"), fault="refused-removal") is None
+    assert dest.refused_removals() == refused + 1
+
+
 def test_a_closing_connector_keeps_the_memory_an_uncancelled_read_may_write(source):
     """The READ's pull ended long before (its blocks retired): closing the connector must still not
     deregister the memory that READ may write into (undefined behaviour in UCX)."""
