@@ -28,8 +28,8 @@ from nixl_cu12 import _bindings as nixl_bindings
 from nixl_cu12._api import nixl_agent, nixl_agent_config, nixl_xfer_handle
 
 from engine.kv_layout import KVLayout
-from kvtransfer.connector import (BaseConnector, Cancellation, KVTransferError, check_layout, idle, remaining,
-                                  rpc_failure)
+from kvtransfer.connector import (SOURCE_IDLE_S, BaseConnector, Cancellation, KVTransferError, check_layout, idle,
+                                  remaining, rpc_failure)
 from kvtransfer.layout import layout_to_proto
 from proto.pdspec.v1 import kv_pb2, kv_pb2_grpc
 from proto.tls import Tls
@@ -127,7 +127,7 @@ class _Source:
     forgotten: bool = False
     last_used: float = 0.0
     uncancelled_read: bool = False
-    removal_refused: bool = False  # NIXL refused to drop it: left loaded, not asked again while forgotten
+    removal_refused: bool = False  # NIXL refused to drop it: left loaded, asked again once idle anew
 
 
 class NixlConnector(BaseConnector):
@@ -268,8 +268,9 @@ class NixlConnector(BaseConnector):
                 self._memory.agent.remove_remote_agent(source.nixl_name)
                 del self._agents[source.name]
             except NIXL_ERRORS as e:
-                source.removal_refused = True
-                log.warning("NIXL could not drop the agent of %s (left loaded): %s", address, e)
+                source.removal_refused, source.last_used = True, time.monotonic()
+                log.warning("NIXL could not drop the agent of %s (left loaded, asked again in %.0f s): %s",
+                            address, SOURCE_IDLE_S, e)
 
     def _forget_unless_busy(self, address: str, source: _Source) -> None:
         """_forget, unless another pull holds the address's lock (fetching metadata, which may take
@@ -291,8 +292,8 @@ class NixlConnector(BaseConnector):
         now = time.monotonic()
         with self._lock:
             unused = [s for s in self._sources.values() if idle(s, now)]
-            unused += [s for s in self._agents.values()
-                       if s.forgotten and not s.users and not s.uncancelled_read and not s.removal_refused]
+            unused += [s for s in self._agents.values() if s.forgotten and not s.users and not s.uncancelled_read
+                       and (not s.removal_refused or idle(s, now))]
         for source in unused:
             lock = self._address_lock(source.address)
             if not lock.acquire(blocking=False):  # a pull is fetching the address's agent: it takes it up or replaces it

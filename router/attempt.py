@@ -34,7 +34,7 @@ class WorkerFailed(Exception):
 class Plan:
     prefill: WorkerView | None  # None: an aggregated worker prefills and decodes
     decode: WorkerView
-    blocks: int  # the prompt's: counted into both workers' loads until their heartbeats do
+    blocks: int  # the prompt's: counted into its workers' loads until their heartbeats do
 
     def worker_ids(self) -> set[str]:
         return {self.decode.worker_id} | ({self.prefill.worker_id} if self.prefill else set())

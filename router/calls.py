@@ -99,7 +99,8 @@ class Peers:
                 fresh.close()
                 return f"its health check: {e.code().name}: {e.details()}"
         with self._lock:
-            self._channels[address] = (tls, fresh)
+            if self._tls is tls:  # else the identity was renewed meanwhile: channel() opens anew
+                self._channels[address] = (tls, fresh)
         return ""
 
     def channel(self, address: str) -> grpc.Channel:

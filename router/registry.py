@@ -39,9 +39,9 @@ class WorkerView:
     worker_id: str
     role: str
     address: str
-    active_blocks: int  # last heartbeat's (used, and what queued requests fill), plus blocks routed here since
+    active_blocks: int  # last heartbeat's (used, and what queued requests fill), plus routed requests' it does not count
     total_blocks: int
-    running: int  # likewise plus requests routed here since the last heartbeat
+    running: int  # likewise plus those requests
     waiting: int
     cached_blocks: int
     seconds_since_heartbeat: float
@@ -55,8 +55,9 @@ class _Worker:
     last_seen: float
     load: worker_pb2.Load
     # Requests routed here that its load does not count yet (request id -> the prompt's blocks):
-    # each until a heartbeat names it among its arrivals, or its attempt fails. A decode request
-    # waits here for as long as its prompt's prefill runs elsewhere.
+    # each until a heartbeat names it among its arrivals, or its attempt fails, or at the latest
+    # until it ends (a worker that never names any, of an older version, is counted no longer).
+    # A decode request waits here for as long as its prompt's prefill runs elsewhere.
     pending: dict[str, int] = field(default_factory=dict)
 
 
@@ -96,7 +97,13 @@ class Registry:
             if others:
                 _check_layout(request.layout, others[0])
             load = worker_pb2.Load(total_blocks=request.total_blocks)
-            self._workers[request.worker_id] = _Worker(request, self._clock(), load)
+            worker = _Worker(request, self._clock(), load)
+            earlier = self._workers.get(request.worker_id)
+            if earlier is not None and earlier.registration.address == request.address:
+                # Registered again (e.g. after a lost heartbeat): requests still on their way to it
+                # count as before; any that reached a process restarted here end, and are dropped then.
+                worker.pending = earlier.pending
+            self._workers[request.worker_id] = worker
             self._index.clear(request.worker_id)  # the snapshot replaces whatever we knew
             self._index.store(request.worker_id, request.cached_block_hashes)
         self._changed()
@@ -174,9 +181,9 @@ class Registry:
                 if (worker := self._workers.get(worker_id)) is not None:
                     worker.pending[request_id] = blocks
 
-    def note_unreached(self, worker_ids: Iterable[str], request_id: str) -> None:
-        """The request's attempt failed: what these workers may still hold of it, their loads
-        count (a heartbeat naming it later finds nothing to drop); stop counting it here."""
+    def forget_routed(self, worker_ids: Iterable[str], request_id: str) -> None:
+        """Stop counting the request here: its attempt failed (what these workers may still hold
+        of it, their loads count), or it ended."""
         with self._lock:
             for worker_id in worker_ids:
                 if (worker := self._workers.get(worker_id)) is not None:

@@ -185,7 +185,10 @@ class RouterServicer(router_pb2_grpc.RouterServicer):
                     suspects.add(e.worker.worker_id)
                 failure = e
                 continue
-            yield from self._relay(req, plan, first, rest, run, context)
+            try:
+                yield from self._relay(req, plan, first, rest, run, context)
+            finally:
+                self._registry.forget_routed(plan.worker_ids(), run.key)
             return
         self._give_up(req, failure, attempts, context)
 
@@ -219,8 +222,8 @@ class RouterServicer(router_pb2_grpc.RouterServicer):
                 self._release(plan.prefill, run.key, handle.pin_id if handle else "", wait=retry_may_reuse)
             raise
         finally:
-            if not arrived:  # on success, each worker's next heartbeat takes over counting it
-                self._registry.note_unreached(plan.worker_ids(), run.key)
+            if not arrived:  # on success, the heartbeats naming it take over counting it
+                self._registry.forget_routed(plan.worker_ids(), run.key)
 
     def _release(self, worker: WorkerView, request_id: str, pin_id: str, wait: bool) -> None:
         """`pin_id`: the handle's (empty: the prefill's answer was lost, so whichever pin it made)."""

@@ -302,7 +302,7 @@ def test_the_loop_names_each_request_it_took_once_for_the_next_heartbeat(prompts
     loop = EngineLoop(Engine(EngineConfig(num_kv_blocks=64, max_num_seqs=2)))
     params = SamplingParams(max_tokens=8)
     try:
-        loop.submit("added", prompts[0], params)
+        loop.submit("added", prompts[0], SamplingParams(max_tokens=512, ignore_eos=True))  # runs throughout
         deadline = time.monotonic() + 60
         while loop.take_over("taken", prompts[1], params) is None and time.monotonic() < deadline:
             loop.wait_step(0.2)  # until "added" runs (nobody waiting)

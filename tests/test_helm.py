@@ -142,8 +142,10 @@ def run_config_check(docs: list[dict], tmp_path: Path) -> subprocess.CompletedPr
     args = [arg.replace(mount["mountPath"], str(tmp_path)) for arg in container["args"]]
     no_torch = tmp_path / "no_torch"
     no_torch.mkdir()
-    (no_torch / "torch.py").write_text("raise ImportError('the config check imported torch')\n")
-    env = {**os.environ, "PYTHONPATH": os.pathsep.join([str(no_torch), str(ROOT)])}
+    # Not an ImportError: an import of torch guarded by `except ImportError` must fail the check too.
+    (no_torch / "torch.py").write_text("raise SystemExit('the config check imported torch')\n")
+    env = {**os.environ, "PYTHONPATH": os.pathsep.join(filter(None, [str(no_torch), str(ROOT),
+                                                                      os.environ.get("PYTHONPATH")]))}
     return subprocess.run([sys.executable, "-m", "deploy.cli", *args], capture_output=True, text=True, cwd=ROOT, env=env)
 
 

@@ -221,7 +221,8 @@ def test_a_nixl_read_that_cannot_be_cancelled_says_its_blocks_may_still_be_writt
 
 def test_an_agent_nixl_refuses_to_drop_is_not_asked_again_at_every_pull(doomed_source, source, dest):
     """A READ from a source that died forgets its agent; NIXL refusing to drop it left it to the
-    idle sweep, which asked again (and warned) as every later pull started."""
+    idle sweep, which asked again (and warned) as every later pull started: now once it has been
+    idle SOURCE_IDLE_S more."""
     assert dest.pull("nixl", doomed_source.pin("warm")) is None  # its agent loaded
     handle = doomed_source.pin("doomed")
     doomed_source.kill()

@@ -160,7 +160,7 @@ def test_a_routed_request_counts_once_until_its_workers_heartbeat_names_it(clust
     """The router counts a request it routed until the worker's load does: a heartbeat sent before
     the worker had the request (a long prompt's prefill elsewhere takes seconds) does not count it,
     one after it does, and names it; counted by both, it made its worker look busier than it was."""
-    registry, _, _ = cluster
+    registry, w, _ = cluster
 
     def load() -> tuple[int, int]:
         view = {v.worker_id: v for v in registry.workers()}["a"]
@@ -174,16 +174,24 @@ def test_a_routed_request_counts_once_until_its_workers_heartbeat_names_it(clust
     assert load() == (1, 5)
     heartbeat(0, 0, [])  # before r1 reached it
     assert load() == (1, 5)
-    heartbeat(1, 5, ["r1"])  # its load counts r1 now (e.g. taken over, its KV still on the way)
+    heartbeat(1, 5, ["r1"])  # its load counts r1 now
     assert load() == (1, 5)
     heartbeat(1, 6, [])
     assert load() == (1, 6)
     registry.note_routed(["a"], "r2", 3)
-    registry.note_unreached(["a"], "r2")  # its attempt failed before it reached the worker
+    registry.forget_routed(["a"], "r2")  # its attempt failed before it reached the worker
     heartbeat(1, 6, ["r2"])  # a late report of a request the attempt gave up on: nothing to drop
     assert load() == (1, 6)
-    registry.note_unreached(["gone"], "r1")  # a worker evicted meanwhile
-    assert {v.worker_id: v.running for v in registry.workers()}["b"] == 1  # b's heartbeats have not named r1
+    registry.forget_routed(["gone"], "r1")  # a worker evicted meanwhile
+
+    def running_on_b() -> int:  # b's heartbeats have not named r1
+        return {v.worker_id: v.running for v in registry.workers()}["b"]
+
+    assert running_on_b() == 1
+    registry.register(w["b"].registration())  # registered again (after a lost heartbeat): r1 still counts
+    assert running_on_b() == 1
+    registry.forget_routed(["a", "b"], "r1")  # it ended, never named by b (a worker of an older version)
+    assert running_on_b() == 0
 
 
 @pytest.mark.parametrize("change, code, field", [
