@@ -111,6 +111,13 @@ class Peers:
                 opened = self._channels[address] = (self._tls, self._open(address))
             return opened[1]
 
+    def keep_only(self, addresses: set[str]) -> None:
+        """Drop the channels to every other address (their calls in flight run on); a later call
+        there opens a new one."""
+        with self._lock:
+            for address in self._channels.keys() - addresses:
+                del self._channels[address]
+
     def _open(self, address: str) -> grpc.Channel:
         """With the lock held, self._tls current."""
         return rpc.channel(address, self._token, self._tls, own_connection=True)

@@ -99,7 +99,8 @@ def run_router(rc: RouterConfig, token: str | None, model_dir: Path, model_name:
                               gates=[api_keys.gate(public, metrics.refusal("grpc"))] if api_keys else [], tls=tls,
                               client_auth=False, max_receive_bytes=MAX_REQUEST_BYTES)
         undo.pop_all()
-    threading.Thread(target=_evict_until_stopped, args=(server, registry, rc), name="router-evict", daemon=True).start()
+    threading.Thread(target=_evict_until_stopped, args=(server, registry, router, rc), name="router-evict",
+                     daemon=True).start()
     log.info("router serving on %s:%d, registry on port %d (policy %s, cluster token %s, API keys %s, TLS %s)",
              rc.host, bound, internal_bound, rc.policy, "set" if token else "NOT set: internal services are open",
              rc.api_key_file or "off: the API is open", "on" if tls else "off")
@@ -112,8 +113,9 @@ def _status(ready: bool) -> int:
     return health_pb2.HealthCheckResponse.SERVING if ready else health_pb2.HealthCheckResponse.NOT_SERVING
 
 
-def _evict_until_stopped(server: grpc.Server, registry: Registry, config: RouterConfig) -> None:
+def _evict_until_stopped(server: grpc.Server, registry: Registry, router: RouterServicer, config: RouterConfig) -> None:
     # wait_for_termination returns True when it timed out, False once the server has stopped.
     while server.wait_for_termination(timeout=config.heartbeat_interval_s):
         for worker_id in registry.evict_stale(config.heartbeat_timeout_s):
             log.warning("evicted worker %s: no heartbeat for %.1fs", worker_id, config.heartbeat_timeout_s)
+        router.drop_unregistered_channels()

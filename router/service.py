@@ -323,6 +323,10 @@ class RouterServicer(router_pb2_grpc.RouterServicer):
         """Why this router's calls to a worker at `address` cannot get there, or ""."""
         return self._peers.unreachable(address)
 
+    def drop_unregistered_channels(self) -> None:
+        """Workers come and go at new addresses (a pod's IP is its own): keep channels to the registered only."""
+        self._peers.keep_only({w.address for w in self._registry.workers()})
+
     def _probe(self, worker: WorkerView) -> None:
         """A call to `worker` failed: check its health now, and if that fails too (or answers
         NOT_SERVING: its engine is in trouble), stop routing to it at once (rather than when its

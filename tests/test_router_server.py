@@ -17,6 +17,7 @@ from grpc_health.v1 import health_pb2, health_pb2_grpc
 from grpc_reflection.v1alpha import reflection_pb2, reflection_pb2_grpc
 
 from deploy.config import DeploymentConfig
+from router.calls import Peers
 from router.config import RouterConfig
 from proto.pdspec.v1 import common_pb2, kv_pb2, router_pb2, router_pb2_grpc, worker_pb2, worker_pb2_grpc
 from proto.rpc import channel
@@ -185,6 +186,17 @@ def test_a_worker_restarted_at_its_address_registers_and_serves_at_once(router):
         assert [r.text for r in stub.Generate(HELLO, timeout=10)] == ["x"]
     finally:
         restarted.stop(0)
+
+
+def test_the_router_keeps_channels_to_registered_addresses_only():
+    """Each worker's channel holds its own connection, and pods come back at new addresses: the
+    channels to addresses no worker holds are let go (the eviction loop asks once an interval)."""
+    peers = Peers(None, None)
+    with listening(2) as (registered, gone):
+        assert peers.unreachable(registered) == ""
+        checked, dropped = peers.channel(registered), peers.channel(gone)
+        peers.keep_only({registered})
+        assert peers.channel(registered) is checked and peers.channel(gone) is not dropped
 
 
 def test_failed_workers_are_retried_elsewhere_then_named(router):
