@@ -71,5 +71,7 @@ def make_policy(config: RouterConfig, rng: random.Random | None = None) -> Prefi
 
 
 def least_loaded(workers: Sequence[WorkerView]) -> WorkerView:
-    """The decode (or aggregated) worker with the emptiest KV pool, then the fewest running requests."""
-    return min(workers, key=lambda w: (w.active_blocks / max(w.total_blocks, 1), w.running, w.worker_id))
+    """The decode (or aggregated) worker with the emptiest KV pool, then the fewest requests it holds:
+    running, or waiting (queued, or taken over with their KV still arriving, which a decode
+    worker's heartbeats report as waiting)."""
+    return min(workers, key=lambda w: (w.active_blocks / max(w.total_blocks, 1), w.running + w.waiting, w.worker_id))

@@ -9,9 +9,9 @@ from router.policy import KVPolicy, RandomPolicy, RoundRobinPolicy, least_loaded
 from router.registry import Registry, WorkerView
 
 
-def view(worker_id: str, active: int = 0, total: int = 100, running: int = 0) -> WorkerView:
+def view(worker_id: str, active: int = 0, total: int = 100, running: int = 0, waiting: int = 0) -> WorkerView:
     return WorkerView(worker_id=worker_id, role="prefill", address=f"{worker_id}:1", active_blocks=active,
-                      total_blocks=total, running=running, waiting=0, cached_blocks=0, seconds_since_heartbeat=0.0,
+                      total_blocks=total, running=running, waiting=waiting, cached_blocks=0, seconds_since_heartbeat=0.0,
                       metrics_address="", registration_id="")
 
 
@@ -61,6 +61,8 @@ def test_make_policy_follows_the_config():
 def test_decode_choice_is_the_emptiest_pool_then_fewest_running():
     assert least_loaded([view("a", active=50, total=100), view("b", active=60, total=200)]).worker_id == "b"
     assert least_loaded([view("a", active=10, running=3), view("b", active=10, running=2)]).worker_id == "b"
+    # a request whose KV is still arriving is reported waiting: it holds its worker too
+    assert least_loaded([view("a", active=10, running=1, waiting=1), view("b", active=10, running=1)]).worker_id == "b"
 
 
 def _two_prefill_workers() -> Registry:
