@@ -170,7 +170,13 @@ def two_nodes():
     before = {p.pid for p in psutil.Process().children(recursive=True)}
     cluster = Cluster(initialize_head=True, head_node_args={
         "node_ip_address": "127.0.0.1", "num_cpus": 2, "resources": {"prefill_node": 1}, "include_dashboard": False})
-    cluster.add_node(node_ip_address="127.0.0.1", num_cpus=2, resources={"decode_node": 1})
+    try:
+        cluster.add_node(wait=False, node_ip_address="127.0.0.1", num_cpus=2, resources={"decode_node": 1})
+        # Ray's own wait gives a raylet 30 s to register: on two busy cores a CI run once took longer.
+        cluster.wait_for_nodes(timeout=120)
+    except BaseException:
+        cluster.shutdown()
+        raise
     yield cluster
     processes = _children_since(before)
     cluster.shutdown()
