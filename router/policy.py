@@ -21,7 +21,8 @@ class PrefillPolicy(Protocol):
 
 
 class KVPolicy:
-    """cost(w) = overlap_weight * blocks w must prefill + w's active blocks; the cheapest wins.
+    """cost(w) = overlap_weight * blocks w must prefill + w's active blocks; the cheapest wins (at
+    equal cost, the one holding fewer requests, running or queued).
 
     With temperature > 0, sample from softmax(-normalized cost / temperature) instead, so equal-ish
     workers share the traffic rather than one of them taking every burst.
@@ -39,7 +40,7 @@ class KVPolicy:
     def choose(self, workers: Sequence[WorkerView], overlaps: Mapping[str, int], request_blocks: int) -> WorkerView:
         costs = [self.cost(w, overlaps, request_blocks) for w in workers]
         if self.temperature == 0:
-            return min(zip(costs, workers), key=lambda cw: (cw[0], cw[1].running, cw[1].worker_id))[1]
+            return min(zip(costs, workers), key=lambda cw: (cw[0], cw[1].running + cw[1].waiting, cw[1].worker_id))[1]
         # Min-max normalization (as Dynamo does) makes the temperature independent of request size.
         low, span = min(costs), max(costs) - min(costs)
         weights = [math.exp(-(c - low) / span / self.temperature) if span else 1.0 for c in costs]

@@ -28,9 +28,11 @@ def test_load_outweighs_overlap_unless_overlap_is_weighted_up():
     assert KVPolicy(overlap_weight=10.0, temperature=0.0).choose(workers, overlaps, 12).worker_id == "busy"  # 70 < 120
 
 
-def test_equal_costs_go_to_fewer_running_then_lower_id():
+def test_equal_costs_go_to_fewer_requests_then_lower_id():
     policy = KVPolicy(overlap_weight=1.0, temperature=0.0)
     assert policy.choose([view("a", running=2), view("b", running=1), view("c", running=1)], {}, 4).worker_id == "b"
+    # queued requests hold a prefill worker as running ones do
+    assert policy.choose([view("a", waiting=2), view("b", running=1)], {}, 4).worker_id == "b"
 
 
 def test_positive_temperature_samples_favouring_the_cheapest():
