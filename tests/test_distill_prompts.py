@@ -3,6 +3,9 @@ is added; model-written questions are taken from quotes and kept away from held-
 
 from pathlib import Path
 
+import pytest
+
+from tools.eagle3_training import model_prompts
 from tools.prompts import read_prompts
 from tools.eagle3_training.model_prompts import _words, first_question, overlaps
 from tools.eagle3_training.synthetic_prompts import synthetic_prompts
@@ -32,3 +35,28 @@ def test_questions_close_to_a_held_out_prompt_are_dropped():
     assert overlaps("How does a refrigerator keep food fresh?", HELD_OUT)  # "Explain how a refrigerator keeps food cold."
     assert overlaps("What is the difference between machine learning and AI?", HELD_OUT)
     assert not overlaps("What is the best way to prepare a homemade lasagna?", HELD_OUT)
+
+
+def test_an_interrupted_run_goes_on_from_its_progress_file(tmp_path, monkeypatch):
+    """The target's questions, asked in batches: stopped after its first batch and run again, a run
+    asks only the batches after it, and ends with what an uninterrupted run gives."""
+    whole = model_prompts.model_prompts(3, seed=5, batch_size=4)
+    asked, answers = [], model_prompts._answers
+
+    def stopping_after_one_batch(engine, asks):
+        if asked:
+            raise KeyboardInterrupt  # the fault: a run stopped between batches
+        asked.append(asks)
+        return answers(engine, asks)
+
+    progress = tmp_path / "prompts.jsonl.progress"
+    monkeypatch.setattr(model_prompts, "_answers", stopping_after_one_batch)
+    with pytest.raises(KeyboardInterrupt):
+        model_prompts.model_prompts(3, seed=5, batch_size=4, progress_file=progress)
+    with progress.open("a") as f:
+        f.write('{"found": ["cut')  # and a line cut by the interruption, as a kill mid-write leaves it
+    monkeypatch.setattr(model_prompts, "_answers", lambda engine, asks: asked.append(asks) or answers(engine, asks))
+    assert model_prompts.model_prompts(3, seed=5, batch_size=4, progress_file=progress) == whole
+    assert len(asked) > 1 and asked[1] != asked[0]  # it went on with the second batch: the first was not asked again
+    with pytest.raises(ValueError, match="seed"):
+        model_prompts.model_prompts(3, seed=6, batch_size=4, progress_file=progress)

@@ -6,11 +6,16 @@ The target is asked for a question about a topic, sampled at temperature 0.7 / t
 answers quote a question; the first quoted one is kept. Duplicates are dropped, and so is any
 question whose words overlap a held-out evaluation prompt's by half or more.
 
+Each batch's finds go to FILE.progress as the batch ends; run again with the same arguments after
+an interruption, and it starts where the progress file stopped (with the result an uninterrupted
+run gives), then replaces the progress file with FILE, whole.
+
     python -m tools.eagle3_training.model_prompts --out FILE [--count N] [--seed S] [--batch-size B]
 """
 
 import argparse
 import json
+import os
 import random
 import re
 from pathlib import Path
@@ -54,29 +59,85 @@ def overlaps(question: str, held_out: list[set[str]]) -> bool:
     return any(len(words & h) >= max(1, 0.5 * min(len(words), len(h))) for h in held_out)
 
 
-def model_prompts(count: int, seed: int = 0, batch_size: int = 48, target: str | None = None) -> list[str]:
+def model_prompts(count: int, seed: int = 0, batch_size: int = 48, target: str | None = None,
+                  progress_file: Path | None = None) -> list[str]:
+    """`count` questions the target writes. progress_file: each batch's finds are appended to it as
+    the batch ends, and a run given the file of an interrupted one (same seed, batch size and
+    target) goes on from there: the batches it holds are not asked again."""
     rng = random.Random(seed)
     topics = TOPICS + MORE_TOPICS + NEW_TOPICS
     held_out = [_words(p) for f in sorted(HELD_OUT.glob("*.jsonl")) for p in read_prompts(f)]
+    header = {"seed": seed, "batch_size": batch_size, "target": target}
+    done = _batches_done(progress_file, header) if progress_file else []
+    for _ in done:  # the random draws of the batches already run, so the next ones draw as they would have
+        _asks(rng, topics, batch_size)
+    found = dict.fromkeys(q for batch in done for q in batch)  # an insertion-ordered set
     engine = Engine(EngineConfig(model=target, max_num_seqs=batch_size, num_kv_blocks=batch_size * 8))
-    found: dict[str, None] = {}  # insertion-ordered set
-    progress = tqdm(total=count, desc="model-written prompts", unit="prompt")
+    progress = tqdm(total=count, initial=min(len(found), count), desc="model-written prompts", unit="prompt")
     while len(found) < count:
-        ids = [engine.add_request(
-            engine.tokenizer.encode_chat([{"role": "user", "content": rng.choice(ASKS).format(t=rng.choice(topics))}]),
-            SamplingParams(max_tokens=64, temperature=0.7, top_p=0.9, seed=rng.randrange(2**31)))
-            for _ in range(batch_size)]
-        answers = {i: [] for i in ids}
-        while engine.has_unfinished():
-            for out in engine.step():
-                answers[out.request_id].extend(out.token_ids)
-        for i in ids:
-            question = first_question(engine.tokenizer.decode(answers[i]))
+        new = []
+        for answer in _answers(engine, _asks(rng, topics, batch_size)):
+            question = first_question(answer)
             if question and question not in found and not overlaps(question, held_out) and len(found) < count:
                 found[question] = None
+                new.append(question)
                 progress.update(1)
+        if progress_file:
+            _append_durably(progress_file, header if not done else None, new)
+            done.append(new)
     progress.close()
     return list(found)
+
+
+def _asks(rng: random.Random, topics: list[str], n: int) -> list[tuple[str, int]]:
+    """n requests for a question: their text and sampling seed."""
+    return [(rng.choice(ASKS).format(t=rng.choice(topics)), rng.randrange(2**31)) for _ in range(n)]
+
+
+def _answers(engine: Engine, asks: list[tuple[str, int]]) -> list[str]:
+    """The target's answer to each ask, sampled with its seed (the same answer in any run)."""
+    ids = [engine.add_request(engine.tokenizer.encode_chat([{"role": "user", "content": text}]),
+                              SamplingParams(max_tokens=64, temperature=0.7, top_p=0.9, seed=ask_seed))
+           for text, ask_seed in asks]
+    answers: dict[str, list[int]] = {i: [] for i in ids}
+    while engine.has_unfinished():
+        for out in engine.step():
+            answers[out.request_id].extend(out.token_ids)
+    return [engine.tokenizer.decode(answers[i]) for i in ids]
+
+
+def _batches_done(path: Path, header: dict) -> list[list[str]]:
+    """The finds of each batch the progress file holds (none if there is none). A line cut by an
+    interruption is dropped from the file, and its batch runs again."""
+    lines = path.read_text().splitlines() if path.exists() else []
+    try:
+        first = json.loads(lines[0])["header"] if lines else None
+    except (json.JSONDecodeError, KeyError):
+        first = None  # the very first write was cut
+    if first is None:
+        path.unlink(missing_ok=True)
+        return []
+    if first != header:
+        raise ValueError(f"{path}: written by a run with {first}, not {header}; "
+                         "give the same --seed and --batch-size, or delete it to start again")
+    batches = []
+    for line in lines[1:]:
+        try:
+            batches.append(json.loads(line)["found"])
+        except (json.JSONDecodeError, KeyError):
+            write_text_durably(path, "".join(line + "\n" for line in lines[: 1 + len(batches)]))
+            break
+    return batches
+
+
+def _append_durably(path: Path, header: dict | None, found: list[str]) -> None:
+    """One batch's finds (after the header, for the first) on disk before the next batch starts."""
+    with path.open("a") as f:
+        if header is not None:
+            f.write(json.dumps({"header": header}) + "\n")
+        f.write(json.dumps({"found": found}) + "\n")
+        f.flush()
+        os.fsync(f.fileno())
 
 
 if __name__ == "__main__":
@@ -86,6 +147,9 @@ if __name__ == "__main__":
     ap.add_argument("--seed", type=int, default=0)
     ap.add_argument("--batch-size", type=int, default=48)
     args = ap.parse_args()
+    progress_file = args.out.with_name(args.out.name + ".progress")
+    prompts = model_prompts(args.count, args.seed, args.batch_size, progress_file=progress_file)
     # Whole or not at all: the recipes skip a file that is there.
     write_text_durably(args.out, "".join(json.dumps({"source": "synthetic/model-written", "prompt": p}) + "\n"
-                                         for p in model_prompts(args.count, args.seed, args.batch_size)))
+                                         for p in prompts))
+    progress_file.unlink()

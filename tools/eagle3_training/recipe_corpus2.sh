@@ -2,7 +2,7 @@
 # Corpus part 2 (issue 18: >= 20M answer tokens of the target's own answers; part 1,
 # recipe_corpus.sh, holds 6.2M), then a head trained from scratch on both parts. Part 1 used 20,000
 # of the 23,808 templated prompts there are, so part 2 is mostly prompts the target writes itself:
-# 30,000 (ten resumable files of 3,000; duplicates and part 1's prompts dropped), half of them
+# 30,000 (ten files of 3,000, each resumable batch by batch; duplicates and part 1's prompts dropped), half of them
 # followed by a second turn; plus two more turns after each of part 1's single-turn prompts (their
 # first answers repeat part 1's; each such conversation adds two new answers). Estimated ~80K new
 # answers (~13M answer tokens at part 1's 162 an answer; fewer, a follow-up being asked only after
