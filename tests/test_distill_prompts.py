@@ -1,6 +1,7 @@
 """Distillation prompts: the templated tiers never repeat a prompt and keep their order when a tier
 is added; model-written questions are taken from quotes and kept away from held-out prompts."""
 
+import json
 from pathlib import Path
 
 import pytest
@@ -58,5 +59,16 @@ def test_an_interrupted_run_goes_on_from_its_progress_file(tmp_path, monkeypatch
     monkeypatch.setattr(model_prompts, "_answers", lambda engine, asks: asked.append(asks) or answers(engine, asks))
     assert model_prompts.model_prompts(3, seed=5, batch_size=4, progress_file=progress) == whole
     assert len(asked) > 1 and asked[1] != asked[0]  # it went on with the second batch: the first was not asked again
+
+
+def test_a_progress_file_drops_a_cut_line_and_refuses_other_arguments(tmp_path):
+    header = {"seed": 5, "batch_size": 4, "target": None}
+    progress = tmp_path / "prompts.jsonl.progress"
+    first = json.dumps({"header": header}) + "\n" + json.dumps({"found": ["Why?"]}) + "\n"
+    progress.write_text(first + '{"found": ["Ho')
+    assert model_prompts._batches_done(progress, header) == [["Why?"]]
+    assert progress.read_text() == first  # the next batch's line goes after the last whole one
     with pytest.raises(ValueError, match="seed"):
-        model_prompts.model_prompts(3, seed=6, batch_size=4, progress_file=progress)
+        model_prompts._batches_done(progress, header | {"seed": 6})
+    progress.write_text(json.dumps({"header": header}) + '\n{"fou')  # no batch whole: started again, header first
+    assert model_prompts._batches_done(progress, header) == [] and not progress.exists()

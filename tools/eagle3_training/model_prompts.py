@@ -108,25 +108,23 @@ def _answers(engine: Engine, asks: list[tuple[str, int]]) -> list[str]:
 
 def _batches_done(path: Path, header: dict) -> list[list[str]]:
     """The finds of each batch the progress file holds (none if there is none). A line cut by an
-    interruption is dropped from the file, and its batch runs again."""
+    interruption is dropped from the file (the file too if no batch is left: the next batch's
+    write starts it again, header first), and its batch runs again."""
     lines = path.read_text().splitlines() if path.exists() else []
-    try:
-        first = json.loads(lines[0])["header"] if lines else None
-    except (json.JSONDecodeError, KeyError):
-        first = None  # the very first write was cut
-    if first is None:
-        path.unlink(missing_ok=True)
-        return []
-    if first != header:
-        raise ValueError(f"{path}: written by a run with {first}, not {header}; "
-                         "give the same --seed and --batch-size, or delete it to start again")
-    batches = []
-    for line in lines[1:]:
+    parsed = []
+    for line in lines:
         try:
-            batches.append(json.loads(line)["found"])
-        except (json.JSONDecodeError, KeyError):
-            write_text_durably(path, "".join(line + "\n" for line in lines[: 1 + len(batches)]))
+            parsed.append(json.loads(line))
+        except json.JSONDecodeError:
             break
+    if parsed and parsed[0].get("header") != header:
+        raise ValueError(f"{path}: written by a run with {parsed[0].get('header')}, not {header}; "
+                         "give the same --seed and --batch-size, or delete it to start again")
+    batches = [row["found"] for row in parsed[1:]]
+    if not batches:
+        path.unlink(missing_ok=True)
+    elif len(parsed) < len(lines):
+        write_text_durably(path, "".join(kept + "\n" for kept in lines[: len(parsed)]))
     return batches
 
 
