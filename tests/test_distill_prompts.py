@@ -54,21 +54,26 @@ def test_an_interrupted_run_goes_on_from_its_progress_file(tmp_path, monkeypatch
     monkeypatch.setattr(model_prompts, "_answers", stopping_after_one_batch)
     with pytest.raises(KeyboardInterrupt):
         model_prompts.model_prompts(3, seed=5, batch_size=4, progress_file=progress)
+    assert 1 <= len(json.loads(progress.read_text().splitlines()[1])["found"]) < 3  # a find kept, more to come
     with progress.open("a") as f:
         f.write('{"found": ["cut')  # and a line cut by the interruption, as a kill mid-write leaves it
     monkeypatch.setattr(model_prompts, "_answers", lambda engine, asks: asked.append(asks) or answers(engine, asks))
     assert model_prompts.model_prompts(3, seed=5, batch_size=4, progress_file=progress) == whole
     assert len(asked) > 1 and asked[1] != asked[0]  # it went on with the second batch: the first was not asked again
+    rows = [json.loads(line) for line in progress.read_text().splitlines()]
+    assert "header" in rows[0] and all("found" in row for row in rows[1:]) and len(rows) == 1 + len(asked)
 
 
 def test_a_progress_file_drops_a_cut_line_and_refuses_other_arguments(tmp_path):
-    header = {"seed": 5, "batch_size": 4, "target": None}
+    header = {"count": 3, "seed": 5, "batch_size": 4, "target": None, "inputs": "0123"}
     progress = tmp_path / "prompts.jsonl.progress"
     first = json.dumps({"header": header}) + "\n" + json.dumps({"found": ["Why?"]}) + "\n"
-    progress.write_text(first + '{"found": ["Ho')
-    assert model_prompts._batches_done(progress, header) == [["Why?"]]
-    assert progress.read_text() == first  # the next batch's line goes after the last whole one
-    with pytest.raises(ValueError, match="seed"):
-        model_prompts._batches_done(progress, header | {"seed": 6})
+    for cut in ('{"found": ["Ho', '{"found": ["How?"]}'):  # the second parses, but its line never ended
+        progress.write_text(first + cut)
+        assert model_prompts._batches_done(progress, header) == [["Why?"]]
+        assert progress.read_text() == first  # the next batch's line goes after the last whole one
+    for other in ({"seed": 6}, {"count": 4}, {"inputs": "4567"}):
+        with pytest.raises(ValueError, match=f"{next(iter(other))}': {next(iter(other.values()))!r}"):
+            model_prompts._batches_done(progress, header | other)
     progress.write_text(json.dumps({"header": header}) + '\n{"fou')  # no batch whole: started again, header first
     assert model_prompts._batches_done(progress, header) == [] and not progress.exists()

@@ -14,6 +14,7 @@ run gives), then replaces the progress file with FILE, whole.
 """
 
 import argparse
+import hashlib
 import json
 import os
 import random
@@ -34,6 +35,7 @@ ASKS = [
     "Write a request that a user might send to a helpful assistant about {t}. Reply with the request only.",
     "Give an example of a question someone could ask about {t}. Reply with the question only.",
 ]
+ALL_TOPICS = TOPICS + MORE_TOPICS + NEW_TOPICS
 HELD_OUT = Path(__file__).resolve().parents[2] / "bench" / "prompts"
 QUOTED = re.compile(r'"([^"\n]{12,200}\?)"')
 
@@ -62,21 +64,22 @@ def overlaps(question: str, held_out: list[set[str]]) -> bool:
 def model_prompts(count: int, seed: int = 0, batch_size: int = 48, target: str | None = None,
                   progress_file: Path | None = None) -> list[str]:
     """`count` questions the target writes. progress_file: each batch's finds are appended to it as
-    the batch ends, and a run given the file of an interrupted one (same seed, batch size and
-    target) goes on from there: the batches it holds are not asked again."""
+    the batch ends, and a run given the file of an interrupted one (same arguments, asks, topics and
+    held-out prompts) goes on from there: the batches it holds are not asked again. (Its result is
+    an uninterrupted run's where the engine computes a prompt's rows alike with or without its
+    prefix cached, as the CPU kernels do; elsewhere later batches may differ, still valid prompts.)"""
     rng = random.Random(seed)
-    topics = TOPICS + MORE_TOPICS + NEW_TOPICS
-    held_out = [_words(p) for f in sorted(HELD_OUT.glob("*.jsonl")) for p in read_prompts(f)]
-    header = {"seed": seed, "batch_size": batch_size, "target": target}
+    held_out = [_words(p) for p in _held_out_prompts()]
+    header = progress_header(count, seed, batch_size, target)
     done = _batches_done(progress_file, header) if progress_file else []
     for _ in done:  # the random draws of the batches already run, so the next ones draw as they would have
-        _asks(rng, topics, batch_size)
+        _asks(rng, ALL_TOPICS, batch_size)
     found = dict.fromkeys(q for batch in done for q in batch)  # an insertion-ordered set
     engine = Engine(EngineConfig(model=target, max_num_seqs=batch_size, num_kv_blocks=batch_size * 8))
     progress = tqdm(total=count, initial=min(len(found), count), desc="model-written prompts", unit="prompt")
     while len(found) < count:
         new = []
-        for answer in _answers(engine, _asks(rng, topics, batch_size)):
+        for answer in _answers(engine, _asks(rng, ALL_TOPICS, batch_size)):
             question = first_question(answer)
             if question and question not in found and not overlaps(question, held_out) and len(found) < count:
                 found[question] = None
@@ -87,6 +90,18 @@ def model_prompts(count: int, seed: int = 0, batch_size: int = 48, target: str |
             done.append(new)
     progress.close()
     return list(found)
+
+
+def progress_header(count: int, seed: int, batch_size: int, target: str | None) -> dict:
+    """What a progress file's batches were drawn with: a run's arguments, and a digest of the asks,
+    topics and held-out prompts (a resume after they changed would mix two runs' draws)."""
+    inputs = [ASKS, ALL_TOPICS, _held_out_prompts()]
+    digest = hashlib.sha256(json.dumps(inputs).encode()).hexdigest()[:16]
+    return {"count": count, "seed": seed, "batch_size": batch_size, "target": target, "inputs": digest}
+
+
+def _held_out_prompts() -> list[str]:
+    return [p for f in sorted(HELD_OUT.glob("*.jsonl")) for p in read_prompts(f)]
 
 
 def _asks(rng: random.Random, topics: list[str], n: int) -> list[tuple[str, int]]:
@@ -110,7 +125,10 @@ def _batches_done(path: Path, header: dict) -> list[list[str]]:
     """The finds of each batch the progress file holds (none if there is none). A line cut by an
     interruption is dropped from the file (the file too if no batch is left: the next batch's
     write starts it again, header first), and its batch runs again."""
-    lines = path.read_text().splitlines() if path.exists() else []
+    text = path.read_text() if path.exists() else ""
+    lines = text.splitlines()
+    if lines and not text.endswith("\n"):  # its last line was cut, though what is left may parse
+        lines.pop()
     parsed = []
     for line in lines:
         try:
@@ -119,11 +137,11 @@ def _batches_done(path: Path, header: dict) -> list[list[str]]:
             break
     if parsed and parsed[0].get("header") != header:
         raise ValueError(f"{path}: written by a run with {parsed[0].get('header')}, not {header}; "
-                         "give the same --seed and --batch-size, or delete it to start again")
+                         "give the same --count, --seed and --batch-size, or delete it to start again")
     batches = [row["found"] for row in parsed[1:]]
     if not batches:
         path.unlink(missing_ok=True)
-    elif len(parsed) < len(lines):
+    elif len(parsed) < len(text.splitlines()):
         write_text_durably(path, "".join(kept + "\n" for kept in lines[: len(parsed)]))
     return batches
 
@@ -150,4 +168,4 @@ if __name__ == "__main__":
     # Whole or not at all: the recipes skip a file that is there.
     write_text_durably(args.out, "".join(json.dumps({"source": "synthetic/model-written", "prompt": p}) + "\n"
                                          for p in prompts))
-    progress_file.unlink()
+    progress_file.unlink(missing_ok=True)  # (none when nothing was asked: --count 0)
