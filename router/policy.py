@@ -40,7 +40,7 @@ class KVPolicy:
     def choose(self, workers: Sequence[WorkerView], overlaps: Mapping[str, int], request_blocks: int) -> WorkerView:
         costs = [self.cost(w, overlaps, request_blocks) for w in workers]
         if self.temperature == 0:
-            return min(zip(costs, workers), key=lambda cw: (cw[0], cw[1].running + cw[1].waiting, cw[1].worker_id))[1]
+            return min(zip(costs, workers), key=lambda cw: (cw[0], cw[1].requests, cw[1].worker_id))[1]
         # Min-max normalization (as Dynamo does) makes the temperature independent of request size.
         low, span = min(costs), max(costs) - min(costs)
         weights = [math.exp(-(c - low) / span / self.temperature) if span else 1.0 for c in costs]
@@ -72,7 +72,5 @@ def make_policy(config: RouterConfig, rng: random.Random | None = None) -> Prefi
 
 
 def least_loaded(workers: Sequence[WorkerView]) -> WorkerView:
-    """The decode (or aggregated) worker with the emptiest KV pool, then the fewest requests it holds:
-    running, or waiting (queued, or taken over with their KV still arriving, which a decode
-    worker's heartbeats report as waiting)."""
-    return min(workers, key=lambda w: (w.active_blocks / max(w.total_blocks, 1), w.running + w.waiting, w.worker_id))
+    """The decode (or aggregated) worker with the emptiest KV pool, then the fewest requests it holds."""
+    return min(workers, key=lambda w: (w.active_blocks / max(w.total_blocks, 1), w.requests, w.worker_id))

@@ -48,6 +48,12 @@ class WorkerView:
     metrics_address: str
     registration_id: str  # which registration routing saw: a probe's eviction spares a newer one
 
+    @property
+    def requests(self) -> int:
+        """The requests it holds: running, or waiting (queued, or taken over with their KV still
+        arriving, which a decode worker's heartbeats report as waiting)."""
+        return self.running + self.waiting
+
 
 @dataclass
 class _Worker:

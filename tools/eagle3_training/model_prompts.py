@@ -69,8 +69,9 @@ def model_prompts(count: int, seed: int = 0, batch_size: int = 48, target: str |
     an uninterrupted run's where the engine computes a prompt's rows alike with or without its
     prefix cached, as the CPU kernels do; elsewhere later batches may differ, still valid prompts.)"""
     rng = random.Random(seed)
-    held_out = [_words(p) for p in _held_out_prompts()]
-    header = progress_header(count, seed, batch_size, target)
+    held_out_prompts = [p for f in sorted(HELD_OUT.glob("*.jsonl")) for p in read_prompts(f)]
+    held_out = [_words(p) for p in held_out_prompts]
+    header = _progress_header(count, seed, batch_size, target, held_out_prompts)
     done = _batches_done(progress_file, header) if progress_file else []
     for _ in done:  # the random draws of the batches already run, so the next ones draw as they would have
         _asks(rng, ALL_TOPICS, batch_size)
@@ -92,16 +93,12 @@ def model_prompts(count: int, seed: int = 0, batch_size: int = 48, target: str |
     return list(found)
 
 
-def progress_header(count: int, seed: int, batch_size: int, target: str | None) -> dict:
+def _progress_header(count: int, seed: int, batch_size: int, target: str | None, held_out: list[str]) -> dict:
     """What a progress file's batches were drawn with: a run's arguments, and a digest of the asks,
     topics and held-out prompts (a resume after they changed would mix two runs' draws)."""
-    inputs = [ASKS, ALL_TOPICS, _held_out_prompts()]
+    inputs = [ASKS, ALL_TOPICS, held_out]
     digest = hashlib.sha256(json.dumps(inputs).encode()).hexdigest()[:16]
     return {"count": count, "seed": seed, "batch_size": batch_size, "target": target, "inputs": digest}
-
-
-def _held_out_prompts() -> list[str]:
-    return [p for f in sorted(HELD_OUT.glob("*.jsonl")) for p in read_prompts(f)]
 
 
 def _asks(rng: random.Random, topics: list[str], n: int) -> list[tuple[str, int]]:
