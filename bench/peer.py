@@ -57,6 +57,17 @@ MIN_ANSWER = 16  # shorter answers give an answer-only ms/token from too few ste
 LLAMA_CTX = 2048
 
 
+def llama_ubatch() -> int | None:
+    """llama.cpp's micro-batch for the prompt: one token on a CPU with AMX, else its default (None).
+    With AMX, llama-cpp-python 0.3.36 repacks the weights for its AMX kernels, whose multi-row
+    path faults at `ldtilecfg` (a tile config on the stack the compiler leaves half-written:
+    llama.cpp issue 20824, pull 26954) on the first prompt of two or more tokens; its one-row path
+    (VNNI over the same repacked weights) is its fastest decode there (2.1x its default buffers on
+    a Sapphire Rapids host), so the prompt goes in one token at a time: decode, the part timed, is
+    one row a step either way."""
+    return 1 if "amx_int8" in cpu_kernels.cpu_flags() else None
+
+
 def paired_speedup(base_ms: list[float], run_ms: list[float], resamples: int = 2000) -> dict[str, object]:
     """The run's speed over the base's, prompt by prompt: the geometric mean of base_ms / run_ms and
     the 2.5th and 97.5th percentiles of it over the prompts resampled with replacement."""
@@ -67,12 +78,13 @@ def paired_speedup(base_ms: list[float], run_ms: list[float], resamples: int = 2
             "ci95": [round(math.exp(means[int(0.025 * resamples)]), 3), round(math.exp(means[int(0.975 * resamples) - 1]), 3)]}
 
 
-def _llama_worker(conn, gguf: str, threads: int) -> None:
+def _llama_worker(conn, gguf: str, threads: int, ubatch: int | None) -> None:
     """llama.cpp in its own process: token ids in, per-token timestamps out."""
     from llama_cpp import Llama
 
+    batching = {"n_batch": ubatch, "n_ubatch": ubatch} if ubatch else {}
     llm = Llama(model_path=gguf, n_threads=threads, n_threads_batch=threads, n_ctx=LLAMA_CTX, flash_attn=True,
-                verbose=False)
+                verbose=False, **batching)
     conn.send("ready")
     while (job := conn.recv()) is not None:
         tokens, n = job
@@ -86,10 +98,10 @@ def _llama_worker(conn, gguf: str, threads: int) -> None:
 
 
 class LlamaCpp:
-    def __init__(self, gguf: Path, threads: int):
+    def __init__(self, gguf: Path, threads: int, ubatch: int | None):
         ctx = mp.get_context("spawn")
         self.conn, child = ctx.Pipe()
-        self.proc = ctx.Process(target=_llama_worker, args=(child, str(gguf), threads), daemon=True)
+        self.proc = ctx.Process(target=_llama_worker, args=(child, str(gguf), threads, ubatch), daemon=True)
         self.proc.start()
         if self.conn.recv() != "ready":
             raise RuntimeError("llama.cpp did not start")
@@ -162,7 +174,7 @@ def main() -> None:
     eagle = Engine(EngineConfig(**common, speculative=spec)) if with_eagle else None
     chats = [plain.tokenizer.encode_chat([{"role": "user", "content": q}]) for q in questions]
     prompts = chats[: args.prompts]
-    peer = LlamaCpp(gguf, args.threads)
+    peer = LlamaCpp(gguf, args.threads, llama_ubatch())
     runs = {
         "llama.cpp": lambda t: peer.stamps(t, args.new_tokens),
         "pdspec": lambda t: _engine_stamps(plain, t, args.new_tokens),
@@ -198,7 +210,7 @@ def main() -> None:
         "kv_cache_dtype": plain.runner.cache_dtype,
         "ms_per_token": {name: round(v, 2) for name, v in median.items()},
         "per_prompt_ms": {name: [round(x, 2) for x in v] for name, v in ms.items()},
-        "llama_cpp": {"flash_attn": True, "n_ctx": LLAMA_CTX, "version": importlib.metadata.version("llama_cpp_python")},
+        "llama_cpp": {"flash_attn": True, "n_ctx": LLAMA_CTX, "n_ubatch": llama_ubatch() or "default", "version": importlib.metadata.version("llama_cpp_python")},
         "speedup_vs_llama_cpp": {name: round(median["llama.cpp"] / v, 2) for name, v in median.items()},
         "speedup_vs_llama_cpp_paired": {name: paired_speedup(ms["llama.cpp"], v) for name, v in ms.items()
                                         if name != "llama.cpp"},

@@ -57,13 +57,17 @@ def _cpu_signature() -> str:
     return flags
 
 
+def cpu_flags() -> set[str]:
+    """The CPU's feature flags as /proc/cpuinfo names them (empty where it lists none)."""
+    return set(_cpu_signature().split()) if platform.machine().lower() in ("x86_64", "amd64") else set()
+
+
 @functools.cache
 def supported_isas() -> tuple[str, ...]:
     """The ISA levels this CPU runs, best first ('portable' everywhere)."""
     if platform.machine().lower() not in ("x86_64", "amd64"):
         return ("portable",)
-    flags = set(_cpu_signature().split())
-    return tuple(isa for isa in ISA_LEVELS if _ISA_CPU_FLAGS[isa] <= flags)
+    return tuple(isa for isa in ISA_LEVELS if _ISA_CPU_FLAGS[isa] <= cpu_flags())
 
 
 def selected_isa() -> str:
