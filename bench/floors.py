@@ -5,6 +5,10 @@ figures (and a speed goal) against.
 Measured (2 threads unless noted):
 - DRAM reads: a plain stream (torch summing 512 MB), and the KV cache's pieces as attention
   reads them (bench.attention's read floor, `--context` positions of 16 sequences);
+- the weights' reads: the same stream over a buffer of the model's weight bytes, read again and
+  again as the steps read the weights. Where the last-level cache holds most of them (a Xeon
+  with ~100 MB of L3 and the embedded model's 96 MB) that is ~2x DRAM's rate, and a floor priced
+  at DRAM's stands above what the engine measures; elsewhere the two agree;
 - the threads' vector units, running together, from a C probe (bench/probe.c) built with the
   kernels' compiler and the ISA flags of the kernels in use: int8 multiply-adds (what the
   quantized GEMMs are made of) and fp32 FMA lanes (attention), in independent chains (two vCPUs
@@ -12,7 +16,7 @@ Measured (2 threads unless noted):
 - an OpenMP region's and a barrier's cost (the kernels open ~5 regions a layer).
 For the model (default the embedded one), per step of B sequences of S query tokens each over
 C cached positions:
-  memory  = weight bytes / stream rate + B x C x KV bytes per position / KV read rate
+  memory  = weight bytes / their stream rate + B x C x KV bytes per position / KV read rate
   compute = B x S x weight multiply-adds / (int8 rate, or the FMA rate for matrices the
             fp32 GEMM runs) + B x S x C x attention FMAs per position / FMA rate
   floor   = the larger (both overlapped perfectly; no norms, sampling or Python)
@@ -26,6 +30,7 @@ object, then a table.
 
 import argparse
 import json
+import statistics
 import subprocess
 import tempfile
 import time
@@ -53,13 +58,16 @@ def probe(isa: str, threads: int) -> dict[str, float]:
         return json.loads(subprocess.run([str(exe), str(threads)], check=True, capture_output=True, text=True).stdout)
 
 
-def stream_gb_s() -> float:
-    data = torch.ones(128 * 2**20)  # 512 MB
-    data.sum()
-    start, reps = time.perf_counter(), 5
-    for _ in range(reps):
+def stream_gb_s(nbytes: int = 2**29, reps: int = 9) -> float:
+    """torch summing a buffer of nbytes (default 512 MB: from DRAM), read again each rep: the
+    median rep (after two untimed: a cache that can hold the buffer fills in the first)."""
+    data = torch.ones(nbytes // 4)
+    times = []
+    for rep in range(reps + 2):
+        start = time.perf_counter()
         data.sum()
-    return data.numel() * 4 * reps / (time.perf_counter() - start) / 1e9
+        times.append(time.perf_counter() - start)
+    return data.numel() * 4 / statistics.median(times[2:]) / 1e9
 
 
 def model_costs(engine: Engine) -> dict[str, float]:
@@ -81,7 +89,7 @@ def model_costs(engine: Engine) -> dict[str, float]:
 
 def step_floor_ms(costs: dict, rates: dict, batch: int, span: int, context: int) -> dict[str, float]:
     rows = batch * span
-    memory = costs["weight_bytes"] / rates["stream_gb_s"] / 1e6 \
+    memory = costs["weight_bytes"] / rates["weights_gb_s"] / 1e6 \
         + batch * context * costs["kv_bytes_per_position"] / rates["kv_read_gb_s"] / 1e6
     fmas = costs["fp32_macs"] + context * costs["attention_fmas_per_position"]
     compute = rows * (costs["int8_macs"] / rates["int8_macs_per_ns"] + fmas / rates["fma_lanes_per_ns"]) / 1e6
@@ -106,7 +114,8 @@ def main() -> None:
     costs = model_costs(engine)
     read, read_bytes = read_floor(16, args.context, getattr(torch, engine.runner.cache_dtype))
     read_ms = alternated_median_ms({"read": read}, reps=15, warmup=3)["read"]
-    rates = {**probe(isa, args.threads), "stream_gb_s": stream_gb_s(), "kv_read_gb_s": read_bytes / read_ms / 1e6}
+    rates = {**probe(isa, args.threads), "stream_gb_s": stream_gb_s(),
+             "weights_gb_s": stream_gb_s(int(costs["weight_bytes"])), "kv_read_gb_s": read_bytes / read_ms / 1e6}
     one = step_floor_ms(costs, rates, 1, 1, args.context)["floor_ms"]
     steps = {}
     for b in args.batches:
@@ -120,7 +129,8 @@ def main() -> None:
                       "steps": {k: {n: round(v, 3) for n, v in s.items()} for k, s in steps.items()}}))
     print(f"{isa}, {args.threads} threads: int8 {rates['int8_macs_per_ns']:.0f} MAC/ns and fp32 "
           f"{rates['fma_lanes_per_ns']:.0f} FMA/ns together (one thread alone: "
-          f"{rates['int8_macs_per_ns_one_thread']:.0f} and {rates['fma_lanes_per_ns_one_thread']:.0f}); stream {rates['stream_gb_s']:.1f} GB/s, KV pieces "
+          f"{rates['int8_macs_per_ns_one_thread']:.0f} and {rates['fma_lanes_per_ns_one_thread']:.0f}); stream {rates['stream_gb_s']:.1f} GB/s (over the weights' {costs['weight_bytes'] / 1e6:.0f} MB: "
+          f"{rates['weights_gb_s']:.1f}), KV pieces "
           f"{rates['kv_read_gb_s']:.1f} GB/s; OpenMP region {rates['region_us']:.2f} us, barrier "
           f"{rates['barrier_us']:.2f} us")
     print(f"{'step':12}{'memory ms':>11}{'compute ms':>12}{'floor ms':>10}  at best: batch's speedup over batch 1, "
