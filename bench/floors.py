@@ -63,7 +63,7 @@ def stream_gb_s(nbytes: int = 2**29, reps: int = 9) -> float:
     median rep (after two untimed: a cache that can hold the buffer fills in the first)."""
     data = torch.ones(nbytes // 4)
     times = []
-    for rep in range(reps + 2):
+    for _ in range(reps + 2):
         start = time.perf_counter()
         data.sum()
         times.append(time.perf_counter() - start)
