@@ -301,20 +301,21 @@ def _start_local_ray(attempts: int = 3) -> None:
     """A new private single-machine Ray ("local": never one that `ray start` recorded; pdspec
     exports its own metrics, so no dashboard). Ray gives its raylet a fixed 30 s to register (not
     configurable), which a loaded 2-core host sometimes misses, twice in a row once in clean-clone
-    CI: that attempt's processes are killed, and Ray started again, up to `attempts` times."""
+    CI: that attempt's processes are killed, and Ray started again, up to `attempts` times. A start
+    that fails for good leaves nothing running either."""
     for attempt in range(1, attempts + 1):
         before = child_pids()
         try:
             ray.init(address="local", _node_ip_address="127.0.0.1", include_dashboard=False, namespace=NAMESPACE)
             return
         except Exception as e:  # Ray raises a bare Exception for a missed start-up
-            if "timed out during startup" not in str(e) or attempt == attempts:
-                raise
-            log.warning("Ray's local node missed its start-up window (%s); starting it again", e)
             ray.shutdown()
             for pid in child_pids() - before:  # the half-started GCS and raylet (theirs die with them)
                 with contextlib.suppress(ProcessLookupError):
                     os.kill(pid, signal.SIGKILL)
+            if "timed out during startup" not in str(e) or attempt == attempts:
+                raise
+            log.warning("Ray's local node missed its start-up window (%s); starting it again", e)
 
 
 def _deployed() -> list[str]:

@@ -100,6 +100,27 @@ def _children_since(before: set[int]) -> list[psutil.Process]:
     return [p for p in psutil.Process().children(recursive=True) if p.pid not in before]
 
 
+def test_a_local_ray_that_never_starts_leaves_nothing_running(monkeypatch):
+    """Every start misses its window (injected, each leaving a process behind as Ray's half-started
+    GCS and raylet are): the launcher gives up with Ray's error after its attempts, and kills the
+    last attempt's processes as it did the earlier ones'."""
+    import subprocess
+
+    from deploy import ray_launch
+
+    assert not ray.is_initialized()
+    started = []
+
+    def init(**kwargs):
+        started.append(subprocess.Popen(["sleep", "600"]))
+        raise Exception("The current node timed out during startup. This could happen because ...")
+
+    monkeypatch.setattr(ray, "init", init)
+    with pytest.raises(Exception, match="timed out during startup"):
+        ray_launch._start_local_ray(attempts=2)
+    assert [p.wait(timeout=10) for p in started] == [-9, -9]
+
+
 def test_a_local_ray_that_misses_its_start_up_window_is_started_again(monkeypatch):
     """Ray gives its raylet a fixed 30 s to register, which a loaded CI host missed now and then
     (the fault is injected here: the first start leaves a process behind, as Ray's half-started
