@@ -66,9 +66,10 @@ def _explicit_attention(q, layer_cache, meta, scale, visible):
 
 
 @pytest.mark.parametrize("isa", ISAS)
-# 48: an odd number of vectors a head with AVX-512 (a bf16 cache's last one unpaired)
+# 48: an odd number of vectors a head with AVX-512 (a bf16 cache's last one unpaired); blocks of 24:
+# partitions of 64 keys start mid-block
 @pytest.mark.parametrize("heads, kv_heads, dim, block_size", [(9, 3, 64, 16), (4, 4, 32, 8), (8, 2, 128, 16),
-                                                              (6, 2, 48, 16)])
+                                                              (6, 2, 48, 16), (9, 3, 64, 24)])
 @pytest.mark.parametrize("cache_dtype", [torch.float32, torch.bfloat16, torch.int8])
 def test_native_attention_matches_torch_path(isa, heads, kv_heads, dim, block_size, cache_dtype):
     # decodes, verification spans crossing blocks, a 16-token span, and two long prefill chunks
