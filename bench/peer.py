@@ -103,12 +103,21 @@ class LlamaCpp:
         self.conn, child = ctx.Pipe()
         self.proc = ctx.Process(target=_llama_worker, args=(child, str(gguf), threads, ubatch), daemon=True)
         self.proc.start()
-        if self.conn.recv() != "ready":
+        child.close()  # the child's end lives in the child alone: its death reads as EOF here
+        if self._receive() != "ready":
             raise RuntimeError("llama.cpp did not start")
 
     def stamps(self, tokens: list[int], n: int) -> list[float]:
         self.conn.send((tokens, n))
-        return self.conn.recv()
+        return self._receive()
+
+    def _receive(self):
+        try:
+            return self.conn.recv()
+        except EOFError:  # its process died (llama.cpp aborts or faults rather than raising)
+            self.proc.join(timeout=10)
+            raise SystemExit(f"llama.cpp's process died (exit code {self.proc.exitcode}: a negative one is the signal "
+                             "that killed it); run it alone to see why") from None
 
     def close(self) -> None:
         self.conn.send(None)
