@@ -25,6 +25,7 @@ shipped head on the embedded model, with --draft's head on another, and is skipp
 
 Needs llama-cpp-python (the `bench` extra) built for this CPU:
     CMAKE_ARGS=-DGGML_NATIVE=ON pip install llama-cpp-python==0.3.36   (8-15 min to build)
+On a CPU with AMX, llama.cpp takes each prompt one token at a time (see llama_ubatch).
 """
 
 import argparse
