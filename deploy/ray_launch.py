@@ -308,8 +308,9 @@ def _start_local_ray(attempts: int = 3) -> None:
         try:
             ray.init(address="local", _node_ip_address="127.0.0.1", include_dashboard=False, namespace=NAMESPACE)
             return
-        except Exception as e:  # Ray raises a bare Exception for a missed start-up
-            ray.shutdown()
+        except BaseException as e:  # Ray raises a bare Exception for a missed start-up; Ctrl-C cleans up too
+            with contextlib.suppress(Exception):  # its own error must not hide Ray's, nor skip the kills
+                ray.shutdown()
             for pid in child_pids() - before:  # the half-started GCS and raylet (theirs die with them)
                 with contextlib.suppress(ProcessLookupError):
                     os.kill(pid, signal.SIGKILL)
