@@ -63,8 +63,8 @@ def llama_ubatch() -> int | None:
     With AMX, llama-cpp-python 0.3.36 repacks the weights for its AMX kernels, whose multi-row
     path faults at `ldtilecfg` (a tile config on the stack the compiler leaves half-written:
     llama.cpp issue 20824, pull 26954) on the first prompt of two or more tokens; its one-row path
-    (VNNI over the same repacked weights) is its fastest decode there (2.1x its default buffers on
-    a Sapphire Rapids host), so the prompt goes in one token at a time: decode, the part timed, is
+    (VNNI over the same repacked weights) is its fastest decode there (2.1-2.4x its default buffers
+    on BENCHMARKS' Machine F), so the prompt goes in one token at a time: decode, the part timed, is
     one row a step either way."""
     return 1 if "amx_int8" in cpu_kernels.cpu_flags() else None
 
@@ -109,16 +109,22 @@ class LlamaCpp:
             raise RuntimeError("llama.cpp did not start")
 
     def stamps(self, tokens: list[int], n: int) -> list[float]:
-        self.conn.send((tokens, n))
+        try:
+            self.conn.send((tokens, n))
+        except BrokenPipeError:
+            self._died()
         return self._receive()
 
     def _receive(self):
         try:
             return self.conn.recv()
         except EOFError:  # its process died (llama.cpp aborts or faults rather than raising)
-            self.proc.join(timeout=10)
-            raise SystemExit(f"llama.cpp's process died (exit code {self.proc.exitcode}: a negative one is the signal "
-                             "that killed it); run it alone to see why") from None
+            self._died()
+
+    def _died(self) -> None:
+        self.proc.join(timeout=10)
+        raise SystemExit(f"llama.cpp's process died (exit code {self.proc.exitcode}: a negative one is the signal "
+                         "that killed it); run it alone to see why") from None
 
     def close(self) -> None:
         self.conn.send(None)
@@ -184,7 +190,8 @@ def main() -> None:
     eagle = Engine(EngineConfig(**common, speculative=spec)) if with_eagle else None
     chats = [plain.tokenizer.encode_chat([{"role": "user", "content": q}]) for q in questions]
     prompts = chats[: args.prompts]
-    peer = LlamaCpp(gguf, args.threads, llama_ubatch())
+    ubatch = llama_ubatch()
+    peer = LlamaCpp(gguf, args.threads, ubatch)
     runs = {
         "llama.cpp": lambda t: peer.stamps(t, args.new_tokens),
         "pdspec": lambda t: _engine_stamps(plain, t, args.new_tokens),
@@ -220,7 +227,8 @@ def main() -> None:
         "kv_cache_dtype": plain.runner.cache_dtype,
         "ms_per_token": {name: round(v, 2) for name, v in median.items()},
         "per_prompt_ms": {name: [round(x, 2) for x in v] for name, v in ms.items()},
-        "llama_cpp": {"flash_attn": True, "n_ctx": LLAMA_CTX, "n_ubatch": llama_ubatch() or "default", "version": importlib.metadata.version("llama_cpp_python")},
+        "llama_cpp": {"flash_attn": True, "n_ctx": LLAMA_CTX, "n_ubatch": ubatch,  # None: llama.cpp's default
+                      "version": importlib.metadata.version("llama_cpp_python")},
         "speedup_vs_llama_cpp": {name: round(median["llama.cpp"] / v, 2) for name, v in median.items()},
         "speedup_vs_llama_cpp_paired": {name: paired_speedup(ms["llama.cpp"], v) for name, v in ms.items()
                                         if name != "llama.cpp"},

@@ -58,7 +58,8 @@ def _cpu_signature() -> str:
 
 
 def cpu_flags() -> set[str]:
-    """The CPU's feature flags as /proc/cpuinfo names them (empty where it lists none)."""
+    """The CPU's feature flags as /proc/cpuinfo names them (empty off x86; without /proc/cpuinfo,
+    the words of platform.processor())."""
     return set(_cpu_signature().split()) if platform.machine().lower() in ("x86_64", "amd64") else set()
 
 
