@@ -40,6 +40,7 @@ import statistics
 import sys
 import time
 from pathlib import Path
+from typing import NoReturn
 
 import yaml
 from tqdm import tqdm
@@ -121,7 +122,7 @@ class LlamaCpp:
         except EOFError:  # its process died (llama.cpp aborts or faults rather than raising)
             self._died()
 
-    def _died(self) -> None:
+    def _died(self) -> NoReturn:
         self.proc.join(timeout=10)
         raise SystemExit(f"llama.cpp's process died (exit code {self.proc.exitcode}: a negative one is the signal "
                          "that killed it); run it alone to see why") from None

@@ -124,10 +124,9 @@ def _batches_done(path: Path, header: dict) -> list[list[str]]:
     write starts it again, header first), and its batch runs again."""
     text = path.read_text() if path.exists() else ""
     lines = text.splitlines()
-    if lines and not text.endswith("\n"):  # its last line was cut, though what is left may parse
-        lines.pop()
+    ended = lines if text.endswith("\n") else lines[:-1]  # a last line without its newline was cut, though it may parse
     parsed = []
-    for line in lines:
+    for line in ended:
         try:
             parsed.append(json.loads(line))
         except json.JSONDecodeError:
@@ -138,7 +137,7 @@ def _batches_done(path: Path, header: dict) -> list[list[str]]:
     batches = [row["found"] for row in parsed[1:]]
     if not batches:
         path.unlink(missing_ok=True)
-    elif len(parsed) < len(text.splitlines()):
+    elif len(parsed) < len(lines):
         write_text_durably(path, "".join(kept + "\n" for kept in lines[: len(parsed)]))
     return batches
 
