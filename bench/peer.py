@@ -42,6 +42,7 @@ import time
 from pathlib import Path
 from typing import NoReturn
 
+import torch
 import yaml
 from tqdm import tqdm
 
@@ -135,14 +136,16 @@ class LlamaCpp:
 def _engine_stamps(engine: Engine, tokens: list[int], n: int) -> list[float]:
     """One timestamp per generated token (a speculative step's tokens share its time)."""
     stamps = []
-    for out in engine.generate(tokens, SamplingParams(max_tokens=n, ignore_eos=True)):
-        stamps += [time.perf_counter()] * len(out.token_ids)
+    with torch.inference_mode():  # as `pdspec generate` holds it
+        for out in engine.generate(tokens, SamplingParams(max_tokens=n, ignore_eos=True)):
+            stamps += [time.perf_counter()] * len(out.token_ids)
     return stamps
 
 
 def _answer_length(engine: Engine, tokens: list[int], n: int) -> int:
     """Tokens in the greedy answer up to and including its end of turn (n if it runs on)."""
-    answer = [t for out in engine.generate(tokens, SamplingParams(max_tokens=n)) for t in out.token_ids]
+    with torch.inference_mode():
+        answer = [t for out in engine.generate(tokens, SamplingParams(max_tokens=n)) for t in out.token_ids]
     return len(answer)
 
 

@@ -37,6 +37,8 @@ def _engine_config(args: argparse.Namespace, **overrides) -> EngineConfig:
 
 
 def _generate(args: argparse.Namespace) -> int:
+    import torch
+
     from engine.engine import Engine
 
     engine = Engine(_engine_config(args))
@@ -47,11 +49,12 @@ def _generate(args: argparse.Namespace) -> int:
                             top_p=args.top_p, seed=args.seed)
     text, token_ids, last = [], [], None
     start = time.perf_counter()
-    for last in engine.generate(prompt_ids, params):
-        text.append(last.text)
-        token_ids.extend(last.token_ids)
-        if not args.json:
-            print(last.text, end="", flush=True)
+    with torch.inference_mode():  # held for the whole answer: each step would enter it again (engine/inference.py)
+        for last in engine.generate(prompt_ids, params):
+            text.append(last.text)
+            token_ids.extend(last.token_ids)
+            if not args.json:
+                print(last.text, end="", flush=True)
     elapsed = time.perf_counter() - start
     if not args.json:
         print()

@@ -27,6 +27,7 @@ from engine.block_manager import BlockManager
 from engine.config import EngineConfig
 from engine.errors import CapacityExceeded, InvalidRequest, RequestIdInUse
 from engine.handoff import Handoff
+from engine.inference import inference
 from engine.output import OutputStream, RequestOutput, Usage
 from engine.runner import ModelRunner
 from engine.params import SamplingParams
@@ -113,6 +114,7 @@ class Engine(Handoff):
     def has_unfinished(self) -> bool:
         return self.scheduler.has_unfinished()
 
+    @inference
     def step(self) -> list[RequestOutput]:
         batch, start = len(self.scheduler.running), time.perf_counter()
         # Above disable_by_batch_size nothing drafts: the governor neither chooses nor measures there

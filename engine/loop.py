@@ -14,6 +14,8 @@ import time
 from collections.abc import Callable
 from concurrent.futures import Future
 
+import torch
+
 from engine.block_manager import KVEvent
 from engine.engine import Engine
 from engine.output import KVHandle, RequestOutput
@@ -175,6 +177,10 @@ class EngineLoop:
                     del self.outputs[out.request_id]
 
     def _run(self) -> None:
+        with torch.inference_mode():  # for good: each step would enter it again otherwise (engine/inference.py)
+            self._serve()
+
+    def _serve(self) -> None:
         while not self._stopped:
             self.progressed = time.monotonic()
             while not self._commands.empty():

@@ -12,6 +12,7 @@ import torch.distributed as dist
 
 from engine.batch import SeqChunk, build_batch
 from engine.config import EngineConfig, ModelConfig, ModelConfigError, check_divisible
+from engine.inference import inference
 from engine.spec.eagle3_model import DraftOutput, Eagle3Config, Eagle3Draft
 from engine.kv_layout import CacheShape, KVLayout, allocate_cache
 from engine.loader import load_weights
@@ -75,14 +76,14 @@ class ModelRunner:
         self.draft_cache = (allocate_cache(self.layout, self.layout.draft, config.num_kv_blocks, self.device)
                             if self.draft else None)
 
-    @torch.inference_mode()
+    @inference
     def forward(self, chunks: list[SeqChunk], return_aux: bool = False) -> ForwardOutput:
         if self.tp.size > 1:
             self.tp.broadcast(("forward", chunks, return_aux))
         batch = build_batch(chunks, self.config.block_size, self.device, return_aux)
         return self.model.forward(batch, self.kv_cache)
 
-    @torch.inference_mode()
+    @inference
     def move_kv(self, block_table: list[int], src: list[int], dst: list[int]) -> None:
         """Copy one sequence's target KV (every layer) from positions src to positions dst: an
         accepted tree path into consecutive slots. dst[i] < src[i], both increasing, so copying all
@@ -97,7 +98,7 @@ class ModelRunner:
         src_t, dst_t = torch.tensor(src, device=self.device), torch.tensor(dst, device=self.device)
         self.kv_cache[table[dst_t // bs], :, :, dst_t % bs] = self.kv_cache[table[src_t // bs], :, :, src_t % bs]
 
-    @torch.inference_mode()
+    @inference
     def follow(self) -> None:
         """Ranks > 0: run every forward and KV move rank 0 broadcasts, until it says stop."""
         while (message := self.tp.broadcast(None)) is not None:
@@ -117,13 +118,13 @@ class ModelRunner:
             self._followers = []
             torch.distributed.destroy_process_group()
 
-    @torch.inference_mode()
+    @inference
     def forward_draft(self, chunks: list[SeqChunk], hidden: torch.Tensor) -> DraftOutput:
         """chunks carry the token *after* each position (see Eagle3Draft.forward)."""
         batch = build_batch(chunks, self.config.block_size, self.device)
         return self.draft.forward(batch, hidden, self.draft_cache)
 
-    @torch.inference_mode()
+    @inference
     def write_draft_kv(self, chunks: list[SeqChunk], hidden: torch.Tensor) -> None:
         """Only the draft cache's entries that `forward_draft` would write (see Eagle3Draft.write_kv)."""
         self.draft.write_kv(build_batch(chunks, self.config.block_size, self.device), hidden, self.draft_cache)

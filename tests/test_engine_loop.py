@@ -5,9 +5,11 @@ import threading
 import time
 
 import pytest
+import torch
 
 from engine.config import EngineConfig
 from engine.engine import Engine
+from engine.inference import inference
 from engine.loop import EngineLoop
 from engine.output import KVHandle
 from engine.params import SamplingParams
@@ -199,3 +201,33 @@ def test_a_loop_whose_steps_keep_failing_reports_trouble_until_one_succeeds(engi
         assert not loop.trouble()
     finally:
         loop.stop()
+
+
+def test_the_loop_thread_holds_inference_mode_and_steps_need_not_enter_it(engine, prompts):
+    """The loop's thread stays in inference mode (entering it per step cost 1-2 % of a batch-1
+    step); a caller outside it gets a step in inference mode all the same, its own mode kept,
+    and the same tokens."""
+    seen = []
+    probe = inference(lambda: seen.append(torch.is_inference_mode_enabled()) or torch.is_inference_mode_enabled())
+    loop = EngineLoop(engine)
+    try:
+        assert loop.call(torch.is_inference_mode_enabled)
+        outputs = loop.submit("held", prompts[0], SamplingParams(max_tokens=12))
+        held = _tokens(outputs)
+    finally:
+        loop.stop()
+    assert probe() and not torch.is_inference_mode_enabled()  # entered for the call, left after it
+    with torch.inference_mode():
+        assert probe()
+    assert seen == [True, True]
+    assert [t for out in engine.generate(prompts[0], SamplingParams(max_tokens=12)) for t in out.token_ids] == held
+    assert not torch.is_inference_mode_enabled()
+
+
+def _tokens(outputs) -> list[int]:
+    tokens = []
+    while True:
+        out = outputs.get(timeout=60)
+        tokens += out.token_ids
+        if out.finished:
+            return tokens

@@ -11,6 +11,7 @@ went (draft, verification, bookkeeping) and the target rows verified per emitted
 import random
 import time
 
+import torch
 from tqdm import tqdm
 
 from engine.engine import Engine
@@ -24,11 +25,12 @@ def run_batch(engine: Engine, prompts: list[list[int]], params: SamplingParams):
     tokens = {i: [] for i in ids}
     stats = []
     start = time.perf_counter()
-    while engine.has_unfinished():
-        for out in engine.step():
-            tokens[out.request_id].extend(out.token_ids)
-            if out.finished and out.acceptance is not None:
-                stats.append(out.acceptance)
+    with torch.inference_mode():  # held for the run, as the engine loop's thread holds it (engine/inference.py)
+        while engine.has_unfinished():
+            for out in engine.step():
+                tokens[out.request_id].extend(out.token_ids)
+                if out.finished and out.acceptance is not None:
+                    stats.append(out.acceptance)
     return [tokens[i] for i in ids], time.perf_counter() - start, stats
 
 

@@ -54,6 +54,7 @@ from engine import cpu_kernels
 from engine.attention import SHORT_QUERY
 from engine.batch import SeqChunk
 from engine.config import MAX_TREE_TOKENS
+from engine.inference import inference
 from engine.sequence import Sequence, SeqStatus
 from engine.spec.draft_tree import DraftTree
 from engine.spec.proposer import Proposal
@@ -88,7 +89,7 @@ class Eagle3Proposer:
         self.unprojected.append((seq.seq_id, start, aux))
         self.unprojected_rows += aux.shape[0]
 
-    @torch.inference_mode()
+    @inference
     def release(self, seq: Sequence) -> None:
         """Write the draft KV still pending in the sequence's full blocks: they become prefix-cacheable,
         and a request that reuses them later reads their draft entries as well as the target's. (Its
@@ -98,7 +99,7 @@ class Eagle3Proposer:
             self.write_prompt_blocks([seq])
         self.pending.pop(seq.seq_id, None)
 
-    @torch.inference_mode()
+    @inference
     def write_prompt_blocks(self, seqs: list[Sequence]) -> None:
         """The draft KV of the full blocks a prompt's chunk has filled (`seqs`: mid-prompt this step, or
         one being released).
@@ -129,7 +130,7 @@ class Eagle3Proposer:
             self.pending[seq_id] = (first, torch.cat([old, hidden[run:row]]) if old.shape[0] else hidden[run:row])
         self.unprojected, self.unprojected_rows = [], 0
 
-    @torch.inference_mode()
+    @inference
     def prefill_draft(self, seq: Sequence, first_token: int) -> torch.Tensor | None:
         self._project()
         self._catch_up([seq])
@@ -153,12 +154,12 @@ class Eagle3Proposer:
     def propose(self, seqs: list[Sequence], chain_slots: list[int]) -> list[Proposal]:
         if not any(chain_slots) and self.unprojected_rows <= CATCH_UP * len(seqs):
             # Nobody drafts this step (a plain step of the governor's): the target's features wait,
-            # to be projected and written in one batch when drafting resumes or they pile up. (Before
-            # entering inference mode: on most steps this is all, and entering it cost ~10 us a step.)
+            # to be projected and written in one batch when drafting resumes or they pile up. (Outside
+            # `_propose`: a caller not in inference mode would enter it for nothing, ~40 us cold.)
             return [Proposal([]) for _ in seqs]
         return self._propose(seqs, chain_slots)
 
-    @torch.inference_mode()
+    @inference
     def _propose(self, seqs: list[Sequence], chain_slots: list[int]) -> list[Proposal]:
         self._project()
         known = [(s, k) for s, k in zip(seqs, chain_slots) if s.seq_id in self.pending]
