@@ -2,6 +2,8 @@
 draft confidence threshold priced from the verification rows' cost (RowPrice), and an engine that
 drafts by it."""
 
+import itertools
+
 import pytest
 from pydantic import ValidationError
 
@@ -116,3 +118,20 @@ def test_a_step_it_did_not_choose_starts_a_new_run():
     g.record(1, True, 0.004, 2)
     assert g.figures()[1]["draft"] == pytest.approx(2.0)
 
+
+
+def test_a_slow_spell_does_not_leave_the_governor_on_the_costlier_way():
+    """A shared host slows every step for a while. The way not chosen is measured by probes alone,
+    so what the spell left in its figure must fade with the steps taken meanwhile, either way:
+    faded by its own steps only, one 30-step spell here left the governor drafting, at 4 ms a
+    token against plain decoding's 3.5, for the 1,200 steps after it."""
+    g = SpeculationGovernor()
+    tokens = itertools.cycle([1, 2, 2, 2, 2])  # drafting steps of 7.2 ms, 1.8 tokens on average
+    choices = []
+    for step in range(1300):
+        drafted = g.should_draft(1)
+        slow = 2.0 if 100 <= step < 130 else 1.0
+        g.record(1, drafted, slow * (0.0072 if drafted else 0.0035), next(tokens) if drafted else 1)
+        choices.append(drafted)
+    assert sum(choices[300:]) <= 0.05 * len(choices[300:])  # its probes alone
+    assert g.figures()[1]["plain"] == pytest.approx(3.5)

@@ -2,9 +2,10 @@
 tokens it adds would cost decoded plainly. That depends on the machine, the model, the head's
 acceptance on this traffic and the batch size, so it is measured, not assumed.
 
-Per running batch size, the governor keeps moving averages of the wall time and of the emitted
-tokens of steps that drafted and of steps that did not, and each step takes the way whose time per
-token (the ratio of the two averages) is lower. Averaging each step's own time per token instead
+Per running batch size, the governor keeps averages of the wall time and of the emitted tokens of
+steps that drafted and of steps that did not, older steps fading with every step taken at that
+batch size (either way), and each step takes the way whose time per token (the ratio of the two
+averages) is lower. Averaging each step's own time per token instead
 would overstate drafting: a drafting step emits 1 to K+1 tokens, and the mean of time/tokens
 exceeds mean time / mean tokens (a 5 ms step emitting 1, 2 or 3 tokens, 1.8 on average: 3.4 ms
 against 2.8 ms per token).
@@ -31,7 +32,7 @@ from dataclasses import dataclass, field
 PROBE_EVERY = 16
 MAX_PROBE_EVERY = 256
 PROBE_STEPS = 3
-DECAY = 0.05  # weight of the newest step in the moving averages
+DECAY = 0.05  # how much of its weight a step loses with each later step (of either way)
 ROW_PRICE_PRIOR = 0.1  # the threshold until the steps tell (an AVX-512 VNNI CPU's, BENCHMARKS)
 ROW_PRICE_HALF_LIFE = 256  # decode steps after which one weighs half
 ROW_PRICE_BOUNDS = (0.01, 0.5)  # below: every draft pays; above: hardly any would
@@ -39,9 +40,10 @@ ROW_PRICE_BOUNDS = (0.01, 0.5)  # below: every draft pays; above: hardly any wou
 
 @dataclass
 class _Figures:
-    # drafted? -> moving averages of a step's (seconds, emitted tokens)
-    averages: dict[bool, tuple[float, float]] = field(default_factory=dict)
-    counts: dict[bool, int] = field(default_factory=dict)
+    # drafted? -> a step's seconds and emitted tokens, summed with older steps fading (see record)
+    sums: dict[bool, tuple[float, float]] = field(default_factory=dict)
+    clock: int = 0  # steps recorded at this batch size, either way
+    updated: dict[bool, int] = field(default_factory=dict)  # drafted? -> clock at its last step
     best: bool | None = None  # the way chosen outside probes: draft?
     steps_since_probe: int = 0
     probe_every: int = PROBE_EVERY
@@ -49,7 +51,7 @@ class _Figures:
 
     @property
     def seconds_per_token(self) -> dict[bool, float]:
-        return {k: seconds / tokens for k, (seconds, tokens) in self.averages.items()}
+        return {k: seconds / tokens for k, (seconds, tokens) in self.sums.items()}
 
 
 class SpeculationGovernor:
@@ -84,13 +86,19 @@ class SpeculationGovernor:
     def record(self, batch: int, drafted: bool, seconds: float, tokens: int) -> None:
         """One decode step of `batch` sequences (no prefill in it) that emitted `tokens` tokens."""
         switched, self._last_drafted = drafted != self._last_drafted, drafted
+        f = self._by_batch.setdefault(batch, _Figures())
+        f.clock += 1
         if tokens <= 0 or switched:
             return
-        f = self._by_batch.setdefault(batch, _Figures())
-        n = f.counts[drafted] = f.counts.get(drafted, 0) + 1
-        weight = max(DECAY, 1 / n)  # the plain mean of the first steps, then a moving average
-        old_seconds, old_tokens = f.averages.get(drafted, (0.0, 0.0))
-        f.averages[drafted] = ((1 - weight) * old_seconds + weight * seconds, (1 - weight) * old_tokens + weight * tokens)
+        # Each way's steps fade by (1 - DECAY) a step at this batch size, whichever way that step
+        # took: the way not chosen, measured by probes alone, keeps little of figures taken long
+        # before. (Faded by its own steps only, a figure that one slow spell of the host had raised
+        # outlived the spell: a probe's two steps moved it a tenth, and the engine went on drafting
+        # at a loss for thousands of steps; bench.peer's EAGLE3 engine ran 1.2x plain's time so.)
+        fade = (1 - DECAY) ** (f.clock - f.updated.get(drafted, f.clock))
+        old_seconds, old_tokens = f.sums.get(drafted, (0.0, 0.0))
+        f.sums[drafted] = (fade * old_seconds + seconds, fade * old_tokens + tokens)
+        f.updated[drafted] = f.clock
 
     def figures(self) -> dict[int, dict[str, float]]:
         """ms per token by batch size, for stats and benchmarks."""
