@@ -220,6 +220,7 @@ def hf_span_costs(model, spans: list[int], reps: int) -> dict[int, float]:
     return alternated_median_ms({n: (lambda n=n: step(n)) for n in spans}, reps)
 
 
+@torch.inference_mode()  # held as the engine loop's thread holds it: no step enters it (engine/inference.py)
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--model", default=None)

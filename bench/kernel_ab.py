@@ -144,6 +144,7 @@ def batch_by_span(text: str) -> tuple[int, int]:
     return batch, span
 
 
+@torch.inference_mode()  # held as the engine loop's thread holds it: no step enters it (engine/inference.py)
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--base", required=True, help="git revision of build A")

@@ -30,6 +30,7 @@ from tools.prompts import read_prompts
 PROMPTS = Path(__file__).parent / "prompts" / "chat_eval.jsonl"
 
 
+@torch.inference_mode()  # held as the engine loop's thread holds it: no step enters it (engine/inference.py)
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--dtypes", nargs="+", choices=["float32", "bfloat16", "int8"],

@@ -136,16 +136,14 @@ class LlamaCpp:
 def _engine_stamps(engine: Engine, tokens: list[int], n: int) -> list[float]:
     """One timestamp per generated token (a speculative step's tokens share its time)."""
     stamps = []
-    with torch.inference_mode():  # as `pdspec generate` holds it
-        for out in engine.generate(tokens, SamplingParams(max_tokens=n, ignore_eos=True)):
-            stamps += [time.perf_counter()] * len(out.token_ids)
+    for out in engine.generate(tokens, SamplingParams(max_tokens=n, ignore_eos=True)):
+        stamps += [time.perf_counter()] * len(out.token_ids)
     return stamps
 
 
 def _answer_length(engine: Engine, tokens: list[int], n: int) -> int:
     """Tokens in the greedy answer up to and including its end of turn (n if it runs on)."""
-    with torch.inference_mode():
-        answer = [t for out in engine.generate(tokens, SamplingParams(max_tokens=n)) for t in out.token_ids]
+    answer = [t for out in engine.generate(tokens, SamplingParams(max_tokens=n)) for t in out.token_ids]
     return len(answer)
 
 
@@ -163,6 +161,7 @@ def _batch_ms_per_token(engine: Engine, prompts: list[list[int]], n: int) -> flo
     return (time.perf_counter() - start) / decoded * 1000
 
 
+@torch.inference_mode()  # held as the engine loop's thread holds it: no step enters it (engine/inference.py)
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--threads", type=int, default=2)

@@ -52,6 +52,7 @@ def step_times(engine: Engine, prompts: list[list[int]], params: SamplingParams)
     return times
 
 
+@torch.inference_mode()  # held as the engine loop's thread holds it: no step enters it (engine/inference.py)
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--batch-size", type=int, default=16)

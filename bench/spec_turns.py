@@ -22,6 +22,7 @@ import json
 import statistics
 from pathlib import Path
 
+import torch
 from tqdm import tqdm
 
 from engine.config import EAGLE3_DEFAULTS, EngineConfig
@@ -32,6 +33,7 @@ from tools.prompts import read_prompts
 from engine.stats import AcceptanceStats
 
 
+@torch.inference_mode()  # held as the engine loop's thread holds it: no step enters it (engine/inference.py)
 def main() -> None:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     p.add_argument("--prompts", type=Path, default=Path(__file__).parent / "prompts" / "chat_eval.jsonl")

@@ -16,7 +16,8 @@ R = TypeVar("R")
 
 
 def inference(fn: Callable[P, R]) -> Callable[P, R]:
-    """`fn` under torch.inference_mode(), entered only when the calling thread is not in it already."""
+    """`fn` under torch.inference_mode(), entered only when the calling thread is not in it already.
+    Not for generator functions (their bodies run after the call returns, outside it)."""
 
     @functools.wraps(fn)
     def run(*args: P.args, **kwargs: P.kwargs) -> R:

@@ -203,7 +203,7 @@ def test_a_loop_whose_steps_keep_failing_reports_trouble_until_one_succeeds(engi
         loop.stop()
 
 
-def test_the_loop_thread_holds_inference_mode_and_steps_need_not_enter_it(engine, prompts):
+def test_the_loop_thread_holds_inference_mode(engine, prompts):
     """The loop's thread stays in inference mode (entering it per step cost 1-2 % of a batch-1
     step); a caller outside it gets a step in inference mode all the same, its own mode kept,
     and the same tokens."""

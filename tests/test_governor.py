@@ -119,7 +119,6 @@ def test_a_step_it_did_not_choose_starts_a_new_run():
     assert g.figures()[1]["draft"] == pytest.approx(2.0)
 
 
-
 def test_a_slow_spell_does_not_leave_the_governor_on_the_costlier_way():
     """A shared host slows every step for a while. The way not chosen is measured by probes alone,
     so what the spell left in its figure must fade with the steps taken meanwhile, either way:
