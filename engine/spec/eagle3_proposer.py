@@ -21,9 +21,15 @@ add. A draft token costs about the same wall time at any batch size (a draft row
 verification row), while a step's output grows with the batch, so it pays at batch B only if it
 adds about B times what it must add at batch 1.
 
-A sequence that drafts nothing this step (no slots reserved, e.g. above the engine's
-`disable_by_batch_size`, or P times the batch reached 1 so no chain can pass) only needs its
-draft cache up to date for when it drafts again. Once some sequence lags more than CATCH_UP
+Above the engine's `disable_by_batch_size` nothing drafts and the engine captures no features
+for decode steps (prompts' only): there a sequence's draft state is written as far as it goes and
+dropped (as on release), and the draft cache misses the positions decoded meanwhile. Kept current
+at batch 16, that upkeep cost 4-7 % of the step, for sequences most of which never draft again;
+missing, it cost a sequence that drafted again after 96 such positions 4 % of its tokens per step,
+and a follow-up turn reusing such an answer from the prefix cache nothing measurable (BENCHMARKS).
+Below it, a sequence that drafts nothing this step (no slots reserved: a plain step of the
+governor's, or P times the batch reached 1 so no chain can pass) only needs its draft cache up to
+date for when it drafts again. Once some sequence lags more than CATCH_UP
 positions behind, every sequence's pending positions but the last get their draft KV written in
 one batched call that computes only the keys and values (not attention, MLP or logits: about a
 tenth of a draft forward's arithmetic; on CPU one native call, Eagle3Draft.write_kv) and reads the
@@ -85,7 +91,11 @@ class Eagle3Proposer:
         self.unprojected_rows = 0  # their rows together (checked every step: not summed every step)
         self.positions_drafted = 0  # positions run through the draft with target features (a metric)
 
-    def observe(self, seq: Sequence, start: int, aux: torch.Tensor | None) -> None:  # needs_aux: never None
+    def observe(self, seq: Sequence, start: int, aux: torch.Tensor | None) -> None:
+        if aux is None:  # no features (above disable_by_batch_size): the draft state goes as far as it can
+            if seq.seq_id in self.pending or self.unprojected:  # once: the sequence is not tracked after it
+                self.release(seq)
+            return
         self.unprojected.append((seq.seq_id, start, aux))
         self.unprojected_rows += aux.shape[0]
 

@@ -4,8 +4,9 @@ The engine calls, per step: `propose` for the sequences whose next token is samp
 draft slots each reserved (0: propose nothing; a stateful proposer may catch up instead);
 after the target forward, `observe` with the span of positions whose KV became final (the
 prefill chunk, or the last token plus the accepted drafts) and the target's auxiliary hidden
-states for them (when `needs_aux`); `release` when a sequence leaves the batch (finished, or
-preempted). Across a prefill/decode split, `prefill_draft` (prefill side) and `adopt` (decode
+states for them (when `needs_aux`; None for a decode step above disable_by_batch_size, where
+nothing drafts and the engine captures none); `release` when a sequence leaves the batch
+(finished, or preempted). Across a prefill/decode split, `prefill_draft` (prefill side) and `adopt` (decode
 side) move the proposer's state with the KV.
 
 A `Proposal` is a chain of draft tokens, or a tree: with `parents`, token i continues token
