@@ -25,8 +25,9 @@ Above the engine's `disable_by_batch_size` nothing drafts and the engine capture
 for decode steps (prompts' only): there a sequence's draft state is written as far as it goes and
 dropped (as on release), and the draft cache misses the positions decoded meanwhile. Kept current
 at batch 16, that upkeep cost 4-7 % of the step, for sequences most of which never draft again;
-missing, it cost a sequence that drafted again after 96 such positions 4 % of its tokens per step,
-and a follow-up turn reusing such an answer from the prefix cache nothing measurable (BENCHMARKS).
+missing, it cost a sequence that drafted again after 96 such positions ~5 % of its tokens per
+step, and a follow-up turn reusing such an answer from the prefix cache nothing measurable
+(bench/draft_upkeep.py).
 Below it, a sequence that drafts nothing this step (no slots reserved: a plain step of the
 governor's, or P times the batch reached 1 so no chain can pass) only needs its draft cache up to
 date for when it drafts again. Once some sequence lags more than CATCH_UP
