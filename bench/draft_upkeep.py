@@ -24,6 +24,7 @@ from engine.config import EngineConfig
 from engine.engine import Engine
 from engine.params import SamplingParams
 from engine.stats import AcceptanceStats
+from tools.loadgen import print_table
 from tools.prompts import read_prompts
 
 PROMPTS = Path(__file__).parent / "prompts" / "chat_eval.jsonl"
@@ -81,13 +82,12 @@ def main() -> None:
             turn = messages + [{"role": "assistant", "content": engine.tokenizer.decode(answer[: args.before])},
                                {"role": "user", "content": FOLLOW_UP}]
             results["follow_up"][kept].append(decode(engine, chat(turn), args.after, None, 0)[1])
-    summary = {case: {("kept" if kept else "missing"): tokens_per_step(stats) for kept, stats in by.items()}
-               for case, by in results.items()}
+    summary = {("kept" if kept else "missing"): {case: tokens_per_step(by[kept]) for case, by in results.items()}
+               for kept in (True, False)}  # the draft cache kept current, or missing the positions
     print(json.dumps({"isa": cpu_kernels.selected_isa(), "prompts": args.max_prompts, "before": args.before,
                       "after": args.after, "tokens_per_drafting_step": summary}))
-    print(f"\n{'case':<12}{'draft cache kept':>18}{'missing':>10}")
-    for case, row in summary.items():
-        print(f"{case:<12}{row['kept']:>18}{row['missing']:>10}")
+    print()
+    print_table(summary, list(results))
 
 
 if __name__ == "__main__":
