@@ -96,6 +96,8 @@ def _bench_spec(args: argparse.Namespace) -> int:
 
     if args.speculative == "none":
         raise ValueError("--speculative: choose eagle3 or ngram to compare against plain decoding")
+    if args.rounds < 1:
+        raise ValueError(f"--rounds: must be at least 1, got {args.rounds}")
     texts = read_prompts(Path(args.prompts))[: args.max_prompts]
     if not texts:
         raise ValueError(f"--prompts {args.prompts} with --max-prompts {args.max_prompts}: no prompts to run")
@@ -103,7 +105,7 @@ def _bench_spec(args: argparse.Namespace) -> int:
     spec = Engine(_engine_config(args, **blocks))
     base = Engine(_engine_config(args, **blocks).model_copy(update={"speculative": SpeculativeConfig()}))
     prompts = [spec.tokenizer.encode_chat([{"role": "user", "content": p}]) for p in texts]
-    result = evaluate(base, spec, prompts, args.max_tokens, args.batch_size, args.temperature)
+    result = evaluate(base, spec, prompts, args.max_tokens, args.batch_size, args.temperature, args.rounds)
     if args.json:
         print(json.dumps(result))
     else:
@@ -137,6 +139,7 @@ def _add_bench(sub: argparse._SubParsersAction) -> None:
     p.add_argument("--max-tokens", type=int, default=128)
     p.add_argument("--max-prompts", type=int, default=None)
     p.add_argument("--batch-size", type=int, default=1, help="prompts decoded together")
+    p.add_argument("--rounds", type=int, default=1, help="passes over the prompts (more batches for the interval)")
     p.add_argument("--temperature", type=float, default=0.0)
     p.add_argument("--json", action="store_true")
     _add_engine_args(p)

@@ -39,14 +39,15 @@ def test_bench_spec_reports_a_lossless_comparison(tmp_path):
                        + json.dumps({"turns": ["What is 12 times 7?", "And times 8?"]}) + "\n"
                        + json.dumps({"prompt": "Say hello in French."}) + "\n")
     result = _pdspec("bench", "spec", "--prompts", str(prompts), "--max-tokens", "12", "--max-prompts", "2",
-                     "--speculative", "eagle3", "--num-speculative-tokens", "3", "--disable-by-batch-size", "1", "--json")
+                     "--speculative", "eagle3", "--num-speculative-tokens", "3", "--disable-by-batch-size", "1",
+                     "--rounds", "2", "--json")
     assert result.returncode == 0, result.stderr
     out = json.loads(result.stdout.strip().splitlines()[-1])
-    assert out["num_prompts"] == 2 and out["lossless"] is True
+    assert out["num_prompts"] == 2 and out["rounds"] == 2 and out["lossless"] is True
     assert out["disable_by_batch_size"] == 1  # batch 1 is within the limit: drafting goes on
     assert out["drafted"] > 0 and 1.0 <= out["tau"] <= 4.0
-    low, high = out["speedup_ci95"]  # two batches: the pooled speedup lies between theirs
-    assert low <= out["speedup"] <= high  # (equal when both batches ran at the same speed ratio)
+    low, high = out["speedup_ci95"]  # four batches (two prompts, twice): the pooled speedup lies within
+    assert low <= out["speedup"] <= high  # (equal when all ran at the same speed ratio)
     assert out["tokens_per_s_spec"] > 0 and out["tokens_per_s_base"] > 0
     split = out["drafting_step_ms"]  # where a drafting step's time went
     assert out["drafting_steps"] > 0 and set(split) == {"draft", "verify", "bookkeeping"} and min(split.values()) > 0
@@ -62,6 +63,9 @@ def test_bench_spec_usage_errors_are_clear(tmp_path):
     result = _pdspec("bench", "spec", "--prompts", str(prompts), "--max-prompts", "0")
     assert result.returncode == 2
     assert "no prompts to run" in result.stderr
+    result = _pdspec("bench", "spec", "--prompts", str(prompts), "--rounds", "0")
+    assert result.returncode == 2
+    assert "--rounds: must be at least 1, got 0" in result.stderr
 
 
 def test_a_port_flag_is_checked_as_the_configs_own_port(tmp_path):

@@ -35,7 +35,9 @@ def run_batch(engine: Engine, prompts: list[list[int]], params: SamplingParams):
 
 
 def evaluate(base: Engine, spec: Engine, prompts: list[list[int]], max_tokens: int, batch_size: int = 1,
-             temperature: float = 0.0) -> dict:
+             temperature: float = 0.0, rounds: int = 1) -> dict:
+    """rounds: passes over the prompts' batches, each batch's order flipped from pass to pass (more
+    batches for the speedup's interval: at batch 16 a prompt file gives two or three)."""
     params = SamplingParams(max_tokens=max_tokens, temperature=temperature, seed=0 if temperature else None)
     per_batch: list[tuple[int, float, int, float]] = []  # (base tokens, base s, spec tokens, spec s)
     merged, identical = AcceptanceStats(), True
@@ -43,13 +45,15 @@ def evaluate(base: Engine, spec: Engine, prompts: list[list[int]], max_tokens: i
         run_batch(engine, prompts[:1], SamplingParams(max_tokens=8))
         engine.counters.clear()  # the figures reported are the timed batches' alone
         engine.drafting_seconds.clear()
-    for i, start in enumerate(tqdm(range(0, len(prompts), batch_size), desc="bench spec", unit="batch")):
-        batch = prompts[start : start + batch_size]
+    batches = [(r, k, prompts[start : start + batch_size])
+               for r in range(rounds) for k, start in enumerate(range(0, len(prompts), batch_size))]
+    for r, k, batch in tqdm(batches, desc="bench spec", unit="batch"):
         # Who goes first alternates: the second of a pair runs on caches and clocks the first warmed.
-        if i % 2 == 0:
+        base_first = (k + r) % 2 == 0
+        if base_first:
             base_out, base_s, _ = run_batch(base, batch, params)
         spec_out, spec_s, stats = run_batch(spec, batch, params)
-        if i % 2 == 1:
+        if not base_first:
             base_out, base_s, _ = run_batch(base, batch, params)
         identical &= base_out == spec_out
         per_batch.append((sum(map(len, base_out)), base_s, sum(map(len, spec_out)), spec_s))
@@ -60,6 +64,7 @@ def evaluate(base: Engine, spec: Engine, prompts: list[list[int]], max_tokens: i
     return {
         "num_prompts": len(prompts),
         "batch_size": batch_size,
+        "rounds": rounds,
         "max_tokens": max_tokens,
         "method": spec.config.speculative.method,
         "num_speculative_tokens": spec.config.speculative.num_speculative_tokens,
