@@ -119,7 +119,8 @@ class Engine(Handoff):
         batch, start = len(self.scheduler.running), time.perf_counter()
         # Above disable_by_batch_size nothing drafts: the governor neither chooses nor measures there
         # (its "draft" figures were plain steps), and the run of steps it measures is broken.
-        self._drafting = self._draftable(batch) and (self.governor is None or self.governor.should_draft(batch))
+        draftable = self._draftable(batch)
+        self._drafting = draftable and (self.governor is None or self.governor.should_draft(batch))
         ended = self._end_unfit_waiting()
         scheduled = self.scheduler.schedule(self._lookahead)
         self.stalled = not scheduled and not ended
@@ -133,7 +134,7 @@ class Engine(Handoff):
         # (their blocks are shared through the prefix cache). Keeping the draft cache current for
         # every decoded position there cost 4-7 % of a batch-16 step, for sequences that may never
         # draft again (engine/spec/eagle3_proposer.py).
-        captured = [self._draftable(batch) or c.start < s.seq.num_prompt_tokens for s, c in zip(scheduled, chunks)]
+        captured = [draftable or c.start < s.seq.num_prompt_tokens for s, c in zip(scheduled, chunks)]
         out = self.runner.forward(chunks, return_aux=self.proposer.needs_aux and any(captured))
         verified_at = time.perf_counter()
         sampling = [i for i, s in enumerate(scheduled) if s.yields_token]

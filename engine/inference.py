@@ -1,9 +1,13 @@
 """The engine's calls run in torch's inference mode, entered once per thread, not once per call.
 
-Entering it took ~40-60 us with the caches as a decode step leaves them (the step's weight stream
-evicts the Python and C++ it runs through): 1-2 % of a batch-1 step on a 2-vCPU Xeon, paid again
-by every decorated call inside the step. The engine loop's thread (engine/loop.py) and `pdspec
-generate` hold it for their whole run, so a step enters nothing; any other caller gets it per call.
+With the caches as a decode step leaves them (its weight stream evicts the Python and C++ it runs
+through), a call through torch's decorator cost ~45 us more than the call itself, through this one
+with the mode on already ~35 us (a proposer call that drafts nothing: 64 / 55 / 18 us), paid by
+every decorated call inside a step, and an EAGLE3 step that drafts makes several. Held once, EAGLE3
+took 0.96-0.98x the time per token against entering it per step; plain decoding, one call a step,
+within noise (BENCHMARKS). The engine loop's thread (engine/loop.py) and `pdspec generate` hold it
+for their whole run; any other caller gets it once per call it makes, the calls inside it
+entering nothing.
 """
 
 import functools

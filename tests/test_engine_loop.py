@@ -204,11 +204,10 @@ def test_a_loop_whose_steps_keep_failing_reports_trouble_until_one_succeeds(engi
 
 
 def test_the_loop_thread_holds_inference_mode(engine, prompts):
-    """The loop's thread stays in inference mode (entering it per step cost 1-2 % of a batch-1
-    step); a caller outside it gets a step in inference mode all the same, its own mode kept,
-    and the same tokens."""
-    seen = []
-    probe = inference(lambda: seen.append(torch.is_inference_mode_enabled()) or torch.is_inference_mode_enabled())
+    """The loop's thread stays in inference mode (entered in every engine call, it cost an EAGLE3
+    step that drafts 2-4 %); a caller outside it gets a step in inference mode all the same, its
+    own mode kept, and the same tokens."""
+    probe = inference(torch.is_inference_mode_enabled)
     loop = EngineLoop(engine)
     try:
         assert loop.call(torch.is_inference_mode_enabled)
@@ -219,7 +218,6 @@ def test_the_loop_thread_holds_inference_mode(engine, prompts):
     assert probe() and not torch.is_inference_mode_enabled()  # entered for the call, left after it
     with torch.inference_mode():
         assert probe()
-    assert seen == [True, True]
     assert [t for out in engine.generate(prompts[0], SamplingParams(max_tokens=12)) for t in out.token_ids] == held
     assert not torch.is_inference_mode_enabled()
 

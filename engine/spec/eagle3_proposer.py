@@ -165,8 +165,9 @@ class Eagle3Proposer:
     def propose(self, seqs: list[Sequence], chain_slots: list[int]) -> list[Proposal]:
         if not any(chain_slots) and self.unprojected_rows <= CATCH_UP * len(seqs):
             # Nobody drafts this step (a plain step of the governor's): the target's features wait,
-            # to be projected and written in one batch when drafting resumes or they pile up. (Outside
-            # `_propose`: a caller not in inference mode would enter it for nothing, ~40 us cold.)
+            # to be projected and written in one batch when drafting resumes or they pile up. (Before
+            # `inference`: even with the mode on already, this call took 55 us cold through it, 18
+            # without.)
             return [Proposal([]) for _ in seqs]
         return self._propose(seqs, chain_slots)
 
