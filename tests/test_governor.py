@@ -134,3 +134,37 @@ def test_a_slow_spell_does_not_leave_the_governor_on_the_costlier_way():
         choices.append(drafted)
     assert sum(choices[300:]) <= 0.05 * len(choices[300:])  # its probes alone
     assert g.figures()[1]["plain"] == pytest.approx(3.5)
+
+
+def test_a_probes_lucky_drafting_steps_do_not_flip_the_choice():
+    """Tokens per drafting step are averaged over that way's own recent steps: two lucky probe steps
+    (3 tokens each, where the head's mean is 1.6) after a long run of plain steps leave drafting's
+    figure near its mean. Faded with every step as the times are, they alone set it (6 ms for 3
+    tokens: 2 ms a token against plain's 3.35) and the governor switched to drafting."""
+    g = SpeculationGovernor()
+    for tokens in [1, 2, 1, 2, 2] * 8:  # drafting measured: 6 ms steps, 1.6 tokens (3.75 ms a token)
+        g.record(1, True, 0.006, tokens)
+    for _ in range(300):  # plain decoding taken since: drafting's times fade away
+        g.record(1, False, 0.00335, 1)
+    g.record(1, True, 0.006, 3)  # the probe's first step: a switch, not counted
+    for _ in range(2):
+        g.record(1, True, 0.006, 3)
+    g.record(1, False, 0.00335, 1)  # back: a switch, not counted
+    assert g.figures()[1]["draft"] > g.figures()[1]["plain"]
+    assert not g.should_draft(1)
+
+
+def test_a_way_measured_before_a_slow_spell_is_measured_again_before_it_is_taken():
+    """A spell slows every step, but only the way that runs in it is measured: once plain decoding's
+    figure rises past drafting's, measured before the spell, drafting is probed first (in the spell,
+    as slow) and not taken. Switching outright, the governor drafted for the rest of the spell."""
+    g = SpeculationGovernor()
+    cost = {True: (0.0064, 2), False: (0.0030, 1)}  # 3.2 ms a token drafting, 3.0 plain
+    choices = []
+    for step in range(200):
+        drafted = g.should_draft(1)
+        slow = 1.5 if 100 <= step < 160 else 1.0
+        seconds, tokens = cost[drafted]
+        g.record(1, drafted, seconds * slow, tokens)
+        choices.append(drafted)
+    assert sum(choices[100:160]) <= PROBE_STEPS
