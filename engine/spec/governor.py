@@ -110,8 +110,8 @@ class SpeculationGovernor:
         f.clock += 1
         if tokens <= 0 or switched:
             return
-        # Each way's steps fade by (1 - DECAY) a step at this batch size, whichever way that step
-        # took: the way not chosen, measured by probes alone, keeps little of figures taken long
+        # Each way's step times fade by (1 - DECAY) a step at this batch size, whichever way that step
+        # took: the way not chosen, measured by probes alone, keeps little of times taken long
         # before. (Faded by its own steps only, a figure that one slow spell of the host had raised
         # outlived the spell: a probe's two steps moved it a tenth, and the engine went on drafting
         # at a loss for thousands of steps; bench.peer's EAGLE3 engine ran 1.2x plain's time so.)
