@@ -65,6 +65,10 @@ class _Worker:
     # until it ends (a worker that never names any, of an older version, is counted no longer).
     # A decode request waits here for as long as its prompt's prefill runs elsewhere.
     pending: dict[str, int] = field(default_factory=dict)
+    # Requests whose failed attempt reached this worker before its heartbeats named them (request id
+    # -> heartbeats left to wait): the one that names such a request is late, and must not take a
+    # retry's pending entry of the same id with it (the retry's own arrival is named separately).
+    late: dict[str, int] = field(default_factory=dict)
 
 
 class Registry:
@@ -108,7 +112,7 @@ class Registry:
             if earlier is not None and earlier.registration.address == request.address:
                 # Registered again (e.g. after a lost heartbeat): requests still on their way to it
                 # count as before; any that reached a process restarted here end, and are dropped then.
-                worker.pending = earlier.pending
+                worker.pending, worker.late = earlier.pending, earlier.late
             self._workers[request.worker_id] = worker
             self._index.clear(request.worker_id)  # the snapshot replaces whatever we knew
             self._index.store(request.worker_id, request.cached_block_hashes)
@@ -125,7 +129,10 @@ class Registry:
             if not request.load.total_blocks:
                 worker.load.total_blocks = worker.registration.total_blocks
             for request_id in request.arrived_request_ids:  # the new load counts them
-                worker.pending.pop(request_id, None)
+                if worker.late.pop(request_id, None) is None:
+                    worker.pending.pop(request_id, None)
+            # Two heartbeats: one drained before the late arrival may reach us after the attempt failed.
+            worker.late = {rid: left - 1 for rid, left in worker.late.items() if left > 1}
             for event in request.events:
                 self._index.apply(request.worker_id, event)
             return True
@@ -187,13 +194,16 @@ class Registry:
                 if (worker := self._workers.get(worker_id)) is not None:
                     worker.pending[request_id] = blocks
 
-    def forget_routed(self, worker_ids: Iterable[str], request_id: str) -> None:
+    def forget_routed(self, worker_ids: Iterable[str], request_id: str, reached: Iterable[str] = ()) -> None:
         """Stop counting the request here: its attempt failed (what these workers may still hold
-        of it, their loads count), or it ended."""
+        of it, their loads count), or it ended. `reached`: those of them the failed attempt is known
+        to have reached, whose next heartbeat names it."""
+        reached = set(reached)
         with self._lock:
             for worker_id in worker_ids:
                 if (worker := self._workers.get(worker_id)) is not None:
-                    worker.pending.pop(request_id, None)
+                    if worker.pending.pop(request_id, None) is not None and worker_id in reached:
+                        worker.late[request_id] = 2
 
     def capacity(self) -> int:
         """Requests the cluster runs at once: the decode workers' batches when a prefill and a

@@ -223,7 +223,9 @@ class RouterServicer(router_pb2_grpc.RouterServicer):
             raise
         finally:
             if not arrived:  # on success, the heartbeats naming it take over counting it
-                self._registry.forget_routed(plan.worker_ids(), run.key)
+                # A prefill that answered ran there: its worker's next heartbeat names it, late.
+                reached = [plan.prefill.worker_id] if handle is not None else []
+                self._registry.forget_routed(plan.worker_ids(), run.key, reached)
 
     def _release(self, worker: WorkerView, request_id: str, pin_id: str, wait: bool) -> None:
         """`pin_id`: the handle's (empty: the prefill's answer was lost, so whichever pin it made)."""

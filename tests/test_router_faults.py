@@ -8,7 +8,7 @@ from concurrent import futures
 
 import grpc
 import pytest
-from grpc_health.v1 import health_pb2, health_pb2_grpc
+from grpc_health.v1 import health, health_pb2, health_pb2_grpc
 
 from proto.pdspec.v1 import kv_pb2, kv_pb2_grpc, router_pb2, router_pb2_grpc, worker_pb2, worker_pb2_grpc
 from proto.rpc import FAILED_KV_SOURCE_METADATA_KEY, channel
@@ -98,6 +98,8 @@ def _router_over_fakes(model_dir, fakes: dict, max_num_seqs: dict[str, int] | No
                 request = registration(worker_id, addresses[worker_id], role=role)
                 request.max_num_seqs = (max_num_seqs or {}).get(worker_id, request.max_num_seqs)
                 worker_pb2_grpc.RegistryStub(registry).Register(request, timeout=10)
+                if hasattr(servicer, "registry"):  # a fake that heartbeats
+                    servicer.registry = worker_pb2_grpc.RegistryStub(registry)
             yield router_pb2_grpc.RouterStub(internal)
     finally:
         router.stop(0)
@@ -130,13 +132,46 @@ def test_a_decode_worker_that_blames_its_kv_source_is_not_retried_first(model_di
     assert (broken.sources, healthy.sources, prefill.prefills) == (["prefill-a"], ["prefill-a"], 2)
 
 
+class _LateReportingPrefillWorker(_PrefillWorker):
+    """A prefill worker whose heartbeat naming a request's first prefill lands while its retry's
+    prefill runs (the first attempt's blocks freed by then). Healthy: the probe after the blamed
+    hand-off keeps it routed."""
+
+    registry: worker_pb2_grpc.RegistryStub | None = None  # set once it registered
+
+    def __init__(self, worker_id: str):
+        super().__init__(worker_id)
+        self.health = health.HealthServicer()  # SERVING
+
+    def Prefill(self, request, context):
+        if self.prefills == 1:
+            self.registry.Heartbeat(worker_pb2.HeartbeatRequest(
+                worker_id=self.worker_id, load=worker_pb2.Load(total_blocks=64),
+                arrived_request_ids=[request.request_id]), timeout=10)
+        return super().Prefill(request, context)
+
+
+def test_a_late_report_of_a_failed_attempt_leaves_the_retry_counted(model_dir):
+    """The decode side failed after the prefill ran; the retry's prefill goes to the same worker
+    under the same request id while that worker names the first one, late. The retry still counts
+    in the worker's load (dropped there, the worker looked idle until its next heartbeat)."""
+    prefill = _LateReportingPrefillWorker("prefill-a")
+    fakes = {"prefill-a": prefill, "decode-a": _SourceBlamingDecodeWorker(refusals=10, code=grpc.StatusCode.UNAVAILABLE),
+             "decode-b": _SlowDecodeWorker(first=1)}
+    with _router_over_fakes(model_dir, fakes) as router:
+        stream = router.Generate(HELLO, timeout=30)
+        assert next(stream).text == "x"
+        loads = {w.worker_id: (w.running, w.active_blocks)
+                 for w in router.ListWorkers(router_pb2.ListWorkersRequest(), timeout=10).workers}
+        stream.cancel()
+    assert prefill.prefills == 2 and loads["prefill-a"] == (1, 1)
+
+
 class _TroubledDecodeWorker(worker_pb2_grpc.DecodeWorkerServicer):
     """A decode worker whose engine is in trouble: its calls fail, its health checks answer
     NOT_SERVING (serving/engine_health.py)."""
 
     def __init__(self, message: str = "injected: the engine's last 3 steps failed"):
-        from grpc_health.v1 import health
-
         self.health, self.calls, self.message = health.HealthServicer(), 0, message
         self.health.set("", health_pb2.HealthCheckResponse.NOT_SERVING)
 

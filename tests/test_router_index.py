@@ -1,5 +1,7 @@
 """The router's KV index and registry, fed with the KV events of real BlockManagers."""
 
+from collections.abc import Callable
+
 import grpc
 import pytest
 
@@ -156,20 +158,28 @@ def test_registration_snapshot_replaces_what_the_index_knew(cluster):
     assert registry.prefix_overlaps(continued(prompt))[0] == {"a": 2}
 
 
+def _load_of_a(registry: Registry) -> Callable[[], tuple[int, int]]:
+    def load() -> tuple[int, int]:
+        view = {v.worker_id: v for v in registry.workers()}["a"]
+        return view.running, view.active_blocks
+
+    return load
+
+
+def _heartbeat_of_a(registry: Registry) -> Callable[[int, int, list[str]], None]:
+    def heartbeat(running: int, blocks: int, arrived: list[str]) -> None:
+        registry.heartbeat(worker_pb2.HeartbeatRequest(worker_id="a", arrived_request_ids=arrived,
+                                                       load=worker_pb2.Load(active_blocks=blocks, running=running)))
+
+    return heartbeat
+
+
 def test_a_routed_request_counts_once_until_its_workers_heartbeat_names_it(cluster):
     """The router counts a request it routed until the worker's load does: a heartbeat sent before
     the worker had the request (a long prompt's prefill elsewhere takes seconds) does not count it,
     one after it does, and names it; counted by both, it made its worker look busier than it was."""
     registry, w, _ = cluster
-
-    def load() -> tuple[int, int]:
-        view = {v.worker_id: v for v in registry.workers()}["a"]
-        return view.running, view.active_blocks
-
-    def heartbeat(running: int, blocks: int, arrived: list[str]) -> None:
-        registry.heartbeat(worker_pb2.HeartbeatRequest(worker_id="a", arrived_request_ids=arrived,
-                                                       load=worker_pb2.Load(active_blocks=blocks, running=running)))
-
+    load, heartbeat = _load_of_a(registry), _heartbeat_of_a(registry)
     registry.note_routed(["a", "b"], "r1", 5)
     assert load() == (1, 5)
     heartbeat(0, 0, [])  # before r1 reached it
@@ -192,6 +202,40 @@ def test_a_routed_request_counts_once_until_its_workers_heartbeat_names_it(clust
     assert running_on_b() == 1
     registry.forget_routed(["a", "b"], "r1")  # it ended, never named by b (a worker of an older version)
     assert running_on_b() == 0
+
+
+def test_a_failed_attempts_late_arrival_leaves_its_retry_counted(cluster):
+    """A prefill that ran on a worker whose heartbeats had not named it yet, and whose decode then
+    failed: the worker names it late, maybe after the retry was routed to it under the same id. That
+    naming is the failed attempt's; the retry stays counted until its own arrival is named."""
+    registry, _, _ = cluster
+    load, heartbeat = _load_of_a(registry), _heartbeat_of_a(registry)
+    registry.note_routed(["a", "b"], "r1", 5)
+    registry.forget_routed(["a", "b"], "r1", reached=["a"])  # the decode side failed
+    registry.note_routed(["a", "b"], "r1", 5)  # the retry, to the same prefill worker
+    heartbeat(0, 0, ["r1"])  # the first attempt's arrival (its blocks freed since)
+    assert load() == (1, 5)
+    heartbeat(1, 5, ["r1"])  # the retry's
+    assert load() == (1, 5)
+    heartbeat(0, 0, [])  # it ended there: no longer counted
+    assert load() == (0, 0)
+    registry.forget_routed(["a", "b"], "r1")  # it ended
+    # Both arrivals in one heartbeat: named twice.
+    registry.note_routed(["a", "b"], "r2", 4)
+    registry.forget_routed(["a", "b"], "r2", reached=["a"])
+    registry.note_routed(["a", "b"], "r2", 4)
+    heartbeat(1, 4, ["r2", "r2"])
+    heartbeat(1, 4, [])
+    assert load() == (1, 4)
+    # A late naming that never comes (the worker died and restarted) expires after two heartbeats.
+    registry.forget_routed(["a", "b"], "r2")
+    registry.note_routed(["a", "b"], "r3", 2)
+    registry.forget_routed(["a", "b"], "r3", reached=["a"])
+    heartbeat(0, 0, [])
+    heartbeat(0, 0, [])
+    registry.note_routed(["a", "b"], "r3", 2)
+    heartbeat(1, 2, ["r3"])
+    assert load() == (1, 2)
 
 
 @pytest.mark.parametrize("change, code, field", [
