@@ -16,6 +16,8 @@ import logging
 import math
 import os
 import signal
+from collections.abc import Callable
+from typing import TypeVar
 
 # Ray rewrites 127.0.0.1 to the host's outward address (so that other machines could join)
 # unless this is off, and the private Ray of start() would then listen beyond loopback. It only
@@ -37,6 +39,7 @@ from proto.rpc import free_port, wait_healthy
 from serving.roles import WORKER_ROLES
 
 log = logging.getLogger(__name__)
+T = TypeVar("T")
 
 NAMESPACE = "pdspec"
 ROUTER = "router"
@@ -299,24 +302,36 @@ def _connect(address: str | None) -> bool:
 
 def _start_local_ray(attempts: int = 3) -> None:
     """A new private single-machine Ray ("local": never one that `ray start` recorded; pdspec
-    exports its own metrics, so no dashboard). Ray gives its raylet a fixed 30 s to register (not
-    configurable), which a loaded 2-core host sometimes misses, twice in a row once in clean-clone
-    CI: that attempt's processes are killed, and Ray started again, up to `attempts` times. A start
-    that fails for good leaves nothing running either."""
-    for attempt in range(1, attempts + 1):
-        before = child_pids()
+    exports its own metrics, so no dashboard)."""
+    def start() -> None:
         try:
             ray.init(address="local", _node_ip_address="127.0.0.1", include_dashboard=False, namespace=NAMESPACE)
-            return
-        except BaseException as e:  # Ray raises a bare Exception for a missed start-up; Ctrl-C cleans up too
-            with contextlib.suppress(Exception):  # its own error must not hide Ray's, nor skip the kills
+        except BaseException:
+            with contextlib.suppress(Exception):  # its own error must not hide Ray's
                 ray.shutdown()
+            raise
+
+    start_ray_again_on_missed_window(start, attempts)
+
+
+def start_ray_again_on_missed_window(start: Callable[[], T], attempts: int = 3) -> T:
+    """`start()`'s result. Ray gives each node's raylet a fixed 30 s to register (not
+    configurable), which a loaded 2-core host sometimes misses, twice in a row once in clean-clone
+    CI: that attempt's processes are killed (`start` undoes what it knows of itself), and Ray
+    started again, up to `attempts` times. A start that fails for good leaves nothing running either."""
+    attempt = 1
+    while True:
+        before = child_pids()
+        try:
+            return start()
+        except BaseException as e:  # Ray raises a bare Exception for a missed start-up; Ctrl-C cleans up too
             for pid in child_pids() - before:  # the half-started GCS and raylet (theirs die with them)
                 with contextlib.suppress(ProcessLookupError):
                     os.kill(pid, signal.SIGKILL)
-            if "timed out during startup" not in str(e) or attempt == attempts:
+            if "timed out during startup" not in str(e) or attempt >= attempts:
                 raise
-            log.warning("Ray's local node missed its start-up window (%s); starting it again", e)
+            log.warning("Ray's node missed its start-up window (%s); starting it again", e)
+            attempt += 1
 
 
 def _deployed() -> list[str]:

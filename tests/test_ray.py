@@ -5,7 +5,6 @@ Reference answers come from the in-process engine on the same EngineConfig (n-gr
 no trained EAGLE3 head is involved): greedy output must be token-identical.
 """
 
-import contextlib
 import os
 import threading
 import time
@@ -18,7 +17,8 @@ import pytest
 import yaml
 
 from deploy.config import ConfigError, DeploymentConfig, load_config, parse_config
-from deploy.ray_launch import RayCluster, check_feasible, replica_options, stop_deployment
+from deploy.ray_launch import (RayCluster, check_feasible, replica_options, start_ray_again_on_missed_window,
+                               stop_deployment)
 from engine.config import EngineConfig
 from engine.engine import Engine
 from engine.params import SamplingParams
@@ -204,26 +204,19 @@ def two_nodes():
 
 
 def _start_two_nodes(attempts: int = 3) -> Cluster:
-    """Ray gives each node's raylet a fixed 30 s to register (not configurable), which a clean-clone
-    CI run on two busy cores once missed for the second node: as deploy/ray_launch.py does for a
-    local Ray, that attempt's processes are stopped and both nodes started again."""
-    for attempt in range(1, attempts + 1):
-        before, cluster = {p.pid for p in psutil.Process().children(recursive=True)}, None
+    """Started again if a node misses Ray's start-up window, as deploy/ray_launch.py starts a local Ray."""
+    def start() -> Cluster:
+        cluster = Cluster(initialize_head=True, head_node_args={
+            "node_ip_address": "127.0.0.1", "num_cpus": 2, "resources": {"prefill_node": 1},
+            "include_dashboard": False})
         try:
-            cluster = Cluster(initialize_head=True, head_node_args={
-                "node_ip_address": "127.0.0.1", "num_cpus": 2, "resources": {"prefill_node": 1},
-                "include_dashboard": False})
             cluster.add_node(node_ip_address="127.0.0.1", num_cpus=2, resources={"decode_node": 1})
             return cluster
-        except Exception as e:  # Ray raises a bare Exception for a missed start-up
-            if cluster is not None:
-                cluster.shutdown()  # the head (a node that missed its start is not in the cluster's list)
-            for process in _children_since(before):
-                with contextlib.suppress(psutil.NoSuchProcess):
-                    process.kill()
-            _assert_all_exit(_children_since(before))
-            if "timed out during startup" not in str(e) or attempt == attempts:
-                raise
+        except BaseException:
+            cluster.shutdown()  # the head (a node that missed its start is not in the cluster's list)
+            raise
+
+    return start_ray_again_on_missed_window(start, attempts)
 
 
 @pytest.fixture(scope="module")
