@@ -19,6 +19,7 @@ import logging
 import threading
 import time
 import uuid
+from collections.abc import Callable
 from dataclasses import dataclass
 
 import grpc
@@ -272,16 +273,18 @@ class NixlConnector(BaseConnector):
                 log.warning("NIXL could not drop the agent of %s (left loaded, asked again in %.0f s): %s",
                             address, SOURCE_IDLE_S, e)
 
-    def _forget_unless_busy(self, address: str, source: _Source) -> None:
-        """_forget, unless another pull holds the address's lock (fetching metadata, which may take
-        until its deadline: a pull's end must not wait that long): `source` stays marked
-        forgotten then, unused by new pulls, and _forget_idle drops it later."""
+    def _forget_unless_busy(self, address: str, source: _Source, still: Callable[[], bool] = lambda: True) -> None:
+        """_forget (if `still()`, asked under the locks), unless another pull holds the address's
+        lock (fetching metadata, which may take until its deadline: a pull's end must not wait that
+        long; or it takes the source up, or replaces it): `source` stays marked forgotten then,
+        unused by new pulls, and _forget_idle drops it later."""
         lock = self._address_lock(address)
         if not lock.acquire(blocking=False):
             return
         try:
             with self._lock:
-                self._forget(address, source)
+                if still():
+                    self._forget(address, source)
         finally:
             lock.release()
 
@@ -295,15 +298,8 @@ class NixlConnector(BaseConnector):
             unused += [s for s in self._agents.values() if s.forgotten and not s.users and not s.uncancelled_read
                        and (not s.removal_refused or idle(s, now))]
         for source in unused:
-            lock = self._address_lock(source.address)
-            if not lock.acquire(blocking=False):  # a pull is fetching the address's agent: it takes it up or replaces it
-                continue
-            try:
-                with self._lock:
-                    if not source.users and (source.forgotten or idle(source, now)):
-                        self._forget(source.address, source)
-            finally:
-                lock.release()
+            self._forget_unless_busy(source.address, source,
+                                     lambda s=source: not s.users and (s.forgotten or idle(s, now)))
 
     def _read(self, source: _Source, handle: kv_pb2.KVHandle, remote_block_ids: list[int],
               local_block_ids: list[int], deadline: float, cancel: Cancellation) -> None:
