@@ -100,6 +100,11 @@ class EngineLoop:
         """Abort a request (its stream gets a finished "abort" output); whether it was found."""
         return self.call(self._abort, request_id)
 
+    def abort_attempt(self, request_id: str, outputs: queue.SimpleQueue[RequestOutput]) -> bool:
+        """`abort`, if the request running under that id is the one whose output queue is
+        `outputs`: a caller giving up on its attempt must not abort a later one of the same id."""
+        return self.call(lambda: self.outputs.get(request_id) is outputs and self._abort(request_id))
+
     def post_logged(self, what: str, fn: Callable, *args) -> None:
         """`post` for a command nobody waits for: its failure is logged as `what` failing."""
         def log_failure(future: Future) -> None:

@@ -66,11 +66,18 @@ class PrefillServicer(worker_pb2_grpc.PrefillWorkerServicer):
             out = outputs.get(timeout=time_left(context))  # an abort always ends the queue too
             computed.set()
         except queue.Empty:
-            if not self.loop.abort(rid):  # handed off meanwhile, and nothing will pin its blocks: free them
-                self._free(rid)
+            # The request's last output is in `outputs` unless it still runs. Handed off meanwhile,
+            # its blocks are freed here (nothing will pin them; and no other attempt of its id runs
+            # until they are). Aborted already by the callback above, a retry of its id may run
+            # now: it is left alone.
+            if not self.loop.abort_attempt(rid, outputs):
+                last = None if outputs.empty() else outputs.get_nowait()
+                if last is not None and last.finish_reason == "prefilled":
+                    self._free(rid)
             context.abort(grpc.StatusCode.DEADLINE_EXCEEDED, f"prefill of {rid} did not finish before the deadline")
-        if out.finish_reason != "prefilled":  # e.g. a failed step that had handed it off: its blocks go
-            self._free(rid)
+        if out.finish_reason != "prefilled":
+            # Its blocks are free already (a failed step's hand-offs the loop releases), and freeing
+            # by id now could free those of a retry under the same id, handed off since.
             why = "the engine failed a step (its log has the cause)" if out.finish_reason == "error" else out.finish_reason
             context.abort(grpc.StatusCode.UNAVAILABLE, f"prefill of {rid} ended: {why}")
         h = out.handle
@@ -80,7 +87,7 @@ class PrefillServicer(worker_pb2_grpc.PrefillWorkerServicer):
             self._free(rid)
             context.abort(grpc.StatusCode.UNAVAILABLE, f"prefill of {rid}: its blocks could not be pinned: {e}")
         if not context.is_active():  # the router gave up meanwhile: nobody will fetch these blocks
-            self.source.release(rid)
+            self.source.release(rid, pin_id)  # this pin only: a retry's may have replaced it
         return kv_pb2.KVHandle(
             request_id=rid, source_worker_id=self.worker_id, source_address=self.address, layout=self.layout,
             block_ids=h.block_table, num_prompt_tokens=len(request.prompt_token_ids), first_token=h.first_token,

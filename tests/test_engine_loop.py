@@ -11,7 +11,7 @@ from engine.config import EngineConfig
 from engine.engine import Engine
 from engine.inference import inference
 from engine.loop import EngineLoop
-from engine.output import KVHandle
+from engine.output import KVHandle, RequestOutput
 from engine.params import SamplingParams
 
 
@@ -66,6 +66,28 @@ def test_the_loop_names_each_request_it_took_once_for_the_next_heartbeat(prompts
         assert loop.drain_arrivals() == []
     finally:
         loop.stop()
+
+
+def test_an_attempt_gives_up_on_its_own_request_not_a_later_one_of_its_id(prompts):
+    """A caller whose attempt was aborted (its client gone) and whose id then came back aborts
+    nothing of the new attempt's when it gives up late."""
+    loop = EngineLoop(Engine(EngineConfig(num_kv_blocks=64)))
+    params = SamplingParams(max_tokens=512, ignore_eos=True)
+    try:
+        first = loop.submit("r", prompts[0], params)
+        assert loop.abort("r") and _last(first).finish_reason == "abort"
+        second = loop.submit("r", prompts[0], params)
+        assert not loop.abort_attempt("r", first)
+        assert loop.call(lambda: "r" in loop.engine.seqs)
+        assert loop.abort_attempt("r", second) and _last(second).finish_reason == "abort"
+    finally:
+        loop.stop()
+
+
+def _last(outputs) -> RequestOutput:
+    while not (out := outputs.get(timeout=60)).finished:
+        pass
+    return out
 
 
 def test_an_incoming_request_whose_transfer_could_not_be_stopped_never_frees_its_blocks(prompts):
