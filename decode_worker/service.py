@@ -9,6 +9,7 @@ meanwhile. Nothing is dropped silently: every failure ends the stream with a sta
 import dataclasses
 import logging
 import math
+import threading
 import time
 from collections.abc import Iterator
 
@@ -47,7 +48,9 @@ class DecodeServicer(worker_pb2_grpc.DecodeWorkerServicer):
             params = sampling_params(request.sampling, request.speculation)
         except ValidationError as e:
             context.abort(grpc.StatusCode.INVALID_ARGUMENT, str(e))
-        context.add_callback(lambda: self.loop.abort_later(rid))  # client gone: stop it (no-op once finished)
+        # Client gone: stop it (a no-op once finished), unless the id named another call's request.
+        refused_as_taken = threading.Event()
+        context.add_callback(lambda: refused_as_taken.is_set() or self.loop.abort_later(rid))
         try:
             if request.HasField("prefilled"):
                 outputs = self._take_over(request, params, context)
@@ -63,6 +66,7 @@ class DecodeServicer(worker_pb2_grpc.DecodeWorkerServicer):
         except CapacityExceeded as e:
             context.abort(grpc.StatusCode.RESOURCE_EXHAUSTED, str(e))
         except RequestIdInUse as e:
+            refused_as_taken.set()
             context.abort(grpc.StatusCode.ALREADY_EXISTS, str(e))
         if not context.is_active():  # it ended before the request existed here, so its callback found nothing
             self.loop.abort(rid)

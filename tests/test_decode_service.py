@@ -135,6 +135,29 @@ def test_calls_past_twice_a_batch_are_refused_at_once(chat_prompts):
         loop.stop()
 
 
+def test_a_call_refused_for_a_taken_id_leaves_that_request_running(chat_prompts):
+    """A second Decode of a request id running here is ALREADY_EXISTS; its call's end (its client
+    gone, to the worker) aborted the running request of that id, another call's."""
+    loop = EngineLoop(Engine(EngineConfig(num_kv_blocks=NUM_BLOCKS, speculative={"method": "none"})))
+    server, address = _serve(DecodeServicer(loop, None, HandoffMetrics("decode-test")))
+    try:
+        request = worker_pb2.DecodeRequest(request_id="r", prompt_token_ids=chat_prompts[0],
+                                           sampling=common_pb2.SamplingOptions(max_tokens=256, ignore_eos=True))
+        with grpc.insecure_channel(address) as channel:
+            stub = worker_pb2_grpc.DecodeWorkerStub(channel)
+            running = stub.Decode(request, timeout=60)
+            first = next(running)
+            with pytest.raises(grpc.RpcError) as refused:
+                next(stub.Decode(request, timeout=60))
+            assert refused.value.code() == grpc.StatusCode.ALREADY_EXISTS
+            rest = list(running)
+        assert rest[-1].finish_reason == "length"
+        assert len(first.token_ids) + sum(len(r.token_ids) for r in rest) == 256
+    finally:
+        server.stop(None)
+        loop.stop()
+
+
 def test_a_worker_whose_engine_fails_every_step_answers_health_checks_not_serving(chat_prompts):
     """Its heartbeats stop and its health checks (the router's probe after a failed call, Kubernetes'
     liveness) answer NOT_SERVING: they said SERVING whatever the engine did."""
