@@ -277,10 +277,18 @@ class Engine(Handoff):
         which get slots here or are dropped when the pool is short."""
         sampling = [s for s in scheduled if s.yields_token]
         proposals = self.proposer.propose([s.seq for s in sampling], [s.num_lookahead for s in sampling])
-        for s, p in zip(sampling, proposals):
+        # The leaves' verification rows come out of the forward's token budget too (the scheduler
+        # counted the reserved slots): what does not fit is cut, the least likely leaves first.
+        spare = self.config.max_num_batched_tokens - sum(s.num_tokens + s.num_lookahead for s in scheduled)
+        for i, (s, p) in enumerate(zip(sampling, proposals)):
             extra = len(p.token_ids) - s.num_lookahead
+            if extra > max(spare, 0):
+                p = proposals[i] = p.first(s.num_lookahead + max(spare, 0))
+                extra = len(p.token_ids) - s.num_lookahead
             if extra > 0 and not self.blocks.reserve(s.seq.seq_id, extra):  # the chain the slots hold
-                p.token_ids, p.parents = p.chain().token_ids[: s.num_lookahead], None
+                proposals[i] = p.chain().first(s.num_lookahead)
+            elif extra > 0:
+                spare -= extra
         by_seq = {s.seq.seq_id: p for s, p in zip(sampling, proposals)}
         return [by_seq.get(s.seq.seq_id, Proposal([])) for s in scheduled]
 

@@ -134,6 +134,24 @@ def test_a_static_tree_past_its_reserved_slots_is_cut_to_them_when_no_slot_is_le
     assert engine.counters["accepted_tokens"] > 0 and engine.blocks.num_used_blocks == 0
 
 
+def test_tree_leaves_fit_the_forwards_token_budget(spec_prompts, spec_plain_outputs):
+    """max_num_batched_tokens counts the drafts' verification rows: the scheduler grants draft slots
+    within it, and the leaves past them (top-4 trees here, up to 15 tokens a sequence against 5
+    slots) are cut to what it leaves; they went past it (a budget of 16: forwards of up to 32 rows)."""
+    engine = Engine(EngineConfig(num_kv_blocks=64, max_num_batched_tokens=16, speculative={
+        "adaptive": False, "method": "eagle3", "num_speculative_tokens": 5, "draft_top_k": 4,
+        "draft_confidence_threshold": 0.0}))
+    rows, forward = [], engine.runner.forward
+
+    def counted(chunks, *args, **kwargs):
+        rows.append(sum(len(c.token_ids) for c in chunks))
+        return forward(chunks, *args, **kwargs)
+
+    engine.runner.forward = counted
+    assert run_requests(engine, spec_prompts[:3], [SamplingParams(max_tokens=32)] * 3) == spec_plain_outputs[:3]
+    assert max(rows) <= 16 and engine.counters["draft_tokens"] > 0 and engine.blocks.num_used_blocks == 0
+
+
 def test_a_static_token_tree_is_checked_when_configured():
     def spec(**fields):
         return EngineConfig(speculative={"method": "eagle3", **fields})

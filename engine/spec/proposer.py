@@ -50,6 +50,14 @@ class Proposal:
     def chain(self) -> "Proposal":
         return Proposal(self.token_ids[: self.chain_length])
 
+    def first(self, n: int) -> "Proposal":
+        """Its first n tokens: a tree still (a node's parent comes before it), past the chain the
+        least likely leaves dropped (EAGLE3 orders them so)."""
+        if self.parents is None:
+            return Proposal(self.token_ids[:n])
+        parents = self.parents[:n]
+        return Proposal(self.token_ids[:n], None if parents == list(range(-1, len(parents) - 1)) else parents)
+
     def with_branch(self, branch: list[int], max_tokens: int) -> "Proposal":
         """This tree plus `branch`, a path of tokens from the root: its leading tokens that are
         already in the tree are shared, the rest become new nodes at the end. To fit max_tokens,
