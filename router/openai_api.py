@@ -122,11 +122,11 @@ def create_app(generate: Callable, model_name: str, registry: CollectorRegistry,
                 if not body.stream:
                     return JSONResponse(await _whole(call, shape))
                 first = await _next(call)  # a request refused before its first token gets its own HTTP status
-            except asyncio.CancelledError:
-                if not left():  # the server cut it (a drain's grace ran out): its workers stop too
+            except (asyncio.CancelledError, OpenAIError):  # the call ended "the client left" when it did
+                if not left():  # a failure, or the server cut it (a drain's grace ran out): its workers stop too
                     call.cancel()
                     raise
-                return Response(status_code=499)  # nobody reads it: the client closed the connection
+                return Response(status_code=499)  # nobody reads it: logged as the client's, not a server error
         include_usage = body.stream_options is not None and body.stream_options.include_usage
         # The call is cancelled however the response ends (a no-op once it finished), also when the
         # client leaves before the stream's generator has started (its own `finally` never runs then).

@@ -2,6 +2,7 @@
 local disaggregated cluster (router, prefill and decode workers as processes on loopback), and
 the router's request metrics it moves."""
 
+import asyncio
 import json
 import socket
 import time
@@ -10,6 +11,7 @@ import grpc
 import httpx
 import openai
 import pytest
+from prometheus_client import CollectorRegistry
 
 from deploy.config import parse_config
 from deploy.local import LocalCluster
@@ -17,6 +19,7 @@ from engine.tokenizer import Tokenizer
 from tools.loadgen import make_workload, run_load, summarize
 from tools.scrape import metric
 from proto.pdspec.v1 import common_pb2, router_pb2, router_pb2_grpc
+from router.openai_api import create_app
 
 MODEL = "SmolLM2-135M-Instruct"
 QUESTION = [{"role": "user", "content": "Name three primary colors."}]
@@ -352,3 +355,39 @@ def test_load_over_http_accounts_for_every_token(cluster):
     assert summary["itl_ms_p50"] > 0 and summary["tau"] >= 1
     assert summarize(*run_load(cluster.http_url.replace("/v1", "/v2"), workload[:1], 0, 8))["first_error"] \
         .startswith("HTTP 404")
+
+
+@pytest.mark.parametrize("stream", [False, True])
+def test_a_client_that_leaves_before_its_answer_gets_499_not_a_server_error(stream):
+    """The app alone over a Generate that answers nothing until its call ends: the client's hang-up
+    cancels the call, whose "the client left" was answered as a 500 internal_error (logged and
+    counted as the server's failure)."""
+    def generate(request, context):
+        while context.is_active():
+            time.sleep(0.01)
+        yield from ()
+
+    app = create_app(generate, "m", CollectorRegistry(), lambda: True, lambda header: True)
+    body = json.dumps({"model": "m", "messages": [{"role": "user", "content": "Hi"}], "stream": stream}).encode()
+    scope = {"type": "http", "asgi": {"version": "3.0"}, "http_version": "1.1", "method": "POST", "scheme": "http",
+             "path": "/v1/chat/completions", "raw_path": b"/v1/chat/completions", "query_string": b"",
+             "root_path": "", "client": ("127.0.0.1", 1), "server": ("127.0.0.1", 8000),
+             "headers": [(b"content-type", b"application/json"), (b"content-length", str(len(body)).encode())]}
+
+    async def serve_one() -> list[dict]:
+        sent, messages = [], [{"type": "http.request", "body": body, "more_body": False}]
+
+        async def receive() -> dict:
+            if messages:
+                return messages.pop(0)
+            await asyncio.sleep(0.05)
+            return {"type": "http.disconnect"}
+
+        async def send(message: dict) -> None:
+            sent.append(message)
+
+        await app(scope, receive, send)
+        return sent
+
+    sent = asyncio.run(serve_one())
+    assert sent[0]["type"] == "http.response.start" and sent[0]["status"] == 499
