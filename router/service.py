@@ -11,6 +11,7 @@ for full workers) naming the worker.
 """
 
 import logging
+import math
 import threading
 import time
 from collections import Counter
@@ -308,6 +309,9 @@ class RouterServicer(router_pb2_grpc.RouterServicer):
                           f"aggregated one (registered: {dict(roles) or 'none'})")
         log.warning("request %s: gave up after %d failed attempt(s); the last: %s", req.request_id, attempts,
                     failure.logged)
+        if failure.code == grpc.StatusCode.RESOURCE_EXHAUSTED:  # full workers: when to retry, as admission says
+            retry_after_s = math.ceil(_FULL_WORKER_PAUSE_S * (attempts + 1))  # the router's own next pause
+            context.set_trailing_metadata(((rpc.RETRY_AFTER_METADATA_KEY, str(retry_after_s)),))
         context.abort(client_code(failure.code),
                       f"request {req.request_id}: {failure}; gave up after {attempts} failed attempt(s) "
                       f"(router.max_retries={self._config.max_retries}){self._deadline_note(context, failure.code)}")

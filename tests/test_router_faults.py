@@ -11,7 +11,7 @@ import pytest
 from grpc_health.v1 import health, health_pb2, health_pb2_grpc
 
 from proto.pdspec.v1 import kv_pb2, kv_pb2_grpc, router_pb2, router_pb2_grpc, worker_pb2, worker_pb2_grpc
-from proto.rpc import FAILED_KV_SOURCE_METADATA_KEY, channel
+from proto.rpc import FAILED_KV_SOURCE_METADATA_KEY, RETRY_AFTER_METADATA_KEY, channel
 from router.config import RouterConfig
 from router.main import run_router
 from tests.test_router_server import HELLO, TOKEN, registration, rpc_error
@@ -327,6 +327,7 @@ def test_a_full_worker_is_resource_exhausted_for_the_client_and_stays_routed(mod
             stub = router_pb2_grpc.RouterStub(internal)
             e = rpc_error(lambda: list(stub.Generate(HELLO, timeout=10)))
             assert e.code() == grpc.StatusCode.RESOURCE_EXHAUSTED and "KV pool stayed full" in e.details()
+            assert dict(e.trailing_metadata())[RETRY_AFTER_METADATA_KEY] == "1"  # HTTP's Retry-After, as admission's
             time.sleep(2 * 1.0)  # a health probe (1 s timeout) would have dropped it by now
             assert [w.worker_id for w in stub.ListWorkers(router_pb2.ListWorkersRequest(), timeout=10).workers] == ["agg"]
     finally:
