@@ -40,7 +40,10 @@ sequence leaves (its full blocks stay in the prefix cache, and a request that re
 their draft entries too).
 While a sequence lags, up to CATCH_UP of its positions have no draft entries yet; a request
 reusing those blocks meanwhile drafts from stale ones there, which costs acceptance, never
-correctness (verification decides every token).
+correctness (verification decides every token). So does one entry of every prefix hit whose
+prompt goes on differently: the entry at a reused block's last position was computed with the
+token after it, the next block's first, which the block's hash does not cover; the new request
+cannot rewrite it (the block is shared) and has no target features there to rewrite it from.
 
 With top_k > 1, each draft step also proposes the head's next k - 1 choices at that position as
 leaves of a tree: siblings of the chain's token, verified in the same target forward but not
