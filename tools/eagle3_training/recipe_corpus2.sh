@@ -1,12 +1,13 @@
 #!/usr/bin/env bash
 # Corpus part 2 (issue 18: >= 20M answer tokens of the target's own answers; part 1,
-# recipe_corpus.sh, holds 6.2M), then a head trained from scratch on both parts. Part 1 used 20,000
+# recipe_corpus.sh, holds 4.96M), then a head trained from scratch on both parts. Part 1 used 20,000
 # of the 23,808 templated prompts there are, so part 2 is mostly prompts the target writes itself:
 # 30,000 (ten files of 3,000, each resumable batch by batch; duplicates and part 1's prompts dropped), half of them
 # followed by a second turn; plus two more turns after each of part 1's single-turn prompts (their
 # first answers repeat part 1's; each such conversation adds two new answers). Estimated ~80K new
 # answers (~13M answer tokens at part 1's 162 an answer; fewer, a follow-up being asked only after
-# an answer that ended) beside ~19K repeated first answers: several sessions of both cores (run
+# an answer that ended) beside ~19K repeated first answers; distilled, its shards held 9.10M answer
+# tokens with 18,997 repeats (both parts 14.06M: BENCHMARKS). Several sessions of both cores (run
 # again to go on; every step resumes where it stopped). Shards, the mix and checkpoints stay outside the repository; part 1's
 # shards are linked into this run's data.
 #   RUN1=DIR RUN=DIR HOURS=H bash tools/eagle3_training/recipe_corpus2.sh
