@@ -278,13 +278,12 @@ class Engine(Handoff):
         sampling = [s for s in scheduled if s.yields_token]
         proposals = self.proposer.propose([s.seq for s in sampling], [s.num_lookahead for s in sampling])
         # The leaves' verification rows come out of the forward's token budget too (the scheduler
-        # counted the reserved slots): what does not fit is cut, the least likely leaves first.
+        # kept the reserved slots within it): what does not fit is cut, the least likely leaves first.
         spare = self.config.max_num_batched_tokens - sum(s.num_tokens + s.num_lookahead for s in scheduled)
         for i, (s, p) in enumerate(zip(sampling, proposals)):
+            if len(p.token_ids) > s.num_lookahead + spare:
+                p = proposals[i] = p.first(s.num_lookahead + spare)
             extra = len(p.token_ids) - s.num_lookahead
-            if extra > max(spare, 0):
-                p = proposals[i] = p.first(s.num_lookahead + max(spare, 0))
-                extra = len(p.token_ids) - s.num_lookahead
             if extra > 0 and not self.blocks.reserve(s.seq.seq_id, extra):  # the chain the slots hold
                 proposals[i] = p.chain().first(s.num_lookahead)
             elif extra > 0:
