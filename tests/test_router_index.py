@@ -1,6 +1,6 @@
 """The router's KV index and registry, fed with the KV events of real BlockManagers."""
 
-from collections.abc import Callable
+from functools import partial
 
 import grpc
 import pytest
@@ -158,20 +158,14 @@ def test_registration_snapshot_replaces_what_the_index_knew(cluster):
     assert registry.prefix_overlaps(continued(prompt))[0] == {"a": 2}
 
 
-def _load_of_a(registry: Registry) -> Callable[[], tuple[int, int]]:
-    def load() -> tuple[int, int]:
-        view = {v.worker_id: v for v in registry.workers()}["a"]
-        return view.running, view.active_blocks
-
-    return load
+def _load_of_a(registry: Registry) -> tuple[int, int]:
+    view = {v.worker_id: v for v in registry.workers()}["a"]
+    return view.running, view.active_blocks
 
 
-def _heartbeat_of_a(registry: Registry) -> Callable[[int, int, list[str]], None]:
-    def heartbeat(running: int, blocks: int, arrived: list[str]) -> None:
-        registry.heartbeat(worker_pb2.HeartbeatRequest(worker_id="a", arrived_request_ids=arrived,
-                                                       load=worker_pb2.Load(active_blocks=blocks, running=running)))
-
-    return heartbeat
+def _heartbeat_of_a(registry: Registry, running: int, blocks: int, arrived: list[str]) -> None:
+    registry.heartbeat(worker_pb2.HeartbeatRequest(worker_id="a", arrived_request_ids=arrived,
+                                                   load=worker_pb2.Load(active_blocks=blocks, running=running)))
 
 
 def test_a_routed_request_counts_once_until_its_workers_heartbeat_names_it(cluster):
@@ -179,7 +173,7 @@ def test_a_routed_request_counts_once_until_its_workers_heartbeat_names_it(clust
     the worker had the request (a long prompt's prefill elsewhere takes seconds) does not count it,
     one after it does, and names it; counted by both, it made its worker look busier than it was."""
     registry, w, _ = cluster
-    load, heartbeat = _load_of_a(registry), _heartbeat_of_a(registry)
+    load, heartbeat = partial(_load_of_a, registry), partial(_heartbeat_of_a, registry)
     registry.note_routed(["a", "b"], "r1", 5)
     assert load() == (1, 5)
     heartbeat(0, 0, [])  # before r1 reached it
@@ -209,7 +203,7 @@ def test_a_failed_attempts_late_arrival_leaves_its_retry_counted(cluster):
     failed: the worker names it late, maybe after the retry was routed to it under the same id. That
     naming is the failed attempt's; the retry stays counted until its own arrival is named."""
     registry, _, _ = cluster
-    load, heartbeat = _load_of_a(registry), _heartbeat_of_a(registry)
+    load, heartbeat = partial(_load_of_a, registry), partial(_heartbeat_of_a, registry)
     registry.note_routed(["a", "b"], "r1", 5)
     registry.forget_routed(["a", "b"], "r1", reached=["a"])  # the decode side failed
     registry.note_routed(["a", "b"], "r1", 5)  # the retry, to the same prefill worker
