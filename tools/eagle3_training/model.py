@@ -96,7 +96,13 @@ class TrainableEagle3(nn.Module):
         return x * cos + torch.cat([-x[..., half:], x[..., :half]], dim=-1) * sin
 
     def unroll(self, features: torch.Tensor, tokens: torch.Tensor, valid: torch.Tensor, steps: int) -> list[torch.Tensor]:
-        """Draft logits [B, T, N] for each of `steps` unroll steps.
+        """Draft logits [B, T, N] for each of `steps` unroll steps (see unroll_normed)."""
+        return [self.lm_head(normed) for normed in self.unroll_normed(features, tokens, valid, steps)]
+
+    def unroll_normed(self, features: torch.Tensor, tokens: torch.Tensor, valid: torch.Tensor,
+                      steps: int) -> list[torch.Tensor]:
+        """The head's final-normed output [B, T, H] (what its lm_head reads) for each of `steps`
+        unroll steps.
 
         features: [B, T, 3H] target features at each position; tokens: [B, T]; valid: [B, T] bool,
         positions holding real tokens. Step k at index t reads token t+1+k and predicts t+2+k.
@@ -106,7 +112,7 @@ class TrainableEagle3(nn.Module):
         causal = torch.tril(torch.ones(t, t, dtype=torch.bool, device=features.device))
         key_ok = causal[None, None] & valid[:, None, None, :]  # [B, 1, T, T]
         caches = [([], []) for _ in range(1 + len(self.deeper))]  # each layer's keys and values per step
-        logits = []
+        normed = []
         for k in range(steps):
             ids = F.pad(tokens[:, 1 + k :], (0, 1 + k))  # token t+1+k (0 past the end; masked by labels)
             x = torch.cat([self._rms(self.embed[ids], self.input_layernorm), self._rms(hidden, self.hidden_norm)], -1)
@@ -114,8 +120,8 @@ class TrainableEagle3(nn.Module):
             hidden = self._block(self, x, hidden, positions, *caches[0], key_ok)
             for layer, cache in zip(self.deeper, caches[1:]):
                 hidden = self._block(layer, self._rms(hidden, layer.input_layernorm), hidden, positions, *cache, key_ok)
-            logits.append(self.lm_head(self._rms(hidden, self.norm)))
-        return logits
+            normed.append(self._rms(hidden, self.norm))
+        return normed
 
     def _block(self, layer: nn.Module, x: torch.Tensor, hidden: torch.Tensor, positions: torch.Tensor,
                keys: list, values: list, key_ok: torch.Tensor) -> torch.Tensor:
@@ -137,15 +143,22 @@ class TrainableEagle3(nn.Module):
 
     @staticmethod
     def _attend(q, keys, values, key_ok) -> torch.Tensor:
-        """Step-0 keys causally, later steps' keys only at the query's own index (the TTT cache)."""
-        scale = 1.0 / math.sqrt(q.shape[-1])
-        scores = [(q @ keys[0].transpose(-1, -2) * scale).masked_fill(~key_ok, float("-inf"))]
-        scores += [((q * kj).sum(-1) * scale).unsqueeze(-1) for kj in keys[1:]]
-        probs = torch.softmax(torch.cat(scores, -1), dim=-1)
+        """Step-0 keys causally, later steps' keys only at the query's own index (the TTT cache).
+
+        The [B, heads, T, T] scores are the step's largest tensors: they are scaled through q,
+        split (not sliced: a slice's backward zero-fills a whole copy) and, under autocast,
+        kept in bf16 through the softmax (which accumulates in fp32; the matmul after it reads
+        bf16 anyway)."""
         t = q.shape[2]
-        out = probs[..., :t] @ values[0]
+        q = q * (1.0 / math.sqrt(q.shape[-1]))
+        causal = (q @ keys[0].transpose(-1, -2)).masked_fill(~key_ok, float("-inf"))
+        own = [(q * kj).sum(-1, keepdim=True).to(causal.dtype) for kj in keys[1:]]
+        with torch.autocast("cpu", enabled=False):
+            probs = torch.softmax(torch.cat([causal, *own], -1), dim=-1)
+        to_causal, to_own = probs.split([t, len(own)], -1)
+        out = to_causal @ values[0]
         for j, vj in enumerate(values[1:]):
-            out = out + probs[..., t + j : t + j + 1] * vj
+            out = out + to_own[..., j : j + 1] * vj
         return out
 
     def labels(self, tokens: torch.Tensor, loss_mask: torch.Tensor, step: int) -> torch.Tensor:

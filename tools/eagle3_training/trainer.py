@@ -18,7 +18,6 @@ from dataclasses import asdict, dataclass, replace
 from pathlib import Path
 
 import torch
-import torch.nn.functional as F
 import xxhash
 from safetensors import safe_open
 from tqdm import tqdm
@@ -30,6 +29,7 @@ from engine.loader import load_weights
 from engine.model_dir import resolve_model_dir
 from engine.spec.eagle3_model import head_aux_layer_ids
 from tools.eagle3_training.features import TargetFeatures
+from tools.eagle3_training.head_loss import head_soft_label_loss
 from tools.eagle3_training.model import TrainableEagle3, exported_depth, exported_mlp_width, exported_vocab
 from tools.eagle3_training.run_dir import held
 
@@ -343,19 +343,19 @@ def _train_step(model, teacher, optim, lr_scale, features, final_hidden, tokens,
         group["lr"] = cfg.lr * lr_scale
     # bf16 GEMMs (AVX512-BF16/AMX where the CPU has them) with fp32 master weights and loss.
     with torch.autocast("cpu", dtype=torch.bfloat16):
-        logits = model.unroll(features, tokens, valid, cfg.ttt_steps)
+        normed = model.unroll_normed(features, tokens, valid, cfg.ttt_steps)
     loss, metrics = 0.0, {"tokens": int(valid.sum()), "answer_tokens": int(loss_mask.sum())}
-    labels_at = [model.labels(tokens, loss_mask, k) for k in range(len(logits))]
+    labels_at = [model.labels(tokens, loss_mask, k) for k in range(len(normed))]
     masks = [labels >= 0 for labels in labels_at]
     target_p, row_of = _target_probs(teacher, final_hidden, masks)
-    for k, (step_logits, labels, mask) in enumerate(zip(logits, labels_at, masks)):
+    for k, (step_normed, labels, mask) in enumerate(zip(normed, labels_at, masks)):
         if not mask.any():
             continue
         rows, cols = mask.nonzero(as_tuple=True)
-        step_p = target_p[row_of[rows, cols + 1 + k]]
-        step_loss = -(step_p * F.log_softmax(step_logits[mask].float(), dim=-1)).sum(-1).mean()
+        step_loss, accuracy = head_soft_label_loss(step_normed[mask], model.lm_head.weight, target_p,
+                                                   row_of[rows, cols + 1 + k], labels[mask])
         loss = loss + 0.8**k * step_loss
-        metrics[f"acc{k}"] = round(float((step_logits[mask].argmax(-1) == labels[mask]).float().mean()), 3)
+        metrics[f"acc{k}"] = round(accuracy, 3)
     if not torch.is_tensor(loss):
         return metrics
     optim.zero_grad(set_to_none=True)
