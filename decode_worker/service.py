@@ -9,7 +9,7 @@ meanwhile. Nothing is dropped silently: every failure ends the stream with a sta
 import dataclasses
 import logging
 import math
-import threading
+import queue
 import time
 from collections.abc import Iterator
 
@@ -48,14 +48,15 @@ class DecodeServicer(worker_pb2_grpc.DecodeWorkerServicer):
             params = sampling_params(request.sampling, request.speculation)
         except ValidationError as e:
             context.abort(grpc.StatusCode.INVALID_ARGUMENT, str(e))
-        # Client gone: stop it (a no-op once finished), unless the id named another call's request.
-        refused_as_taken = threading.Event()
-        context.add_callback(lambda: refused_as_taken.is_set() or self.loop.abort_later(rid))
+        # This call's attempt, named by its output queue from the start: every abort below stops it,
+        # never a later call's request of the same id (a retry admitted before this call's cleanup ran).
+        outputs: queue.SimpleQueue[RequestOutput] = queue.SimpleQueue()
+        context.add_callback(lambda: self.loop.abort_attempt_later(rid, outputs))  # client gone: stop it
         try:
             if request.HasField("prefilled"):
-                outputs = self._take_over(request, params, context)
+                self._take_over(request, params, context, outputs)
             elif self.connector is None:  # aggregated worker: prefill here
-                outputs = self.loop.submit(rid, list(request.prompt_token_ids), params)
+                self.loop.submit(rid, list(request.prompt_token_ids), params, outputs=outputs)
             else:
                 context.abort(grpc.StatusCode.FAILED_PRECONDITION, "this decode worker only takes prefilled requests")
         except InvalidRequest as e:
@@ -66,10 +67,9 @@ class DecodeServicer(worker_pb2_grpc.DecodeWorkerServicer):
         except CapacityExceeded as e:
             context.abort(grpc.StatusCode.RESOURCE_EXHAUSTED, str(e))
         except RequestIdInUse as e:
-            refused_as_taken.set()
             context.abort(grpc.StatusCode.ALREADY_EXISTS, str(e))
         if not context.is_active():  # it ended before the request existed here, so its callback found nothing
-            self.loop.abort(rid)
+            self.loop.abort_attempt(rid, outputs)
         finished = False
         try:
             while not finished:
@@ -81,12 +81,13 @@ class DecodeServicer(worker_pb2_grpc.DecodeWorkerServicer):
                 yield _response(out)
         finally:  # the stream closed before the request finished (its client left): stop it
             if not finished:
-                self.loop.abort_later(rid)
+                self.loop.abort_attempt_later(rid, outputs)
 
     def Abort(self, request, context) -> common_pb2.AbortResponse:
         return common_pb2.AbortResponse(found=self.loop.abort(request.request_id))
 
-    def _take_over(self, request, params, context):
+    def _take_over(self, request, params, context, outputs: queue.SimpleQueue[RequestOutput]) -> None:
+        """Pull a prefilled request's KV into blocks reserved here and admit it, its outputs to `outputs`."""
         rid, handle = request.request_id, request.prefilled
         prompt = list(request.prompt_token_ids)
         block_size = self.loop.engine.config.block_size
@@ -110,9 +111,8 @@ class DecodeServicer(worker_pb2_grpc.DecodeWorkerServicer):
                                 min(self.transfer_timeout_s, context.time_remaining()), cancel)
             self.handoffs.observe(time.perf_counter() - started,
                                   (end - first) * self.loop.engine.runner.layout.bytes_per_block())
-            outputs = self.loop.admit_prefilled(rid, _engine_handle(handle, table))
+            self.loop.admit_prefilled(rid, _engine_handle(handle, table), outputs)
             admitted = True
-            return outputs
         except KVTransferError as e:
             if e.may_still_write:  # never reuse blocks a transfer may still write into
                 self.loop.call(self.loop.engine.retire_incoming, rid)

@@ -67,13 +67,16 @@ class EngineLoop:
         self._wake.set()
         return future
 
-    def submit(self, request_id: str, prompt: list[int], params: SamplingParams,
-               prefill_only: bool = False) -> queue.SimpleQueue[RequestOutput]:
-        """Queue a request and return its output queue; raises InvalidRequest/CapacityExceeded."""
+    def submit(self, request_id: str, prompt: list[int], params: SamplingParams, prefill_only: bool = False,
+               outputs: queue.SimpleQueue[RequestOutput] | None = None) -> queue.SimpleQueue[RequestOutput]:
+        """Queue a request and return its output queue (`outputs`, if given: a caller that made it
+        first can name its attempt to `abort_attempt` before this returns); raises
+        InvalidRequest/CapacityExceeded/RequestIdInUse."""
         def add():
             self.engine.add_request(prompt, params, request_id, prefill_only=prefill_only)
             self.arrivals.append(request_id)
-            return self.outputs.setdefault(request_id, queue.SimpleQueue())
+            self.outputs[request_id] = queue.SimpleQueue() if outputs is None else outputs
+            return self.outputs[request_id]
 
         return self.call(add)
 
@@ -87,12 +90,14 @@ class EngineLoop:
 
         return self.call(take)
 
-    def admit_prefilled(self, request_id: str, handle: KVHandle) -> queue.SimpleQueue[RequestOutput]:
+    def admit_prefilled(self, request_id: str, handle: KVHandle,
+                        outputs: queue.SimpleQueue[RequestOutput] | None = None) -> queue.SimpleQueue[RequestOutput]:
+        """Engine.admit_prefilled; returns the request's output queue (`outputs`, as in `submit`)."""
         def admit():
             first = self.engine.admit_prefilled(request_id, handle)  # may finish it already
-            outputs = self.outputs[request_id] = queue.SimpleQueue()
+            mine = self.outputs[request_id] = queue.SimpleQueue() if outputs is None else outputs
             self._dispatch([first])
-            return outputs
+            return mine
 
         return self.call(admit)
 
@@ -103,7 +108,11 @@ class EngineLoop:
     def abort_attempt(self, request_id: str, outputs: queue.SimpleQueue[RequestOutput]) -> bool:
         """`abort`, if the request running under that id is the one whose output queue is
         `outputs`: a caller giving up on its attempt must not abort a later one of the same id."""
-        return self.call(lambda: self.outputs.get(request_id) is outputs and self._abort(request_id))
+        return self.call(self._abort_attempt, request_id, outputs)
+
+    def abort_attempt_later(self, request_id: str, outputs: queue.SimpleQueue[RequestOutput]) -> None:
+        """`abort_attempt` without waiting for it (see `abort_later`)."""
+        self.post_logged(f"aborting {request_id}", self._abort_attempt, request_id, outputs)
 
     def post_logged(self, what: str, fn: Callable, *args) -> None:
         """`post` for a command nobody waits for: its failure is logged as `what` failing."""
@@ -117,6 +126,9 @@ class EngineLoop:
         """`abort` without waiting for it, for gRPC callbacks: they run on the server's one polling
         thread, and waiting out an engine step there would stall every RPC the server handles."""
         self.post_logged(f"aborting {request_id}", self._abort, request_id)
+
+    def _abort_attempt(self, request_id: str, outputs: queue.SimpleQueue[RequestOutput]) -> bool:
+        return self.outputs.get(request_id) is outputs and self._abort(request_id)
 
     def _abort(self, request_id: str) -> bool:
         out = self.engine.abort(request_id)

@@ -2,7 +2,6 @@
 request's hold time matters), then a burst against a real local cluster over gRPC and HTTP."""
 
 import threading
-import time
 from concurrent.futures import ThreadPoolExecutor
 
 import grpc
@@ -14,14 +13,8 @@ from deploy.local import LocalCluster
 from proto import rpc
 from proto.pdspec.v1 import common_pb2, router_pb2, router_pb2_grpc
 from router.admission import Admission, LeftQueue, Overloaded, QueueDeadline
+from tests.waiting import wait_until
 from tools.scrape import metric
-
-
-def _wait_until(condition, timeout_s: float = 30.0) -> None:
-    deadline = time.monotonic() + timeout_s
-    while not condition():
-        assert time.monotonic() < deadline, "condition not reached"
-        time.sleep(0.01)
 
 
 def _enter_in_thread(admission: Admission, order: list, name: str, gone=lambda: False) -> threading.Thread:
@@ -38,7 +31,7 @@ def _enter_in_thread(admission: Admission, order: list, name: str, gone=lambda: 
     queued = admission.snapshot()[1]
     thread = threading.Thread(target=run)
     thread.start()
-    _wait_until(lambda: admission.snapshot()[1] > queued or order)  # queued (or already answered)
+    wait_until(lambda: admission.snapshot()[1] > queued or order)  # queued (or already answered)
     return thread
 
 
@@ -52,7 +45,7 @@ def test_requests_beyond_the_queue_are_refused_at_once_and_the_queue_is_fifo():
         admission.enter(lambda: False)
     assert refused.value.retry_after_s >= 1
     first.release()
-    _wait_until(lambda: len(order) == 1)
+    wait_until(lambda: len(order) == 1)
     assert order[0][0] == "b" and order[0][1].waited_s > 0
     order[0][1].release()
     threads[1].join(10)
@@ -155,7 +148,7 @@ def test_a_burst_is_served_or_refused_at_once_and_nothing_is_lost(cluster):
             assert detail["type"] == "rate_limit_error"
     metrics = f"{cluster.http_url.removesuffix('/v1')}/metrics"
     # A slot is released just after the answer's last message has gone out.
-    _wait_until(lambda: metric(metrics, "pdspec_num_requests_running") == 0)
+    wait_until(lambda: metric(metrics, "pdspec_num_requests_running") == 0)
     assert metric(metrics, "pdspec_num_requests_waiting") == 0
     assert _grpc_request(cluster, 99)[0] == "served"  # healthy after
 
@@ -166,7 +159,7 @@ def _blocks_used(cluster: LocalCluster) -> float:
 
 
 def _wait_blocks_free(cluster: LocalCluster) -> None:
-    _wait_until(lambda: _blocks_used(cluster) == 0, timeout_s=60)
+    wait_until(lambda: _blocks_used(cluster) == 0, timeout_s=60)
 
 
 LONG = common_pb2.SamplingOptions(max_tokens=4000, ignore_eos=True)
@@ -191,15 +184,15 @@ def test_abort_takes_a_request_out_of_the_queue(cluster):
     with grpc.insecure_channel(cluster.router_address) as channel:
         stub = router_pb2_grpc.RouterStub(channel)
         long_calls = [stub.Generate(router_pb2.GenerateRequest(prompt="Story 1.", sampling=LONG))]
-        _wait_until(lambda: metric(metrics, "pdspec_num_requests_running") == 1)  # the decode worker's one slot
+        wait_until(lambda: metric(metrics, "pdspec_num_requests_running") == 1)  # the decode worker's one slot
         queued = stub.Generate(router_pb2.GenerateRequest(request_id="queued", prompt="Hi", sampling=LONG))
-        _wait_until(lambda: metric(metrics, "pdspec_num_requests_waiting") == 1)
+        wait_until(lambda: metric(metrics, "pdspec_num_requests_waiting") == 1)
         assert stub.Abort(common_pb2.AbortRequest(request_id="queued")).found
         (answer,) = list(queued)
         assert answer.finish_reason == "abort" and not answer.token_ids
         for call in long_calls:
             call.cancel()
-    _wait_until(lambda: metric(metrics, "pdspec_num_requests_running") == 0)
+    wait_until(lambda: metric(metrics, "pdspec_num_requests_running") == 0)
     _wait_blocks_free(cluster)
 
 
@@ -221,7 +214,7 @@ def test_cancelling_a_long_prefill_stops_it_at_the_next_chunk(cluster):
                                          sampling=common_pb2.SamplingOptions(max_tokens=1))
     with grpc.insecure_channel(cluster.router_address) as channel:
         call = router_pb2_grpc.RouterStub(channel).Generate(request)
-        _wait_until(lambda: metric(prefill, "pdspec_kv_blocks_used") > 0)  # under way
+        wait_until(lambda: metric(prefill, "pdspec_kv_blocks_used") > 0)  # under way
         call.cancel()
-    _wait_until(lambda: metric(prefill, "pdspec_finished_abort_total") == aborted + 1)
+    wait_until(lambda: metric(prefill, "pdspec_finished_abort_total") == aborted + 1)
     _wait_blocks_free(cluster)

@@ -2,7 +2,6 @@
 and the OpenAI API refuse callers without a current key, Abort ends only the caller's own
 requests, health and metrics stay open, and the key file is re-read when it changes."""
 
-import time
 import urllib.request
 from pathlib import Path
 
@@ -16,6 +15,7 @@ from deploy.config import parse_config
 from deploy.local import LocalCluster
 from proto.pdspec.v1 import common_pb2, router_pb2, router_pb2_grpc
 from router.api_keys import ApiKeys
+from tests.waiting import wait_until
 
 KEYS = ["key-alice", "key-bob"]
 QUESTION = router_pb2.GenerateRequest(prompt="Hello", sampling=common_pb2.SamplingOptions(max_tokens=4))
@@ -158,10 +158,7 @@ def test_the_key_file_is_re_read_when_it_changes(tmp_path):
     keys = ApiKeys(path)
     assert keys.owner("Bearer old-key") is not None
     path.write_text("new-key\n")
-    deadline = time.monotonic() + 10
-    while keys.owner("Bearer old-key") is not None:
-        assert time.monotonic() < deadline, "the revoked key still works"
-        time.sleep(0.1)
+    wait_until(lambda: keys.owner("Bearer old-key") is None, "the revoked key still works")
     assert keys.owner("Bearer new-key") is not None
 
 
@@ -184,13 +181,6 @@ def test_without_a_cluster_token_list_workers_needs_an_api_key(key_file, model_d
         router.stop(0)
 
 
-def _until(condition, what: str) -> None:
-    deadline = time.monotonic() + 10
-    while not condition():
-        assert time.monotonic() < deadline, what
-        time.sleep(0.1)
-
-
 def test_an_emptied_or_removed_key_file_accepts_no_key(tmp_path):
     """Revoking the last key by emptying the file, or removing it, shuts the API: the old keys
     were kept working before (the file was refused as holding no key)."""
@@ -198,17 +188,17 @@ def test_an_emptied_or_removed_key_file_accepts_no_key(tmp_path):
     path.write_text("leaked-key\n")
     keys = ApiKeys(path)
     path.write_text("# revoked\n")
-    _until(lambda: keys.owner("Bearer leaked-key") is None, "the emptied file's key still works")
+    wait_until(lambda: keys.owner("Bearer leaked-key") is None, "the emptied file's key still works")
     path.write_text("new-key\n")
-    _until(lambda: keys.owner("Bearer new-key") is not None, "a key added again is not taken")
+    wait_until(lambda: keys.owner("Bearer new-key") is not None, "a key added again is not taken")
     path.write_bytes(b"new-key\n# caf\xe9, not UTF-8\n")
-    _until(lambda: keys.owner("Bearer new-key") is None, "an undecodable file's key still works")
+    wait_until(lambda: keys.owner("Bearer new-key") is None, "an undecodable file's key still works")
     path.write_text("new-key\n")
-    _until(lambda: keys.owner("Bearer new-key") is not None, "the file mended is not taken")
+    wait_until(lambda: keys.owner("Bearer new-key") is not None, "the file mended is not taken")
     path.unlink()
-    _until(lambda: keys.owner("Bearer new-key") is None, "the removed file's key still works")
+    wait_until(lambda: keys.owner("Bearer new-key") is None, "the removed file's key still works")
     path.write_text("new-key\n")
-    _until(lambda: keys.owner("Bearer new-key") is not None, "the file written again is not taken")
+    wait_until(lambda: keys.owner("Bearer new-key") is not None, "the file written again is not taken")
 
 
 @pytest.mark.parametrize("content, error", [(None, "cannot read"), (b"# only a comment\n", "holds no key"),

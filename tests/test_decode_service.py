@@ -3,6 +3,7 @@ faults injected on purpose (a KV transfer that fails: the real backends' failure
 tests/test_kvtransfer.py's; an engine step that raises)."""
 
 import math
+import threading
 import time
 
 import grpc
@@ -18,6 +19,7 @@ from kvtransfer.layout import layout_to_proto
 from proto.pdspec.v1 import common_pb2, kv_pb2, worker_pb2, worker_pb2_grpc
 from proto.rpc import FAILED_KV_SOURCE_METADATA_KEY, serve
 from serving.metrics import HandoffMetrics
+from tests.waiting import wait_until
 
 NUM_BLOCKS = 64
 
@@ -154,6 +156,44 @@ def test_a_call_refused_for_a_taken_id_leaves_that_request_running(chat_prompts)
         assert rest[-1].finish_reason == "length"
         assert len(first.token_ids) + sum(len(r.token_ids) for r in rest) == 256
     finally:
+        server.stop(None)
+        loop.stop()
+
+
+def test_a_cancelled_calls_late_cleanup_leaves_a_retry_of_its_id_running(chat_prompts):
+    """A call cancelled right after its request joined the engine, its handler thread held up there
+    (injected) until the client's retry under the same id runs: the handler's cleanup stops its own
+    request, not the retry (it aborted whatever ran under the id)."""
+    loop = EngineLoop(Engine(EngineConfig(num_kv_blocks=NUM_BLOCKS, speculative={"method": "none"})))
+    submitted, resume = threading.Event(), threading.Event()
+    submit = loop.submit
+
+    def submit_then_stall(*args, **kwargs):
+        outputs = submit(*args, **kwargs)
+        if not submitted.is_set():  # the first call only
+            submitted.set()
+            resume.wait(60)
+        return outputs
+
+    loop.submit = submit_then_stall
+    server, address = _serve(DecodeServicer(loop, None, HandoffMetrics("decode-test")))
+    try:
+        request = worker_pb2.DecodeRequest(request_id="r", prompt_token_ids=chat_prompts[0],
+                                           sampling=common_pb2.SamplingOptions(max_tokens=256, ignore_eos=True))
+        with grpc.insecure_channel(address) as channel:
+            stub = worker_pb2_grpc.DecodeWorkerStub(channel)
+            first_call = stub.Decode(request, timeout=60)
+            assert submitted.wait(30)
+            first_call.cancel()  # its callback stops the first request
+            wait_until(lambda: "r" not in loop.engine.seqs, "the cancelled call's request was not stopped")
+            retry = stub.Decode(request, timeout=60)
+            first = next(retry)
+            resume.set()  # the first call's handler goes on, finds its call over and cleans up
+            rest = list(retry)
+        assert rest[-1].finish_reason == "length"
+        assert len(first.token_ids) + sum(len(r.token_ids) for r in rest) == 256
+    finally:
+        resume.set()
         server.stop(None)
         loop.stop()
 
