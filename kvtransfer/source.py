@@ -1,11 +1,14 @@
 """The source side of a KV transfer: pin a prefilled request's blocks and serve them.
 
 A pin ends exactly once, and then calls its `on_release` (the engine frees the blocks): on a
-Release RPC, when it times out (the reaper thread), or at release_all()/close(). PullBlocks
-reads each block under the lock that ends pins, and on_release runs after the pin has ended, so
-it never sends bytes of a block the engine may already have reused.
+Release RPC, when it times out (the reaper thread), or at release_all()/close(). A PullBlocks
+read holds its pin's blocks while it copies one (outside the lock: a device cache's copy waits
+on the engine's queued kernels, and pins, releases and other reads must not wait on it); a pin
+ended meanwhile calls on_release when its last read is done, so no bytes are sent of a block
+the engine may already have reused.
 """
 
+import collections
 import contextlib
 import logging
 import threading
@@ -62,6 +65,8 @@ class KVSource:
         self.servicer = KVTransferServicer(self, pull_slots)
         # Insertion order is deadline order: every pin gets the same timeout on a monotonic clock.
         self._pins: dict[str, _Pin] = {}
+        self._reads: collections.Counter[str] = collections.Counter()  # pin id -> block copies under way
+        self._ended_mid_read: dict[str, tuple[str, _Pin]] = {}  # pin id -> (request id, pin): ends after them
         self._lock = threading.Condition()
         self._closed = False
         self._reaper = threading.Thread(target=self._reap, name="kv-pin-reaper", daemon=True)
@@ -89,14 +94,26 @@ class KVSource:
             if pin is None or pin_id not in ("", pin.pin_id):
                 return False
             del self._pins[request_id]
-        _end(request_id, pin)
+            now = self._ending([(request_id, pin)])
+        _end_all(now)
         return True
 
     def release_all(self) -> None:
         with self._lock:
             pins, self._pins = self._pins, {}
-        for request_id, pin in pins.items():
-            _end(request_id, pin)
+            now = self._ending(list(pins.items()))
+        _end_all(now)
+
+    def _ending(self, ended: list[tuple[str, _Pin]]) -> list[tuple[str, _Pin]]:
+        """Of pins just taken out of `_pins` (under the lock), those to end now; the others end
+        when their last read is done."""
+        now = []
+        for request_id, pin in ended:
+            if self._reads[pin.pin_id]:
+                self._ended_mid_read[pin.pin_id] = (request_id, pin)
+            else:
+                now.append((request_id, pin))
+        return now
 
     def close(self) -> None:
         """Stop the reaper, end every pin, unregister from NIXL. Stop the gRPC server first."""
@@ -121,7 +138,17 @@ class KVSource:
             pin = self._pins.get(request_id)
             if pin is None or pin_id not in ("", pin.pin_id) or block_id not in pin.block_ids:
                 return None
+            self._reads[pin.pin_id] += 1
+        try:
             return read_block(self.caches[cache], block_id)
+        finally:
+            with self._lock:
+                self._reads[pin.pin_id] -= 1
+                last = not self._reads[pin.pin_id]
+                if last:
+                    del self._reads[pin.pin_id]
+                ended = self._ended_mid_read.pop(pin.pin_id, None) if last else None
+            _end_all([ended] if ended else [])
 
     def _reap(self) -> None:
         while True:
@@ -139,10 +166,11 @@ class KVSource:
                     self._lock.wait(first.deadline - now if first else None)
                     continue
                 pins = [(request_id, self._pins.pop(request_id)) for request_id in expired]
-            for request_id, pin in pins:
+                now = self._ending(pins)
+            for request_id, _ in pins:
                 log.warning("pin of %s timed out after %gs: no decode worker released it", request_id,
                             self.pin_timeout_s)
-                _end(request_id, pin)
+            _end_all(now)
 
 
 def _nixl_memory(layout: KVLayout, caches: dict[str, torch.Tensor], token: str | None) -> "NixlMemory":
@@ -152,11 +180,12 @@ def _nixl_memory(layout: KVLayout, caches: dict[str, torch.Tensor], token: str |
     return NixlMemory("kvsource", layout, caches, token)
 
 
-def _end(request_id: str, pin: _Pin) -> None:
-    try:
-        pin.on_release()
-    except Exception:  # one failing callback must not stop the reaper or the other releases
-        log.exception("on_release of %s failed", request_id)
+def _end_all(pins: list[tuple[str, _Pin]]) -> None:
+    for request_id, pin in pins:
+        try:
+            pin.on_release()
+        except Exception:  # one failing callback must not stop the reaper or the other releases
+            log.exception("on_release of %s failed", request_id)
 
 
 class KVTransferServicer(kv_pb2_grpc.KVTransferServicer):

@@ -95,6 +95,43 @@ def test_a_pin_answers_only_to_its_own_id():
     source.close()
 
 
+def test_a_block_copy_under_way_holds_its_pin_open_but_not_the_source(monkeypatch):
+    """A pin ended while PullBlocks copies one of its blocks frees the blocks after the copy, not
+    before; meanwhile other pins are made and ended (the copy held the source's lock: every pin and
+    Release, the prefill worker's handles with them, waited on a device cache's copy)."""
+    import kvtransfer.source
+
+    copying, finish = threading.Event(), threading.Event()
+
+    def slow_copy(cache, block_id):
+        copying.set()
+        finish.wait(60)
+        return read_block(cache, block_id)
+
+    read_block = kvtransfer.source.read_block
+    monkeypatch.setattr(kvtransfer.source, "read_block", slow_copy)
+    calls = []
+    source = KVSource(LAYOUT, random_caches(LAYOUT, 4, 0), pin_timeout_s=3600, nixl=False)
+    pin = source.pin("r", [0], lambda: calls.append("r"))
+    read = []
+    reader = threading.Thread(target=lambda: read.append(source.read_pinned("r", pin, "target", 0)))
+    reader.start()
+    try:
+        assert copying.wait(30)
+        others = threading.Thread(target=lambda: (source.pin("s", [1], lambda: calls.append("s")),
+                                                  source.release("s"), source.release("r")))
+        others.start()
+        others.join(30)
+        assert not others.is_alive(), "pinning and releasing waited on another pin's block copy"
+        assert calls == ["s"]  # r's blocks stay until its copy is done
+    finally:
+        finish.set()
+        reader.join(30)
+    assert read[0] == read_block(source.caches["target"], 0) and calls == ["s", "r"]
+    source.close()
+    assert calls == ["s", "r"]
+
+
 def test_pin_timeout_runs_on_release_once():
     calls, ended = [], threading.Event()
     source = KVSource(LAYOUT, random_caches(LAYOUT, 4, 0), pin_timeout_s=0.05, nixl=False)
