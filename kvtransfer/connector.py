@@ -280,7 +280,11 @@ class BaseConnector(abc.ABC):
         (and a closing worker) that long, where a Release lost only leaves the pin to time out."""
         timeout = RELEASE_MIN_TIMEOUT_S if cancel.is_set() else max(remaining(deadline), RELEASE_MIN_TIMEOUT_S)
         release = kv_pb2.ReleaseRequest(request_id=handle.request_id, pin_id=handle.pin_id)
-        call = stub.Release.future(release, timeout=timeout)
+        try:
+            call = stub.Release.future(release, timeout=timeout)
+        except ValueError as e:  # the channel closed under the pull (shutting down): the pin times out
+            log.warning("Release of %s not sent to %s: %s", handle.request_id, handle.source_address, e)
+            return None
         if not cancel.is_set():  # cancelled while it waits: RELEASE_MIN_TIMEOUT_S more (it may be on its way)
             cancel.on_set(lambda: call.done() or _cancel_later(call, RELEASE_MIN_TIMEOUT_S))  # every stream's end sets it
         try:

@@ -132,6 +132,28 @@ def test_a_block_copy_under_way_holds_its_pin_open_but_not_the_source(monkeypatc
     assert calls == ["s", "r"]
 
 
+def test_a_pull_cut_by_shutdown_still_says_its_blocks_may_be_written():
+    """The worker shutting down closes the channels under a pull whose READ it could not stop (a
+    fault injected in the move): the Release after it cannot be sent, and the pull's own failure,
+    which says the blocks may still be written (never to be reused), must reach the caller; the
+    closed channel's error replaced it, and the blocks went back to the pool."""
+    from kvtransfer.connector import KVTransferError
+    from kvtransfer.grpc_backend import GrpcConnector
+
+    class ClosedUnderTheRead(GrpcConnector):
+        def _move(self, stub, handle, remote_block_ids, local_block_ids, deadline, cancel):
+            self._close_channels()
+            raise KVTransferError("injected: the READ could not be stopped", retryable=True, may_still_write=True)
+
+    connector = ClosedUnderTheRead(LAYOUT, random_caches(LAYOUT, 4, 1), token=None)
+    handle = kv_pb2.KVHandle(request_id="r", source_worker_id="prefill-test", source_address="127.0.0.1:9",
+                             layout=layout_to_proto(LAYOUT), block_ids=[0, 1], pin_id="p")
+    with pytest.raises(KVTransferError, match="injected") as failed:
+        connector.pull(handle, [0, 1], [2, 3], timeout_s=5.0)
+    assert failed.value.may_still_write
+    connector.close()
+
+
 def test_pin_timeout_runs_on_release_once():
     calls, ended = [], threading.Event()
     source = KVSource(LAYOUT, random_caches(LAYOUT, 4, 0), pin_timeout_s=0.05, nixl=False)
