@@ -150,7 +150,7 @@ class BaseConnector(abc.ABC):
         # renewed (a new identity, a new channel): one unused for SOURCE_IDLE_S is closed.
         self._channels: dict[tuple[str, Tls | None], _Channel] = {}
         self._channels_lock = threading.Lock()
-        self._unchecked_said = False  # warned that device caches' blocks go unchecked
+        self._unchecked_said = False  # warned that blocks go unchecked (either side's caches in device memory)
         self._pulls = threading.Condition()  # guards the running pulls' cancellations and _closing
         self._running: set[Cancellation] = set()
         self._closing = False
@@ -195,7 +195,13 @@ class BaseConnector(abc.ABC):
         """The blocks written hold what the source pinned (its checksums, when it sent them)."""
         names = list(self.layout.caches())
         expected = list(handle.block_checksums)
-        if not expected or not remote:
+        if not remote:
+            return
+        if not expected:
+            if not self._unchecked_said:  # a source's caches in device memory: it hashed none
+                self._unchecked_said = True
+                log.warning("KV blocks from %s came without checksums (its caches are in device memory): pulled "
+                            "blocks are not checked end to end", handle.source_address)
             return
         if len(expected) != len(names) * len(handle.block_ids):
             raise KVTransferError(f"{handle.source_address} sent {len(expected)} block checksums for "

@@ -154,6 +154,23 @@ def test_a_pull_cut_by_shutdown_still_says_its_blocks_may_be_written():
     connector.close()
 
 
+def test_a_handle_without_checksums_is_pulled_with_a_warning(source, caplog):
+    """A source whose caches are in device memory hashes no blocks: its pulls go unchecked end to
+    end, which the destination says once (it said nothing)."""
+    from kvtransfer.grpc_backend import GrpcConnector
+
+    connector = GrpcConnector(LAYOUT, random_caches(LAYOUT, 8, 1), token=TOKEN)
+    try:
+        for request_id in ("unchecked-1", "unchecked-2"):
+            handle = source.pin(request_id)
+            del handle.block_checksums[:]
+            connector.pull(handle, list(handle.block_ids), list(range(len(handle.block_ids))), timeout_s=WAIT_S)
+    finally:
+        connector.close()
+    said = [r for r in caplog.records if "came without checksums" in r.getMessage()]
+    assert len(said) == 1 and source.address in said[0].getMessage()
+
+
 def test_pin_timeout_runs_on_release_once():
     calls, ended = [], threading.Event()
     source = KVSource(LAYOUT, random_caches(LAYOUT, 4, 0), pin_timeout_s=0.05, nixl=False)
