@@ -164,9 +164,15 @@ class Engine(Handoff):
         mid_prompt = [s.seq for i, s in enumerate(scheduled) if i not in paths]  # (yields_token has moved on)
         if mid_prompt:
             self.proposer.write_prompt_blocks(mid_prompt)
-        outputs = []
+        outputs, emitted_drafts = [], 0
         for j, i in enumerate(sampling):
+            # Accepted drafts the output took: none after a stop or the length limit (they were
+            # right, but nobody got them; counted, they overstated a request's acceptance and the
+            # governor's tokens per drafting step).
             seq, a = scheduled[i].seq, len(paths[i])
+            if i in pushed:
+                a = max(0, min(a, len(pushed[i][0]) - 1))
+            emitted_drafts += a
             if scheduled[i].num_lookahead:
                 seq.acceptance.record(len(proposals[i].token_ids), a, depth=proposals[i].depth)
                 self.counters["draft_tokens"] += len(proposals[i].token_ids)
@@ -174,7 +180,7 @@ class Engine(Handoff):
                 self.counters["verify_steps"] += 1
             outputs.append(self._prefilled_handle(seq, verdict.tokens[j][0]) if seq.prefill_only
                            else self._emit(seq, *pushed[i]))
-        self._note_time(batch, scheduled, [proposals[i] for i in sampling], sum(map(len, verdict.paths)),
+        self._note_time(batch, scheduled, [proposals[i] for i in sampling], emitted_drafts,
                         sum(len(c.token_ids) for c in chunks),
                         (start, scheduled_at, drafted_at, verified_at, time.perf_counter()))
         return ended + outputs

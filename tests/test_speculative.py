@@ -80,6 +80,9 @@ def test_a_stop_token_inside_an_accepted_run_ends_the_output_there(spec_engines,
         outs = list(engine.generate(spec_prompts[7], SamplingParams(max_tokens=32, stop_token_ids=[plain[end]])))
         assert [t for o in outs for t in o.token_ids] == plain[: end + 1]
         assert outs[-1].finish_reason == "stop" and outs[-1].usage.completion_tokens == end + 1
+        # Each verification step output one token of its own and its accepted drafts (the first
+        # token came from the prefill): none counted that the output did not take.
+        assert outs[-1].acceptance.steps + outs[-1].acceptance.accepted <= end, end
         with_kv = (spec_prompts[7] + plain[: end + 1])[:-1]  # the last token's KV is never computed
         assert len(committed) >= end and with_kv[len(with_kv) - len(committed):] == committed, end
 
