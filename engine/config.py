@@ -275,6 +275,10 @@ class EngineConfig(BaseModel):
         self.speculative = self.speculative.for_device(self.device)
         if self.device == "cuda" and self.kv_cache_dtype == "int8":  # the Triton kernels read float rows
             raise ValueError("kv_cache_dtype: int8 runs on device cpu; on cuda use auto, float32 or bfloat16")
+        if self.max_num_batched_tokens < self.max_num_seqs:  # the scheduler gives each a token a forward
+            raise ValueError(f"max_num_batched_tokens: {self.max_num_batched_tokens} is below max_num_seqs "
+                             f"({self.max_num_seqs}): the sequences past it would hold their KV and never decode; "
+                             f"set max_num_batched_tokens >= max_num_seqs")
         spec = self.speculative
         if self.device == "cuda" and spec.method == "eagle3" and spec.draft_confidence_threshold is None:
             # priced from forward times, which CUDA's asynchronous launches do not give

@@ -192,3 +192,11 @@ def test_a_field_whose_none_means_something_takes_none_from_the_command_line():
     parser.exit = lambda status=0, message=None: (_ for _ in ()).throw(ValueError(message))
     with pytest.raises(ValueError, match="invalid int value: 'many'"):
         parser.parse_args(["--disable-by-batch-size", "many"])
+
+
+def test_a_forward_budget_below_the_batch_size_is_refused():
+    """Each running sequence takes one token of a forward's budget: below max_num_seqs, the
+    sequences past it held their KV and never decoded until others finished."""
+    with pytest.raises(ConfigError, match=r"max_num_batched_tokens: 32 is below max_num_seqs \(64\)"):
+        parse_config({"engine": {"max_num_seqs": 64, "max_num_batched_tokens": 32}})
+    assert parse_config({"engine": {"max_num_seqs": 32, "max_num_batched_tokens": 32}})
