@@ -2,9 +2,11 @@
 faults injected on purpose (a KV transfer that fails: the real backends' failures are
 tests/test_kvtransfer.py's; an engine step that raises)."""
 
+import contextlib
 import math
 import threading
 import time
+from collections.abc import Iterator
 
 import grpc
 import httpx
@@ -137,51 +139,59 @@ def test_calls_past_twice_a_batch_are_refused_at_once(chat_prompts):
         loop.stop()
 
 
-def test_a_call_refused_for_a_taken_id_leaves_that_request_running(chat_prompts):
-    """A second Decode of a request id running here is ALREADY_EXISTS; its call's end (its client
-    gone, to the worker) aborted the running request of that id, another call's."""
+@contextlib.contextmanager
+def _aggregated_worker() -> Iterator[tuple[EngineLoop, worker_pb2_grpc.DecodeWorkerStub]]:
     loop = EngineLoop(Engine(EngineConfig(num_kv_blocks=NUM_BLOCKS, speculative={"method": "none"})))
     server, address = _serve(DecodeServicer(loop, None, HandoffMetrics("decode-test")))
     try:
-        request = worker_pb2.DecodeRequest(request_id="r", prompt_token_ids=chat_prompts[0],
-                                           sampling=common_pb2.SamplingOptions(max_tokens=256, ignore_eos=True))
         with grpc.insecure_channel(address) as channel:
-            stub = worker_pb2_grpc.DecodeWorkerStub(channel)
-            running = stub.Decode(request, timeout=60)
-            first = next(running)
-            with pytest.raises(grpc.RpcError) as refused:
-                next(stub.Decode(request, timeout=60))
-            assert refused.value.code() == grpc.StatusCode.ALREADY_EXISTS
-            rest = list(running)
-        assert rest[-1].finish_reason == "length"
-        assert len(first.token_ids) + sum(len(r.token_ids) for r in rest) == 256
+            yield loop, worker_pb2_grpc.DecodeWorkerStub(channel)
     finally:
         server.stop(None)
         loop.stop()
+
+
+def _request_of_256_tokens(prompt: list[int]) -> worker_pb2.DecodeRequest:
+    return worker_pb2.DecodeRequest(request_id="r", prompt_token_ids=prompt,
+                                    sampling=common_pb2.SamplingOptions(max_tokens=256, ignore_eos=True))
+
+
+def _assert_ran_to_its_length(first: worker_pb2.DecodeResponse, rest: list[worker_pb2.DecodeResponse]) -> None:
+    assert rest[-1].finish_reason == "length"
+    assert len(first.token_ids) + sum(len(r.token_ids) for r in rest) == 256
+
+
+def test_a_call_refused_for_a_taken_id_leaves_that_request_running(chat_prompts):
+    """A second Decode of a request id running here is ALREADY_EXISTS; its call's end (its client
+    gone, to the worker) aborted the running request of that id, another call's."""
+    with _aggregated_worker() as (_, stub):
+        request = _request_of_256_tokens(chat_prompts[0])
+        running = stub.Decode(request, timeout=60)
+        first = next(running)
+        with pytest.raises(grpc.RpcError) as refused:
+            next(stub.Decode(request, timeout=60))
+        assert refused.value.code() == grpc.StatusCode.ALREADY_EXISTS
+        _assert_ran_to_its_length(first, list(running))
 
 
 def test_a_cancelled_calls_late_cleanup_leaves_a_retry_of_its_id_running(chat_prompts):
     """A call cancelled right after its request joined the engine, its handler thread held up there
     (injected) until the client's retry under the same id runs: the handler's cleanup stops its own
     request, not the retry (it aborted whatever ran under the id)."""
-    loop = EngineLoop(Engine(EngineConfig(num_kv_blocks=NUM_BLOCKS, speculative={"method": "none"})))
     submitted, resume = threading.Event(), threading.Event()
-    submit = loop.submit
+    with _aggregated_worker() as (loop, stub):
+        submit = loop.submit
 
-    def submit_then_stall(*args, **kwargs):
-        outputs = submit(*args, **kwargs)
-        if not submitted.is_set():  # the first call only
-            submitted.set()
-            resume.wait(60)
-        return outputs
+        def submit_then_stall(*args, **kwargs):
+            outputs = submit(*args, **kwargs)
+            if not submitted.is_set():  # the first call only
+                submitted.set()
+                resume.wait(60)
+            return outputs
 
-    loop.submit = submit_then_stall
-    server, address = _serve(DecodeServicer(loop, None, HandoffMetrics("decode-test")))
-    try:
-        request = worker_pb2.DecodeRequest(request_id="r", prompt_token_ids=chat_prompts[0],
-                                           sampling=common_pb2.SamplingOptions(max_tokens=256, ignore_eos=True))
-        with grpc.insecure_channel(address) as channel:
-            stub = worker_pb2_grpc.DecodeWorkerStub(channel)
+        loop.submit = submit_then_stall
+        try:
+            request = _request_of_256_tokens(chat_prompts[0])
             first_call = stub.Decode(request, timeout=60)
             assert submitted.wait(30)
             first_call.cancel()  # its callback stops the first request
@@ -189,13 +199,9 @@ def test_a_cancelled_calls_late_cleanup_leaves_a_retry_of_its_id_running(chat_pr
             retry = stub.Decode(request, timeout=60)
             first = next(retry)
             resume.set()  # the first call's handler goes on, finds its call over and cleans up
-            rest = list(retry)
-        assert rest[-1].finish_reason == "length"
-        assert len(first.token_ids) + sum(len(r.token_ids) for r in rest) == 256
-    finally:
-        resume.set()
-        server.stop(None)
-        loop.stop()
+            _assert_ran_to_its_length(first, list(retry))
+        finally:
+            resume.set()
 
 
 def test_a_worker_whose_engine_fails_every_step_answers_health_checks_not_serving(chat_prompts):
