@@ -225,7 +225,14 @@ class SpeculativeConfig(BaseModel):
         if self.method != "eagle3":
             return self
         keep = self.model_fields_set | (set(TREE_SHAPE_FIELDS) if self.speculative_token_tree else set())
-        return self.model_copy(update={k: v for k, v in EAGLE3_DEFAULTS[device].items() if k not in keep})
+        applied = {k: v for k, v in EAGLE3_DEFAULTS[device].items() if k not in keep}
+        updated = self.model_copy(update=applied)
+        try:  # model_copy does not validate: checked against the fields' defaults, it may not hold with these
+            updated._check()
+        except ValueError as e:
+            raise ValueError(f"{e} (with eagle3's defaults on {device}: "
+                             f"{', '.join(f'{k} {v}' for k, v in applied.items())})") from None
+        return updated
 
 
 CPU_PREFILL_CHUNK = 64  # token costs: measured in BENCHMARKS (issue 19's fairness run)

@@ -200,3 +200,14 @@ def test_a_forward_budget_below_the_batch_size_is_refused():
     with pytest.raises(ConfigError, match=r"max_num_batched_tokens: 32 is below max_num_seqs \(64\)"):
         parse_config({"engine": {"max_num_seqs": 64, "max_num_batched_tokens": 32}})
     assert parse_config({"engine": {"max_num_seqs": 32, "max_num_batched_tokens": 32}})
+
+
+def test_a_tree_that_the_devices_eagle3_defaults_cannot_draft_is_refused():
+    """On cuda eagle3 drafts K = 3 by default: a static tree needing 4 passed the check made against
+    the field's default (5), and the config failed only when a launcher parsed its dump again."""
+    chain = [[0] * depth for depth in range(1, 6)]
+    with pytest.raises(ConfigError, match="num_speculative_tokens must be at least 4 .*num_speculative_tokens 3"):
+        parse_config({"engine": {"device": "cuda", "speculative": {"method": "eagle3", "speculative_token_tree": chain,
+                                                                    "draft_confidence_threshold": 0.0}}})
+    assert parse_config({"engine": {"device": "cuda", "speculative": {
+        "method": "eagle3", "speculative_token_tree": chain, "num_speculative_tokens": 4}}})
