@@ -116,10 +116,16 @@ class DeploymentConfig(_Strict):
 
     @model_validator(mode="before")
     @classmethod
-    def _aggregated_only(cls, data: Any) -> Any:
-        """`aggregated` given alone means aggregated workers alone: the disaggregated roles' default
-        replica each ran beside them (a config asking for 2 workers started 4)."""
-        if not isinstance(data, dict) or {"prefill", "decode"} & data.keys():
+    def _role_replicas(cls, data: Any) -> Any:
+        """A prefill or decode section without `replicas` has the role's default, 1 (RoleConfig's
+        0 is aggregated's: the section refused as none, or ran no such worker). `aggregated` given
+        alone means aggregated workers alone: the disaggregated roles' default replica each ran
+        beside them (a config asking for 2 workers started 4)."""
+        if not isinstance(data, dict):
+            return data
+        data = {**data, **{role: {**data[role], "replicas": 1} for role in ("prefill", "decode")
+                           if isinstance(data.get(role), dict) and "replicas" not in data[role]}}
+        if {"prefill", "decode"} & data.keys():
             return data
         aggregated = data.get("aggregated")
         replicas = aggregated.get("replicas") if isinstance(aggregated, dict) else getattr(aggregated, "replicas", None)
@@ -166,9 +172,11 @@ class ConfigError(ValueError):
 
 def load_config(path: Path) -> DeploymentConfig:
     try:
-        raw = yaml.safe_load(Path(path).read_text()) or {}
+        raw = yaml.safe_load(Path(path).read_text())
     except (OSError, yaml.YAMLError) as e:
         raise ConfigError(f"{path}: {e}") from None
+    if raw is None:  # taken for {} it started the default deployment: likely not the file meant
+        raise ConfigError(f"{path}: the file is empty; write {{}} for the default deployment")
     return parse_config(raw, source=str(path))
 
 

@@ -2,7 +2,7 @@
 
 import pytest
 
-from deploy.config import ConfigError, parse_config
+from deploy.config import ConfigError, load_config, parse_config
 
 
 @pytest.mark.parametrize("field", ["num_threads", "tensor_parallel_size"])
@@ -211,3 +211,25 @@ def test_a_tree_that_the_devices_eagle3_defaults_cannot_draft_is_refused():
                                                                     "draft_confidence_threshold": 0.0}}})
     assert parse_config({"engine": {"device": "cuda", "speculative": {
         "method": "eagle3", "speculative_token_tree": chain, "num_speculative_tokens": 4}}})
+
+
+@pytest.mark.parametrize("text, message", [("", "the file is empty; write {} for the default deployment"),
+                                           ("[]", r"\(top level\): Input should be a valid dictionary"),
+                                           ("false", r"\(top level\): Input should be a valid dictionary")])
+def test_a_config_file_that_is_no_mapping_is_refused(tmp_path, text, message):
+    """It read as {} (falsy, `or {}`), so a wrong or emptied file started the default deployment."""
+    path = tmp_path / "config.yaml"
+    path.write_text(text)
+    with pytest.raises(ConfigError, match=message):
+        load_config(path)
+    path.write_text("{}\n")
+    assert load_config(path).prefill.replicas == 1
+
+
+def test_a_prefill_or_decode_section_without_replicas_has_one():
+    """The roles' documented default; a section given for another field took RoleConfig's 0."""
+    config = parse_config({"prefill": {"resources": {"cpus": 4}}, "decode": {"kv_transfer": "nixl"}})
+    assert (config.prefill.replicas, config.decode.replicas, config.aggregated.replicas) == (1, 1, 0)
+    both = parse_config({"prefill": {"kv_transfer": "grpc"}, "decode": {"kv_transfer": "grpc"}, "aggregated": {"replicas": 1}})
+    assert (both.prefill.replicas, both.decode.replicas, both.aggregated.replicas) == (1, 1, 1)
+    assert parse_config({"aggregated": {"replicas": 2}}).prefill.replicas == 0  # aggregated alone: as before
