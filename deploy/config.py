@@ -197,12 +197,14 @@ def with_router(config: DeploymentConfig, source: str, **fields) -> DeploymentCo
 def with_fixed_ports(config: DeploymentConfig, any_internal_port: bool) -> DeploymentConfig:
     """`config` with router.http_port and router.internal_port 0 ("any") replaced by ports free
     now: a launcher reports where the API is and tells workers, restarted ones too, where to
-    register. `any_internal_port`: a free internal port even if one is set (a launcher asked for
-    any public port, as tests do, must not collide on the default internal one)."""
+    register. `any_internal_port`: a free internal port in place of the default one too (a launcher
+    asked for any public port, as tests do, must not collide on it); one set otherwise stays, as
+    workers started by hand dial it."""
     rc, fields = config.router, {}
     if rc.http_port == 0:
         fields["http_port"] = free_port(rc.host)
-    if rc.internal_port == 0 or any_internal_port:
+    default = type(rc).model_fields["internal_port"].default
+    if rc.internal_port == 0 or (any_internal_port and rc.internal_port == default):
         fields["internal_port"] = free_port(rc.host)
     return with_router(config, "router ports", **fields) if fields else config
 

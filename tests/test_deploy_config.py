@@ -233,3 +233,17 @@ def test_a_prefill_or_decode_section_without_replicas_has_one():
     both = parse_config({"prefill": {"kv_transfer": "grpc"}, "decode": {"kv_transfer": "grpc"}, "aggregated": {"replicas": 1}})
     assert (both.prefill.replicas, both.decode.replicas, both.aggregated.replicas) == (1, 1, 1)
     assert parse_config({"aggregated": {"replicas": 2}}).prefill.replicas == 0  # aggregated alone: as before
+
+
+
+def test_any_public_port_keeps_an_internal_port_set_by_hand():
+    """Asked for any router port (0), a launcher also took any internal port in place of one set,
+    which workers started by hand dial; only the default one is replaced (it may be taken)."""
+    from deploy.config import with_fixed_ports
+    from proto.rpc import free_port
+
+    mine = free_port()
+    fixed = with_fixed_ports(parse_config({"router": {"port": 0, "internal_port": mine}}), any_internal_port=True)
+    assert fixed.router.internal_port == mine
+    default = parse_config({"router": {"port": 0}})
+    assert with_fixed_ports(default, any_internal_port=True).router.internal_port != default.router.internal_port
