@@ -56,10 +56,24 @@ class ModelConfig:
         path = Path(model_dir) / "config.json"
         if not path.is_file():
             raise ModelConfigError(f"{model_dir}: no config.json found; expected an HF model directory")
-        return cls.from_dict(json.loads(path.read_text()), source=str(path))
+        try:
+            raw = json.loads(path.read_text())
+        except json.JSONDecodeError as e:
+            raise ModelConfigError(f"{path}: not valid JSON ({e})") from None
+        return cls.from_dict(raw, source=str(path))
 
     @classmethod
     def from_dict(cls, raw: dict, source: str = "config") -> "ModelConfig":
+        if not isinstance(raw, dict):
+            raise ModelConfigError(f"{source}: expected a JSON object of the model's settings")
+        try:
+            return cls._parse(raw, source)
+        except KeyError as e:
+            raise ModelConfigError(f"{source}: {e.args[0]!r} is missing (an HF config.json of a supported "
+                                   "architecture has it)") from None
+
+    @classmethod
+    def _parse(cls, raw: dict, source: str) -> "ModelConfig":
         archs = raw.get("architectures") or []
         arch = next((a for a in archs if a in SUPPORTED_ARCHITECTURES), None)
         if arch is None:

@@ -247,3 +247,15 @@ def test_any_public_port_keeps_an_internal_port_set_by_hand():
     assert fixed.router.internal_port == mine
     default = parse_config({"router": {"port": 0}})
     assert with_fixed_ports(default, any_internal_port=True).router.internal_port != default.router.internal_port
+
+
+@pytest.mark.parametrize("text, message", [('{"architectures": ["LlamaForCausalLM"]}', "'num_attention_heads' is missing"),
+                                           ("{'architectures': 1}", "not valid JSON"),
+                                           ("[]", "expected a JSON object")])
+def test_a_malformed_model_config_names_the_field_and_the_file(tmp_path, text, message):
+    """A KeyError or a JSON error came out as such (a traceback, or a message naming neither)."""
+    from deploy.config import check_launchable
+
+    (tmp_path / "config.json").write_text(text)
+    with pytest.raises(ConfigError, match=f"engine.model: {tmp_path}/config.json: {message}"):
+        check_launchable(parse_config({"engine": {"model": str(tmp_path)}}))
