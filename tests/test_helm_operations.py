@@ -33,14 +33,20 @@ def test_without_a_secret_the_api_is_open(helm, tmp_path):
 
 
 def test_worker_pods_get_their_drain_time_before_sigkill(helm, tmp_path):
-    """The template's fallback is the schema's default; a set drain_timeout_s is honoured."""
+    """The template's fallback is the schema's default; a set drain_timeout_s is honoured, 0 too
+    (`default` took it for unset)."""
     from deploy.config import RoleConfig
 
-    docs = render(helm, values={"config": {"decode": {"drain_timeout_s": 90}}}, tmp_path=tmp_path)
-    graces = {name.rsplit("-", 1)[1]: d["spec"]["template"]["spec"]["terminationGracePeriodSeconds"]
-              for name, d in by_kind(docs, "Deployment").items() if not name.endswith("-router")}
-    assert graces["decode"] == 90 + 15
-    assert graces["prefill"] == RoleConfig().drain_timeout_s + 15
+    def graces(config: dict) -> dict[str, int]:
+        docs = render(helm, values={"config": config}, tmp_path=tmp_path)
+        return {name.rsplit("-", 1)[1]: d["spec"]["template"]["spec"]["terminationGracePeriodSeconds"]
+                for name, d in by_kind(docs, "Deployment").items()}
+
+    set_or_not = graces({"decode": {"drain_timeout_s": 90}})
+    assert set_or_not["decode"] == 90 + 15
+    assert set_or_not["prefill"] == RoleConfig().drain_timeout_s + 15
+    zero = graces({"decode": {"drain_timeout_s": 0}, "router": {"drain_timeout_s": 0}})
+    assert zero["decode"] == zero["router"] == 15
 
 
 def test_tls_comes_from_a_secret_every_pod_mounts_where_the_config_says(helm, tmp_path):

@@ -255,3 +255,11 @@ livenessProbe:
 {{- define "pdspec.apiKeyFile" -}}
 /etc/pdspec/api-keys/keys
 {{- end -}}
+
+{{/* A pod's terminationGracePeriodSeconds from its drain_timeout_s (the context; unset: 30, the
+schema's default): the drain plus 15 s to shut down. (Not `default`, which takes a set 0 for unset.) */}}
+{{- define "pdspec.terminationGrace" -}}
+{{- $drain := . -}}
+{{- if kindIs "invalid" $drain }}{{ $drain = 30 }}{{ end -}}
+{{- add 15 (ceil $drain) -}}
+{{- end -}}
