@@ -10,8 +10,8 @@ from pathlib import Path
 from typing import TYPE_CHECKING
 
 from engine.config import EngineConfig, SpeculativeConfig
-from deploy.flags import add_field_flags, field_values, flags_for
-from deploy.logs import configure_logging
+from deploy.flags import add_field_flags, field_values, flags_for, seconds
+from deploy.logs import LOG_LEVELS, configure_logging
 from deploy.supervisor import die_with_parent
 from engine.params import SamplingParams
 from serving.roles import WORKER_ROLES
@@ -314,7 +314,7 @@ def _add_cluster(sub: argparse._SubParsersAction) -> None:
     p.add_argument("--once", default=None, metavar="PROMPT",
                    help="answer this chat prompt through the router, then shut down (instead of serving until Ctrl-C)")
     _add_api_key(p)
-    p.add_argument("--start-timeout", type=float, default=900.0, metavar="SECONDS",
+    p.add_argument("--start-timeout", type=seconds, default=900.0, metavar="SECONDS",
                    help="how long every process may take to come up: loading a large model, converting a GGUF")
     p.set_defaults(func=_serve)
     p = sub.add_parser("stop", help="end the pdspec deployment on a Ray cluster (one started with serve --address)")
@@ -347,7 +347,7 @@ def _add_cluster(sub: argparse._SubParsersAction) -> None:
 
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(prog="pdspec", description="disaggregated prefill/decode serving with EAGLE3")
-    parser.add_argument("--log-level", default=None,
+    parser.add_argument("--log-level", default=None, type=str.upper, choices=LOG_LEVELS,
                         help="DEBUG, INFO, WARNING, ERROR (default: INFO for servers' own logs, else WARNING)")
     sub = parser.add_subparsers(dest="command", required=True)
     _add_generate(sub)

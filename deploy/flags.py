@@ -71,3 +71,14 @@ def literal(text: str):
     if not isinstance(value, (list, tuple)):
         raise argparse.ArgumentTypeError(f"expected a list such as [[0], [1], [0, 0]], got {text!r}")
     return [list(v) if isinstance(v, tuple) else v for v in value]
+
+
+def seconds(text: str) -> float:
+    """A duration flag's value: a finite number of seconds above 0."""
+    try:
+        value = float(text)
+    except ValueError:
+        value = float("nan")
+    if not 0 < value < float("inf"):
+        raise argparse.ArgumentTypeError(f"expected seconds above 0, got {text!r}")
+    return value

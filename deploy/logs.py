@@ -5,6 +5,7 @@ up for its process; launchers hand the level on to the router and workers they s
 import logging
 
 _OWN_LOGGERS = ("engine", "router", "prefill_worker", "decode_worker", "kvtransfer", "serving", "deploy", "proto")
+LOG_LEVELS = ("DEBUG", "INFO", "WARNING", "ERROR")
 
 
 def configure_logging(level: str | None, server: bool) -> None:

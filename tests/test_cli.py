@@ -6,6 +6,8 @@ import subprocess
 import sys
 from pathlib import Path
 
+import pytest
+
 
 def _pdspec(*args: str) -> subprocess.CompletedProcess:
     return subprocess.run([sys.executable, "-m", "deploy.cli", *args], capture_output=True, text=True, timeout=300)
@@ -85,6 +87,17 @@ def test_a_cluster_that_does_not_start_in_time_is_a_clear_error(tmp_path):
     result = _pdspec("serve", "--config", str(config), "--launcher", "local", "--start-timeout", "0.5")
     assert result.returncode == 2, result.stderr
     assert result.stderr.startswith("pdspec: error: ") and "Traceback" not in result.stderr, result.stderr
+
+
+@pytest.mark.parametrize("flags, message", [
+    (["--log-level", "LOUD", "check-config", "--config", "c.yaml"], "--log-level: invalid choice: 'LOUD'"),
+    (["serve", "--config", "c.yaml", "--start-timeout", "-1"], "--start-timeout: expected seconds above 0, got '-1'"),
+    (["serve", "--config", "c.yaml", "--start-timeout", "nan"], "--start-timeout: expected seconds above 0, got 'nan'"),
+])
+def test_a_bad_log_level_or_start_timeout_names_the_flag(flags, message):
+    """A bad level was a traceback from the logging set-up; a negative or nan timeout failed later, oddly."""
+    result = _pdspec(*flags)
+    assert result.returncode == 2 and message in result.stderr and "Traceback" not in result.stderr, result.stderr
 
 
 def test_a_worker_on_every_interface_must_say_where_peers_reach_it(tmp_path):
