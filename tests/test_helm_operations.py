@@ -86,3 +86,18 @@ def test_under_tls_prometheus_scrapes_the_routers_https_with_the_secrets_ca(helm
     assert endpoints["http"]["scheme"] == "https" and "scheme" not in endpoints["metrics"]
     assert endpoints["http"]["tlsConfig"] == {"ca": {"secret": {"name": "certs", "key": "ca.crt"}},
                                               "serverName": "pdspec.example"}
+
+
+def test_a_roles_placement_reaches_its_pods_and_the_config_check_runs_where_the_router_does(helm, tmp_path):
+    """nodeSelector, tolerations and affinity from placement.<role>; the config-check Job took the
+    router's first two but not its affinity (so it could be scheduled where the router cannot)."""
+    def placement(zone: str) -> dict:
+        return {"nodeSelector": {"pool": zone}, "tolerations": [{"key": zone, "operator": "Exists"}],
+                "affinity": {"nodeAffinity": {"requiredDuringSchedulingIgnoredDuringExecution": {"nodeSelectorTerms": [
+                    {"matchExpressions": [{"key": "zone", "operator": "In", "values": [zone]}]}]}}}}
+
+    docs = render(helm, values={"placement": {"router": placement("front"), "decode": placement("gpu")}}, tmp_path=tmp_path)
+    pods = {name: d["spec"]["template"]["spec"] for name, d in {**by_kind(docs, "Deployment"), **by_kind(docs, "Job")}.items()}
+    for name, zone in (("rel-pdspec-router", "front"), ("rel-pdspec-config-check", "front"), ("rel-pdspec-decode", "gpu")):
+        assert {k: pods[name].get(k) for k in ("nodeSelector", "tolerations", "affinity")} == placement(zone), name
+    assert not {"nodeSelector", "tolerations", "affinity"} & pods["rel-pdspec-prefill"].keys()

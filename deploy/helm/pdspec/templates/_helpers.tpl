@@ -263,3 +263,19 @@ schema's default): the drain plus 15 s to shut down. (Not `default`, which takes
 {{- if kindIs "invalid" $drain }}{{ $drain = 30 }}{{ end -}}
 {{- add 15 (ceil $drain) -}}
 {{- end -}}
+
+{{/* A pod's nodeSelector, tolerations and affinity from a role's placement (the context). */}}
+{{- define "pdspec.placement" -}}
+{{- with .nodeSelector }}
+nodeSelector:
+  {{- toYaml . | nindent 2 }}
+{{- end }}
+{{- with .tolerations }}
+tolerations:
+  {{- toYaml . | nindent 2 }}
+{{- end }}
+{{- with .affinity }}
+affinity:
+  {{- toYaml . | nindent 2 }}
+{{- end }}
+{{- end -}}
