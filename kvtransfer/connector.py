@@ -138,7 +138,7 @@ class BaseConnector(abc.ABC):
     """Checks, Release and channels shared by the backends; each moves the bytes in `_move`."""
 
     # Whether only the final Release (found=True) proves the bytes read were the pin's: a one-sided
-    # READ's are (NIXL); a source that sends each block under its pin's lock proves it per block.
+    # READ's are (NIXL); a source that copies each block while its pin holds it proves it per block.
     needs_release_proof = True
 
     def __init__(self, layout: KVLayout, caches: dict[str, torch.Tensor], token: str | None, tls: Tls | None = None):

@@ -17,7 +17,7 @@ BUSY_WAIT_S, BUSY_WAIT_MAX_S = 0.02, 0.5  # between pulls a busy source refused,
 
 
 class GrpcConnector(BaseConnector):
-    needs_release_proof = False  # the source read each chunk under its pin's lock (a pin gone: NOT_FOUND)
+    needs_release_proof = False  # the source copied each chunk while its pin held it (a pin gone: NOT_FOUND)
 
     def _move(self, stub: kv_pb2_grpc.KVTransferStub, handle: kv_pb2.KVHandle, remote_block_ids: list[int],
               local_block_ids: list[int], deadline: float, cancel: Cancellation) -> None:
