@@ -14,8 +14,9 @@ from engine.params import SamplingParams
 from tools.eagle3_training.distill import check_distilled, distill
 from tools.eagle3_training.features import TargetFeatures
 from tools.eagle3_training.run_dir import held
-from tools.eagle3_training.trainer import (TargetDistribution, TrainConfig, _head_shape, collate, load_shard,
-                                          shard_paths, train)
+from tools.eagle3_training import trainer
+from tools.eagle3_training.trainer import (TargetDistribution, TrainConfig, _head_shape, answer_token_counts, collate,
+                                          load_shard, repeated_samples, shard_paths, train)
 
 QUESTIONS = ["Name three primary colors.", "Count from 1 to 10.", "What is 12 times 12?", "Write a haiku about rain."]
 
@@ -47,7 +48,7 @@ def test_distilled_last_layer_output_reproduces_the_targets_greedy_choices(run_d
     assert total >= len(QUESTIONS) and agree >= 0.95 * total
 
 
-def test_training_resumes_and_exports_a_head_that_drafts_losslessly(run_dir, engine):
+def test_training_resumes_and_exports_a_head_that_drafts_losslessly(run_dir, engine, caplog):
     cfg = TrainConfig(target=None, data_dir=run_dir / "data", out_dir=run_dir, draft_vocab_size=1024,
                       epochs=1.0, ttt_steps=2, batch_tokens=256, warmup_steps=1, snapshot_tokens=(1, 10**12))
     train(cfg)
@@ -59,6 +60,8 @@ def test_training_resumes_and_exports_a_head_that_drafts_losslessly(run_dir, eng
     assert taken["step"] == 1 and (snapshot / "model.safetensors").exists()
     assert 0 < taken["answer_tokens"] < taken["tokens"]  # sizes count answers, not the prompts before them
     assert [p.name for p in (run_dir / "snapshots").iterdir()] == ["1e-06M"]
+    # A size past the answers the run trains on is said at its start (a recipe asked for 16M of 10.9M).
+    assert any("no snapshot at 1e+06M answer tokens" in r.getMessage() for r in caplog.records)
     train(replace(cfg, epochs=2.0))  # resumes at the checkpoint's step
     second = json.loads((run_dir / "training.json").read_text())
     assert second["step"] == 2 * first["step"] and second["tokens"] == 2 * first["tokens"]
@@ -74,7 +77,7 @@ def test_training_resumes_and_exports_a_head_that_drafts_losslessly(run_dir, eng
     assert outs[-1].acceptance.drafted > 0
 
 
-def test_max_hours_is_each_runs_own_budget(run_dir, tmp_path):
+def test_max_hours_is_each_runs_own_budget(run_dir, tmp_path, monkeypatch):
     """A run resumed after earlier ones trains for its own --max-hours, however long they ran."""
     cfg = TrainConfig(target=None, data_dir=run_dir / "data", out_dir=tmp_path, draft_vocab_size=1024,
                       epochs=1.0, ttt_steps=2, batch_tokens=256, warmup_steps=1)
@@ -86,7 +89,10 @@ def test_max_hours_is_each_runs_own_budget(run_dir, tmp_path):
     torch.save(state, checkpoint)
     train(replace(cfg, epochs=2.0, max_hours=1.0))
     assert json.loads((tmp_path / "training.json").read_text())["step"] == 2 * first
+    loaded = []
+    monkeypatch.setattr(trainer, "load_shard", lambda path: loaded.append(path) or load_shard(path))
     train(replace(cfg, epochs=3.0, max_hours=1e-9))  # out of time before a step
+    assert not loaded  # nor does it read the shards left before its checkpoint
     cut = json.loads((tmp_path / "training.json").read_text())
     assert cut["step"] == 2 * first and not cut["finished"] and cut["total_steps"] == 3 * first
     with pytest.raises(ValueError, match="started on other data or settings \\(batch_tokens differ\\)"):
@@ -104,6 +110,9 @@ def test_a_sample_distilled_twice_is_trained_on_once(run_dir, tmp_path):
                       ttt_steps=1, batch_tokens=256, warmup_steps=1))
     report = json.loads((tmp_path / "training.json").read_text())
     assert report["samples"] == len(QUESTIONS) == report["repeated_samples_skipped"]
+    # Nor in the draft vocabulary's counts (one shard in two copies: every count was doubled).
+    once, twice = (answer_token_counts(repeated_samples(shard_paths(d)), 49152) for d in (run_dir / "data", tmp_path / "data"))
+    assert once.sum() > 0 and torch.equal(once, twice)
 
 
 def test_training_refuses_a_distillation_cut_short(run_dir, tmp_path):

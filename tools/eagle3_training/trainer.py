@@ -91,14 +91,17 @@ class TargetDistribution:
         return torch.softmax(rms_norm(final_hidden.float(), self.norm, self.eps) @ self.head_rows.T, dim=-1)
 
 
-def answer_token_counts(shards: list[Path], vocab_size: int) -> torch.Tensor:
-    """How often each token id occurs in the target's answers."""
+def answer_token_counts(repeated: dict[Path, frozenset[int]], vocab_size: int) -> torch.Tensor:
+    """How often each token id occurs in the target's answers that training reads: the samples of
+    the shards of `repeated` but those it names (counted, a conversation distilled twice weighed
+    twice in the draft vocabulary: a fifth of corpus part 2's answer tokens)."""
     counts = torch.zeros(vocab_size, dtype=torch.long)
-    for path in tqdm(shards, desc="counting tokens", unit="shard"):
+    for path, skip in tqdm(repeated.items(), desc="counting tokens", unit="shard"):
         with safe_open(str(path), framework="pt") as f:
             tokens, offsets, prompt_lens = f.get_tensor("tokens").long(), f.get_tensor("offsets"), f.get_tensor("prompt_lens")
         for i in range(prompt_lens.numel()):
-            counts += torch.bincount(tokens[offsets[i] + prompt_lens[i] : offsets[i + 1]], minlength=vocab_size)
+            if i not in skip:
+                counts += torch.bincount(tokens[offsets[i] + prompt_lens[i] : offsets[i + 1]], minlength=vocab_size)
     return counts
 
 
@@ -191,8 +194,9 @@ def _train(cfg: TrainConfig) -> Path:
     if state is not None:  # a resumed run keeps the sample length it started with (512 before 1024 was the default)
         cfg = replace(cfg, max_len=state.get("data", {}).get("max_len", 512))
     init = load_weights(cfg.init_from, torch.float32, torch.device("cpu")) if cfg.init_from else None
+    repeated = repeated_samples(shards)
     if state is None:
-        vocab, coverage = draft_vocab(answer_token_counts(shards, target.vocab_size), cfg.draft_vocab_size, init)
+        vocab, coverage = draft_vocab(answer_token_counts(repeated, target.vocab_size), cfg.draft_vocab_size, init)
     else:
         vocab, coverage = state["draft_vocab"], state["coverage"]
     embed = weights["model.embed_tokens.weight"]
@@ -207,9 +211,13 @@ def _train(cfg: TrainConfig) -> Path:
             model.norm.copy_(teacher.norm)
             model.lm_head.weight.copy_(teacher.head_rows)
     optim = torch.optim.AdamW(model.parameters(), lr=cfg.lr, betas=(0.9, 0.95), weight_decay=0.0)
-    repeated = repeated_samples(shards)
     per_epoch = sum(len(_batches(_load_index(p), cfg, random.Random(0), repeated[p])) for p in shards)
     total_steps = max(1, int(per_epoch * cfg.epochs))
+    trained = cfg.epochs * sum(_answer_tokens(_load_index(p), cfg.max_len, repeated[p]) for p in shards)
+    for tokens in cfg.snapshot_tokens:
+        if tokens > trained:
+            log.warning("no snapshot at %gM answer tokens: this run trains on %.2fM (%g epochs of the shards' "
+                        "answers, repeats skipped)", tokens / 1e6, trained / 1e6, cfg.epochs)
     progress = {"step": 0, "tokens": 0, "answer_tokens": 0, "seconds": 0.0}
     # What the step count indexes: resumed on other shards or batching, the skip of the steps done
     # would land on other batches (some trained twice, others never). (More epochs go on in order.)
@@ -277,6 +285,15 @@ def _aux_layers(cfg: TrainConfig, state: dict | None, target: ModelConfig) -> tu
     return found
 
 
+def _answer_tokens(index: dict[str, torch.Tensor], max_len: int, skip: frozenset[int]) -> int:
+    """The answer tokens training reads from a shard (`index`: its offsets and prompt_lens): each
+    sample cut to max_len, those of `skip` left out."""
+    lengths = (index["offsets"][1:] - index["offsets"][:-1]).clamp_max(max_len)
+    answers = (lengths - index["prompt_lens"]).clamp_min(0)
+    answers[list(skip)] = 0
+    return int(answers.sum())
+
+
 def _load_index(path: Path) -> dict[str, torch.Tensor]:
     with safe_open(str(path), framework="pt") as f:
         return {k: f.get_tensor(k) for k in ("offsets", "prompt_lens")}
@@ -295,6 +312,8 @@ def _run(model, teacher, optim, schedule, repeated: dict[Path, frozenset[int]], 
         order = list(repeated)
         rng.shuffle(order)
         for path in order:
+            if progress["step"] >= total_steps or _out_of_time(cfg, this_run):
+                break  # (loading the shards left would only delay the checkpoint)
             shard = load_shard(path)
             for batch in _batches(shard, cfg, rng, repeated[path]):
                 if step < progress["step"]:  # resuming: skip what the checkpoint already trained on
