@@ -7,7 +7,8 @@
 # first answers repeat part 1's; each such conversation adds two new answers). Estimated ~80K new
 # answers (~13M answer tokens at part 1's 162 an answer; fewer, a follow-up being asked only after
 # an answer that ended) beside ~19K repeated first answers; distilled, its shards held 9.10M answer
-# tokens with 18,997 repeats (both parts 14.06M: BENCHMARKS). Several sessions of both cores (run
+# tokens with 18,997 repeats (both parts 14.06M, of which training reads 10.89M: the repeats' 3.17M
+# are skipped; BENCHMARKS). Several sessions of both cores (run
 # again to go on; every step resumes where it stopped). Shards, the mix and checkpoints stay outside the repository; part 1's
 # shards are linked into this run's data.
 #   RUN1=DIR RUN=DIR HOURS=H bash tools/eagle3_training/recipe_corpus2.sh
@@ -52,4 +53,4 @@ done
 $PY -m deploy.cli train-eagle3 --prompts "$RUN/mix.jsonl" --out "$RUN" --stage distill --tokens-only \
     --max-new-tokens 192 --batch-size 48
 $PY -m deploy.cli train-eagle3 --prompts "$RUN/mix.jsonl" --out "$RUN" --stage train --epochs 1 --ttt-steps 4 \
-    --lr 5e-4 --max-hours "${HOURS:-1}" --snapshot-tokens 1e6 2e6 4e6 8e6 16e6
+    --lr 5e-4 --max-hours "${HOURS:-1}" --snapshot-tokens 1e6 2e6 4e6 8e6
