@@ -273,6 +273,18 @@ def test_a_shard_written_before_its_run_recorded_it_is_not_distilled_again(tmp_p
     check_distilled(data, 2)  # not "finish the distillation first", forever
 
 
+def test_a_run_cut_before_its_first_done_json_is_not_taken_for_finished(tmp_path):
+    """Killed after its first shard's rename and before done.json was first written, a distillation
+    was taken as data made elsewhere, whole: a head trained on it fixed its vocabulary and schedule
+    from part of the prompts."""
+    data = tmp_path / "data"
+    distill(QUESTIONS[:2], data, None, max_new_tokens=8, batch_size=1, shard_size=1, store_features=False)
+    (data / "done.json").unlink()
+    shard_paths(data)[-1].unlink()
+    with pytest.raises(ValueError, match="holds answers to 1 of the 2 prompts"):
+        check_distilled(data, 2)
+
+
 def test_one_run_at_a_time_works_in_a_directory(tmp_path):
     with held(tmp_path / "data"), pytest.raises(RuntimeError, match="another process is distilling or training"):
         distill(QUESTIONS[:1], tmp_path / "data", None, max_new_tokens=8, batch_size=4, store_features=False)

@@ -74,8 +74,10 @@ class FeatureRecorder(StatelessProposer):
 def check_distilled(out_dir: Path, num_prompts: int) -> None:
     """Raises ValueError when `out_dir` holds a distillation of fewer than `num_prompts` prompts: a
     head trained on it would fix its draft vocabulary and schedule from part of the data. (Data
-    without done.json, made elsewhere, is taken as it is.)"""
-    done = sum(i < num_prompts for i in _done(out_dir)) if (out_dir / "done.json").exists() else num_prompts
+    with neither done.json nor shards of its own naming their prompts, made elsewhere, is taken as
+    it is; a run cut between its first shard and done.json has one that does.)"""
+    ours = (out_dir / "done.json").exists() or _own_shards(out_dir)
+    done = sum(i < num_prompts for i in _done(out_dir)) if ours else num_prompts
     if done < num_prompts:
         raise ValueError(f"{out_dir} holds answers to {done} of the {num_prompts} prompts: finish the distillation "
                          "first (--stage distill resumes it)")
