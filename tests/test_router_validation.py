@@ -58,6 +58,14 @@ def test_malformed_requests_name_the_field(tokenizer, bad, message):
     assert str(e.value).startswith(message), str(e.value)
 
 
+def test_a_refused_value_is_not_repeated_whole():
+    """The message repeated the whole input: 32 stop strings of 512 characters made ~17 KB of gRPC
+    status details (past clients' metadata limits: a transport error instead of INVALID_ARGUMENT)."""
+    with pytest.raises(InvalidRequest) as e:
+        validate(request(sampling=sampling(stop=["x" * 512] * 31 + [""])), None, max_model_len=None)
+    assert str(e.value).startswith("sampling.stop: Value error, an empty stop string") and len(str(e.value)) < 300
+
+
 def test_every_bad_sampling_field_is_reported():
     with pytest.raises(InvalidRequest) as e:
         validate(request(sampling=sampling(temperature=-1, top_k=-2)), None, max_model_len=None)
