@@ -33,7 +33,8 @@ from tools.prompts import read_prompts
 from tools.eagle3_training.distill import distill
 from tools.eagle3_training.features import TargetFeatures
 from tools.eagle3_training.model import TrainableEagle3, exported_depth, exported_mlp_width, exported_vocab
-from tools.eagle3_training.trainer import collate, load_shard, shard_paths
+from tools.eagle3_training.shards import load_shard, shard_paths
+from tools.eagle3_training.trainer import collate
 
 TOP_K = (1, 2, 4, 8)
 BINS = torch.linspace(0, 1, 11)

@@ -15,8 +15,8 @@ from tools.eagle3_training.distill import check_distilled, distill
 from tools.eagle3_training.features import TargetFeatures
 from tools.eagle3_training.run_dir import held
 from tools.eagle3_training import trainer
-from tools.eagle3_training.trainer import (TargetDistribution, TrainConfig, _head_shape, answer_token_counts, collate,
-                                          load_shard, repeated_samples, shard_paths, train)
+from tools.eagle3_training.shards import answer_token_counts, load_shard, repeated_samples, shard_paths
+from tools.eagle3_training.trainer import TargetDistribution, TrainConfig, _head_shape, collate, train
 
 QUESTIONS = ["Name three primary colors.", "Count from 1 to 10.", "What is 12 times 12?", "Write a haiku about rain."]
 

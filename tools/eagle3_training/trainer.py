@@ -18,8 +18,6 @@ from dataclasses import asdict, dataclass, replace
 from pathlib import Path
 
 import torch
-import xxhash
-from safetensors import safe_open
 from tqdm import tqdm
 
 from engine.config import ModelConfig
@@ -32,6 +30,8 @@ from tools.eagle3_training.features import TargetFeatures
 from tools.eagle3_training.head_loss import head_soft_label_loss
 from tools.eagle3_training.model import TrainableEagle3, exported_depth, exported_mlp_width, exported_vocab
 from tools.eagle3_training.run_dir import held
+from tools.eagle3_training.shards import (answer_token_counts, answer_tokens, has_features, load_index, load_shard,
+                                         repeated_samples, shard_paths)
 
 log = logging.getLogger(__name__)
 
@@ -60,26 +60,6 @@ class TrainConfig:
     snapshot_tokens: tuple[int, ...] = ()
 
 
-def shard_paths(data_dir: Path) -> list[Path]:
-    shards = sorted(data_dir.glob("shard-*.safetensors"))
-    if not shards:
-        raise FileNotFoundError(f"no distilled shards in {data_dir}; run the distill stage first")
-    return shards
-
-
-def load_shard(path: Path) -> dict[str, torch.Tensor]:
-    """A shard's tensors; one stored without features (tokens only) has them recomputed in collate."""
-    with safe_open(str(path), framework="pt") as f:
-        if "features" in f.keys() and "final_hidden" not in f.keys():
-            raise ValueError(f"{path} has no final_hidden (an older distill wrote it): distill again into a new --out")
-        return {k: f.get_tensor(k) for k in f.keys()}
-
-
-def has_features(path: Path) -> bool:
-    with safe_open(str(path), framework="pt") as f:
-        return "features" in f.keys()
-
-
 class TargetDistribution:
     """The target's next-token distribution over the draft vocabulary, from its last layer's output."""
 
@@ -91,43 +71,11 @@ class TargetDistribution:
         return torch.softmax(rms_norm(final_hidden.float(), self.norm, self.eps) @ self.head_rows.T, dim=-1)
 
 
-def answer_token_counts(repeated: dict[Path, frozenset[int]], vocab_size: int) -> torch.Tensor:
-    """How often each token id occurs in the target's answers that training reads: the samples of
-    the shards of `repeated` but those it names (counted, a conversation distilled twice weighed
-    twice in the draft vocabulary: a fifth of corpus part 2's answer tokens)."""
-    counts = torch.zeros(vocab_size, dtype=torch.long)
-    for path, skip in tqdm(repeated.items(), desc="counting tokens", unit="shard"):
-        with safe_open(str(path), framework="pt") as f:
-            tokens, offsets, prompt_lens = f.get_tensor("tokens").long(), f.get_tensor("offsets"), f.get_tensor("prompt_lens")
-        for i in range(prompt_lens.numel()):
-            if i not in skip:
-                counts += torch.bincount(tokens[offsets[i] + prompt_lens[i] : offsets[i + 1]], minlength=vocab_size)
-    return counts
-
-
 def draft_vocab(counts: torch.Tensor, size: int, init: dict[str, torch.Tensor] | None) -> tuple[torch.Tensor, float]:
     """The `size` most frequent answer tokens (or the initial head's vocabulary), sorted, and the
     share of answer tokens they cover."""
     vocab = exported_vocab(init) if init is not None else counts.topk(min(size, counts.numel())).indices.sort().values
     return vocab, float(counts[vocab].sum() / counts.sum().clamp_min(1))
-
-
-def repeated_samples(shards: list[Path]) -> dict[Path, frozenset[int]]:
-    """Per shard, the samples whose tokens (prompt and answer) an earlier sample already holds: a
-    conversation distilled again (corpus part 2 asks part 1's prompts again, and greedy decoding
-    answers them alike) would weigh twice."""
-    seen, repeated = set(), {}
-    for path in shards:
-        with safe_open(str(path), framework="pt") as f:
-            tokens, offsets = f.get_tensor("tokens").numpy(), f.get_tensor("offsets").tolist()
-        mine = set()
-        for i in range(len(offsets) - 1):
-            key = xxhash.xxh3_128_intdigest(tokens[offsets[i] : offsets[i + 1]].tobytes())
-            if key in seen:
-                mine.add(i)
-            seen.add(key)
-        repeated[path] = frozenset(mine)
-    return repeated
 
 
 def _batches(shard: dict[str, torch.Tensor], cfg: TrainConfig, rng: random.Random,
@@ -211,9 +159,9 @@ def _train(cfg: TrainConfig) -> Path:
             model.norm.copy_(teacher.norm)
             model.lm_head.weight.copy_(teacher.head_rows)
     optim = torch.optim.AdamW(model.parameters(), lr=cfg.lr, betas=(0.9, 0.95), weight_decay=0.0)
-    per_epoch = sum(len(_batches(_load_index(p), cfg, random.Random(0), repeated[p])) for p in shards)
+    per_epoch = sum(len(_batches(load_index(p), cfg, random.Random(0), repeated[p])) for p in shards)
     total_steps = max(1, int(per_epoch * cfg.epochs))
-    trained = cfg.epochs * sum(_answer_tokens(_load_index(p), cfg.max_len, repeated[p]) for p in shards)
+    trained = cfg.epochs * sum(answer_tokens(load_index(p), cfg.max_len, repeated[p]) for p in shards)
     for tokens in cfg.snapshot_tokens:
         if tokens > trained:
             log.warning("no snapshot at %gM answer tokens: this run trains on %.2fM (%g epochs of the shards' "
@@ -244,7 +192,7 @@ def _train(cfg: TrainConfig) -> Path:
     model.export(cfg.out_dir)
     (cfg.out_dir / "training.json").write_text(json.dumps(
         {"config": {k: str(v) for k, v in asdict(cfg).items()}, "draft_vocab_coverage": coverage,
-         "samples": sum(_load_index(p)["prompt_lens"].numel() - len(repeated[p]) for p in shards),
+         "samples": sum(load_index(p)["prompt_lens"].numel() - len(repeated[p]) for p in shards),
          "repeated_samples_skipped": data["repeated"], **progress,
          "total_steps": total_steps, "finished": progress["step"] >= total_steps}, indent=2) + "\n")
     return cfg.out_dir
@@ -283,20 +231,6 @@ def _aux_layers(cfg: TrainConfig, state: dict | None, target: ModelConfig) -> tu
         raise ValueError(f"--aux-layers {' '.join(map(str, asked))}: {source} "
                          f"{' '.join(map(str, found))}; give those (or train from scratch into a new --out)")
     return found
-
-
-def _answer_tokens(index: dict[str, torch.Tensor], max_len: int, skip: frozenset[int]) -> int:
-    """The answer tokens training reads from a shard (`index`: its offsets and prompt_lens): each
-    sample cut to max_len, those of `skip` left out."""
-    lengths = (index["offsets"][1:] - index["offsets"][:-1]).clamp_max(max_len)
-    answers = (lengths - index["prompt_lens"]).clamp_min(0)
-    answers[list(skip)] = 0
-    return int(answers.sum())
-
-
-def _load_index(path: Path) -> dict[str, torch.Tensor]:
-    with safe_open(str(path), framework="pt") as f:
-        return {k: f.get_tensor(k) for k in ("offsets", "prompt_lens")}
 
 
 def _run(model, teacher, optim, schedule, repeated: dict[Path, frozenset[int]], cfg, progress, total_steps,
