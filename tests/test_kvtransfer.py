@@ -4,7 +4,6 @@ tests/kv_peers.py), over gRPC and over NIXL."""
 import dataclasses
 import subprocess
 import sys
-import threading
 import time
 
 import grpc
@@ -13,7 +12,6 @@ import pytest
 from engine.kv_layout import CacheShape
 from kvtransfer.connector import RELEASE_MIN_TIMEOUT_S
 from kvtransfer.layout import layout_from_proto, layout_to_proto
-from kvtransfer.source import KVSource
 from proto.pdspec.v1 import kv_pb2, kv_pb2_grpc
 from tests.kv_peers import (BACKENDS, LAYOUT, LOCAL, REMOTE, TOKEN, WAIT_S, DestinationProcess, SourceProcess,
                             assert_local, random_caches)
@@ -67,93 +65,6 @@ def test_layout_proto_round_trip(draft):
     assert layout_from_proto(layout_to_proto(layout)) == layout
 
 
-def test_on_release_runs_once_on_release_or_close():
-    calls = []
-    source = KVSource(LAYOUT, random_caches(LAYOUT, 4, 0), pin_timeout_s=3600, nixl=False)
-    source.pin("a", [0, 1], lambda: calls.append("a"))
-    with pytest.raises(ValueError, match="already pinned"):
-        source.pin("a", [2], lambda: calls.append("a again"))
-    assert source.release("a") and not source.release("a")
-    source.pin("b", [2], lambda: calls.append("b"))
-    source.close()
-    assert not source.release("b")
-    assert calls == ["a", "b"]
-
-
-def test_a_pin_answers_only_to_its_own_id():
-    """A router retries a request under its id, maybe on the same prefill worker: the earlier
-    attempt's late Release (or pull) must not end (or read) the retry's pin."""
-    source = KVSource(LAYOUT, random_caches(LAYOUT, 4, 0), pin_timeout_s=3600, nixl=False)
-    earlier = source.pin("r", [0], lambda: None)
-    assert source.release("r", earlier)
-    retry = source.pin("r", [1], lambda: None)
-    assert retry != earlier
-    assert not source.release("r", earlier) and source.pinned("r", earlier) is None
-    assert source.read_pinned("r", earlier, "target", 1) is None
-    assert source.pinned("r", retry) == {1} and source.read_pinned("r", retry, "target", 1) is not None
-    assert source.release("r", retry)
-    source.close()
-
-
-def test_a_block_copy_under_way_holds_its_pin_open_but_not_the_source(monkeypatch):
-    """A pin ended while PullBlocks copies one of its blocks frees the blocks after the copy, not
-    before; meanwhile other pins are made and ended (the copy held the source's lock: every pin and
-    Release, the prefill worker's handles with them, waited on a device cache's copy)."""
-    import kvtransfer.source
-
-    copying, finish = threading.Event(), threading.Event()
-
-    def slow_copy(cache, block_id):
-        copying.set()
-        finish.wait(60)
-        return read_block(cache, block_id)
-
-    read_block = kvtransfer.source.read_block
-    monkeypatch.setattr(kvtransfer.source, "read_block", slow_copy)
-    calls = []
-    source = KVSource(LAYOUT, random_caches(LAYOUT, 4, 0), pin_timeout_s=3600, nixl=False)
-    pin = source.pin("r", [0], lambda: calls.append("r"))
-    read = []
-    reader = threading.Thread(target=lambda: read.append(source.read_pinned("r", pin, "target", 0)))
-    reader.start()
-    try:
-        assert copying.wait(30)
-        others = threading.Thread(target=lambda: (source.pin("s", [1], lambda: calls.append("s")),
-                                                  source.release("s"), source.release("r")))
-        others.start()
-        others.join(30)
-        assert not others.is_alive(), "pinning and releasing waited on another pin's block copy"
-        assert calls == ["s"]  # r's blocks stay until its copy is done
-    finally:
-        finish.set()
-        reader.join(30)
-    assert read[0] == read_block(source.caches["target"], 0) and calls == ["s", "r"]
-    source.close()
-    assert calls == ["s", "r"]
-
-
-def test_a_pull_cut_by_shutdown_still_says_its_blocks_may_be_written():
-    """The worker shutting down closes the channels under a pull whose READ it could not stop (a
-    fault injected in the move): the Release after it cannot be sent, and the pull's own failure,
-    which says the blocks may still be written (never to be reused), must reach the caller; the
-    closed channel's error replaced it, and the blocks went back to the pool."""
-    from kvtransfer.connector import KVTransferError
-    from kvtransfer.grpc_backend import GrpcConnector
-
-    class ClosedUnderTheRead(GrpcConnector):
-        def _move(self, stub, handle, remote_block_ids, local_block_ids, deadline, cancel):
-            self._close_channels()
-            raise KVTransferError("injected: the READ could not be stopped", retryable=True, may_still_write=True)
-
-    connector = ClosedUnderTheRead(LAYOUT, random_caches(LAYOUT, 4, 1), token=None)
-    handle = kv_pb2.KVHandle(request_id="r", source_worker_id="prefill-test", source_address="127.0.0.1:9",
-                             layout=layout_to_proto(LAYOUT), block_ids=[0, 1], pin_id="p")
-    with pytest.raises(KVTransferError, match="injected") as failed:
-        connector.pull(handle, [0, 1], [2, 3], timeout_s=5.0)
-    assert failed.value.may_still_write
-    connector.close()
-
-
 def test_a_handle_without_checksums_is_pulled_with_a_warning(source, caplog):
     """A source whose caches are in device memory hashes no blocks: its pulls go unchecked end to
     end, which the destination says once (it said nothing)."""
@@ -169,16 +80,6 @@ def test_a_handle_without_checksums_is_pulled_with_a_warning(source, caplog):
         connector.close()
     said = [r for r in caplog.records if "came without checksums" in r.getMessage()]
     assert len(said) == 1 and source.address in said[0].getMessage()
-
-
-def test_pin_timeout_runs_on_release_once():
-    calls, ended = [], threading.Event()
-    source = KVSource(LAYOUT, random_caches(LAYOUT, 4, 0), pin_timeout_s=0.05, nixl=False)
-    source.pin("a", [0], lambda: (calls.append("a"), ended.set()))
-    assert ended.wait(WAIT_S)
-    assert not source.release("a")
-    source.close()
-    assert calls == ["a"]
 
 
 @pytest.mark.parametrize("backend", BACKENDS)
