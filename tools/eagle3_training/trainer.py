@@ -159,9 +159,10 @@ def _train(cfg: TrainConfig) -> Path:
             model.norm.copy_(teacher.norm)
             model.lm_head.weight.copy_(teacher.head_rows)
     optim = torch.optim.AdamW(model.parameters(), lr=cfg.lr, betas=(0.9, 0.95), weight_decay=0.0)
-    per_epoch = sum(len(_batches(load_index(p), cfg, random.Random(0), repeated[p])) for p in shards)
+    indexes = {p: load_index(p) for p in shards}  # read once: the schedule, the answers and the report count from them
+    per_epoch = sum(len(_batches(indexes[p], cfg, random.Random(0), repeated[p])) for p in shards)
     total_steps = max(1, int(per_epoch * cfg.epochs))
-    trained = cfg.epochs * sum(answer_tokens(load_index(p), cfg.max_len, repeated[p]) for p in shards)
+    trained = cfg.epochs * sum(answer_tokens(indexes[p], cfg.max_len, repeated[p]) for p in shards)
     for tokens in cfg.snapshot_tokens:
         if tokens > trained:
             log.warning("no snapshot at %gM answer tokens: this run trains on %.2fM (%g epochs of the shards' "
@@ -192,7 +193,7 @@ def _train(cfg: TrainConfig) -> Path:
     model.export(cfg.out_dir)
     (cfg.out_dir / "training.json").write_text(json.dumps(
         {"config": {k: str(v) for k, v in asdict(cfg).items()}, "draft_vocab_coverage": coverage,
-         "samples": sum(load_index(p)["prompt_lens"].numel() - len(repeated[p]) for p in shards),
+         "samples": sum(indexes[p]["prompt_lens"].numel() - len(repeated[p]) for p in shards),
          "repeated_samples_skipped": data["repeated"], **progress,
          "total_steps": total_steps, "finished": progress["step"] >= total_steps}, indent=2) + "\n")
     return cfg.out_dir
