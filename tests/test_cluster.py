@@ -20,6 +20,7 @@ from engine.engine import Engine
 from engine.params import SamplingParams
 from proto.pdspec.v1 import common_pb2, kv_pb2, kv_pb2_grpc, router_pb2, router_pb2_grpc, worker_pb2, worker_pb2_grpc
 from proto.rpc import FAILED_KV_SOURCE_METADATA_KEY, channel, free_port
+from tests.waiting import wait_until
 from tools.scrape import metric
 
 QUESTIONS = ["What is the capital of France?", "Name three primary colors.", "Write a haiku about rain.",
@@ -106,13 +107,12 @@ def _wait_idle(cluster: LocalCluster, role: str, timeout_s: float = 10.0) -> dic
 
 def _wait_restarted(cluster: LocalCluster, name: str, address: str, timeout_s: float = 120.0) -> str:
     """Wait until the supervisor has restarted `name` and it registered at a new address; returns it."""
-    deadline = time.monotonic() + timeout_s
-    while time.monotonic() < deadline:
+    def moved() -> str | None:
         worker = cluster.workers().get(name)
-        if worker is not None and worker.address != address:
-            return worker.address
-        time.sleep(0.2)
-    raise AssertionError(f"{name} was not restarted within {timeout_s}s")
+        return worker.address if worker is not None and worker.address != address else None
+
+    wait_until(moved, f"{name} was not restarted within {timeout_s}s", timeout_s, poll_s=0.2)
+    return moved()
 
 
 def test_disaggregated_over_nixl_matches_the_engine(nixl_cluster, reference):

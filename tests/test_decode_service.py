@@ -299,11 +299,8 @@ def test_a_worker_is_ready_only_while_its_router_knows_it(model_dir):
             def status(service: str) -> int:
                 return check(health_pb2.HealthCheckRequest(service=service), timeout=5).status
 
-            def settles_at(expected: int, within_s: float = 10.0) -> bool:
-                deadline = time.monotonic() + within_s
-                while status("pdspec.v1.DecodeWorker") != expected and time.monotonic() < deadline:
-                    time.sleep(0.05)
-                return status("pdspec.v1.DecodeWorker") == expected
+            def settles_at(expected: int, what: str) -> None:
+                wait_until(lambda: status("pdspec.v1.DecodeWorker") == expected, what, 10, poll_s=0.05)
 
             def http(path: str) -> int:  # the same on the plain-HTTP metrics port (TLS clusters' probes)
                 return httpx.get(f"http://127.0.0.1:{worker.metrics_server.server_port}{path}", timeout=5).status_code
@@ -316,10 +313,10 @@ def test_a_worker_is_ready_only_while_its_router_knows_it(model_dir):
             assert status("pdspec.v1.DecodeWorker") == not_serving
             stranger.stop(0)
             ours = router("ours")
-            assert settles_at(serving), "registered, still not ready"
+            settles_at(serving, "registered, still not ready")
             assert (http("/ready"), http("/health"), http("/metrics")) == (200, 200, 200)
             ours.stop(0)
-            assert settles_at(not_serving), "its router gone, still ready"
+            settles_at(not_serving, "its router gone, still ready")
             assert status("") == serving and (http("/ready"), http("/health")) == (503, 200)
     finally:
         worker.stop()

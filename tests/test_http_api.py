@@ -20,6 +20,7 @@ from tools.loadgen import make_workload, run_load, summarize
 from tools.scrape import metric
 from proto.pdspec.v1 import common_pb2, router_pb2, router_pb2_grpc
 from router.openai_api import create_app
+from tests.waiting import wait_until
 
 MODEL = "SmolLM2-135M-Instruct"
 QUESTION = [{"role": "user", "content": "Name three primary colors."}]
@@ -243,9 +244,8 @@ def test_a_request_moves_the_metrics_by_its_own_counts(cluster, client):
     bytes_before = metric(decode, "pdspec_kv_transfer_bytes_total")
     answer = client.chat.completions.create(model=MODEL, messages=QUESTION, max_tokens=MAX_TOKENS)
     # The router counts a request when its Generate stream ends, just after the last message left.
-    deadline = time.monotonic() + 10
-    while metric(router, "pdspec_requests_total") == before["pdspec_requests_total"] and time.monotonic() < deadline:
-        time.sleep(0.01)
+    wait_until(lambda: metric(router, "pdspec_requests_total") != before["pdspec_requests_total"],
+               "the router did not count the request", 10)
     after = {n: metric(router, n) for n in names}
     moved = {n: after[n] - before[n] for n in names}
     a, usage = answer.model_extra["pdspec"]["acceptance"], answer.usage
@@ -276,10 +276,8 @@ def test_streamed_answers_count_as_answers_not_cancels(cluster, client):
         for chunk in client.chat.completions.create(model=MODEL, messages=QUESTION, max_tokens=4, stream=True,
                                                     stream_options={"include_usage": True}):
             prompt_tokens += chunk.usage.prompt_tokens if chunk.usage else 0
-    deadline = time.monotonic() + 10
-    while sum(metric(root, "pdspec_requests_total", status=s) - n for s, n in before.items()) < 4:
-        assert time.monotonic() < deadline, "the router did not count the requests"
-        time.sleep(0.01)
+    wait_until(lambda: sum(metric(root, "pdspec_requests_total", status=s) - n for s, n in before.items()) >= 4,
+               "the router did not count the requests", 10)
     time.sleep(0.2)  # a late cancel would count now
     assert metric(root, "pdspec_requests_total", status="OK") - before["OK"] == 4
     assert metric(root, "pdspec_requests_total", status="CANCELLED") == before["CANCELLED"]
@@ -287,12 +285,10 @@ def test_streamed_answers_count_as_answers_not_cancels(cluster, client):
     assert metric(root, "pdspec_prompt_tokens_total") - prompt_before == prompt_tokens
 
 
-def _wait_blocks_free(cluster: LocalCluster, timeout_s: float = 60.0) -> float:
+def _wait_blocks_free(cluster: LocalCluster, timeout_s: float = 60.0) -> None:
     url = _decode_metrics_url(cluster)
-    deadline = time.monotonic() + timeout_s
-    while (used := metric(url, "pdspec_kv_blocks_used")) and time.monotonic() < deadline:
-        time.sleep(0.1)
-    return used
+    wait_until(lambda: not metric(url, "pdspec_kv_blocks_used"), "the decode worker still holds KV blocks",
+               timeout_s, poll_s=0.1)
 
 
 LONG = {"model": MODEL, "messages": QUESTION, "max_tokens": 4000, "ignore_eos": True}
@@ -305,7 +301,7 @@ def test_a_streaming_client_that_leaves_frees_every_block(cluster):
         for _ in range(3):
             next(lines)
         assert metric(_decode_metrics_url(cluster), "pdspec_kv_blocks_used") > 0
-    assert _wait_blocks_free(cluster) == 0
+    _wait_blocks_free(cluster)
     assert metric(f"{_root(cluster)}/metrics", "pdspec_requests_total", status="CANCELLED") == cancelled + 1
 
 
@@ -323,11 +319,8 @@ def test_a_client_that_leaves_before_a_whole_answer_frees_every_block(cluster):
     """The answer comes only at the end: the client sends, waits until it is being decoded, hangs up."""
     url = _decode_metrics_url(cluster)
     with _post_raw(cluster, LONG):
-        deadline = time.monotonic() + 60
-        while not metric(url, "pdspec_kv_blocks_used") and time.monotonic() < deadline:
-            time.sleep(0.05)
-        assert metric(url, "pdspec_kv_blocks_used") > 0
-    assert _wait_blocks_free(cluster) == 0
+        wait_until(lambda: metric(url, "pdspec_kv_blocks_used") > 0, "the request was never decoded", 60, poll_s=0.05)
+    _wait_blocks_free(cluster)
 
 
 def test_a_streaming_client_that_leaves_before_its_first_token_stops_the_request(cluster):
@@ -338,11 +331,9 @@ def test_a_streaming_client_that_leaves_before_its_first_token_stops_the_request
     cancelled = metric(root, "pdspec_requests_total", status="CANCELLED")
     long_prompt = [{"role": "user", "content": "Repeat after me: " + "apple pie and " * 600}]
     _post_raw(cluster, LONG | {"messages": long_prompt, "max_tokens": 1000, "stream": True}).close()
-    deadline = time.monotonic() + 30  # decoding all 1,000 tokens would take longer
-    while metric(root, "pdspec_requests_total", status="CANCELLED") == cancelled:
-        assert time.monotonic() < deadline, "the request was not cancelled"
-        time.sleep(0.1)
-    assert _wait_blocks_free(cluster) == 0
+    wait_until(lambda: metric(root, "pdspec_requests_total", status="CANCELLED") != cancelled,
+               "the request was not cancelled", 30, poll_s=0.1)  # decoding all 1,000 tokens would take longer
+    _wait_blocks_free(cluster)
 
 
 def test_load_over_http_accounts_for_every_token(cluster):

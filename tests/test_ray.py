@@ -24,6 +24,7 @@ from engine.engine import Engine
 from engine.params import SamplingParams
 from proto.pdspec.v1 import router_pb2_grpc
 from tests.test_cluster import QUESTIONS, _generate, _request
+from tests.waiting import wait_until
 
 import ray  # after deploy.ray_launch, which sets how Ray resolves 127.0.0.1
 from ray.cluster_utils import Cluster
@@ -154,10 +155,8 @@ def test_a_local_ray_that_misses_its_start_up_window_is_started_again(monkeypatc
         assert starts[0].wait(timeout=10) == -9  # killed with the failed start
     finally:
         ray.shutdown()
-    deadline = time.monotonic() + 30
-    while (left := {p.pid for p in psutil.Process().children(recursive=True)} - before) and time.monotonic() < deadline:
-        time.sleep(0.2)
-    assert not left, "processes of a Ray start were left running"
+    wait_until(lambda: not {p.pid for p in psutil.Process().children(recursive=True)} - before,
+               "processes of a Ray start were left running", 30, poll_s=0.2)
 
 
 def test_local_ray_matches_the_engine_and_stops_without_leftovers(reference):

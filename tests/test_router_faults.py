@@ -15,6 +15,7 @@ from proto.rpc import FAILED_KV_SOURCE_METADATA_KEY, RETRY_AFTER_METADATA_KEY, c
 from router.config import RouterConfig
 from router.main import run_router
 from tests.test_router_server import HELLO, TOKEN, registration, rpc_error
+from tests.waiting import wait_until
 
 
 class _FullDecodeWorker(worker_pb2_grpc.DecodeWorkerServicer):
@@ -190,10 +191,9 @@ def test_a_worker_answering_not_serving_is_dropped_after_a_failed_call(model_dir
             assert [r.text for r in router.Generate(HELLO, timeout=30)] == ["x"]
             if troubled.calls:
                 break
-        deadline = time.monotonic() + 10
-        while time.monotonic() < deadline and "decode-a" in _listed(router):
-            time.sleep(0.1)
-        assert troubled.calls == 1 and "decode-a" not in _listed(router)
+        wait_until(lambda: "decode-a" not in _listed(router), "the failing decode worker is still listed", 10,
+                   poll_s=0.1)
+        assert troubled.calls == 1
 
 
 def _listed(router) -> set[str]:

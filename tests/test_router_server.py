@@ -5,7 +5,6 @@ import contextlib
 import socket
 import subprocess
 import sys
-import time
 from collections.abc import Iterator
 from concurrent import futures
 from pathlib import Path
@@ -22,6 +21,7 @@ from router.config import RouterConfig
 from proto.pdspec.v1 import common_pb2, kv_pb2, router_pb2, router_pb2_grpc, worker_pb2, worker_pb2_grpc
 from proto.rpc import channel
 from router.main import run_router
+from tests.waiting import wait_until
 
 TOKEN = "s3cret"
 HELLO = router_pb2.GenerateRequest(prompt="Hello")
@@ -88,9 +88,7 @@ def test_health_and_reflection(router):
         assert status() == not_serving  # a prefill worker alone is no route
         registry.Register(registration("d", decode, role="decode"), timeout=10)
         assert status() == serving
-        deadline = time.monotonic() + 10
-        while status() == serving and time.monotonic() < deadline:  # no heartbeats: both evicted after 0.5 s
-            time.sleep(0.1)
+        wait_until(lambda: status() != serving, "still serving without heartbeats", 10, poll_s=0.1)  # evicted after 0.5 s
         assert (status(), status("")) == (not_serving, serving)
         registry.Register(registration("agg", aggregated), timeout=10)
         assert status() == serving
@@ -145,10 +143,8 @@ def test_registered_workers_are_listed_until_their_heartbeats_stop(router):
     [status] = stub.ListWorkers(router_pb2.ListWorkersRequest(), timeout=10).workers
     assert (status.worker_id, status.role, status.active_blocks, status.metrics_address) == (
         "agg-1", "aggregated", 7, "127.0.0.1:9100")
-    deadline = time.monotonic() + 5
-    while stub.ListWorkers(router_pb2.ListWorkersRequest(), timeout=10).workers and time.monotonic() < deadline:
-        time.sleep(0.1)
-    assert not stub.ListWorkers(router_pb2.ListWorkersRequest(), timeout=10).workers
+    wait_until(lambda: not stub.ListWorkers(router_pb2.ListWorkersRequest(), timeout=10).workers,
+               "a worker without heartbeats is still listed", 5, poll_s=0.1)
     assert not registry.Heartbeat(beat, timeout=10).registered
 
 
@@ -220,10 +216,8 @@ def test_a_worker_whose_call_and_health_check_fail_is_dropped_at_once(model_dir)
             worker_pb2_grpc.RegistryStub(registry).Register(registration("agg", worker_address), timeout=10)
             stub = router_pb2_grpc.RouterStub(internal)
             assert rpc_error(lambda: list(stub.Generate(HELLO, timeout=10))).code() == grpc.StatusCode.UNAVAILABLE
-            deadline = time.monotonic() + 10
-            while stub.ListWorkers(router_pb2.ListWorkersRequest(), timeout=10).workers:
-                assert time.monotonic() < deadline, "the dead worker is still routed to"
-                time.sleep(0.05)
+            wait_until(lambda: not stub.ListWorkers(router_pb2.ListWorkersRequest(), timeout=10).workers,
+                       "the dead worker is still routed to", 10, poll_s=0.05)
     finally:
         router.stop(0)
 
@@ -246,10 +240,8 @@ def test_the_http_api_follows_readiness_and_answers_errors_in_openai_shape(model
         with channel(f"127.0.0.1:{router.internal_port}", TOKEN) as registry, listening() as [address]:
             worker_pb2_grpc.RegistryStub(registry).Register(registration("agg", address), timeout=10)
         assert httpx.get(f"{root}/ready").status_code == 200
-        deadline = time.monotonic() + 10
-        while httpx.get(f"{root}/ready").status_code == 200 and time.monotonic() < deadline:  # evicted: no heartbeats
-            time.sleep(0.1)
-        assert httpx.get(f"{root}/ready").status_code == 503
+        wait_until(lambda: httpx.get(f"{root}/ready").status_code == 503, "still ready without heartbeats", 10,
+                   poll_s=0.1)  # evicted: no heartbeats
     finally:
         router.stop(0)
 
