@@ -157,9 +157,9 @@ class Engine(Handoff):
             self.blocks.commit(s.seq.seq_id, [chunk.token_ids[r] for r in rows])
             if s.num_lookahead:
                 self.blocks.rollback(s.seq.seq_id)
+            s.seq.num_computed += len(rows)  # first: without features, observe writes the blocks full by now
             if rows:  # none where the sequence ended at once (no room left: retired blocks shrank its limit)
                 self.proposer.observe(s.seq, chunk.start, _rows(out.aux_hidden, row, rows) if captured[i] else None)
-            s.seq.num_computed += len(rows)
             row += len(chunk.token_ids)
         mid_prompt = [s.seq for i, s in enumerate(scheduled) if i not in paths]  # (yields_token has moved on)
         if mid_prompt:

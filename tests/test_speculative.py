@@ -204,30 +204,34 @@ def test_draft_caches_left_behind_catch_up_to_what_one_forward_computes(spec_pro
                                    atol=1e-4, rtol=1e-4)
 
 
-def test_above_the_batch_limit_only_prompts_keep_their_draft_entries(engine, spec_prompts):
+@pytest.mark.parametrize("block_short_by_one", [False, True])
+def test_above_the_batch_limit_only_prompts_keep_their_draft_entries(engine, spec_prompts, block_short_by_one):
     """Above disable_by_batch_size nothing drafts, and the engine captures the target's features for
     prompts only (kept current for every decoded position, the draft cache cost 4-7 % of a batch-16
     step): the proposer writes what it holds as far as the prompts' full blocks, which the prefix
     cache shares, and then keeps nothing. A sequence left alone below the limit drafts again, and
-    the output is plain decoding's."""
+    the output is plain decoding's. (A prompt one token short of a block's end: its first decoded
+    token fills that block, which holds the prompt's draft entries too.)"""
     config = EngineConfig(num_kv_blocks=64, speculative={"adaptive": False, "method": "eagle3", "disable_by_batch_size": 1})
     above, reference = Engine(config), Engine(config)
     params = [SamplingParams(max_tokens=24, ignore_eos=True), SamplingParams(max_tokens=64, ignore_eos=True)]
-    ids = [above.add_request(p, sp) for p, sp in zip(spec_prompts[:2], params)]
+    size = config.block_size
+    prompts = [p[: (len(p) // size - 1) * size + size - 1] if block_short_by_one else p for p in spec_prompts[:2]]
+    ids = [above.add_request(p, sp) for p, sp in zip(prompts, params)]
     seqs, out, checked = [above.seqs[i] for i in ids], {i: [] for i in ids}, False
     while above.has_unfinished():
         for o in above.step():
             out[o.request_id].extend(o.token_ids)
         if seqs[0].num_generated == 16:  # both decoding: above the limit
             assert not above.proposer.pending and not above.proposer.unprojected
-            for seq in seqs:
-                full = seq.num_prompt_tokens // config.block_size * config.block_size
+            for seq in seqs:  # the prompt's positions in blocks full by now (the last is the first token's)
+                full = min(seq.num_prompt_tokens, (seq.num_prompt_tokens + 1) // size * size)
                 table = _reference_draft_cache(reference, seq.token_ids)
                 torch.testing.assert_close(_draft_kv(above, above.blocks.block_table(seq.seq_id), full),
                                            _draft_kv(reference, table, full), atol=1e-4, rtol=1e-4)
             checked = True
     assert checked
-    assert [out[i] for i in ids] == run_requests(engine, spec_prompts[:2], params)
+    assert [out[i] for i in ids] == run_requests(engine, prompts, params)
     assert above.counters["draft_tokens"] > 0  # the second, alone, drafted again
 
 
