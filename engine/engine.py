@@ -187,11 +187,12 @@ class Engine(Handoff):
 
     def _end_unfit_waiting(self) -> list[RequestOutput]:
         """End ("length") the waiting sequences at the queue's head that the pool can no longer
-        hold: blocks retired for good (a transfer that may still write) shrink it under a
-        preempted sequence, which admission, in order, would then wait on forever, and every
-        request behind it (a decode worker takes no hand-off while one waits)."""
+        hold: blocks retired for good (a transfer that may still write) shrink it under a preempted
+        sequence, which admission, in order, would then wait on forever, and every request behind
+        it (a decode worker takes no hand-off while one waits); or to its length, where it would
+        wait for the whole pool to be free, be recomputed, and find no room for another token."""
         ended = []
-        while self.scheduler.waiting and len(self.scheduler.waiting[0].token_ids) > self.context_limit():
+        while self.scheduler.waiting and len(self.scheduler.waiting[0].token_ids) >= self.context_limit():
             ended.append(self._finish(self.scheduler.waiting[0], "length", [], ""))
         return ended
 

@@ -8,6 +8,7 @@ from engine.config import EMBEDDED_NAME, EngineConfig
 from engine.engine import Engine
 from engine.errors import CapacityExceeded, InvalidRequest, RequestIdInUse
 from engine.params import SamplingParams
+from engine.sequence import SeqStatus
 
 
 def _run_all(engine: Engine, prompts: list[list[int]], params: SamplingParams) -> dict[str, list[int]]:
@@ -193,6 +194,25 @@ def test_a_preempted_sequence_the_shrunk_pool_cannot_hold_ends_instead_of_blocki
     assert [(o.request_id, o.finish_reason) for o in outs if o.finished] == [(rid, "length"), (later, "length")]
     assert tiny.blocks.num_used_blocks == 1  # the retired one
 
+
+
+def test_a_preempted_sequence_as_long_as_the_shrunk_pool_ends_at_once():
+    """Blocks of one token: the older sequence's next block preempts the younger; retired blocks
+    then shrink the pool to exactly the younger one's length. It could never emit another token, so
+    it ends "length" at once instead of waiting at the queue's head for the whole pool to be free,
+    to be recomputed for nothing."""
+    tiny = Engine(EngineConfig(num_kv_blocks=20, block_size=1))
+    older = tiny.add_request(list(range(100, 105)), SamplingParams(max_tokens=100, ignore_eos=True))
+    younger = tiny.add_request(list(range(200, 208)), SamplingParams(max_tokens=100, ignore_eos=True))
+    tiny.step()
+    seq = tiny.seqs[younger]
+    while seq.status is SeqStatus.RUNNING:
+        tiny.step()
+    tiny.reserve_prefilled("arriving", list(range(300, 320 - len(seq.token_ids))), SamplingParams())
+    tiny.retire_incoming("arriving")
+    assert tiny.context_limit() == len(seq.token_ids) > len(tiny.seqs[older].token_ids)
+    assert [(o.request_id, o.finish_reason) for o in tiny.step() if o.finished] == [(younger, "length")]
+    assert tiny.seqs[older].status is SeqStatus.RUNNING
 
 def _teacher_forced_top1(engine: Engine, prompt: list[int], continuation: list[int]) -> list[int]:
     """The engine's argmax at every position of `continuation`, fed the continuation itself."""
