@@ -56,7 +56,8 @@ class Engine(Handoff):
         # A preempted sequence is recomputed later (mostly from the prefix cache): the proposer
         # leaves its state as after a finish.
         self.scheduler = Scheduler(config, self.blocks, on_preempt=lambda seq: self.proposer.release(seq),
-                                   context_cost=context_cost(config, self.runner.model_config.hidden_size))
+                                   context_cost=context_cost(config, self.runner.model_config.hidden_size),
+                                   arriving=lambda: len(self.incoming))
         self.verify = verify if config.device == "cpu" else _triton_verify()
         self.max_model_len = self.runner.max_model_len
         self.seqs: dict[str, Sequence] = {}

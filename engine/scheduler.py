@@ -53,13 +53,16 @@ def context_cost(config: EngineConfig, hidden_size: int) -> float | None:
 
 class Scheduler:
     def __init__(self, config: EngineConfig, block_manager: BlockManager,
-                 on_preempt: Callable[[Sequence], None] = lambda seq: None, context_cost: float | None = None):
+                 on_preempt: Callable[[Sequence], None] = lambda seq: None, context_cost: float | None = None,
+                 arriving: Callable[[], int] = lambda: 0):
         """on_preempt(seq): called while a preempted sequence still holds its blocks. context_cost:
         cached positions that make a prompt token count double against the prefill cap (None:
-        every token counts 1)."""
+        every token counts 1). arriving(): sequences whose KV is arriving from elsewhere, each
+        holding a place in the batch it joins when its KV is in (add_running)."""
         self.config = config
         self.blocks = block_manager
         self.on_preempt = on_preempt
+        self.arriving = arriving
         self.context_cost = context_cost
         self.waiting: deque[Sequence] = deque()
         # The blocks the waiting sequences' tokens fill (a cached prefix counted too): work queued
@@ -132,7 +135,7 @@ class Scheduler:
 
     def _admit(self) -> None:
         """Waiting sequences into the running batch (their prompt's blocks allocated), in order."""
-        while self.waiting and len(self.running) < self.config.max_num_seqs:
+        while self.waiting and len(self.running) + self.arriving() < self.config.max_num_seqs:
             seq = self.waiting[0]
             if not self.blocks.can_allocate(seq.token_ids):
                 break

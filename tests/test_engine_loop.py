@@ -37,6 +37,23 @@ def test_an_incoming_request_aborted_mid_transfer_keeps_its_blocks_until_the_tra
     assert engine.blocks.num_free_blocks == free_before
 
 
+
+def test_a_request_whose_kv_is_arriving_holds_its_place_in_the_batch(prompts):
+    """A decode worker serves prompts of its own beside hand-offs: a prompt admitted while a
+    hand-off's KV arrives must leave it its place, or the batch outgrows max_num_seqs when it is
+    in (and with a token budget of max_num_seqs, its youngest sequence decoded nothing)."""
+    engine = Engine(EngineConfig(num_kv_blocks=64, max_num_seqs=2))
+    params = SamplingParams(max_tokens=8, ignore_eos=True)
+    _, table = engine.take_over("arriving", prompts[0], params)
+    engine.add_request(prompts[1], params, "local-1")
+    engine.add_request(prompts[2], params, "local-2")
+    engine.step()
+    assert [s.seq_id for s in engine.scheduler.running] == ["local-1"]
+    engine.admit_prefilled("arriving", KVHandle(table, 0, 0, None, 0, 0.0))
+    assert len(engine.scheduler.running) == 2 and [s.seq_id for s in engine.scheduler.waiting] == ["local-2"]
+    while engine.has_unfinished():
+        engine.step()
+
 def test_a_prefilled_request_is_taken_over_only_with_a_slot_free_and_nobody_waiting(prompts):
     """A sequence waiting to come back (preempted on a decode worker) goes first: new arrivals
     would take every block it frees. The check and the reservation are one step on the loop."""
