@@ -38,6 +38,10 @@ from proto.tls import Tls
 log = logging.getLogger(__name__)
 
 POLL_S = 0.0005  # between transfer state checks: sleeps, so a long READ costs no CPU here
+# UCX cannot cancel a READ under way (it cancels receives, not RMA gets): a release only detaches
+# it, and it goes on writing into the local blocks. A READ a pull leaves running (cancelled, timed
+# out) is waited for this long before its blocks are given up for good.
+READ_DRAIN_S = 2.0
 LOCK_POLL_S = 0.05  # between checks of a pull's cancel while another pull fetches its source's metadata
 PROGRESS_POLL_US = 10_000  # NIXL progress thread poll timeout; UCX events wake it sooner
 # The bindings raise one exception class per NIXL status, with no common base but Exception.
@@ -318,28 +322,43 @@ class NixlConnector(BaseConnector):
                 agent.get_xfer_descs(remote, source.regions["target"].memory_type), source.nixl_name)
         except NIXL_ERRORS as e:
             raise KVTransferError(f"{what} could not start: {e}", retryable=True) from None
+        posted, state = False, "not posted"
         try:
-            state = agent.transfer(xfer)
+            state = agent.transfer(xfer)  # raises if NIXL could not post the READ
+            posted = True
             while state == "PROC" and time.monotonic() < deadline and not cancel.is_set():
                 time.sleep(POLL_S)
                 state = agent.check_xfer_state(xfer)
         except NIXL_ERRORS as e:
             state = f"{type(e).__name__}: {e}"
-        finally:
-            stopped = _release_xfer(xfer, what)
+        finally:  # a READ posted and not seen to end (cancelled, timed out, its state unreadable) is waited for
+            ended = not posted or state in ("DONE", "ERR") or _drained(agent, xfer)
+            stopped = _release_xfer(xfer, what) and ended
         if state != "DONE":
-            ended = "cancelled" if cancel.is_set() else "timed out"
-            failure = f"{what} failed: {ended if state == 'PROC' else state}"
+            why = ("cancelled" if cancel.is_set() else "timed out") if state == "PROC" else state
+            failure = f"{what} failed: {why}"
             if not stopped:
-                failure += " and could not be cancelled: its local blocks are retired"
+                failure += (f"; the READ was still running {READ_DRAIN_S:g} s later" if not ended else
+                            "; NIXL refused to release it") + ": its local blocks are retired"
             raise KVTransferError(failure, retryable=True, may_still_write=not stopped)
 
 
+def _drained(agent, xfer: nixl_xfer_handle) -> bool:
+    """Whether the READ has ended (done or failed) within READ_DRAIN_S; False if NIXL cannot say."""
+    give_up = time.monotonic() + READ_DRAIN_S
+    try:
+        while (state := agent.check_xfer_state(xfer)) == "PROC" and time.monotonic() < give_up:
+            time.sleep(POLL_S)
+    except NIXL_ERRORS:
+        return False
+    return state in ("DONE", "ERR")
+
+
 def _release_xfer(xfer: nixl_xfer_handle, what: str) -> bool:
-    """Release the transfer, cancelling the READ if it still runs; False if NIXL refused."""
+    """Release the transfer; False if NIXL refused (then it may still write into its local blocks)."""
     try:
         xfer.release()
         return True
     except NIXL_ERRORS as e:
-        log.error("%s could not be cancelled (%s): NIXL may still write into its local blocks", what, e)
+        log.error("%s could not be released (%s): NIXL may still write into its local blocks", what, e)
         return False

@@ -88,7 +88,8 @@ class FaultyServicer(KVTransferServicer):
         return response
 
 
-def _serve_source(conn, pin_timeout_s: float, nixl: bool, faulty: bool, max_pulls: int | None) -> None:
+def _serve_source(conn, pin_timeout_s: float, nixl: bool, faulty: bool, max_pulls: int | None,
+                  layout: KVLayout) -> None:
     torch.set_num_threads(1)
     lock = threading.Lock()
 
@@ -99,7 +100,7 @@ def _serve_source(conn, pin_timeout_s: float, nixl: bool, faulty: bool, max_pull
             except OSError:  # the test process has stopped listening
                 pass
 
-    source = KVSource(LAYOUT, random_caches(LAYOUT, SOURCE_BLOCKS, SOURCE_SEED), pin_timeout_s, nixl, TOKEN,
+    source = KVSource(layout, random_caches(layout, SOURCE_BLOCKS, SOURCE_SEED), pin_timeout_s, nixl, TOKEN,
                       kv_pull_limit(max_pulls).held if max_pulls is not None else None)
     servicer = FaultyServicer(source, report) if faulty else source.servicer
     server, port = serve([(kv_pb2_grpc.add_KVTransferServicer_to_server, servicer, SERVICE_NAME)], "127.0.0.1:0",
@@ -110,7 +111,7 @@ def _serve_source(conn, pin_timeout_s: float, nixl: bool, faulty: bool, max_pull
         while True:
             request_id, block_ids = conn.recv()
             pin_id = source.pin(request_id, block_ids, on_release=lambda rid=request_id: report("released", rid))
-            checksums = block_checksums(source.caches, list(LAYOUT.caches()), block_ids)  # as a prefill worker's handle
+            checksums = block_checksums(source.caches, list(layout.caches()), block_ids)  # as a prefill worker's handle
             if faulty and request_id.startswith("changed"):  # a pinned block changes after its checksum was taken
                 source.caches["draft"][block_ids[-1]].view(-1)[-1] += 1
             if faulty and request_id.startswith("hang-metadata"):
@@ -148,8 +149,9 @@ class _Child:
 
 class SourceProcess(_Child):
     def __init__(self, pin_timeout_s: float = 600.0, nixl: bool = True, faulty: bool = False,
-                 max_pulls: int | None = None):
-        super().__init__(_serve_source, pin_timeout_s, nixl, faulty, max_pulls)
+                 max_pulls: int | None = None, layout: KVLayout = LAYOUT):
+        super().__init__(_serve_source, pin_timeout_s, nixl, faulty, max_pulls, layout)
+        self.layout = layout
         self.released: set[str] = set()
         port, self.nixl_agent, self.nixl_metadata_sha256 = self.expect("ready")
         self.address = f"127.0.0.1:{port}"
@@ -168,7 +170,7 @@ class SourceProcess(_Child):
         pinned, pin_id, checksums = self.expect("pinned")
         assert pinned == request_id
         return kv_pb2.KVHandle(request_id=request_id, source_worker_id="prefill-test", source_address=self.address,
-                               layout=layout_to_proto(LAYOUT), block_ids=block_ids, pin_id=pin_id,
+                               layout=layout_to_proto(self.layout), block_ids=block_ids, pin_id=pin_id,
                                nixl_agent=self.nixl_agent, nixl_metadata_sha256=self.nixl_metadata_sha256,
                                block_checksums=checksums)
 
@@ -202,7 +204,7 @@ def _unstoppable_reads():
 
 @contextlib.contextmanager
 def _stuck_reads():
-    """Faults on purpose: NIXL reports every READ in progress for good (only a cancel ends it)."""
+    """Faults on purpose: NIXL reports every READ in progress for good (it never ends)."""
     from nixl_cu12._api import nixl_agent
 
     with mock.patch.object(nixl_agent, "check_xfer_state", lambda agent, xfer: "PROC"), \
@@ -241,6 +243,12 @@ def _serve_destination(conn) -> None:
     def local(layout: KVLayout) -> dict[str, torch.Tensor]:
         return caches.setdefault(layout, random_caches(layout, LOCAL_BLOCKS, LOCAL_SEED))
 
+    def connector_for(backend: str, layout: KVLayout, token: str):
+        key = (backend, layout, token)
+        if key not in connectors:
+            connectors[key] = make_connector(backend, layout, local(layout), token)
+        return connectors[key]
+
     def pull_one(connector, handle: bytes, remote: list[int], local_ids: list[int], fault: str | None) -> None:
         try:
             with _FAULTS[fault]():
@@ -254,11 +262,9 @@ def _serve_destination(conn) -> None:
             command, *args = conn.recv()
             if command == "pull":  # in a thread: "cancel" and "close" may come while it runs
                 backend, layout, token, handle, remote, local_ids, fault = args
-                key = (backend, layout, token)
-                if key not in connectors:
-                    connectors[key] = make_connector(backend, layout, local(layout), token)
                 cancel = Cancellation()
-                pullers.append(threading.Thread(target=pull_one, args=(connectors[key], handle, remote, local_ids, fault)))
+                puller = connector_for(backend, layout, token)
+                pullers.append(threading.Thread(target=pull_one, args=(puller, handle, remote, local_ids, fault)))
                 pullers[-1].start()
             elif command == "cancel":  # the last started pull's
                 cancel.set()
@@ -273,14 +279,12 @@ def _serve_destination(conn) -> None:
                 conn.send(("closed", registered))
             elif command == "pulls":  # at once, from threads: [(handle, remote, local)] -> errors or None
                 backend, layout, token, pulls = args
-                key = (backend, layout, token)
-                if key not in connectors:
-                    connectors[key] = make_connector(backend, layout, local(layout), token)
+                puller = connector_for(backend, layout, token)
                 errors = [None] * len(pulls)
 
                 def pull(i: int, handle: bytes, remote: list[int], local_ids: list[int]) -> None:
                     try:
-                        connectors[key].pull(kv_pb2.KVHandle.FromString(handle), remote, local_ids, TIMEOUT_S)
+                        puller.pull(kv_pb2.KVHandle.FromString(handle), remote, local_ids, TIMEOUT_S)
                     except KVTransferError as e:
                         errors[i] = str(e)
                 threads = [threading.Thread(target=pull, args=(i, *p)) for i, p in enumerate(pulls)]
@@ -289,6 +293,8 @@ def _serve_destination(conn) -> None:
                 for t in threads:
                     t.join()
                 conn.send(errors)
+            elif command == "late-writes":
+                conn.send(_late_writes(connector_for(*args[:3]), local(args[1]), *args[3:]))
             elif command == "refused-removals":
                 conn.send(len(_REFUSED_REMOVALS))
             elif command == "caches":
@@ -303,6 +309,31 @@ def _serve_destination(conn) -> None:
             connector.close()
 
 
+def _late_writes(connector, caches: dict[str, torch.Tensor], handle: bytes, remote: list[int], local_ids: list[int]
+                 ) -> tuple[tuple | None, str | None, bool]:
+    """A NIXL pull cancelled as soon as its READ is posted (the fault: the cancel's timing): its
+    outcome, what NIXL said as it posted the READ ("PROC": under way), and whether the local
+    blocks changed in the 0.3 s after the pull ended."""
+    from nixl_cu12._api import nixl_agent
+
+    cancel, posted, transfer = Cancellation(), [], nixl_agent.transfer
+
+    def transfer_then_cancel(agent, xfer, *args, **kwargs):
+        posted.append(transfer(agent, xfer, *args, **kwargs))
+        cancel.set()
+        return posted[-1]
+
+    outcome = None
+    with mock.patch.object(nixl_agent, "transfer", transfer_then_cancel):
+        try:
+            connector.pull(kv_pb2.KVHandle.FromString(handle), remote, local_ids, TIMEOUT_S, cancel)
+        except KVTransferError as e:
+            outcome = (str(e), e.retryable, e.may_still_write)
+    ended = {name: t.clone() for name, t in caches.items()}
+    time.sleep(0.3)
+    return outcome, posted[0] if posted else None, any(not torch.equal(ended[n], t) for n, t in caches.items())
+
+
 class DestinationProcess(_Child):
     def __init__(self):
         super().__init__(_serve_destination)
@@ -313,6 +344,13 @@ class DestinationProcess(_Child):
         """`fault` (NIXL): "unstoppable" READs fail and cannot be cancelled, "stuck" ones never end,
         under "refused-removal" no agent is dropped (`refused_removals` counts the requests)."""
         self._conn.send(("pull", backend, layout, token, handle.SerializeToString(), remote, local, fault))
+
+    def late_writes(self, handle: kv_pb2.KVHandle, layout: KVLayout) -> tuple[KVTransferError | None, str, bool]:
+        """A NIXL pull cancelled as soon as its READ is posted: its error, the READ's state as posted,
+        and whether the local blocks changed after the pull ended."""
+        self._conn.send(("late-writes", "nixl", layout, TOKEN, handle.SerializeToString(), REMOTE, LOCAL))
+        outcome, posted, changed = self._recv()
+        return (KVTransferError(*outcome) if outcome else None), posted, changed
 
     def refused_removals(self) -> int:
         self._conn.send(("refused-removals",))
