@@ -184,6 +184,8 @@ class BaseConnector(abc.ABC):
             with self._channels_lock:
                 used.users -= 1
                 used.last_used = time.monotonic()
+                if used.closing and not used.users:
+                    used.channel.close()
         if not found and self.needs_release_proof:
             # Only a pin held until now proves the source did not reuse the blocks while we read them.
             reason = "Release failed" if found is None else "it was no longer pinned: its pin timed out"
@@ -237,9 +239,14 @@ class BaseConnector(abc.ABC):
             return False
 
     def _close_channels(self) -> None:
+        """Close every channel; one a pull still uses (one close() gave up waiting for), once that pull
+        leaves it: a call on a closed channel through the cluster token's interceptor crashed the
+        process (grpc 1.85), where the pull's Release expected a ValueError."""
         with self._channels_lock:
             for used in self._channels.values():
-                used.channel.close()
+                used.closing = True
+                if not used.users:
+                    used.channel.close()
             self._channels.clear()
 
     @abc.abstractmethod
@@ -286,11 +293,7 @@ class BaseConnector(abc.ABC):
         (and a closing worker) that long, where a Release lost only leaves the pin to time out."""
         timeout = RELEASE_MIN_TIMEOUT_S if cancel.is_set() else max(remaining(deadline), RELEASE_MIN_TIMEOUT_S)
         release = kv_pb2.ReleaseRequest(request_id=handle.request_id, pin_id=handle.pin_id)
-        try:
-            call = stub.Release.future(release, timeout=timeout)
-        except ValueError as e:  # the channel closed under the pull (shutting down): the pin times out
-            log.warning("Release of %s not sent to %s: %s", handle.request_id, handle.source_address, e)
-            return None
+        call = stub.Release.future(release, timeout=timeout)  # (its channel stays open while the pull runs)
         if not cancel.is_set():  # cancelled while it waits: RELEASE_MIN_TIMEOUT_S more (it may be on its way)
             cancel.on_set(lambda: call.done() or _cancel_later(call, RELEASE_MIN_TIMEOUT_S))  # every stream's end sets it
         try:
@@ -316,3 +319,4 @@ class _Channel:
     channel: grpc.Channel
     users: int = 0
     last_used: float = 0.0
+    closing: bool = False  # its last user closes it (see _close_channels)

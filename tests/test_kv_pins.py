@@ -2,7 +2,10 @@
 is held open by a block copy under way; and a pull's own failure survives a Release that cannot
 be sent."""
 
+import subprocess
+import sys
 import threading
+from pathlib import Path
 
 import pytest
 
@@ -11,7 +14,7 @@ from kvtransfer.grpc_backend import GrpcConnector
 from kvtransfer.layout import layout_to_proto
 from kvtransfer.source import KVSource
 from proto.pdspec.v1 import kv_pb2
-from tests.kv_peers import LAYOUT, WAIT_S, random_caches
+from tests.kv_peers import LAYOUT, TOKEN, WAIT_S, random_caches
 
 
 def test_on_release_runs_once_on_release_or_close():
@@ -79,23 +82,39 @@ def test_a_block_copy_under_way_holds_its_pin_open_but_not_the_source(monkeypatc
     assert calls == ["s", "r"]
 
 
-def test_a_pull_cut_by_shutdown_still_says_its_blocks_may_be_written():
-    """The worker shutting down closes the channels under a pull whose READ it could not stop (a
-    fault injected in the move): the Release after it cannot be sent, and the pull's own failure,
-    which says the blocks may still be written (never to be reused), must reach the caller; the
-    closed channel's error replaced it, and the blocks went back to the pool."""
-    class ClosedUnderTheRead(GrpcConnector):
-        def _move(self, stub, handle, remote_block_ids, local_block_ids, deadline, cancel):
-            self._close_channels()
-            raise KVTransferError("injected: the READ could not be stopped", retryable=True, may_still_write=True)
+class _ClosedUnderTheRead(GrpcConnector):
+    def _move(self, stub, handle, remote_block_ids, local_block_ids, deadline, cancel):
+        self._close_channels()
+        raise KVTransferError("injected: the READ could not be stopped", retryable=True, may_still_write=True)
 
-    connector = ClosedUnderTheRead(LAYOUT, random_caches(LAYOUT, 4, 1), token=None)
+
+def pull_cut_by_shutdown(token: str | None) -> str:
+    """The failure of a pull whose connector closed its channels under it: "may still write: MESSAGE"."""
+    connector = _ClosedUnderTheRead(LAYOUT, random_caches(LAYOUT, 4, 1), token=token)
     handle = kv_pb2.KVHandle(request_id="r", source_worker_id="prefill-test", source_address="127.0.0.1:9",
                              layout=layout_to_proto(LAYOUT), block_ids=[0, 1], pin_id="p")
-    with pytest.raises(KVTransferError, match="injected") as failed:
+    try:
         connector.pull(handle, [0, 1], [2, 3], timeout_s=5.0)
-    assert failed.value.may_still_write
-    connector.close()
+    except KVTransferError as e:
+        return f"{'may still write' if e.may_still_write else 'freed'}: {e}"
+    finally:
+        connector.close()
+    return "pulled"
+
+
+@pytest.mark.parametrize("token", [None, TOKEN])
+def test_a_pull_cut_by_shutdown_still_says_its_blocks_may_be_written(token):
+    """The worker shutting down closes the channels under a pull whose READ it could not stop (a
+    fault injected in the move): the pull's own failure, which says the blocks may still be
+    written (never to be reused), must reach the caller; the closed channel's error replaced it,
+    and the blocks went back to the pool. With a cluster token (NIXL's case, always), the Release
+    on the closed channel crashed the process (grpc, through the token's interceptor): now a
+    channel in use is closed by its last pull. In a process of its own: a crash fails this test only."""
+    code = f"from tests.test_kv_pins import pull_cut_by_shutdown; print(pull_cut_by_shutdown({token!r}))"
+    done = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=WAIT_S,
+                          cwd=Path(__file__).resolve().parents[1])
+    assert done.returncode == 0, done.stderr[-2000:]
+    assert done.stdout.strip().startswith("may still write: injected"), done.stdout
 
 
 def test_pin_timeout_runs_on_release_once():
