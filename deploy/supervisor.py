@@ -42,6 +42,7 @@ class Supervisor:
         self._lock = threading.Lock()
         self._members: dict[str, _Member] = {}
         self._stopping = threading.Event()
+        self._stopped = threading.Event()  # every member terminated: the supervising thread may end
         self._thread: threading.Thread | None = None
 
     def spawn(self, name: str, args: list[str], env: dict[str, str], log_path: Path) -> None:
@@ -93,6 +94,7 @@ class Supervisor:
                     p.wait(timeout=max(0.1, deadline - time.monotonic()))
                 except subprocess.TimeoutExpired:  # its whole session: tensor-parallel ranks too
                     _kill_session(p)
+        self._stopped.set()
         if self._thread is not None:
             self._thread.join()
 
@@ -103,8 +105,12 @@ class Supervisor:
                 for name, member in self._members.items():
                     try:
                         self._tend(name, member, now)
-                    except OSError:  # e.g. a restart that could not start: tried again next poll
+                    except Exception:  # e.g. a restart that could not start: tried again next poll
                         log.exception("supervising %s failed", name)
+        # The kernel sends PR_SET_PDEATHSIG when the *thread* that started a process ends: the
+        # members this thread restarted would get SIGTERM now, before stop()'s turn for them (the
+        # router before the workers that drain through it).
+        self._stopped.wait()
 
     def _tend(self, name: str, member: _Member, now: float) -> None:
         status = member.process.poll()

@@ -1,0 +1,59 @@
+"""The local launcher's supervisor over stand-in processes (no model: they only ask to die with
+the launcher, as every pdspec process does, and sleep): the order in which stop() ends them."""
+
+import os
+import signal
+import subprocess
+import sys
+import threading
+import time
+from pathlib import Path
+
+from deploy import supervisor
+from deploy.supervisor import Supervisor
+from tests.waiting import wait_until
+
+# A member: asks for SIGTERM when its launcher goes (and says so), then sleeps; "draining" takes 3 s to
+# exit on SIGTERM.
+STAND_IN = """
+import signal, sys, time
+from deploy.supervisor import die_with_parent
+die_with_parent()
+print("asked", flush=True)
+if sys.argv[1:] == ["draining"]:
+    signal.signal(signal.SIGTERM, lambda *_: (time.sleep(3), sys.exit(0)))
+time.sleep(600)
+"""
+
+
+def _stand_in(args: list[str], env: dict[str, str], log_path) -> subprocess.Popen:
+    """supervisor._popen's process, running STAND_IN instead of `pdspec`."""
+    with open(log_path, "a") as out:
+        return subprocess.Popen([sys.executable, "-c", STAND_IN, *args],
+                                env={**env, supervisor._PARENT_ENV: str(os.getpid())},
+                                stdout=out, stderr=subprocess.STDOUT, start_new_session=True)
+
+
+def test_a_restarted_member_is_stopped_in_its_turn(monkeypatch, tmp_path):
+    """A member the supervising thread restarted asked for SIGTERM when the *thread* that started it
+    ends: it went down as soon as stop() began, not after the members stopped first (the router,
+    restarted once, cut the streams of workers still draining through it)."""
+    monkeypatch.setattr(supervisor, "_popen", _stand_in)
+    env = {"PYTHONPATH": str(Path(__file__).resolve().parents[1])}
+    members = Supervisor()
+    members.spawn("worker", ["draining"], env, tmp_path / "worker.log")
+    members.spawn("router", [], env, tmp_path / "router.log")
+    members.supervise()
+
+    def asked(name: str) -> int:  # how many of its processes have asked to die with the launcher
+        return (tmp_path / f"{name}.log").read_text().count("asked")
+
+    wait_until(lambda: asked("worker") == asked("router") == 1, "the stand-ins did not start", 30)
+    members.signal("router", signal.SIGKILL, wait=True)
+    wait_until(lambda: asked("router") == 2, "the router was not restarted", 30)
+    stopping = threading.Thread(target=members.stop, args=(["worker"], 10.0))
+    stopping.start()
+    time.sleep(1.5)  # the worker drains for 3 s
+    assert members.dead() == [], "the restarted router went down while the worker still drained"
+    stopping.join(30)
+    assert not stopping.is_alive() and sorted(members.dead()) == ["router", "worker"]
