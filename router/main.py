@@ -118,4 +118,4 @@ def _evict_until_stopped(server: grpc.Server, registry: Registry, router: Router
     while server.wait_for_termination(timeout=config.heartbeat_interval_s):
         for worker_id in registry.evict_stale(config.heartbeat_timeout_s):
             log.warning("evicted worker %s: no heartbeat for %.1fs", worker_id, config.heartbeat_timeout_s)
-        router.drop_unregistered_channels()
+        router.forget_unregistered()

@@ -6,8 +6,9 @@ front calls the gRPC one). Names, units and buckets follow vLLM's `vllm:` reques
 prometheus-client adds `_total` to counters and `_bucket`/`_sum`/`_count` to histograms.
 """
 
+import threading
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Iterable
 
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram
 
@@ -37,6 +38,10 @@ class RouterMetrics:
         self.itl = Histogram("pdspec_inter_token_latency_seconds",
                              "time per output token after the first (a message's gap spread over its tokens)",
                              model + ["decode_worker"], buckets=ITL_BUCKETS, registry=r)
+        # The workers those two are labelled by: a worker's series go when it leaves (on Kubernetes
+        # its id is its pod's name, new at every rollout: kept, they grew without end).
+        self._labelled: set[tuple[Histogram, str]] = set()
+        self._labelled_lock = threading.Lock()
         self.e2e = Histogram("pdspec_e2e_request_latency_seconds", "request arrival to its last message", model,
                              buckets=E2E_BUCKETS, registry=r)
         self.queue = Histogram("pdspec_request_queue_seconds",
@@ -63,6 +68,21 @@ class RouterMetrics:
     def start(self) -> "RequestObserver":
         return RequestObserver(self)
 
+    def by_worker(self, histogram: Histogram, worker_id: str):
+        """`histogram` (ttft or itl)'s series for `worker_id`, remembered until the worker leaves."""
+        with self._labelled_lock:  # (with its series: keep_workers removes the two together)
+            self._labelled.add((histogram, worker_id))
+            return histogram.labels(self.model_name, worker_id)
+
+    def keep_workers(self, worker_ids: Iterable[str]) -> None:
+        """Drop the per-worker series of every worker not in `worker_ids` (the registered ones)."""
+        keep = set(worker_ids)
+        with self._labelled_lock:
+            gone = {(h, wid) for h, wid in self._labelled if wid not in keep}
+            self._labelled -= gone
+            for histogram, wid in gone:
+                histogram.remove(self.model_name, wid)
+
     def refusal(self, front: str) -> Callable[[str], None]:
         """What a front calls with the status it refused a request with (HTTP's code, gRPC's name)."""
         return lambda status: self.refused.labels(self.model_name, front, status).inc()
@@ -82,11 +102,12 @@ class RequestObserver:
         now, m = time.perf_counter(), self._m
         if response.decode_worker:  # the first message names the route
             self._decode_worker = response.decode_worker
-            m.ttft.labels(self._model, response.prefill_worker).observe(now - self._arrived)
+            m.by_worker(m.ttft, response.prefill_worker).observe(now - self._arrived)
         elif response.token_ids:
             gap = (now - self._last) / len(response.token_ids)
+            itl = m.by_worker(m.itl, self._decode_worker)
             for _ in response.token_ids:
-                m.itl.labels(self._model, self._decode_worker).observe(gap)
+                itl.observe(gap)
         self._last = now
         self._tokens += len(response.token_ids)
         if response.finish_reason:

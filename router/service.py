@@ -329,9 +329,12 @@ class RouterServicer(router_pb2_grpc.RouterServicer):
         """Why this router's calls to a worker at `address` cannot get there, or ""."""
         return self._peers.unreachable(address)
 
-    def drop_unregistered_channels(self) -> None:
-        """Workers come and go at new addresses (a pod's IP is its own): keep channels to the registered only."""
-        self._peers.keep_only({w.address for w in self._registry.workers()})
+    def forget_unregistered(self) -> None:
+        """Workers come and go at new addresses and ids (a pod's IP and name are its own): keep channels
+        to the registered only, and their metrics' series."""
+        workers = self._registry.workers()
+        self._peers.keep_only({w.address for w in workers})
+        self._metrics.keep_workers(w.worker_id for w in workers)
 
     def _probe(self, worker: WorkerView) -> None:
         """A call to `worker` failed: check its health now, and if that fails too (or answers

@@ -184,6 +184,29 @@ def test_a_worker_restarted_at_its_address_registers_and_serves_at_once(router):
         restarted.stop(0)
 
 
+
+def test_a_workers_latency_series_go_when_it_leaves(model_dir):
+    """TTFT and ITL are labelled by worker id, and on Kubernetes a worker's id is its pod's name,
+    new at every rollout: the series of workers that left stayed in the router for good."""
+    rc = RouterConfig(http_port=0, heartbeat_interval_s=0.1, heartbeat_timeout_s=0.5)
+    router = run_router(rc, TOKEN, model_dir, "smollm2", port=0, internal_port=0)
+    worker = grpc.server(futures.ThreadPoolExecutor(max_workers=2))
+    worker_pb2_grpc.add_DecodeWorkerServicer_to_server(_OneTokenWorker(), worker)
+    address = f"127.0.0.1:{worker.add_insecure_port('127.0.0.1:0')}"
+    worker.start()
+    try:
+        with channel(f"127.0.0.1:{router.internal_port}", TOKEN) as registry, \
+                channel(f"127.0.0.1:{router.port}") as public:
+            worker_pb2_grpc.RegistryStub(registry).Register(registration("pod-7f9c", address), timeout=10)
+            assert [r.text for r in router_pb2_grpc.RouterStub(public).Generate(HELLO, timeout=10)] == ["x"]
+        metrics = f"http://127.0.0.1:{router.http_port}/metrics"
+        assert 'prefill_worker="pod-7f9c"' in httpx.get(metrics).text
+        wait_until(lambda: "pod-7f9c" not in httpx.get(metrics).text, "the evicted worker's series are still there",
+                   10, poll_s=0.1)  # no heartbeats: evicted after 0.5 s
+    finally:
+        worker.stop(0)
+        router.stop(0)
+
 def test_the_router_keeps_channels_to_registered_addresses_only():
     """Each worker's channel holds its own connection, and pods come back at new addresses: the
     channels to addresses no worker holds are let go (the eviction loop asks once an interval)."""
