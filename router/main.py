@@ -40,6 +40,7 @@ class RunningRouter:
     internal_port: int
     http: HttpServer | None
     http_port: int | None  # None: the HTTP API is off
+    router: RouterServicer
 
     def stop(self, grace_s: float = 2.0) -> None:
         """New requests are refused at once (readiness fails with them); running ones get `grace_s`
@@ -48,6 +49,7 @@ class RunningRouter:
         if self.http is not None:
             self.http.stop(grace_s)
         public.wait()
+        self.router.close()
         self.internal_server.stop(grace=0).wait()
 
 
@@ -106,7 +108,7 @@ def run_router(rc: RouterConfig, token: str | None, model_dir: Path, model_name:
              rc.api_key_file or "off: the API is open", "on" if tls else "off")
     if http is not None:
         log.info("OpenAI API serving %s on %s://%s:%d/v1", model_name, "https" if tls else "http", rc.host, http_port)
-    return RunningRouter(server, bound, internal_server, internal_bound, http, http_port)
+    return RunningRouter(server, bound, internal_server, internal_bound, http, http_port, router)
 
 
 def _status(ready: bool) -> int:

@@ -65,6 +65,11 @@ class RouterServicer(router_pb2_grpc.RouterServicer):
         self._runs: dict[str, Run] = {}
         self._watchdog = Watchdog(_STUCK_AFTER_S)
 
+    def close(self) -> None:
+        """Once no call runs: the watchdog's thread and the channels to workers go."""
+        self._watchdog.stop()
+        self._peers.keep_only(set())
+
     def Generate(self, request, context) -> Iterator[router_pb2.GenerateResponse]:
         observer = self._metrics.start()
         answered = False  # its last message sent: how the call closes after that changes nothing

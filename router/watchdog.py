@@ -28,6 +28,7 @@ class Watchdog:
         self._heap: list[list] = []  # [when, sequence number, callback or None once withdrawn]
         self._withdrawn = 0
         self._order = itertools.count()
+        self._stopped = False
         threading.Thread(target=self._run, name="router-watchdog", daemon=True).start()
 
     def watch(self, deadline: float, on_expiry: Callable[[], None]) -> Callable[[], None]:
@@ -54,11 +55,19 @@ class Watchdog:
         with self._cond:
             return len(self._heap) - self._withdrawn
 
+    def stop(self) -> None:
+        """End the thread; nothing watched is called any more."""
+        with self._cond:
+            self._stopped = True
+            self._cond.notify()
+
     def _run(self) -> None:
         while True:
             with self._cond:
-                while not self._heap or self._heap[0][0] > time.monotonic():
+                while not self._stopped and (not self._heap or self._heap[0][0] > time.monotonic()):
                     self._cond.wait(self._heap[0][0] - time.monotonic() if self._heap else None)
+                if self._stopped:
+                    return
                 entry = heapq.heappop(self._heap)
                 callback, entry[2] = entry[2], None
                 if callback is None:

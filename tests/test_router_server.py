@@ -5,6 +5,7 @@ import contextlib
 import socket
 import subprocess
 import sys
+import threading
 from collections.abc import Iterator
 from concurrent import futures
 from pathlib import Path
@@ -206,6 +207,19 @@ def test_a_workers_latency_series_go_when_it_leaves(model_dir):
     finally:
         worker.stop(0)
         router.stop(0)
+
+
+def test_a_stopped_router_leaves_no_thread_behind(model_dir):
+    """A router run in a process that goes on (tests, an embedding program) left its watchdog's
+    thread, and its channels to workers, at every stop."""
+    def watchdogs() -> int:
+        return sum(t.name == "router-watchdog" for t in threading.enumerate())
+
+    before = watchdogs()
+    router = run_router(RouterConfig(), TOKEN, model_dir, "smollm2", port=0, internal_port=0)
+    assert watchdogs() == before + 1
+    router.stop(0)
+    wait_until(lambda: watchdogs() == before, "the stopped router's watchdog thread still runs", 10)
 
 def test_the_router_keeps_channels_to_registered_addresses_only():
     """Each worker's channel holds its own connection, and pods come back at new addresses: the
