@@ -16,7 +16,7 @@ import time
 import uuid
 from collections.abc import Callable, Iterator
 from contextlib import AbstractContextManager
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import TYPE_CHECKING
 
 import grpc
@@ -44,6 +44,7 @@ class _Pin:
     block_ids: frozenset[int]
     on_release: Callable[[], None]
     deadline: float  # time.monotonic()
+    ended: threading.Event = field(default_factory=threading.Event, compare=False)  # on_release has run
 
 
 class KVSource:
@@ -86,9 +87,10 @@ class KVSource:
             self._lock.notify()  # the reaper may be sleeping without a deadline
             return pin_id
 
-    def release(self, request_id: str, pin_id: str = "") -> bool:
+    def release(self, request_id: str, pin_id: str = "", wait_s: float = 0.0) -> bool:
         """End the pin now (`pin_id`: only that pin; empty: the request's); False if it had already
-        ended (or never existed)."""
+        ended (or never existed). A block copy under way ends it when done; `wait_s`: wait that long
+        at most for it (and its on_release), where the caller's next step needs the blocks freed."""
         with self._lock:
             pin = self._pins.get(request_id)
             if pin is None or pin_id not in ("", pin.pin_id):
@@ -96,6 +98,8 @@ class KVSource:
             del self._pins[request_id]
             now = self._ending([(request_id, pin)])
         _end_all(now)
+        if not now and wait_s and not pin.ended.wait(wait_s):
+            log.warning("the pin of %s still waits on a block copy after %.0f s", request_id, wait_s)
         return True
 
     def release_all(self) -> None:
@@ -186,6 +190,8 @@ def _end_all(pins: list[tuple[str, _Pin]]) -> None:
             pin.on_release()
         except Exception:  # one failing callback must not stop the reaper or the other releases
             log.exception("on_release of %s failed", request_id)
+        finally:
+            pin.ended.set()
 
 
 class KVTransferServicer(kv_pb2_grpc.KVTransferServicer):

@@ -18,6 +18,7 @@ from proto.rpc import time_left
 from pydantic import ValidationError
 
 log = logging.getLogger(__name__)
+_STALE_PIN_WAIT_S = 5.0  # for a block copy from a retried request's stale pin (a device cache's is slowest)
 
 
 class PrefillServicer(worker_pb2_grpc.PrefillWorkerServicer):
@@ -42,8 +43,9 @@ class PrefillServicer(worker_pb2_grpc.PrefillWorkerServicer):
         # A prefill of an id still pinned here is the router's retry of that request (it gave up on
         # the attempt, and its Release may not have landed: the pull timed out, the router does not
         # wait on a worker it blames). The stale pin ends first, its blocks freed ahead of this
-        # submit (the loop runs commands in order); kept, the retry met ALREADY_EXISTS.
-        if self.source.release(rid):
+        # submit (the loop runs commands in order; a block copy from it under way, a gRPC pull's,
+        # is waited for); kept, the retry met ALREADY_EXISTS.
+        if self.source.release(rid, wait_s=_STALE_PIN_WAIT_S):
             log.info("prefill of %s again: its earlier attempt's pin ended", rid)
         try:
             outputs = self.loop.submit(rid, list(request.prompt_token_ids), sampling_params(request.sampling),

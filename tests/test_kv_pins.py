@@ -5,6 +5,7 @@ be sent."""
 import subprocess
 import sys
 import threading
+import time
 from pathlib import Path
 
 import pytest
@@ -81,6 +82,38 @@ def test_a_block_copy_under_way_holds_its_pin_open_but_not_the_source(monkeypatc
     source.close()
     assert calls == ["s", "r"]
 
+
+
+def test_a_release_that_must_see_the_blocks_freed_waits_for_a_copy_under_way(monkeypatch):
+    """A prefill worker ends a retried request's stale pin before it prefills the retry: with a
+    gRPC pull's block copy from that pin under way, the pin's end (which frees the request's blocks)
+    came after the copy, and the retry met its id still in use (ALREADY_EXISTS)."""
+    import kvtransfer.source
+
+    copying, finish = threading.Event(), threading.Event()
+
+    def slow_copy(cache, block_id):
+        copying.set()
+        finish.wait(60)
+        return read_block(cache, block_id)
+
+    read_block = kvtransfer.source.read_block
+    monkeypatch.setattr(kvtransfer.source, "read_block", slow_copy)
+    calls = []
+    source = KVSource(LAYOUT, random_caches(LAYOUT, 4, 0), pin_timeout_s=3600, nixl=False)
+    pin = source.pin("r", [0], lambda: calls.append("r freed"))
+    reader = threading.Thread(target=source.read_pinned, args=("r", pin, "target", 0))
+    reader.start()
+    assert copying.wait(30)
+    releasing = threading.Thread(target=lambda: calls.append(("released", source.release("r", wait_s=30))))
+    releasing.start()
+    time.sleep(0.3)
+    assert calls == []  # the copy still runs: the release waits for it
+    finish.set()
+    releasing.join(30)
+    reader.join(30)
+    assert calls == ["r freed", ("released", True)]
+    source.close()
 
 class _ClosedUnderTheRead(GrpcConnector):
     def _move(self, stub, handle, remote_block_ids, local_block_ids, deadline, cancel):
