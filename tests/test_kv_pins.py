@@ -12,7 +12,7 @@ import pytest
 
 from kvtransfer.connector import KVTransferError
 from kvtransfer.grpc_backend import GrpcConnector
-from kvtransfer.layout import layout_to_proto
+from kvtransfer.layout import layout_to_proto, read_block
 from kvtransfer.source import KVSource
 from proto.pdspec.v1 import kv_pb2
 from tests.kv_peers import LAYOUT, TOKEN, WAIT_S, random_caches
@@ -46,21 +46,29 @@ def test_a_pin_answers_only_to_its_own_id():
     source.close()
 
 
-def test_a_block_copy_under_way_holds_its_pin_open_but_not_the_source(monkeypatch):
-    """A pin ended while PullBlocks copies one of its blocks frees the blocks after the copy, not
-    before; meanwhile other pins are made and ended (the copy held the source's lock: every pin and
-    Release, the prefill worker's handles with them, waited on a device cache's copy)."""
+@pytest.fixture
+def slow_copies(monkeypatch) -> tuple[threading.Event, threading.Event]:
+    """The source's block copies wait (a device cache's slow copy, as a fault): (copying: one has
+    begun, finish: let them end)."""
     import kvtransfer.source
 
-    copying, finish = threading.Event(), threading.Event()
+    copying, finish, read_block = threading.Event(), threading.Event(), kvtransfer.source.read_block
 
     def slow_copy(cache, block_id):
         copying.set()
         finish.wait(60)
         return read_block(cache, block_id)
 
-    read_block = kvtransfer.source.read_block
     monkeypatch.setattr(kvtransfer.source, "read_block", slow_copy)
+    yield copying, finish
+    finish.set()
+
+
+def test_a_block_copy_under_way_holds_its_pin_open_but_not_the_source(slow_copies):
+    """A pin ended while PullBlocks copies one of its blocks frees the blocks after the copy, not
+    before; meanwhile other pins are made and ended (the copy held the source's lock: every pin and
+    Release, the prefill worker's handles with them, waited on a device cache's copy)."""
+    copying, finish = slow_copies
     calls = []
     source = KVSource(LAYOUT, random_caches(LAYOUT, 4, 0), pin_timeout_s=3600, nixl=False)
     pin = source.pin("r", [0], lambda: calls.append("r"))
@@ -83,22 +91,11 @@ def test_a_block_copy_under_way_holds_its_pin_open_but_not_the_source(monkeypatc
     assert calls == ["s", "r"]
 
 
-
-def test_a_release_that_must_see_the_blocks_freed_waits_for_a_copy_under_way(monkeypatch):
+def test_a_release_that_must_see_the_blocks_freed_waits_for_a_copy_under_way(slow_copies):
     """A prefill worker ends a retried request's stale pin before it prefills the retry: with a
     gRPC pull's block copy from that pin under way, the pin's end (which frees the request's blocks)
     came after the copy, and the retry met its id still in use (ALREADY_EXISTS)."""
-    import kvtransfer.source
-
-    copying, finish = threading.Event(), threading.Event()
-
-    def slow_copy(cache, block_id):
-        copying.set()
-        finish.wait(60)
-        return read_block(cache, block_id)
-
-    read_block = kvtransfer.source.read_block
-    monkeypatch.setattr(kvtransfer.source, "read_block", slow_copy)
+    copying, finish = slow_copies
     calls = []
     source = KVSource(LAYOUT, random_caches(LAYOUT, 4, 0), pin_timeout_s=3600, nixl=False)
     pin = source.pin("r", [0], lambda: calls.append("r freed"))
@@ -114,6 +111,7 @@ def test_a_release_that_must_see_the_blocks_freed_waits_for_a_copy_under_way(mon
     reader.join(30)
     assert calls == ["r freed", ("released", True)]
     source.close()
+
 
 class _ClosedUnderTheRead(GrpcConnector):
     def _move(self, stub, handle, remote_block_ids, local_block_ids, deadline, cancel):
