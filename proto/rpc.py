@@ -54,12 +54,12 @@ class MetadataGate(grpc.ServerInterceptor):
         if message is None:
             return continuation(details)
 
-        def deny(request, context):
-            context.abort(grpc.StatusCode.UNAUTHENTICATED, message)
+        def deny(requests, context):  # never reads them (a unary handler took in the whole message first:
+            context.abort(grpc.StatusCode.UNAUTHENTICATED, message)  # 256 MB an unauthenticated call)
 
         handler = continuation(details)
         streaming = handler is not None and handler.response_streaming
-        return (grpc.unary_stream_rpc_method_handler if streaming else grpc.unary_unary_rpc_method_handler)(deny)
+        return (grpc.stream_stream_rpc_method_handler if streaming else grpc.stream_unary_rpc_method_handler)(deny)
 
 
 def _token_gate(token: str, internal: set[str]) -> MetadataGate:
