@@ -4,11 +4,12 @@ what is allowed.
 """
 
 import os
+import re
 from pathlib import Path
 from typing import Any, Literal
 
 import yaml
-from pydantic import BaseModel, ConfigDict, Field, ValidationError, model_validator
+from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator, model_validator
 
 from engine.config import EngineConfig
 from engine.model_dir import model_name
@@ -112,7 +113,21 @@ class DeploymentConfig(_Strict):
 
     def token(self) -> str | None:
         """The cluster token: the config's, else $PDSPEC_CLUSTER_TOKEN."""
-        return self.cluster_token or os.environ.get("PDSPEC_CLUSTER_TOKEN")
+        if self.cluster_token:
+            return self.cluster_token
+        token = os.environ.get("PDSPEC_CLUSTER_TOKEN")
+        problem = _token_problem(token) if token else None
+        if problem:
+            raise ConfigError(f"$PDSPEC_CLUSTER_TOKEN: {problem}")
+        return token
+
+    @field_validator("cluster_token")
+    @classmethod
+    def _token_shape(cls, token: str | None) -> str | None:
+        problem = _token_problem(token) if token else None
+        if problem:
+            raise ValueError(problem)
+        return token
 
     @model_validator(mode="before")
     @classmethod
@@ -173,8 +188,12 @@ class ConfigError(ValueError):
 def load_config(path: Path) -> DeploymentConfig:
     try:
         raw = yaml.safe_load(Path(path).read_text())
-    except (OSError, yaml.YAMLError) as e:
+    except OSError as e:
         raise ConfigError(f"{path}: {e}") from None
+    except yaml.YAMLError as e:  # its own text quotes the line, which may hold the cluster token
+        mark = getattr(e, "problem_mark", None)
+        where = f"line {mark.line + 1}, column {mark.column + 1}: " if mark is not None else ""
+        raise ConfigError(f"{path}: not valid YAML: {where}{getattr(e, 'problem', None) or type(e).__name__}") from None
     if raw is None:  # taken for {} it started the default deployment: likely not the file meant
         raise ConfigError(f"{path}: the file is empty; write {{}} for the default deployment")
     return parse_config(raw, source=str(path))
@@ -209,12 +228,36 @@ def with_fixed_ports(config: DeploymentConfig, any_internal_port: bool) -> Deplo
     return with_router(config, "router ports", **fields) if fields else config
 
 
+def _token_problem(token: str) -> str | None:
+    """What makes `token` unusable as gRPC metadata (a Secret made from a file keeps its trailing
+    newline, and every internal call then failed "INTERNAL: Invalid metadata"), or None. The
+    token itself is never named: error output reaches logs."""
+    if re.fullmatch(r"[\x21-\x7e]+", token):
+        return None
+    return ("must be printable ASCII without spaces or line breaks (a file's trailing newline, if the token was "
+            "read from one); the value is not shown")
+
+
 def _describe(err: dict) -> str:
     field = ".".join(str(p) for p in err["loc"]) or "(top level)"
+    if err.get("type") == "extra_forbidden":  # its value is not shown: a misspelt cluster_token's is the secret
+        return f"{field}: not a field here; allowed: {', '.join(_fields_at(err['loc'][:-1]))}"
     secret = err["loc"][:1] == ("cluster_token",)  # never echoed: error output reaches logs
     value = (f" (got {err['input']!r})" if err.get("type") != "missing" and not isinstance(err.get("input"), dict)
              and not secret else "")
     return f"{field}: {err['msg']}{value}"
+
+
+def _fields_at(loc: tuple) -> list[str]:
+    """The field names of the model at `loc` (a path of field names and indices) in the schema."""
+    model: Any = DeploymentConfig
+    for name in loc:
+        if isinstance(name, int) or not (isinstance(model, type) and issubclass(model, BaseModel)):
+            continue  # an index into a list, or a value inside a field: the model found so far
+        annotation = model.model_fields[name].annotation
+        model = next((a for a in (annotation, *getattr(annotation, "__args__", ()))
+                      if isinstance(a, type) and issubclass(a, BaseModel)), annotation)
+    return sorted(model.model_fields) if isinstance(model, type) and issubclass(model, BaseModel) else []
 
 
 def check_launchable(config: DeploymentConfig) -> None:

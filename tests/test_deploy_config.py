@@ -68,6 +68,36 @@ def test_a_cluster_token_of_the_wrong_type_is_not_echoed():
     assert "123456789" not in str(e.value)
 
 
+def test_a_misspelt_field_names_the_fields_allowed_there_and_not_its_value():
+    """A misspelt cluster_token's value is the secret: it was echoed into logs ("got 's3cr3t'")."""
+    with pytest.raises(ConfigError, match="cluster-token: not a field here; allowed: aggregated, cluster_token") as e:
+        parse_config({"cluster-token": "s3cr3t-9f8e7d"})
+    assert "s3cr3t" not in str(e.value)
+    with pytest.raises(ConfigError, match=r"router\.prot: not a field here; allowed: .*internal_port.*, port,"):
+        parse_config({"router": {"prot": 1}})
+
+
+def test_a_cluster_token_that_cannot_be_sent_is_refused_by_name(tmp_path, monkeypatch):
+    """A Secret made from a file keeps its trailing newline: every internal call then failed
+    "INTERNAL: Invalid metadata", naming neither the token nor where it came from."""
+    with pytest.raises(ConfigError, match="cluster_token: .*printable ASCII without spaces") as e:
+        parse_config({"cluster_token": "s3cr3t-9f8e7d\n"})
+    assert "s3cr3t" not in str(e.value)
+    monkeypatch.setenv("PDSPEC_CLUSTER_TOKEN", "s3cr3t-9f8e7d\n")
+    with pytest.raises(ConfigError, match=r"\$PDSPEC_CLUSTER_TOKEN: .*printable ASCII") as e:
+        parse_config({}).token()
+    assert "s3cr3t" not in str(e.value)
+
+
+def test_a_yaml_error_names_its_line_but_does_not_quote_it(tmp_path):
+    """PyYAML's message quotes the line, which may hold the cluster token."""
+    path = tmp_path / "bad.yaml"
+    path.write_text("cluster_token: s3cr3t-9f8e7d: x\n")
+    with pytest.raises(ConfigError, match="not valid YAML: line 1, column 29: mapping values are not allowed here") as e:
+        load_config(path)
+    assert "s3cr3t" not in str(e.value)
+
+
 def test_eagle3_left_unset_takes_the_devices_measured_best_and_explicit_fields_stay():
     import argparse
     from pathlib import Path

@@ -269,10 +269,10 @@ def test_generated_cluster_token_reaches_every_pod(rendered):
 
 
 def test_cluster_token_from_values_or_an_existing_secret(helm, tmp_path):
-    docs = render(helm, values={"clusterToken": {"value": "s3cret"}}, tmp_path=tmp_path)
+    docs = render(helm, values={"clusterToken": {"value": "s3cret-0123456789"}}, tmp_path=tmp_path)
     (secret,) = by_kind(docs, "Secret").values()
-    assert base64.b64decode(secret["data"]["token"]) == b"s3cret"
-    rolled = render(helm, values={"clusterToken": {"value": "n3w"}}, tmp_path=tmp_path)
+    assert base64.b64decode(secret["data"]["token"]) == b"s3cret-0123456789"
+    rolled = render(helm, values={"clusterToken": {"value": "n3w-0123456789ab"}}, tmp_path=tmp_path)
     for name, deployment in by_kind(docs, "Deployment").items():  # a new token rolls every pod
         before = deployment["spec"]["template"]["metadata"]["annotations"]["checksum/token"]
         assert "s3cret" not in before

@@ -17,10 +17,14 @@ from tools import helm_schema
     ({"prefill": {"resources": {"cpus": 0}}}, "config.prefill.resources.cpus"),
     ({"engine": {"block_sise": 16}}, "config.engine"),
     ({"router": {"request_timeout_s": 1e12}}, "config.router.request_timeout_s"),  # a wait that overflows
+    # Its salted hash is in the pods' annotations: a short one is guessed offline. A file's newline broke every call.
+    ({"clusterToken": {"value": "short-token"}}, "clusterToken.value"),
+    ({"clusterToken": {"value": "a-long-enough-token-but\n"}}, "clusterToken.value"),
 ])
 def test_values_schema_rejects_a_bad_config_naming_the_field(helm, tmp_path, command, override, field):
-    result = run_helm(helm, command, *(["rel"] if command == "template" else []), str(CHART),
-                      values={"config": override}, tmp_path=tmp_path)
+    values = override if "clusterToken" in override else {"config": override}
+    result = run_helm(helm, command, *(["rel"] if command == "template" else []), str(CHART), values=values,
+                      tmp_path=tmp_path)
     output = result.stdout + result.stderr
     assert result.returncode != 0
     assert "don't meet the specifications of the schema" in output

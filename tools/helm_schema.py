@@ -43,7 +43,11 @@ CHART_PROPERTIES = {
     "clusterToken": _strict({
         "existingSecret": {"type": "string", "description": "use this Secret and create none"},
         "key": {"type": "string", "pattern": r"^[-._a-zA-Z0-9]+$"},
-        "value": {"type": "string", "description": "empty: generated once, kept across upgrades"},
+        # Its salted hash is in every pod's annotations (a new token rolls them): a short one could be
+        # guessed offline by anyone who reads pods. And it is gRPC metadata: no spaces or line breaks.
+        "value": {"type": "string", "pattern": r"^([\x21-\x7e]{16,})?$",
+                  "description": "empty: generated once, kept across upgrades; else 16 or more printable ASCII "
+                  "characters, no spaces"},
     }, required=("key",)),
     "apiKeys": _strict({
         "existingSecret": {"type": "string", "description": "a Secret of public API keys; empty: the API is open"},
