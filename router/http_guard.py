@@ -1,5 +1,6 @@
 """What the HTTP API refuses before it reads a request's body: a call to /v1/ without a current API
-key (401), and a body it was not told the size of (411) or that is too large (413).
+key (401) or with more than one Authorization header (400), and a body it was not told the size of
+(411) or that is too large (413).
 
 FastAPI reads and parses a body before an endpoint runs, so a check inside the endpoint came after
 any client, keyed or not, had made the router hold and parse as much JSON as it cared to send (a
@@ -42,6 +43,9 @@ class RequestGuard:
 
     def _refusal(self, scope: Scope) -> OpenAIError | None:
         headers = {name.lower(): value for name, value in scope["headers"]}
+        if sum(name.lower() == b"authorization" for name, _ in scope["headers"]) > 1:  # this check and the
+            # endpoint's owner of the request would read different ones
+            return OpenAIError(400, "send one Authorization header", "invalid_request_error")
         if not self.authorized(headers.get(b"authorization", b"").decode("latin-1")):
             return OpenAIError(401, "missing or unknown API key: send the header 'Authorization: Bearer <key>' "
                                "with a key of router.api_key_file", "authentication_error")

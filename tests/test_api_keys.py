@@ -82,6 +82,9 @@ def test_http_needs_a_current_key_and_health_and_metrics_stay_open(cluster):
     assert client.completions.create(model=None, prompt="Hello", max_tokens=4).usage.completion_tokens > 0
     root = cluster.http_url.removesuffix("/v1")
     assert httpx.post(f"{cluster.http_url}/completions", json={"prompt": "Hi"}).status_code == 401
+    # Two keys: the check read the last, the request's owner (for Abort) was taken from the first.
+    two = [("Authorization", "Bearer bogus"), ("Authorization", "Bearer key-bob")]
+    assert httpx.post(f"{cluster.http_url}/completions", json={"prompt": "Hi"}, headers=two).status_code == 400
     for path in ("/health", "/ready", "/metrics"):
         assert urllib.request.urlopen(root + path, timeout=10).status == 200
 
