@@ -80,6 +80,9 @@ class AttentionMetadata:
         starts = [0]
         for n in query_lens:
             starts.append(starts[-1] + n)
+        if span_masks and any(n > SHORT_QUERY and any(m != -1 for m in span_masks[s : s + n])
+                              for s, n in zip(starts, query_lens)):  # a mask's bits name SHORT_QUERY tokens at most
+            raise ValueError(f"a tree span of more than {SHORT_QUERY} tokens (trees are short queries)")
         # Two tensors, sliced into the fields: making a tensor from a list costs ~4 us whatever
         # its size (seven took ~40 us of a decode step's Python, the draft's levels' too).
         longs = torch.tensor([s // block_size for s in slot_mapping] + [s % block_size for s in slot_mapping]

@@ -89,6 +89,10 @@ class ModelConfig:
                                    "float (fp32, fp16, bf16) safetensors, quantizing them itself with engine.quantization: "
                                    "int8, or a GGUF's Q8_0/Q4_0/Q4_1/Q4_K/Q6_K blocks; use the unquantized checkpoint")
         num_heads = raw["num_attention_heads"]
+        num_kv_heads = raw.get("num_key_value_heads") or num_heads
+        if num_heads % num_kv_heads:  # each kv head serves a whole group of query heads
+            raise ModelConfigError(f"{source}: num_key_value_heads ({num_kv_heads}) must divide num_attention_heads "
+                                   f"({num_heads})")
         rope_scaling = raw.get("rope_scaling") or raw.get("rope_parameters")
         rope_kind = (rope_scaling or {}).get("rope_type", (rope_scaling or {}).get("type", "default"))  # "type": older configs
         max_positions = raw.get("max_position_embeddings", 4096)
@@ -102,7 +106,7 @@ class ModelConfig:
             intermediate_size=raw["intermediate_size"],
             num_layers=raw["num_hidden_layers"],
             num_heads=num_heads,
-            num_kv_heads=raw.get("num_key_value_heads") or num_heads,
+            num_kv_heads=num_kv_heads,
             head_dim=raw.get("head_dim") or raw["hidden_size"] // num_heads,
             rms_norm_eps=raw.get("rms_norm_eps", 1e-6),
             rope_theta=raw.get("rope_theta") or (rope_scaling or {}).get("rope_theta", 10000.0),

@@ -329,8 +329,13 @@ class CpuKernels:
         or int8 (engine/kv_layout.py; any block/kv/offset strides, heads and rows contiguous);
         block_tables int64 [B, max_blocks]; query_start_loc and context_lens int32; span_masks:
         int32 [T] tree masks (see engine/attention.py) or None."""
-        q = q.contiguous()
+        q, block_tables = q.contiguous(), block_tables.to(torch.long).contiguous()  # the rows' stride: their width
         _, heads, dim = q.shape
+        ints = [t for t in (query_start_loc, context_lens, span_masks) if t is not None]
+        if any(t.dtype != torch.int32 or not t.is_contiguous() for t in ints) or q.dtype != torch.float32 \
+                or out.dtype != torch.float32 or not out.is_contiguous() or out.numel() != q.numel():
+            raise ValueError("paged_attention: q and out contiguous fp32 [T, heads*D]; query_start_loc, context_lens "
+                             "and span_masks contiguous int32")
         s_block, s_kv, s_offset = layer_cache.stride()[:3]
         rc = self._lib.pd_paged_attention(
             q.data_ptr(), layer_cache.data_ptr(), kv_type(layer_cache, dim, layer_cache.shape[3]), s_block, s_kv,
@@ -375,7 +380,7 @@ def unpack_rows(packed: torch.Tensor, rows: torch.Tensor) -> torch.Tensor:
 
 
 def attention_supported(heads: int, kv_heads: int, head_dim: int, block_size: int) -> bool:
-    return (head_dim % 16 == 0 and head_dim <= ATTENTION_MAX_HEAD_DIM
+    return (head_dim % 16 == 0 and head_dim <= ATTENTION_MAX_HEAD_DIM and heads % kv_heads == 0
             and heads // kv_heads <= ATTENTION_MAX_GROUP)
 
 

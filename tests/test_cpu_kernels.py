@@ -3,13 +3,14 @@
 Every kernel test runs once per ISA level this CPU supports (an AVX-512 machine tests its own,
 the AVX2 and the portable builds), so any machine tests the paths of the machines below it."""
 
+import dataclasses
 import random
 
 import pytest
 import torch
 
 from engine import cpu_kernels
-from engine.attention import AttentionMetadata, native_paged_attention, paged_attention
+from engine.attention import SHORT_QUERY, AttentionMetadata, native_paged_attention, paged_attention
 from engine.batch import tree_layout
 from engine.kv_layout import encode_rows
 from engine.layers import Linear
@@ -81,6 +82,27 @@ def test_native_attention_matches_torch_path(isa, heads, kv_heads, dim, block_si
     ref = paged_attention(q, layer_cache, meta, dim**-0.5)
     assert (ours - ref).abs().max() < 1e-4
 
+
+
+def test_the_kernel_reads_a_block_table_as_its_rows_are_laid_out_and_refuses_wrong_dtypes():
+    """A column slice of a wider table was read with its width as the rows' stride: wrong keys."""
+    q, layer_cache, meta = _case([1, 6], [40, 50], 9, 3, 64, 16, seed=3)
+    want = native_paged_attention(q, layer_cache, meta, 0.125)
+    wide = torch.cat([meta.block_tables, torch.zeros_like(meta.block_tables)], dim=1)
+    sliced = dataclasses.replace(meta, block_tables=wide[:, : meta.block_tables.shape[1]])
+    assert not sliced.block_tables.is_contiguous()
+    assert torch.equal(native_paged_attention(q, layer_cache, sliced, 0.125), want)
+    with pytest.raises(ValueError, match="int32"):
+        native_paged_attention(q, layer_cache, dataclasses.replace(meta, context_lens=meta.context_lens.long()), 0.125)
+
+
+def test_a_tree_span_longer_than_a_short_query_is_refused():
+    """A mask's bits name 32 span tokens at most in the C kernel (16 in a short query): past them its
+    shifts wrapped and a row read the wrong keys (and wrote past a stack array)."""
+    n = SHORT_QUERY + 4
+    with pytest.raises(ValueError, match="tree span of more than"):
+        AttentionMetadata.build([n], [100], [list(range(7))], list(range(100 - n, 100)), 16, torch.device("cpu"),
+                                [-1] * (n - 1) + [0b101])
 
 @pytest.mark.parametrize("isa", ISAS)
 def test_an_int8_cache_quantizes_and_multiplies_as_the_torch_path_does(isa):

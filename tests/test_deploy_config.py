@@ -281,7 +281,10 @@ def test_any_public_port_keeps_an_internal_port_set_by_hand():
 
 @pytest.mark.parametrize("text, message", [('{"architectures": ["LlamaForCausalLM"]}', "'num_attention_heads' is missing"),
                                            ("{'architectures': 1}", "not valid JSON"),
-                                           ("[]", "expected a JSON object")])
+                                           ("[]", "expected a JSON object"),
+                                           # the C attention divided by zero (2 // 4 heads a group), or left rows unwritten
+                                           ('{"architectures": ["LlamaForCausalLM"], "num_attention_heads": 6, '
+                                            '"num_key_value_heads": 4}', r"num_key_value_heads \(4\) must divide")])
 def test_a_malformed_model_config_names_the_field_and_the_file(tmp_path, text, message):
     """A KeyError or a JSON error came out as such (a traceback, or a message naming neither)."""
     from deploy.config import check_launchable
