@@ -198,6 +198,9 @@ class CpuKernels:
         if packed.shape[2] != self.pack_width:
             raise ValueError(f"packed_gemm: weight packed {packed.shape[2]} wide, the {self.isa} kernels read "
                              f"{self.pack_width}; pack it with the same kernels")
+        if out_features > packed.shape[0] * packed.shape[2] or (bias is not None and bias.shape != (out_features,)):
+            raise ValueError(f"packed_gemm: {out_features} outputs from a weight of {packed.shape[0] * packed.shape[2]} "
+                             f"packed rows, bias {None if bias is None else tuple(bias.shape)}")
         y = torch.empty(m, out_features, dtype=torch.float32)
         if m == 0:
             return y
@@ -289,6 +292,8 @@ class CpuKernels:
         rounding: sums by spans of four vectors, then fp64, where torch's fp64 scan of a 49K row
         took ~100 us), without copying the rows."""
         _check_logits(weights, "inverse_cdf")
+        if len(u) != len(rows) or any(not 0 <= r < weights.shape[0] for r in rows):
+            raise ValueError(f"inverse_cdf: {len(rows)} rows of {weights.shape[0]} (each in range), {len(u)} draws")
         weights, u = weights.contiguous(), u.to(torch.float32).contiguous()
         index = torch.tensor(rows, dtype=torch.long)
         out = torch.empty(len(rows), dtype=torch.long)

@@ -131,8 +131,9 @@ class NativeDecoder:
             raise ValueError("NativeDecoder: embeddings given, but no embed_norm was bound")
         t = batch.positions.shape[0]
         bad_embed = embed is not None and (embed.shape[0] != t or embed.dtype != torch.float32 or not embed.is_contiguous())
-        if x.shape[0] != t or bad_embed:  # the C loops would run past x's, or the embeddings', rows
-            raise ValueError(f"NativeDecoder: x has {x.shape[0]} rows, the embeddings "
+        bad_x = x.shape != (t, self.config.hidden_size) or x.dtype != torch.float32 or not x.is_contiguous()
+        if bad_x or bad_embed:  # the C loops would run past x's, or the embeddings', rows (x is written in place)
+            raise ValueError(f"NativeDecoder: x is {tuple(x.shape)} {x.dtype} (fp32, contiguous), the embeddings "
                              f"{None if embed is None else tuple(embed.shape)} (fp32, contiguous), for {t} positions")
         c, meta = self.config, batch.attention
         cache_type = kv_type(kv_cache, c.head_dim, c.num_kv_heads)  # checks the rows C writes into

@@ -205,3 +205,29 @@ def test_the_native_draft_kv_write_is_what_a_draft_forward_writes(kv_cache_dtype
     else:  # where the paths' ~1e-7 differences cross a bf16 rounding boundary: one bf16 step apart
         assert torch.allclose(native, reference, rtol=2**-7, atol=1e-6)
     engine.close()
+
+
+def test_native_entries_refuse_inputs_they_would_misread(engine):
+    """The layer loop writes x in place through its pointer, as wide as the model: rows of another
+    width or dtype were overrun or misread. A GEMM asked for more outputs than its packed rows, or
+    draws from rows outside the logits, read past their buffers."""
+    from engine.batch import build_batch
+    from engine.cpu_kernels import kernels
+
+    native, blocks = engine.runner.model.native, engine.blocks
+    blocks.allocate("x", [5, 6, 7])
+    try:
+        batch = build_batch([SeqChunk([5, 6, 7], 0, blocks.block_table("x"), 1)], engine.config.block_size,
+                            torch.device("cpu"))
+        hidden = engine.runner.model_config.hidden_size
+        for x in (torch.zeros(3, hidden + 8), torch.zeros(3, hidden, dtype=torch.bfloat16)):
+            with pytest.raises(ValueError, match="NativeDecoder: x is"):
+                native.layers(x, batch, engine.runner.kv_cache, [])
+    finally:
+        blocks.free("x")
+    k = kernels()
+    packed = k.pack_weight(torch.randn(2 * k.pack_width, 8))
+    with pytest.raises(ValueError, match="packed rows"):
+        k.packed_gemm(torch.randn(1, 8), packed, 3 * k.pack_width)
+    with pytest.raises(ValueError, match="inverse_cdf"):
+        k.inverse_cdf(torch.rand(2, 10), [0, 2], torch.rand(2))
