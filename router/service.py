@@ -223,8 +223,10 @@ class RouterServicer(router_pb2_grpc.RouterServicer):
         except (WorkerFailed, _Cancelled) as e:
             if plan.prefill is not None:  # nobody will fetch the prompt's blocks: unpin them now
                 # If the prefill worker may serve the retry, let the Release land first: arriving
-                # late, it would unpin the retry's prefill of the same request id.
-                retry_may_reuse = isinstance(e, WorkerFailed) and e.worker.worker_id != plan.prefill.worker_id
+                # late, it would unpin the retry's prefill of the same request id. (No retry follows a
+                # request refused, or one out of time: its client's error waited on the Release.)
+                retry_may_reuse = (isinstance(e, WorkerFailed) and e.worker.worker_id != plan.prefill.worker_id
+                                   and not e.request_refused and run.time_left() > 0)
                 self._release(plan.prefill, run.key, handle.pin_id if handle else "", wait=retry_may_reuse)
             raise
         finally:

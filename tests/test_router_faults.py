@@ -168,6 +168,37 @@ def test_a_late_report_of_a_failed_attempt_leaves_the_retry_counted(model_dir):
     assert prefill.prefills == 2 and loads["prefill-a"] == (1, 1)
 
 
+
+class _SlowReleasePrefillWorker(_PrefillWorker):
+    """Its Release answers once the test's client has its answer, or when the router gives up on it
+    (5 s): whether the client had it well before then is recorded."""
+
+    def __init__(self, worker_id: str):
+        super().__init__(worker_id)
+        self.answered, self.in_time = threading.Event(), []
+
+    def Release(self, request, context):
+        while not self.answered.wait(0.05) and context.is_active():
+            pass
+        self.in_time.append(self.answered.is_set() and context.time_remaining() > 1.0)
+        return kv_pb2.ReleaseResponse(found=True)
+
+
+class _RefusingDecodeWorker(worker_pb2_grpc.DecodeWorkerServicer):
+    def Decode(self, request, context):
+        context.abort(grpc.StatusCode.INVALID_ARGUMENT, "sampling: refused by this worker (an injected fault)")
+
+
+def test_a_refused_request_does_not_wait_on_its_prefills_release(model_dir):
+    """No retry follows a request its decode worker refused: its client's error waited on the
+    prefill worker's Release (up to 5 s for one that is slow to answer)."""
+    prefill = _SlowReleasePrefillWorker("prefill-a")
+    with _router_over_fakes(model_dir, {"prefill-a": prefill, "decode-a": _RefusingDecodeWorker()}) as router:
+        assert rpc_error(lambda: list(router.Generate(HELLO, timeout=30))).code() == grpc.StatusCode.INVALID_ARGUMENT
+        prefill.answered.set()
+        wait_until(lambda: prefill.in_time, "the prefill worker got no Release", 30)
+    assert prefill.in_time == [True]
+
 class _TroubledDecodeWorker(worker_pb2_grpc.DecodeWorkerServicer):
     """A decode worker whose engine is in trouble: its calls fail, its health checks answer
     NOT_SERVING (serving/engine_health.py)."""
