@@ -4,11 +4,9 @@ each on_release that ran, and a destination pulling from it. The destination is 
 own because NIXL must never be loaded into the pytest process: it crashes any process that also
 loads grpc_tools' protoc (test_proto does)."""
 
-import contextlib
 import multiprocessing as mp
 import threading
 import time
-from unittest import mock
 
 import torch
 
@@ -20,6 +18,7 @@ from kvtransfer.source import SERVICE_NAME, KVSource, KVTransferServicer
 from proto.pdspec.v1 import kv_pb2, kv_pb2_grpc
 from proto.rpc import serve
 from serving.call_limit import kv_pull_limit
+from tests.nixl_faults import FAULTS, REFUSED_REMOVALS, late_writes
 
 TOKEN = "test-cluster-token"
 LAYOUT = KVLayout("test-model", "bfloat16", 4, CacheShape(2, 2, 8), CacheShape(1, 2, 8), "test-head@1")
@@ -179,60 +178,6 @@ class SourceProcess(_Child):
             self.released.add(self.expect("released"))
 
 
-@contextlib.contextmanager
-def _unstoppable_reads():
-    """Faults on purpose: NIXL starts each READ, then reports an error and refuses to cancel it.
-    Afterwards the READs are really released."""
-    from nixl_cu12._api import nixl_agent, nixl_xfer_handle
-    from kvtransfer.nixl_backend import nixl_bindings
-    started, transfer, release = [], nixl_agent.transfer, nixl_xfer_handle.release
-
-    def failing_transfer(agent, xfer, *args, **kwargs):
-        transfer(agent, xfer, *args, **kwargs)
-        started.append(xfer)
-        raise nixl_bindings.nixlBackendError("injected: the READ stalled")
-
-    def refusing_release(xfer):
-        raise nixl_bindings.nixlBackendError("injected: it cannot be cancelled")
-
-    with mock.patch.object(nixl_agent, "transfer", failing_transfer), \
-            mock.patch.object(nixl_xfer_handle, "release", refusing_release):
-        yield
-    for xfer in started:
-        release(xfer)
-
-
-@contextlib.contextmanager
-def _stuck_reads():
-    """Faults on purpose: NIXL reports every READ in progress for good (it never ends)."""
-    from nixl_cu12._api import nixl_agent
-
-    with mock.patch.object(nixl_agent, "check_xfer_state", lambda agent, xfer: "PROC"), \
-            mock.patch.object(nixl_agent, "transfer", lambda agent, xfer, *args, **kwargs: "PROC"):
-        yield
-
-
-_REFUSED_REMOVALS: list[str] = []  # the agents NIXL was asked to drop under "refused-removal"
-
-
-@contextlib.contextmanager
-def _refused_removals():
-    """Faults on purpose: NIXL refuses to drop any remote agent (each request is counted)."""
-    from nixl_cu12._api import nixl_agent
-    from kvtransfer.nixl_backend import nixl_bindings
-
-    def refusing_remove(agent, name):
-        _REFUSED_REMOVALS.append(name)
-        raise nixl_bindings.nixlBackendError("injected: the agent is busy")
-
-    with mock.patch.object(nixl_agent, "remove_remote_agent", refusing_remove):
-        yield
-
-
-_FAULTS = {None: contextlib.nullcontext, "unstoppable": _unstoppable_reads, "stuck": _stuck_reads,
-           "refused-removal": _refused_removals}
-
-
 def _serve_destination(conn) -> None:
     """Pull on command into caches of known contents, one set per layout; report the outcome."""
     torch.set_num_threads(1)
@@ -251,7 +196,7 @@ def _serve_destination(conn) -> None:
 
     def pull_one(connector, handle: bytes, remote: list[int], local_ids: list[int], fault: str | None) -> None:
         try:
-            with _FAULTS[fault]():
+            with FAULTS[fault]():
                 connector.pull(kv_pb2.KVHandle.FromString(handle), remote, local_ids, TIMEOUT_S, cancel)
             conn.send(None)
         except KVTransferError as e:
@@ -294,9 +239,9 @@ def _serve_destination(conn) -> None:
                     t.join()
                 conn.send(errors)
             elif command == "late-writes":
-                conn.send(_late_writes(connector_for(*args[:3]), local(args[1]), *args[3:]))
+                conn.send(late_writes(connector_for(*args[:3]), local(args[1]), *args[3:], TIMEOUT_S))
             elif command == "refused-removals":
-                conn.send(len(_REFUSED_REMOVALS))
+                conn.send(len(REFUSED_REMOVALS))
             elif command == "caches":
                 conn.send({name: t.view(torch.uint8).numpy().copy() for name, t in local(args[0]).items()})
             elif command == "reset":  # in place: the NIXL connectors registered these tensors
@@ -307,31 +252,6 @@ def _serve_destination(conn) -> None:
     except (EOFError, OSError):  # the test is done with this destination
         for connector in connectors.values():
             connector.close()
-
-
-def _late_writes(connector, caches: dict[str, torch.Tensor], handle: bytes, remote: list[int], local_ids: list[int]
-                 ) -> tuple[tuple | None, str | None, bool]:
-    """A NIXL pull cancelled as soon as its READ is posted (the fault: the cancel's timing): its
-    outcome, what NIXL said as it posted the READ ("PROC": under way), and whether the local
-    blocks changed in the 0.3 s after the pull ended."""
-    from nixl_cu12._api import nixl_agent
-
-    cancel, posted, transfer = Cancellation(), [], nixl_agent.transfer
-
-    def transfer_then_cancel(agent, xfer, *args, **kwargs):
-        posted.append(transfer(agent, xfer, *args, **kwargs))
-        cancel.set()
-        return posted[-1]
-
-    outcome = None
-    with mock.patch.object(nixl_agent, "transfer", transfer_then_cancel):
-        try:
-            connector.pull(kv_pb2.KVHandle.FromString(handle), remote, local_ids, TIMEOUT_S, cancel)
-        except KVTransferError as e:
-            outcome = (str(e), e.retryable, e.may_still_write)
-    ended = {name: t.clone() for name, t in caches.items()}
-    time.sleep(0.3)
-    return outcome, posted[0] if posted else None, any(not torch.equal(ended[n], t) for n, t in caches.items())
 
 
 class DestinationProcess(_Child):
