@@ -126,11 +126,21 @@ class Tokenizer:
         spans = self._content_spans(text, messages, add_generation_prompt)
         ids: list[int] = []
         for token, (start, end) in zip(encoding.ids, encoding.offsets):
-            if token in self._special_ids and any(a <= start and end <= b for a, b in spans):
+            if token in self._special_ids and self._written_in(spans, text, token, start, end):
                 ids += self._literal.encode(text[start:end], add_special_tokens=False).ids
             else:
                 ids.append(token)
         return ids
+
+    def _written_in(self, spans: list[tuple[int, int]], text: str, token: int, start: int, end: int) -> bool:
+        """Whether the special token at text[start:end] was written in a message's content: its own
+        text, not the whitespace an lstrip or rstrip token also takes in (the template's newline
+        before the content: held to the whole match, a forged turn passed as a real one)."""
+        word = self._tokenizer.id_to_token(token)
+        at = text.find(word, start, end)
+        if at >= 0:
+            start, end = at, at + len(word)
+        return any(a <= start and end <= b for a, b in spans)
 
     def _content_spans(self, text: str, messages: list[dict[str, str]], add_generation_prompt: bool,
                        ) -> list[tuple[int, int]]:
