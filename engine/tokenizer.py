@@ -168,7 +168,8 @@ class IncrementalDetokenizer:
     """Turns generated token ids into text deltas as they arrive.
 
     A character split across tokens is held back until its last byte arrives, so no delta ends in
-    U+FFFD. Each step decodes only the tokens since the last emitted boundary (vLLM's prefix/read
+    U+FFFD; the text before it goes out at once (a stop string it completes is seen at the token
+    that completes it). Each step decodes only the tokens since the last emitted boundary (vLLM's prefix/read
     offsets), so the cost per token does not grow with the sequence. The deltas plus `flush()`
     concatenate to `tokenizer.decode(all_ids, skip_special_tokens)`.
 
@@ -188,23 +189,29 @@ class IncrementalDetokenizer:
         # (e.g. sentencepiece stripping a leading space) affect both decodes alike and cancel out.
         self._prefix_offset = 0
         self._read_offset = 0
+        self._sent = 0  # characters past the emitted stretch sent already (before a split character)
 
     def add(self, token_ids: Iterable[int]) -> str:
         """Append `token_ids`; returns the newly completed text (possibly empty)."""
         self._ids.extend(token_ids)
-        emitted = self._decode(self._prefix_offset, self._read_offset)
+        sent = len(self._decode(self._prefix_offset, self._read_offset)) + self._sent
         text = self._decode(self._prefix_offset, len(self._ids))
-        if len(text) <= len(emitted) or text.endswith("\ufffd"):
+        if text.endswith("\ufffd"):  # a character still split: the offsets stay, to decode it whole later
+            new = text.rstrip("\ufffd")[sent:]
+            self._sent += len(new)
+            return new
+        if len(text) <= sent:
             return ""
-        self._prefix_offset, self._read_offset = self._read_offset, len(self._ids)
-        return text[len(emitted) :]
+        self._prefix_offset, self._read_offset, self._sent = self._read_offset, len(self._ids), 0
+        return text[sent:]
 
     def flush(self) -> str:
         """Whatever is still held back, at the end of generation (non-empty only for invalid UTF-8)."""
-        emitted = self._decode(self._prefix_offset, self._read_offset)
+        sent = len(self._decode(self._prefix_offset, self._read_offset)) + self._sent
         text = self._decode(self._prefix_offset, len(self._ids))
         self._prefix_offset = self._read_offset = len(self._ids)
-        return text[len(emitted) :]
+        self._sent = 0
+        return text[sent:]
 
     def _decode(self, start: int, end: int) -> str:
         return self._tokenizer.decode(self._ids[start:end], skip_special_tokens=self._skip_special_tokens)

@@ -229,6 +229,21 @@ def test_incremental_detokenizer(tokenizer: Tokenizer, text: str, chunk: int) ->
         assert "" in deltas, "expected characters split across tokens to be held back"
 
 
+
+def test_a_stop_string_ends_at_the_token_that_completes_it_before_a_split_character(tokenizer: Tokenizer) -> None:
+    """" 😀" is two tokens, the first holding the space and the emoji's first bytes: the text before
+    the split character went out only with the next token, so a stop string ending in that space
+    ended the output a token late (one more token counted; "length" if it was the last one allowed)."""
+    from engine.output import OutputStream
+    from engine.params import SamplingParams
+
+    ids = tokenizer.encode("A. Q: 😀 more")
+    assert tokenizer.decode(ids[:5]).endswith("Q: \ufffd")  # the fifth token completes "Q: " and splits the emoji
+    stream = OutputStream(tokenizer, SamplingParams(stop=("Q: ",)))
+    pushed = [stream.push([token]) for token in ids[:5]]
+    assert [reason for _, _, reason in pushed] == [None] * 4 + ["stop"]
+    assert "".join(text for _, text, _ in pushed) == "A. "
+
 def test_incremental_detokenizer_skips_special_tokens(tokenizer: Tokenizer) -> None:
     ids = tokenizer.encode("<|im_start|>assistant\n北京 😀<|im_end|>")
     detokenizer = IncrementalDetokenizer(tokenizer)
