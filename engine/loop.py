@@ -179,10 +179,16 @@ class EngineLoop:
             self._stopped = True
         self._wake.set()
         self._thread.join(timeout=10)
+        self._end_waiting("abort")
+
+    def _end_waiting(self, reason: str) -> None:
+        """No more commands; those queued fail, and every stream ends with `reason`."""
+        with self._stopping:
+            self._stopped = True
         while not self._commands.empty():
             self._commands.get()[2].set_exception(RuntimeError("the engine loop has stopped"))
         for request_id, outputs in list(self.outputs.items()):
-            outputs.put(RequestOutput(request_id, [], "", finished=True, finish_reason="abort"))
+            outputs.put(RequestOutput(request_id, [], "", finished=True, finish_reason=reason))
         self.outputs.clear()
 
     def _dispatch(self, outputs: list[RequestOutput]) -> None:
@@ -194,8 +200,13 @@ class EngineLoop:
                     del self.outputs[out.request_id]
 
     def _run(self) -> None:
-        with torch.inference_mode():  # for good: each step would enter it again otherwise (engine/inference.py)
-            self._serve()
+        try:
+            with torch.inference_mode():  # for good: each step would enter it again otherwise (engine/inference.py)
+                self._serve()
+        finally:
+            if not self._stopped:  # died: commands queued later would wait forever, and every stream
+                log.error("the engine loop's thread died: its requests end with an error")
+                self._end_waiting("error")
 
     def _serve(self) -> None:
         while not self._stopped:

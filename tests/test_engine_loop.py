@@ -13,6 +13,7 @@ from engine.inference import inference
 from engine.loop import EngineLoop
 from engine.output import KVHandle, RequestOutput
 from engine.params import SamplingParams
+from tests.waiting import wait_until
 
 
 def test_an_incoming_request_aborted_mid_transfer_keeps_its_blocks_until_the_transfer_ends(engine, prompts):
@@ -219,6 +220,26 @@ def test_a_loop_stuck_in_a_step_reports_trouble(engine, prompts, monkeypatch):
         stuck.set()
         loop.stop()
 
+
+
+@pytest.mark.filterwarnings("ignore::pytest.PytestUnhandledThreadExceptionWarning")  # the thread's death, on purpose
+def test_a_loop_whose_thread_died_leaves_nobody_waiting(engine, prompts, monkeypatch):
+    """Commands were still queued after the loop's thread died, and nothing ran them: every decode
+    stream, prefill and Abort waited forever, holding its call slot, until the worker stopped."""
+    loop = EngineLoop(engine)
+    try:
+        outputs = loop.submit("orphan", prompts[0], SamplingParams(max_tokens=512, ignore_eos=True))
+        monkeypatch.setattr(engine, "has_unfinished", lambda: 1 / 0)  # a fault outside any step's guard
+        wait_until(lambda: loop.trouble() == "the engine loop's thread has died", "the loop thread lives on", 30)
+        with pytest.raises(RuntimeError, match="stopped"):
+            loop.post(lambda: None).result(timeout=10)
+        while not (out := outputs.get(timeout=10)).finished:
+            pass
+        assert out.finish_reason == "error"
+    finally:
+        loop.stop()
+        monkeypatch.undo()
+        engine.abort("orphan")
 
 def test_a_loop_whose_steps_keep_failing_reports_trouble_until_one_succeeds(engine, prompts, monkeypatch):
     """A poisoned device fails every step, while the loop itself keeps coming round."""
