@@ -29,6 +29,7 @@ class RegistryClient:
         self.on_registered = on_registered
         self.router_address = router_address
         self._registration_id = ""
+        self._unsent_arrivals: list[str] = []  # drained, not yet in a heartbeat the router took
         self._stop = threading.Event()
         self._thread = threading.Thread(target=self._run, name="registry-heartbeat", daemon=True)
 
@@ -112,16 +113,21 @@ class RegistryClient:
     def _heartbeat(self) -> bool:
         # Arrivals first: each one drained is in the stats read after it (the reverse order could
         # name a request these stats miss, and the router would count it nowhere until the next).
-        arrived = self.loop.drain_arrivals()
+        # (Those of a heartbeat that failed or was refused go again: lost, the router counted each of
+        # them in its own pending list too, and steered requests away from us while they ran.)
+        self._unsent_arrivals += self.loop.drain_arrivals()
         stats = self.loop.stats()
         load = worker_pb2.Load(active_blocks=stats.kv_blocks_used, total_blocks=stats.kv_blocks_total,
                                running=stats.running, waiting=stats.waiting, waiting_blocks=stats.kv_blocks_waiting)
         events = [kv_event(e) for e in self.loop.drain_events()]
         response = self.stub.Heartbeat(
             worker_pb2.HeartbeatRequest(worker_id=self.registration.worker_id, load=load, events=events,
-                                        registration_id=self._registration_id, arrived_request_ids=arrived),
+                                        registration_id=self._registration_id,
+                                        arrived_request_ids=self._unsent_arrivals),
             timeout=5,
         )
+        if response.registered:
+            self._unsent_arrivals = []
         return response.registered
 
 
