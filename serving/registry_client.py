@@ -28,7 +28,8 @@ class RegistryClient:
         self.registration, self.loop, self.interval_s = registration, loop, interval_s
         self.on_registered = on_registered
         self.router_address = router_address
-        self._registration_id = ""
+        self._registration_id = ""  # the registration the router last accepted (heartbeats name it)
+        self._asked_id = ""  # the last one asked for: a Register that failed may still have landed
         self._unsent_arrivals: list[str] = []  # drained, not yet in a heartbeat the router took
         self._stop = threading.Event()
         self._thread = threading.Thread(target=self._run, name="registry-heartbeat", daemon=True)
@@ -56,12 +57,16 @@ class RegistryClient:
         self._deregister()
 
     def _deregister(self) -> None:
-        request = worker_pb2.DeregisterRequest(worker_id=self.registration.worker_id, address=self.registration.address,
-                                               registration_id=self._registration_id)
-        try:
-            self.stub.Deregister(request, timeout=5)
-        except grpc.RpcError as e:  # the router is gone or restarting: it forgets us by our silence
-            log.warning("deregistering from router %s failed (%s)", self.router_address, e.code())
+        """The registration the router accepted last, and the one asked for since if its Register
+        failed (it may have landed late): the router knows one of them, and routes here until it
+        forgets it."""
+        for registration_id in dict.fromkeys(filter(None, (self._registration_id, self._asked_id))):
+            request = worker_pb2.DeregisterRequest(worker_id=self.registration.worker_id,
+                                                   address=self.registration.address, registration_id=registration_id)
+            try:
+                self.stub.Deregister(request, timeout=5)
+            except grpc.RpcError as e:  # the router is gone or restarting: it forgets us by our silence
+                log.warning("deregistering from router %s failed (%s)", self.router_address, e.code())
 
     def _run(self) -> None:
         registered = False
@@ -78,6 +83,8 @@ class RegistryClient:
                     if not registered:
                         self._register()
                         registered = True
+                        if self._stop.is_set():  # stop() came meanwhile: _register deregistered it
+                            break
                     registered = self._heartbeat()
             except grpc.RpcError as e:
                 said = f"router {self.router_address}: {e.code()} ({e.details()})"
@@ -101,8 +108,9 @@ class RegistryClient:
         # A Register or Heartbeat that timed out here may still reach the router late: the id tells
         # it which heartbeats follow this snapshot (and a late, older Register is found out at our
         # next heartbeat, which it then refuses: we register again).
-        request.registration_id = self._registration_id = uuid.uuid4().hex
+        request.registration_id = self._asked_id = uuid.uuid4().hex
         response = self.stub.Register(request, timeout=5)
+        self._registration_id = request.registration_id
         if self._stop.is_set():  # stop() gave up waiting and may have deregistered the last id: this one too
             self._deregister()
             return
