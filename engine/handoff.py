@@ -24,12 +24,12 @@ class Handoff:
             queue_seconds=seq.queue_seconds,
         )
         seq.finish_reason = "prefilled"
-        self.counters["finished_prefilled"] += 1
         try:
             self.proposer.release(seq)
         except BaseException:  # detached, the sequence's blocks are no longer any abort's to free
             self.blocks.free(seq.seq_id)
             raise
+        self.counters["finished_prefilled"] += 1  # (a failure above ends it as an error, counted once)
         del self.seqs[seq.seq_id], self.streams[seq.seq_id]
         self.handed_off[seq.seq_id] = seq
         return RequestOutput(seq.seq_id, [first_token], "", finished=True, finish_reason="prefilled", handle=handle)

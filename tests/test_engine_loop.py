@@ -148,7 +148,7 @@ def test_a_failed_step_ends_every_stream_even_those_it_finished(engine, prompts,
 def test_a_hand_off_whose_draft_release_fails_frees_its_blocks(engine, prompts, monkeypatch):
     """Failing between leaving the batch and being handed off, a prefill-only request's blocks
     were held by neither: the abort that ends it (the loop's, after the failed step) freed none."""
-    free_before = engine.blocks.num_free_blocks
+    free_before, counted = engine.blocks.num_free_blocks, dict(engine.counters)
     rid = engine.add_request(prompts[0], SamplingParams(max_tokens=1), prefill_only=True)
 
     def failing_release(seq):
@@ -162,6 +162,8 @@ def test_a_hand_off_whose_draft_release_fails_frees_its_blocks(engine, prompts, 
         engine.abort(rid, reason="error")
     assert rid not in engine.seqs and rid not in engine.handed_off and not engine.has_unfinished()
     assert engine.blocks.num_free_blocks == free_before
+    ended = {k: engine.counters[k] - counted.get(k, 0) for k in ("finished_prefilled", "finished_error")}
+    assert ended == {"finished_prefilled": 0, "finished_error": 1}  # once, as the error it was
 
 
 def test_the_loop_waits_for_a_command_while_no_sequence_can_run(monkeypatch):
