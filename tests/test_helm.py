@@ -135,6 +135,12 @@ def test_pdspec_checks_the_pods_config_before_install_and_upgrade(rendered, tmp_
     assert checked.returncode == 0 and "valid" in checked.stdout, checked.stderr
 
 
+
+def test_a_large_deadline_renders_as_an_integer(helm, tmp_path):
+    """Helm reads values' numbers as floats: 1000000 rendered as 1e+06, which the API server refuses."""
+    docs = render(helm, values={"configCheck": {"timeoutSeconds": 1000000}}, tmp_path=tmp_path)
+    assert by_kind(docs, "Job")["rel-pdspec-config-check"]["spec"]["activeDeadlineSeconds"] == 1000000
+
 def test_a_config_only_pdspec_can_refuse_fails_the_install(helm, tmp_path):
     """values.schema.json holds per-field rules: this config renders (every pod would then exit with
     the error), and the hook's check refuses it, naming the field."""
