@@ -169,9 +169,9 @@ class IncrementalDetokenizer:
 
     A character split across tokens is held back until its last byte arrives, so no delta ends in
     U+FFFD; the text before it goes out at once (a stop string it completes is seen at the token
-    that completes it). Each step decodes only the tokens since the last emitted boundary (vLLM's prefix/read
-    offsets), so the cost per token does not grow with the sequence. The deltas plus `flush()`
-    concatenate to `tokenizer.decode(all_ids, skip_special_tokens)`.
+    that completes it). Each step decodes only the tokens since the last emitted boundary (vLLM's
+    prefix/read offsets), so the cost per token does not grow with the sequence. The deltas plus
+    `flush()` concatenate to `tokenizer.decode(all_ids, skip_special_tokens)`.
 
     Why not `tokenizers.decoders.DecodeStream` (the same offsets, in Rust): it has `step` and no
     flush, so a generation that stops inside a multi-byte character (a length limit, an abort)
