@@ -214,13 +214,14 @@ class RouterServicer(router_pb2_grpc.RouterServicer):
     def _attempt(self, req: ValidRequest, plan: Plan, run: Run, context) -> tuple[
             worker_pb2.DecodeResponse, Iterator[worker_pb2.DecodeResponse]]:
         """Prefill (if disaggregated), then open the decode stream up to its first response."""
-        handle, arrived = None, False
+        handle, arrived, reporter = None, False, None
         try:
             handle = self._prefill(req, plan.prefill, run, context) if plan.prefill is not None else None
             opened = self._open_decode(req, plan, handle, run, context)
             arrived = True
             return opened
         except (WorkerFailed, _Cancelled) as e:
+            reporter = e.reported_by if isinstance(e, WorkerFailed) else None
             if plan.prefill is not None:  # nobody will fetch the prompt's blocks: unpin them now
                 # If the prefill worker may serve the retry, let the Release land first: arriving
                 # late, it would unpin the retry's prefill of the same request id. (No retry follows a
@@ -231,8 +232,10 @@ class RouterServicer(router_pb2_grpc.RouterServicer):
             raise
         finally:
             if not arrived:  # on success, the heartbeats naming it take over counting it
-                # A prefill that answered ran there: its worker's next heartbeat names it, late.
-                reached = [plan.prefill.worker_id] if handle is not None else []
+                # A prefill that answered ran there, and a decode worker that blamed its KV source had
+                # taken the request over: their next heartbeats name it, late.
+                reached = ([plan.prefill.worker_id] if handle is not None else []) + (
+                    [reporter.worker_id] if reporter is not None else [])
                 self._registry.forget_routed(plan.worker_ids(), run.key, reached)
 
     def _release(self, worker: WorkerView, request_id: str, pin_id: str, wait: bool) -> None:

@@ -133,42 +133,6 @@ def test_a_decode_worker_that_blames_its_kv_source_is_not_retried_first(model_di
     assert (broken.sources, healthy.sources, prefill.prefills) == (["prefill-a"], ["prefill-a"], 2)
 
 
-class _LateReportingPrefillWorker(_PrefillWorker):
-    """A prefill worker whose heartbeat naming a request's first prefill lands while its retry's
-    prefill runs (the first attempt's blocks freed by then). Healthy: the probe after the blamed
-    hand-off keeps it routed."""
-
-    registry: worker_pb2_grpc.RegistryStub | None = None  # set once it registered
-
-    def __init__(self, worker_id: str):
-        super().__init__(worker_id)
-        self.health = health.HealthServicer()  # SERVING
-
-    def Prefill(self, request, context):
-        if self.prefills == 1:
-            self.registry.Heartbeat(worker_pb2.HeartbeatRequest(
-                worker_id=self.worker_id, load=worker_pb2.Load(total_blocks=64),
-                arrived_request_ids=[request.request_id]), timeout=10)
-        return super().Prefill(request, context)
-
-
-def test_a_late_report_of_a_failed_attempt_leaves_the_retry_counted(model_dir):
-    """The decode side failed after the prefill ran; the retry's prefill goes to the same worker
-    under the same request id while that worker names the first one, late. The retry still counts
-    in the worker's load (dropped there, the worker looked idle until its next heartbeat)."""
-    prefill = _LateReportingPrefillWorker("prefill-a")
-    fakes = {"prefill-a": prefill, "decode-a": _SourceBlamingDecodeWorker(refusals=10, code=grpc.StatusCode.UNAVAILABLE),
-             "decode-b": _SlowDecodeWorker(first=1)}
-    with _router_over_fakes(model_dir, fakes) as router:
-        stream = router.Generate(HELLO, timeout=30)
-        assert next(stream).text == "x"
-        loads = {w.worker_id: (w.running, w.active_blocks)
-                 for w in router.ListWorkers(router_pb2.ListWorkersRequest(), timeout=10).workers}
-        stream.cancel()
-    assert prefill.prefills == 2 and loads["prefill-a"] == (1, 1)
-
-
-
 class _SlowReleasePrefillWorker(_PrefillWorker):
     """Its Release answers once the test's client has its answer, or when the router gives up on it
     (5 s): whether the client had it well before then is recorded."""
@@ -198,6 +162,7 @@ def test_a_refused_request_does_not_wait_on_its_prefills_release(model_dir):
         prefill.answered.set()
         wait_until(lambda: prefill.in_time, "the prefill worker got no Release", 30)
     assert prefill.in_time == [True]
+
 
 class _TroubledDecodeWorker(worker_pb2_grpc.DecodeWorkerServicer):
     """A decode worker whose engine is in trouble: its calls fail, its health checks answer
