@@ -221,7 +221,9 @@ class RouterServicer(router_pb2_grpc.RouterServicer):
             arrived = True
             return opened
         except (WorkerFailed, _Cancelled) as e:
-            reporter = e.reported_by if isinstance(e, WorkerFailed) else None
+            # UNAVAILABLE from a decode worker blaming its source: a pull that failed, after the worker
+            # took the request over (its other blames, a handle or layout refused, come before).
+            reporter = e.reported_by if isinstance(e, WorkerFailed) and e.code == grpc.StatusCode.UNAVAILABLE else None
             if plan.prefill is not None:  # nobody will fetch the prompt's blocks: unpin them now
                 # If the prefill worker may serve the retry, let the Release land first: arriving
                 # late, it would unpin the retry's prefill of the same request id. (No retry follows a
@@ -232,8 +234,8 @@ class RouterServicer(router_pb2_grpc.RouterServicer):
             raise
         finally:
             if not arrived:  # on success, the heartbeats naming it take over counting it
-                # A prefill that answered ran there, and a decode worker that blamed its KV source had
-                # taken the request over: their next heartbeats name it, late.
+                # A prefill that answered ran there, and a decode worker whose pull failed had taken
+                # the request over: their next heartbeats name it, late.
                 reached = ([plan.prefill.worker_id] if handle is not None else []) + (
                     [reporter.worker_id] if reporter is not None else [])
                 self._registry.forget_routed(plan.worker_ids(), run.key, reached)
