@@ -215,8 +215,10 @@ class EngineLoop:
                 fn, args, future = self._commands.get()
                 try:
                     future.set_result(fn(*args))
-                except Exception as e:  # the caller gets it
+                except BaseException as e:  # the caller gets it (and the loop ends, for what is not an Exception)
                     future.set_exception(e)
+                    if not isinstance(e, Exception):
+                        raise
             if self.engine.has_unfinished():
                 self._step()
             # Idle, or stalled until a command frees blocks (a release, an abort, an admission):
