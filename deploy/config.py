@@ -232,10 +232,10 @@ def _token_problem(token: str) -> str | None:
     """What makes `token` unusable as gRPC metadata (a Secret made from a file keeps its trailing
     newline, and every internal call then failed "INTERNAL: Invalid metadata"), or None. The
     token itself is never named: error output reaches logs."""
-    if re.fullmatch(r"[\x21-\x7e]+", token):
+    if re.fullmatch(r"[\x21-\x7e]([\x20-\x7e]*[\x21-\x7e])?", token):  # gRPC's values: spaces inside only
         return None
-    return ("must be printable ASCII without spaces or line breaks (a file's trailing newline, if the token was "
-            "read from one); the value is not shown")
+    return ("must be printable ASCII, without line breaks or spaces at either end (a file's trailing newline, if "
+            "the token was read from one); the value is not shown")
 
 
 def _describe(err: dict) -> str:

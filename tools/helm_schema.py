@@ -45,9 +45,9 @@ CHART_PROPERTIES = {
         "key": {"type": "string", "pattern": r"^[-._a-zA-Z0-9]+$"},
         # Its salted hash is in every pod's annotations (a new token rolls them): a short one could be
         # guessed offline by anyone who reads pods. And it is gRPC metadata: no spaces or line breaks.
-        "value": {"type": "string", "pattern": r"^([\x21-\x7e]{16,})?$",
+        "value": {"type": "string", "pattern": r"^([\x21-\x7e][\x20-\x7e]{14,}[\x21-\x7e])?$",
                   "description": "empty: generated once, kept across upgrades; else 16 or more printable ASCII "
-                  "characters, no spaces"},
+                  "characters, no spaces at either end"},
     }, required=("key",)),
     "apiKeys": _strict({
         "existingSecret": {"type": "string", "description": "a Secret of public API keys; empty: the API is open"},
