@@ -22,6 +22,7 @@ from engine.procfs import exit_with_parent
 log = logging.getLogger(__name__)
 _PARENT_ENV = "PDSPEC_DIE_WITH_PID"  # set for a process the supervisor starts: the launcher's pid
 BACKOFF_S, MAX_BACKOFF_S, STABLE_S = 1.0, 30.0, 60.0
+PDSPEC = [sys.executable, "-m", "deploy.cli"]  # a member's command, before its args
 _POLL_S = 0.2
 
 
@@ -150,7 +151,7 @@ def _popen(args: list[str], env: dict[str, str], log_path: Path) -> subprocess.P
     with open(log_path, "a") as out:  # appended: a restart keeps its predecessor's last words
         # No preexec_fn: with one, Python forks instead of vforking, and a fork while the launcher's
         # gRPC threads run can abort it (seen twice: "skipping fork() handlers", an epoll error).
-        return subprocess.Popen([sys.executable, "-m", "deploy.cli", *args], env={**env, _PARENT_ENV: str(os.getpid())},
+        return subprocess.Popen([*PDSPEC, *args], env={**env, _PARENT_ENV: str(os.getpid())},
                                 stdout=out, stderr=subprocess.STDOUT, start_new_session=True)
 
 

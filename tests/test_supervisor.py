@@ -1,9 +1,7 @@
 """The local launcher's supervisor over stand-in processes (no model: they only ask to die with
 the launcher, as every pdspec process does, and sleep): the order in which stop() ends them."""
 
-import os
 import signal
-import subprocess
 import sys
 import threading
 import time
@@ -26,19 +24,11 @@ time.sleep(600)
 """
 
 
-def _stand_in(args: list[str], env: dict[str, str], log_path) -> subprocess.Popen:
-    """supervisor._popen's process, running STAND_IN instead of `pdspec`."""
-    with open(log_path, "a") as out:
-        return subprocess.Popen([sys.executable, "-c", STAND_IN, *args],
-                                env={**env, supervisor._PARENT_ENV: str(os.getpid())},
-                                stdout=out, stderr=subprocess.STDOUT, start_new_session=True)
-
-
 def test_a_restarted_member_is_stopped_in_its_turn(monkeypatch, tmp_path):
     """A member the supervising thread restarted asked for SIGTERM when the *thread* that started it
     ends: it went down as soon as stop() began, not after the members stopped first (the router,
     restarted once, cut the streams of workers still draining through it)."""
-    monkeypatch.setattr(supervisor, "_popen", _stand_in)
+    monkeypatch.setattr(supervisor, "PDSPEC", [sys.executable, "-c", STAND_IN])
     env = {"PYTHONPATH": str(Path(__file__).resolve().parents[1])}
     members = Supervisor()
     members.spawn("worker", ["draining"], env, tmp_path / "worker.log")
