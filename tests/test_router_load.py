@@ -13,22 +13,28 @@ from tests.test_router_faults import _PrefillWorker, _router_over_fakes, _SlowDe
 from tests.test_router_server import HELLO
 
 
-class _LateReportingPrefillWorker(_PrefillWorker):
+def _report_arrival(registry: worker_pb2_grpc.RegistryStub, worker_id: str, request_id: str) -> None:
+    """A worker's heartbeat naming `request_id` as arrived (the fakes' late report)."""
+    registry.Heartbeat(worker_pb2.HeartbeatRequest(worker_id=worker_id, load=worker_pb2.Load(total_blocks=64),
+                                                   arrived_request_ids=[request_id]), timeout=10)
+
+
+class _HealthyPrefillWorker(_PrefillWorker):
+    def __init__(self, worker_id: str):
+        super().__init__(worker_id)
+        self.health = health.HealthServicer()  # SERVING: the probe after a blamed hand-off keeps it routed
+
+
+class _LateReportingPrefillWorker(_HealthyPrefillWorker):
     """A prefill worker whose heartbeat naming a request's first prefill lands while its retry's
     prefill runs (the first attempt's blocks freed by then). Healthy: the probe after the blamed
     hand-off keeps it routed."""
 
     registry: worker_pb2_grpc.RegistryStub | None = None  # set once it registered
 
-    def __init__(self, worker_id: str):
-        super().__init__(worker_id)
-        self.health = health.HealthServicer()  # SERVING
-
     def Prefill(self, request, context):
         if self.prefills == 1:
-            self.registry.Heartbeat(worker_pb2.HeartbeatRequest(
-                worker_id=self.worker_id, load=worker_pb2.Load(total_blocks=64),
-                arrived_request_ids=[request.request_id]), timeout=10)
+            _report_arrival(self.registry, self.worker_id, request.request_id)
         return super().Prefill(request, context)
 
 
@@ -48,12 +54,6 @@ def test_a_late_report_of_a_failed_attempt_leaves_the_retry_counted(model_dir):
     assert prefill.prefills == 2 and loads["prefill-a"] == (1, 1)
 
 
-class _HealthyPrefillWorker(_PrefillWorker):
-    def __init__(self, worker_id: str):
-        super().__init__(worker_id)
-        self.health = health.HealthServicer()  # SERVING: the probe after a blamed hand-off keeps it routed
-
-
 class _LateReportingDecodeWorker(worker_pb2_grpc.DecodeWorkerServicer):
     """The only decode worker: its first call took the request over and blames the KV source (an
     injected fault); in the retry, its heartbeat naming the first attempt's arrival lands late, then
@@ -70,9 +70,7 @@ class _LateReportingDecodeWorker(worker_pb2_grpc.DecodeWorkerServicer):
             context.set_trailing_metadata([(FAILED_KV_SOURCE_METADATA_KEY, request.prefilled.source_worker_id)])
             context.abort(grpc.StatusCode.UNAVAILABLE, f"KV transfer from {request.prefilled.source_worker_id} "
                           "failed: NIXL_ERR_BACKEND")
-        self.registry.Heartbeat(worker_pb2.HeartbeatRequest(
-            worker_id="decode-a", load=worker_pb2.Load(total_blocks=64), arrived_request_ids=[request.request_id]),
-            timeout=10)
+        _report_arrival(self.registry, "decode-a", request.request_id)
         yield worker_pb2.DecodeResponse(token_ids=[42], text="x")
         self.read.wait(30)
         yield worker_pb2.DecodeResponse(token_ids=[43], text="y", finish_reason="length")
