@@ -34,16 +34,21 @@ def test_a_restarted_member_is_stopped_in_its_turn(monkeypatch, tmp_path):
     members.spawn("worker", ["draining"], env, tmp_path / "worker.log")
     members.spawn("router", [], env, tmp_path / "router.log")
     members.supervise()
+    stopping = threading.Thread(target=members.stop, args=(["worker"], 10.0))
 
     def asked(name: str) -> int:  # how many of its processes have asked to die with the launcher
         return (tmp_path / f"{name}.log").read_text().count("asked")
 
-    wait_until(lambda: asked("worker") == asked("router") == 1, "the stand-ins did not start", 30)
-    members.signal("router", signal.SIGKILL, wait=True)
-    wait_until(lambda: asked("router") == 2, "the router was not restarted", 30)
-    stopping = threading.Thread(target=members.stop, args=(["worker"], 10.0))
-    stopping.start()
-    time.sleep(1.5)  # the worker drains for 3 s
-    assert members.dead() == [], "the restarted router went down while the worker still drained"
-    stopping.join(30)
-    assert not stopping.is_alive() and sorted(members.dead()) == ["router", "worker"]
+    try:
+        wait_until(lambda: asked("worker") == asked("router") == 1, "the stand-ins did not start", 30)
+        members.signal("router", signal.SIGKILL, wait=True)
+        wait_until(lambda: asked("router") == 2, "the router was not restarted", 30)
+        stopping.start()
+        time.sleep(1.5)  # the worker drains for 3 s
+        assert members.dead() == [], "the restarted router went down while the worker still drained"
+        stopping.join(30)
+        assert not stopping.is_alive() and sorted(members.dead()) == ["router", "worker"]
+    finally:
+        if stopping.ident is None:  # failed before stopping them: the stand-ins still go
+            members.stop([], 1.0)
+        stopping.join(30)
