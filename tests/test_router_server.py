@@ -217,8 +217,10 @@ def test_a_stopped_router_leaves_no_thread_behind(model_dir):
 
     before = watchdogs()
     router = run_router(RouterConfig(), TOKEN, model_dir, "smollm2", port=0, internal_port=0)
-    (mine,) = watchdogs() - before
-    router.stop(0)
+    try:
+        (mine,) = watchdogs() - before
+    finally:
+        router.stop(0)
     wait_until(lambda: not mine.is_alive(), "the stopped router's watchdog thread still runs", 10)
 
 def test_the_router_keeps_channels_to_registered_addresses_only():
