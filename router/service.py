@@ -168,7 +168,8 @@ class RouterServicer(router_pb2_grpc.RouterServicer):
                 break
             self._registry.note_routed(plan.worker_ids(), run.key, plan.blocks)
             try:
-                first, rest = self._attempt(req, plan, run, context)
+                first, rest = self._attempt(req, plan, run, context,
+                                            retry_follows=attempts <= self._config.max_retries)
             except _Cancelled:
                 yield _aborted(req, completion_tokens=0)
                 return
@@ -211,9 +212,10 @@ class RouterServicer(router_pb2_grpc.RouterServicer):
             return Plan(None, least_loaded(by_role["aggregated"]), blocks)
         return None
 
-    def _attempt(self, req: ValidRequest, plan: Plan, run: Run, context) -> tuple[
+    def _attempt(self, req: ValidRequest, plan: Plan, run: Run, context, retry_follows: bool) -> tuple[
             worker_pb2.DecodeResponse, Iterator[worker_pb2.DecodeResponse]]:
-        """Prefill (if disaggregated), then open the decode stream up to its first response."""
+        """Prefill (if disaggregated), then open the decode stream up to its first response.
+        `retry_follows`: retries are left if this attempt fails."""
         handle, arrived, reporter = None, False, None
         try:
             handle = self._prefill(req, plan.prefill, run, context) if plan.prefill is not None else None
@@ -227,8 +229,10 @@ class RouterServicer(router_pb2_grpc.RouterServicer):
             if plan.prefill is not None:  # nobody will fetch the prompt's blocks: unpin them now
                 # If the prefill worker may serve the retry, let the Release land first: arriving
                 # late, it would unpin the retry's prefill of the same request id. (No retry follows a
-                # request refused, or one out of time: its client's error waited on the Release.)
-                retry_may_reuse = (isinstance(e, WorkerFailed) and e.worker.worker_id != plan.prefill.worker_id
+                # request refused, one out of time or the last attempt: its client's error waited on
+                # the Release.)
+                retry_may_reuse = (retry_follows and isinstance(e, WorkerFailed)
+                                   and e.worker.worker_id != plan.prefill.worker_id
                                    and not e.request_refused and run.time_left() > 0)
                 self._release(plan.prefill, run.key, handle.pin_id if handle else "", wait=retry_may_reuse)
             raise

@@ -135,13 +135,17 @@ def test_a_decode_worker_that_blames_its_kv_source_is_not_retried_first(model_di
 
 class _SlowReleasePrefillWorker(_PrefillWorker):
     """Its Release answers once the test's client has its answer, or when the router gives up on it
-    (5 s): whether the client had it well before then is recorded."""
+    (5 s): whether the client had it well before then is recorded. The first `prompt_releases`
+    answer at once."""
 
-    def __init__(self, worker_id: str):
+    def __init__(self, worker_id: str, prompt_releases: int = 0):
         super().__init__(worker_id)
-        self.answered, self.in_time = threading.Event(), []
+        self.answered, self.in_time, self.prompt_releases = threading.Event(), [], prompt_releases
 
     def Release(self, request, context):
+        if len(self.in_time) < self.prompt_releases:
+            self.in_time.append(True)
+            return kv_pb2.ReleaseResponse(found=True)
         while not self.answered.wait(0.05) and context.is_active():
             pass
         self.in_time.append(self.answered.is_set() and context.time_remaining() > 1.0)
@@ -176,6 +180,18 @@ class _TroubledDecodeWorker(worker_pb2_grpc.DecodeWorkerServicer):
         self.calls += 1
         context.abort(grpc.StatusCode.UNAVAILABLE, self.message)
         yield
+
+
+def test_the_last_attempt_does_not_wait_on_its_prefills_release(model_dir):
+    """No retry follows the last attempt (max_retries 1: the second): its client's error waited on
+    the prefill worker's Release, as if a retry could reuse the worker."""
+    prefill = _SlowReleasePrefillWorker("prefill-a", prompt_releases=1)
+    fakes = {"prefill-a": prefill, "decode-a": _TroubledDecodeWorker(), "decode-b": _TroubledDecodeWorker()}
+    with _router_over_fakes(model_dir, fakes) as router:
+        assert rpc_error(lambda: list(router.Generate(HELLO, timeout=30))).code() == grpc.StatusCode.UNAVAILABLE
+        prefill.answered.set()
+        wait_until(lambda: len(prefill.in_time) == 2, "the prefill worker got no second Release", 30)
+    assert prefill.in_time == [True, True]
 
 
 def test_a_worker_answering_not_serving_is_dropped_after_a_failed_call(model_dir):
