@@ -129,12 +129,16 @@ def cat_rows(parts: list) -> "QuantizedTensor | torch.Tensor":
     """Stack matrices by rows (a fused projection): quantized parts of one type stay quantized.
     Quantized parts of different types (a Q4_K_M file's Q4_K q/k beside a Q6_K v) become one Q8_0
     matrix of their values when they run with int8 activations (an approximation already: ~8 bits
-    a weight instead of 32), else fp32, dequantized exactly; so do float parts."""
+    a weight instead of 32), else fp32, dequantized exactly. Float parts of one dtype keep it (a
+    bf16 model's fused q/k/v stays bf16: half the bytes, and CUDA's linear wants the input's
+    dtype); any other mix becomes fp32."""
     if all(isinstance(p, QuantizedTensor) for p in parts):
         if len({(p.qtype, p.cols, p.int8_dot) for p in parts}) == 1:
             return QuantizedTensor(parts[0].qtype, torch.cat([p.data for p in parts]), parts[0].cols, parts[0].int8_dot)
         if all(p.int8_dot for p in parts):
             return quantize_q8_0(torch.cat([p.dequantize() for p in parts]))
+    if not any(isinstance(p, QuantizedTensor) for p in parts) and len({p.dtype for p in parts}) == 1:
+        return torch.cat(parts)
     floats = [p.dequantize() if isinstance(p, QuantizedTensor) else p for p in parts]
     return torch.cat([f.to(torch.promote_types(f.dtype, torch.float32)) for f in floats])
 

@@ -241,8 +241,10 @@ BF16_TOP1_AGREEMENT = 0.9
 def test_bfloat16_engine_agrees_with_float32_teacher_forced(engine, chat_prompts):
     """dtype bfloat16: bf16 weights through the packed GEMM with fp32 accumulation on CPU; its
     top-1 choices over the fp32 engine's own greedy answers agree on most positions."""
-    bf16 = Engine(EngineConfig(dtype="bfloat16", num_kv_blocks=128, enable_prefix_caching=False))
-    assert bf16.runner.model.layers[0].qkv.packed and bf16.runner.kv_cache.dtype == torch.bfloat16
+    bf16 = Engine(EngineConfig(dtype="bfloat16", quantization="none", num_kv_blocks=128, enable_prefix_caching=False))
+    layer = bf16.runner.model.layers[0]  # the fused q/k/v and gate/up too (they were widened to fp32)
+    assert all(m.packed and m.weight.dtype == torch.bfloat16 for m in layer.linears)
+    assert bf16.runner.kv_cache.dtype == torch.bfloat16
     agree = total = 0
     for prompt in chat_prompts:
         answer = _solo(engine, prompt, SamplingParams(max_tokens=48))

@@ -140,6 +140,9 @@ def test_slicing_and_stacking_keep_blocks():
     assert isinstance(stacked, QuantizedTensor) and torch.equal(stacked.dequantize(), torch.cat([full, full[:2]]))
     mixed = cat_rows([a, b])
     assert not isinstance(mixed, QuantizedTensor) and torch.equal(mixed, torch.cat([full, b.dequantize()]))
+    # Float parts keep their dtype (a bf16 model's fused q/k/v was widened to fp32).
+    halves = [full.bfloat16(), full[:2].bfloat16()]
+    assert cat_rows(halves).dtype == torch.bfloat16 and torch.equal(cat_rows(halves), torch.cat(halves))
     # With int8 activations, mixed types (Q4_K beside Q6_K) stay quantized: one Q8_0 of their values.
     q4k, q6k = _quantized("Q4_K", 4, 256, int8_dot=True), _quantized("Q6_K", 2, 256, int8_dot=True)
     fused = cat_rows([q4k, q6k])
