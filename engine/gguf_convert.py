@@ -76,7 +76,8 @@ _PRE_TOKENIZERS = {
             pre_tokenizers.ByteLevel(add_prefix_space=False, use_regex=True),
         ]
     ),
-    "gpt2": lambda: pre_tokenizers.ByteLevel(add_prefix_space=False, use_regex=True),
+    # llama.cpp's name for GPT-2's byte-level split (its converter writes "gpt-2", never "gpt2").
+    "gpt-2": lambda: pre_tokenizers.ByteLevel(add_prefix_space=False, use_regex=True),
 }
 
 
@@ -288,10 +289,11 @@ def _build_tokenizer(meta: dict[str, Any], gguf_path: Path) -> HFTokenizer:
     if model != "gpt2":
         raise ValueError(f"{gguf_path.name} has tokenizer model {model!r}; supported: 'gpt2' (byte-level BPE)")
     pre = meta.get("tokenizer.ggml.pre")
-    if pre is None:  # files older than the key; llama.cpp splits them GPT-2's way too, with the same warning
-        log.warning("%s has no tokenizer.ggml.pre: pre-tokenizing as GPT-2 does; if the model was trained with "
-                    "another split (Llama 3's, say), regenerate the GGUF", gguf_path.name)
-        pre = "gpt2"
+    if pre is None:  # files older than the key; llama.cpp warns too, and splits them its own "default" way
+        log.warning("%s has no tokenizer.ggml.pre: pre-tokenizing as GPT-2 does (llama.cpp's 'default' split "
+                    "differs on digits and punctuation); if the model was trained with another split (Llama 3's, "
+                    "say), regenerate the GGUF", gguf_path.name)
+        pre = "gpt-2"
     if pre not in _PRE_TOKENIZERS:
         raise ValueError(f"{gguf_path.name} has pre-tokenizer {pre!r}; supported: {', '.join(_PRE_TOKENIZERS)}")
     tokens: list[str] = _require(meta, "tokenizer.ggml.tokens", gguf_path)

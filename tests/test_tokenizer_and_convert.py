@@ -6,8 +6,6 @@ import re
 import time
 from pathlib import Path
 
-import gguf
-import numpy as np
 import pytest
 import torch
 from safetensors.torch import load_file
@@ -303,30 +301,6 @@ def test_tokenizer_dir_without_tokenizer_json(tmp_path: Path) -> None:
         Tokenizer.from_dir(tmp_path)
 
 
-def test_convert_missing_gguf(tmp_path: Path) -> None:
-    with pytest.raises(FileNotFoundError, match="missing.gguf does not exist"):
-        convert_gguf(tmp_path / "missing.gguf", tmp_path / "out")
-
-
-def test_convert_refuses_existing_output(tmp_path: Path) -> None:
-    with pytest.raises(FileExistsError, match="already exists"):
-        convert_gguf(embedded_gguf_path(), tmp_path)
-
-
-def test_convert_rejects_unsupported_architecture(tmp_path: Path) -> None:
-    path = tmp_path / "tiny-mamba.gguf"
-    writer = gguf.GGUFWriter(path, "mamba")
-    writer.add_block_count(1)
-    writer.add_tensor("token_embd.weight", np.zeros((4, 8), dtype=np.float32))
-    writer.write_header_to_file()
-    writer.write_kv_data_to_file()
-    writer.write_tensors_to_file()
-    writer.close()
-    with pytest.raises(ValueError, match=r"architecture 'mamba'; supported architectures: llama"):
-        convert_gguf(path, tmp_path / "out")
-    assert os.listdir(tmp_path) == ["tiny-mamba.gguf"], "a failed conversion must leave nothing behind"
-
-
 def test_the_default_conversion_records_its_source(converted_dir: Path) -> None:
     source = json.loads((converted_dir / SOURCE_FILE).read_text())
     assert Path(source["gguf"]) == embedded_gguf_path().resolve()
@@ -365,32 +339,6 @@ def test_conversions_of_a_gone_or_changed_gguf_are_pruned(tmp_path: Path) -> Non
     changed.write_bytes(b"gguf, reinstalled")
     assert sorted(prune_stale_conversions(models, "Model", keep=new)) == sorted(stale + [crashed, reused])
     assert all(d.is_dir() for d in kept + [new]) and not any(d.exists() for d in stale + [crashed, reused])
-
-
-def _metadata_only_gguf(path: Path, fields: dict[str, int | float]) -> Path:
-    from gguf import GGUFWriter
-
-    writer = GGUFWriter(str(path), "llama")
-    for key, value in fields.items():
-        (writer.add_uint32 if isinstance(value, int) else writer.add_float32)(key, value)
-    writer.write_header_to_file()
-    writer.write_kv_data_to_file()
-    writer.write_tensors_to_file()
-    writer.close()
-    return path
-
-
-@pytest.mark.parametrize("fields, message", [
-    ({"split.count": 2, "split.no": 0}, "part 1 of a GGUF split into 2 files; merge them first"),
-    # llama.cpp scales linearly by a factor given without a type (and by older files' scale_linear)
-    ({"llama.rope.scaling.factor": 4.0}, "RoPE scaling 'none' \\(factor 4.0\\)"),
-    ({"llama.rope.scale_linear": 2.0}, "RoPE scaling 'none' \\(factor 2.0\\)"),
-])
-def test_gguf_files_we_cannot_convert_faithfully_are_refused_by_what_they_hold(tmp_path: Path, fields, message):
-    path = _metadata_only_gguf(tmp_path / "model.gguf", fields)
-    with pytest.raises(ValueError, match=message):
-        convert_gguf(path, tmp_path / "out")
-    assert not (tmp_path / "out").exists()
 
 
 def test_a_linked_gguf_is_named_by_its_link(tmp_path: Path) -> None:
