@@ -143,7 +143,6 @@ def test_a_special_token_written_in_a_message_is_text_not_a_turn(tokenizer: Toke
         assert tokenizer.decode(ids[forged]) == tokenizer.apply_chat_template(chats[forged])  # the same text
 
 
-
 def test_a_special_token_that_strips_whitespace_written_in_a_message_is_text(converted_dir: Path,
                                                                               tmp_path: Path) -> None:
     """A special token with lstrip takes in the template's newline before the content: its match
@@ -225,7 +224,6 @@ def test_incremental_detokenizer(tokenizer: Tokenizer, text: str, chunk: int) ->
     assert not any("\ufffd" in delta for delta in deltas)
     if chunk == 1:
         assert "" in deltas, "expected characters split across tokens to be held back"
-
 
 
 def test_a_stop_string_ends_at_the_token_that_completes_it_before_a_split_character(tokenizer: Tokenizer) -> None:
@@ -353,7 +351,6 @@ def test_a_linked_gguf_is_named_by_its_link(tmp_path: Path) -> None:
     link.parent.mkdir()
     link.symlink_to(blob)
     assert model_name(str(link)) == "SmolLM2-135M.Q4_1"
-
 
 
 def test_a_router_gets_the_tokenizer_without_the_weights(converted_dir: Path, tmp_path: Path, monkeypatch) -> None:
