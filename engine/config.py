@@ -19,6 +19,9 @@ class ModelConfigError(ValueError):
     """A model directory or config.json that pdspec cannot serve."""
 
 
+_LLAMA3_ROPE_KEYS = ("factor", "low_freq_factor", "high_freq_factor", "original_max_position_embeddings")
+
+
 @dataclass(frozen=True)
 class ModelConfig:
     """The Llama-family architecture facts the forward pass needs."""
@@ -95,6 +98,10 @@ class ModelConfig:
                                    f"({num_heads})")
         rope_scaling = raw.get("rope_scaling") or raw.get("rope_parameters")
         rope_kind = (rope_scaling or {}).get("rope_type", (rope_scaling or {}).get("type", "default"))  # "type": older configs
+        if rope_kind not in ("default", "llama3"):  # refused before any weight loads, as the launch check reads it
+            raise ModelConfigError(f"{source}: rope_scaling type {rope_kind!r} not supported; supported: default, llama3")
+        if rope_kind == "llama3" and (missing := [k for k in _LLAMA3_ROPE_KEYS if k not in rope_scaling]):
+            raise ModelConfigError(f"{source}: rope_scaling of type 'llama3' lacks {', '.join(missing)}")
         max_positions = raw.get("max_position_embeddings", 4096)
         # A sliding window computes what full attention does over contexts it covers: the context
         # is held to the window (Mistral v0.1's 4096; Qwen's only when use_sliding_window is on).

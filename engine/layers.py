@@ -16,7 +16,7 @@ import torch
 import torch.nn.functional as F
 
 from engine import cpu_kernels, huge_pages
-from engine.config import ModelConfig, ModelConfigError
+from engine.config import ModelConfig
 from engine.quant import QuantizedTensor
 
 
@@ -100,15 +100,13 @@ def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
 
 
 def rope_inv_freq(config: ModelConfig) -> torch.Tensor:
-    """Inverse RoPE frequencies [head_dim/2], with Llama-3.1-style scaling when configured."""
+    """Inverse RoPE frequencies [head_dim/2], with Llama-3.1-style scaling when configured (the
+    only scaling ModelConfig lets through)."""
     dim = config.head_dim
     inv_freq = 1.0 / (config.rope_theta ** (torch.arange(0, dim, 2, dtype=torch.float64) / dim))
     scaling = config.rope_scaling
     if scaling is None:
         return inv_freq.float()
-    kind = scaling.get("rope_type", scaling.get("type"))
-    if kind != "llama3":
-        raise ModelConfigError(f"rope_scaling type {kind!r} not supported; supported: default, llama3")
     factor = scaling["factor"]
     low, high = scaling["low_freq_factor"], scaling["high_freq_factor"]
     original = scaling["original_max_position_embeddings"]

@@ -81,6 +81,20 @@ def test_config_fields_we_cannot_honour_are_refused_by_name(tmp_path, model_dir,
         _engine(path)
 
 
+@pytest.mark.parametrize("rope_scaling, message", [
+    ({"rope_type": "yarn", "factor": 4.0, "original_max_position_embeddings": 32768}, "type 'yarn' not supported"),
+    ({"rope_type": "llama3", "factor": 8.0}, "lacks low_freq_factor, high_freq_factor, original_max_position"),
+])
+def test_a_rope_scaling_we_cannot_apply_is_refused_with_the_config(model_dir, rope_scaling, message):
+    """Refused as the config is read, so the launch check sees it: it was refused only as each
+    worker built its model, after loading every weight."""
+    from engine.config import ModelConfig
+
+    config = json.loads((model_dir / "config.json").read_text()) | {"rope_scaling": rope_scaling}
+    with pytest.raises(ModelConfigError, match=message):
+        ModelConfig.from_dict(config)
+
+
 @pytest.mark.parametrize("config_class, key", [("Qwen2Config", False), ("MistralConfig", True)])
 def test_attention_bias_follows_the_architecture_as_transformers_reads_it(tmp_path, model_dir, config_class, key):
     """Qwen2 always has q/k/v biases and Mistral never, whatever an exported config.json's
