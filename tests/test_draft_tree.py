@@ -1,6 +1,11 @@
 """EAGLE-2's draft tree bookkeeping (engine/spec/draft_tree.py), without a model."""
 
+from types import SimpleNamespace
+
+import torch
+
 from engine.spec.draft_tree import DraftTree
+from engine.spec.eagle3_proposer import Eagle3Proposer
 
 
 def test_a_width_one_tree_is_the_chain_with_its_leaves():
@@ -62,3 +67,29 @@ def test_a_static_tree_keeps_its_paths_and_drafts_its_inner_nodes_further():
     proposal = tree.proposal(max_tokens=15)
     assert proposal.token_ids == [10, 11, 20, 30, 40, 21]  # inner nodes, then the leaves by probability
     assert proposal.parents == [-1, -1, 0, 1, 2, 0]
+
+
+class _DeviceLogits:
+    """Logits as a GPU's would answer (the choice off CPU takes torch's path, not the C kernel)."""
+
+    def __init__(self, logits: torch.Tensor):
+        self.logits, self.device = logits, torch.device("cuda")
+
+    def topk(self, *args, **kwargs):
+        return self.logits.topk(*args, **kwargs)
+
+    def float(self) -> torch.Tensor:
+        return self.logits.float()
+
+
+def test_a_tree_off_cpu_ranks_its_leaves_by_their_probabilities():
+    """Off CPU, a chain with siblings (top_k 4, no threshold) got all-ones probabilities, so its
+    leaves were cut in the order they were drafted, not by how likely they are."""
+    proposer = Eagle3Proposer.__new__(Eagle3Proposer)  # _choose reads only these
+    proposer.top_k, proposer.width, proposer.confidence_threshold = 4, 1, 0.0
+    proposer.draft = SimpleNamespace(to_target_ids=lambda ids: ids)
+    logits = torch.randn(3, 50, generator=torch.Generator().manual_seed(0)) * 3
+    choice, prob = proposer._choose(_DeviceLogits(logits), [1.0, 0.5, 0.25])
+    values, indices = torch.softmax(logits, dim=-1).topk(4, dim=-1)
+    assert choice == indices.tolist()
+    assert torch.allclose(torch.tensor(prob), values * torch.tensor([[1.0], [0.5], [0.25]]))

@@ -273,10 +273,11 @@ class Eagle3Proposer:
     def _choose(self, logits: torch.Tensor, parent_prob: list[float]) -> tuple[list[list[int]], list[list[float]]]:
         """Each row's top_k tokens (target ids, most likely first) and their path probabilities
         (the parent's times their own). On CPU one native pass a row (torch's softmax and topk took
-        35-85 us a level); elsewhere all ones when neither a threshold nor a tree needs them."""
+        35-85 us a level); elsewhere all ones when nothing needs them: no threshold, and a plain chain
+        (a tree's leaves are cut by their probabilities)."""
         if logits.device.type == "cpu":
             choice, prob = cpu_kernels.kernels().top_probs(logits, self.top_k)
-        elif self.confidence_threshold == 0.0 and self.width == 1:  # no probability needed: one transfer
+        elif self.confidence_threshold == 0.0 and self.width == 1 and self.top_k == 1:  # one transfer
             choice = logits.topk(self.top_k, dim=-1).indices.tolist()
             prob = [[1.0] * self.top_k for _ in choice]
         else:
