@@ -29,8 +29,11 @@ def attention_for(config: ModelConfig, device: torch.device, dtype: torch.dtype,
     """The Triton kernel on CUDA; on CPU the C kernel for short queries where it applies (fp32,
     head_dim a multiple of 16), else the torch path."""
     if device.type == "cuda":
-        from engine.triton_attention import triton_paged_attention
+        from engine.triton_attention import HEAD_DIMS, triton_paged_attention
 
+        if config.head_dim not in HEAD_DIMS:  # refused at load, not at every step's forward
+            raise ModelConfigError(f"head_dim {config.head_dim}: the CUDA attention kernel takes "
+                                   f"{', '.join(map(str, HEAD_DIMS))}; run this model on cpu")
         return triton_paged_attention
     if dtype == torch.float32 and cpu_kernels.attention_supported(
         config.num_heads, config.num_kv_heads, config.head_dim, block_size

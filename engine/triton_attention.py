@@ -25,6 +25,7 @@ BLOCK_N = 32
 # Rows (query tokens x grouped heads) per program for prefill-heavy and decode-heavy batches.
 ROWS_PREFILL = 64
 ROWS_DECODE = 16
+HEAD_DIMS = (16, 32, 64, 128)  # tl.arange needs a power of two, tl.dot at least 16
 
 
 @triton.jit
@@ -150,8 +151,7 @@ def triton_paged_attention(
     t, heads, d = q.shape
     _, two, block_size, kv_heads, cache_d = layer_cache.shape
     assert two == 2 and cache_d == d, f"layer_cache {tuple(layer_cache.shape)} does not match q {tuple(q.shape)}"
-    assert d in (16, 32, 64, 128), f"head_dim must be a power of two in [16, 128] (tl.dot needs >= 16), got {d}"
-    assert block_size & (block_size - 1) == 0, f"block_size must be a power of two, got {block_size}"
+    assert d in HEAD_DIMS, f"head_dim must be one of {HEAD_DIMS}, got {d}"  # attention_for refuses others at load
     assert heads % kv_heads == 0, f"{heads} query heads do not divide into {kv_heads} kv heads"
     out = q.new_empty(t, heads * d)
     num_seqs = meta.context_lens.shape[0]

@@ -29,6 +29,7 @@ CASES = [
     ("trees-gqa-d32-bs8-fp32", 6, 2, 32, 8, "float32", TREES),
     ("trees-gqa-d64-bs16-fp16", 6, 2, 64, 16, "float16", TREES),
     ("gqa-d32-bs16-fp32", 6, 2, 32, 16, "float32", MIXED),
+    ("gqa-d32-bs24-fp32", 6, 2, 32, 24, "float32", MIXED),  # block_size is not held to powers of two
     ("gqa-d64-bs8-fp32", 6, 2, 64, 8, "float32", MIXED),
     ("mha-d32-bs8-fp32-decode", 4, 4, 32, 8, "float32", DECODE),
     ("gqa-d32-bs8-fp16", 6, 2, 32, 8, "float16", MIXED),
@@ -117,6 +118,20 @@ def test_matches_torch_reference(results: dict, case) -> None:
     result = results[name]
     assert "error" not in result, result.get("error")
     assert result["max_err"] < TOLERANCE[dtype], f"{name}: max abs error {result['max_err']:.2e}"
+
+
+def test_a_head_dim_the_kernel_cannot_take_is_refused_at_load(model_dir) -> None:
+    """It passed the load and failed every step's forward (an assert in the kernel's launcher)."""
+    from dataclasses import replace
+
+    import torch
+
+    from engine.config import ModelConfig, ModelConfigError
+    from engine.model import attention_for
+
+    config = replace(ModelConfig.from_dir(model_dir), head_dim=80)
+    with pytest.raises(ModelConfigError, match="head_dim 80: the CUDA attention kernel takes 16, 32, 64, 128"):
+        attention_for(config, torch.device("cuda"), torch.bfloat16, 16)
 
 
 if __name__ == "__main__":
