@@ -97,6 +97,34 @@ def test_max_hours_is_each_runs_own_budget(run_dir, tmp_path, monkeypatch):
     assert cut["step"] == 2 * first and not cut["finished"] and cut["total_steps"] == 3 * first
     with pytest.raises(ValueError, match="started on other data or settings \\(batch_tokens differ\\)"):
         train(replace(cfg, epochs=3.0, batch_tokens=512))  # its steps would index other batches
+    # Another loss or learning rate mid-run (the CLI's defaults where the recipe's flags were left out)
+    with pytest.raises(ValueError, match="started with ttt_steps 2 \\(now 3\\), lr 0.0005 \\(now 0.001\\)"):
+        train(replace(cfg, epochs=3.0, ttt_steps=3, lr=1e-3))
+
+
+def test_an_export_cut_short_leaves_the_last_one(run_dir, tmp_path, monkeypatch):
+    """Each session's end exports into the run's directory: a kill mid-write left a cut
+    model.safetensors beside its config."""
+    from safetensors.torch import load_file, save_file
+
+    from tools.eagle3_training import model as head_model
+
+    cfg = TrainConfig(target=None, data_dir=run_dir / "data", out_dir=tmp_path, draft_vocab_size=1024,
+                      epochs=1.0, ttt_steps=1, batch_tokens=256, warmup_steps=1)
+    train(cfg)
+    before = load_file(tmp_path / "model.safetensors")
+
+    def cut(tensors, path):
+        save_file(tensors, path)
+        with open(path, "r+b") as f:
+            f.truncate(f.seek(0, 2) // 2)
+        raise KeyboardInterrupt
+
+    monkeypatch.setattr(head_model, "save_file", cut)
+    with pytest.raises(KeyboardInterrupt):
+        train(replace(cfg, epochs=2.0))
+    after = load_file(tmp_path / "model.safetensors")
+    assert after.keys() == before.keys() and all(torch.equal(after[k], before[k]) for k in before)
 
 
 def test_a_sample_distilled_twice_is_trained_on_once(run_dir, tmp_path):

@@ -18,6 +18,7 @@ from safetensors.torch import save_file
 from torch import nn
 
 from engine.config import ModelConfig
+from engine.conversions import replace_durably, write_text_durably
 from engine.layers import rope_inv_freq
 from engine.spec.eagle3_model import draft_vocab_ids
 
@@ -190,9 +191,11 @@ class TrainableEagle3(nn.Module):
         t2d[self.draft_vocab] = True
         tensors["t2d"] = t2d
         out_dir.mkdir(parents=True, exist_ok=True)
-        save_file(tensors, str(out_dir / "model.safetensors"))
+        # Each file whole or the old one (a run exports into its directory at every session's end).
+        save_file(tensors, str(out_dir / "model.safetensors.tmp"))
+        replace_durably(out_dir / "model.safetensors.tmp", out_dir / "model.safetensors")
         config = eagle3_config(c, n, self.intermediate_size, 1 + len(self.deeper), self.aux_layer_ids)
-        (out_dir / "config.json").write_text(json.dumps(config, indent=2) + "\n")
+        write_text_durably(out_dir / "config.json", json.dumps(config, indent=2) + "\n")
 
     def load_exported(self, weights: dict[str, torch.Tensor]) -> None:
         """Start from an exported head (same target and draft vocabulary), e.g. to train it further."""

@@ -12,6 +12,7 @@ mkdir -p "$RUN"
 [ -s "$RUN/mix.jsonl" ] || $PY - "$RUN" <<'MIX'
 import json, random, sys
 from pathlib import Path
+from engine.conversions import write_text_durably
 from tools.eagle3_training.follow_ups import with_follow_ups
 from tools.prompts import read_prompts
 run, rng = Path(sys.argv[1]), random.Random(9)
@@ -23,7 +24,7 @@ written = read_prompts(run / "model_prompts.jsonl")
 mix = (written[:1200] + with_follow_ups(written[1200:], 2, seed=6) + with_follow_ups(alpaca, 2, seed=7)
        + rng.sample(gsm8k, 700))
 rng.shuffle(mix)
-(run / "mix.jsonl").write_text("".join(json.dumps({"prompt": m} if isinstance(m, str) else {"turns": m}) + "\n"
+write_text_durably(run / "mix.jsonl", "".join(json.dumps({"prompt": m} if isinstance(m, str) else {"turns": m}) + "\n"
                                        for m in mix))
 MIX
 $PY -m deploy.cli train-eagle3 --prompts "$RUN/mix.jsonl" --out "$RUN" --stage distill --tokens-only \

@@ -176,7 +176,9 @@ def _train(cfg: TrainConfig) -> Path:
         changed = ", ".join(k for k in data if state["data"].get(k) != data[k])
         raise ValueError(f"the run in {cfg.out_dir} was started on other data or settings ({changed} differ): "
                          "resuming would repeat or skip batches; give the same, or train into a new --out")
+    objective = {k: getattr(cfg, k) for k in ("ttt_steps", "lr", "warmup_steps")}
     if state is not None:
+        _check_resumable(state, objective, total_steps, cfg)
         model.load_state_dict(state["model"])
         optim.load_state_dict(state["optim"])
         progress = state["progress"]
@@ -188,10 +190,11 @@ def _train(cfg: TrainConfig) -> Path:
     # forward per batch.
     stored = aux == target.aux_layer_ids and all(has_features(p) for p in shards)
     recompute = None if stored else TargetFeatures(cfg.target, max(cfg.batch_tokens, cfg.max_len), aux)
-    meta = {"draft_vocab": vocab, "coverage": coverage, "data": data}  # kept in every checkpoint
+    # kept in every checkpoint
+    meta = {"draft_vocab": vocab, "coverage": coverage, "data": data, "objective": objective, "total_steps": total_steps}
     _run(model, teacher, optim, schedule, repeated, cfg, progress, total_steps, ckpt_dir, meta, recompute)
     model.export(cfg.out_dir)
-    (cfg.out_dir / "training.json").write_text(json.dumps(
+    write_text_durably(cfg.out_dir / "training.json", json.dumps(
         {"config": {k: str(v) for k, v in asdict(cfg).items()}, "draft_vocab_coverage": coverage,
          "samples": sum(indexes[p]["prompt_lens"].numel() - len(repeated[p]) for p in shards),
          "repeated_samples_skipped": data["repeated"], **progress,
@@ -334,6 +337,19 @@ def _target_probs(teacher: TargetDistribution, final_hidden: torch.Tensor,
     row_of = torch.full(needed.shape, -1, dtype=torch.long)
     row_of[needed] = torch.arange(int(needed.sum()))
     return teacher.probs(final_hidden[needed]), row_of
+
+
+def _check_resumable(state: dict, objective: dict, total_steps: int, cfg: TrainConfig) -> None:
+    """The loss and learning rate a run trains with stay its own: resumed with other settings (a
+    command missing the recipe's flags takes the CLI's defaults), it would go on silently with
+    another unroll depth and a schedule jumping mid-run. (Runs from before this check: unchecked.)"""
+    if (started := state.get("objective", objective)) != objective:
+        changed = ", ".join(f"{k} {started[k]} (now {objective[k]})" for k in objective if started[k] != objective[k])
+        raise ValueError(f"the run in {cfg.out_dir} was started with {changed}: give the same, or train into a new --out")
+    if (before := state.get("total_steps", total_steps)) != total_steps:  # more epochs: a warm restart
+        log.warning("the learning rate's cosine now spans %d steps (it spanned %d): --epochs %g restarts it at "
+                    "%.2f of its peak", total_steps, before, cfg.epochs,
+                    0.5 * (1 + math.cos(math.pi * min(state["progress"]["step"] / total_steps, 1.0))))
 
 
 def _checkpoint(ckpt_dir: Path, model, optim, progress, meta: dict) -> None:
