@@ -101,3 +101,17 @@ def test_a_roles_placement_reaches_its_pods_and_the_config_check_runs_where_the_
     for name, zone in (("rel-pdspec-router", "front"), ("rel-pdspec-config-check", "front"), ("rel-pdspec-decode", "gpu")):
         assert {k: pods[name].get(k) for k in ("nodeSelector", "tolerations", "affinity")} == placement(zone), name
     assert not {"nodeSelector", "tolerations", "affinity"} & pods["rel-pdspec-prefill"].keys()
+
+
+def test_scaling_or_sizing_a_role_restarts_no_pod_and_a_config_change_restarts_all(helm, tmp_path):
+    """The config's hash rolls the pods; it covered each role's replicas and resources, which no
+    process reads, so scaling decode restarted every pod (the router's Recreate: an outage)."""
+    def checksums(config: dict) -> dict[str, str]:
+        docs = render(helm, values={"config": config}, tmp_path=tmp_path)
+        return {name: d["spec"]["template"]["metadata"]["annotations"]["checksum/config"]
+                for name, d in by_kind(docs, "Deployment").items()}
+
+    before = checksums({})
+    assert checksums({"decode": {"replicas": 3, "resources": {"cpus": 3}}}) == before
+    changed = checksums({"decode": {"drain_timeout_s": 90}})
+    assert changed.keys() == before.keys() and all(changed[name] != before[name] for name in before)

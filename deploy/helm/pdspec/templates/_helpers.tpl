@@ -173,6 +173,20 @@ Secrets are mounted. */}}
 {{- toYaml $config }}
 {{- end -}}
 
+{{/* The config's hash in every pod's annotations, so a change rolls the pods: without each role's
+replicas and resources, which no process reads (they shape the Deployments), so scaling a role
+restarts no pod (the router's Recreate strategy made any restart an outage). */}}
+{{- define "pdspec.configChecksum" -}}
+{{- $config := include "pdspec.configYaml" . | fromYaml }}
+{{- range $role := list "prefill" "decode" "aggregated" }}
+{{- with get $config $role }}
+{{- $_ := unset . "replicas" }}
+{{- $_ := unset . "resources" }}
+{{- end }}
+{{- end }}
+{{- toYaml $config | sha256sum }}
+{{- end -}}
+
 {{/* Pod-level fields every pod shares. */}}
 {{- define "pdspec.podCommon" -}}
 securityContext:
