@@ -311,7 +311,13 @@ class EngineConfig(BaseModel):
             raise ValueError(f"max_num_batched_tokens: {self.max_num_batched_tokens} is below max_num_seqs "
                              f"({self.max_num_seqs}): the sequences past it would hold their KV and never decode; "
                              f"set max_num_batched_tokens >= max_num_seqs")
+        if self.quantization == "int8" and (self.device != "cpu" or self.dtype != "float32"):
+            raise ValueError(f"quantization: int8 runs on device cpu with dtype float32 (got {self.device}, "
+                             f"{self.dtype}); use auto or none")
         spec = self.speculative
+        if spec.method == "eagle3" and spec.model is None and self.model is not None:
+            raise ValueError(f"speculative.model: an EAGLE3 draft directory is required for target {self.model} "
+                             "(the shipped head only fits the embedded default model)")
         if self.device == "cuda" and spec.method == "eagle3" and spec.draft_confidence_threshold is None:
             # priced from forward times, which CUDA's asynchronous launches do not give
             raise ValueError("speculative.draft_confidence_threshold: None (priced as the engine runs) is for "

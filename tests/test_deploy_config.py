@@ -54,6 +54,10 @@ def test_router_settings_that_cannot_work_together_are_refused_by_name(router, m
     ({"router": {"host": ""}}, "router.host: String should have at least 1 character"),
     ({"prefill": {"replicas": 1, "resources": {"custom": {"CPU": 2}}}}, "prefill.resources: .*'CPU' is one of Ray's own"),
     ({"decode": {"replicas": 1, "resources": {"custom": {"fast": -1}}}}, "decode.resources: .*custom.fast: -1 is negative"),
+    # Checked by every worker as it loaded, so `check-config` and Helm's pre-install check passed them
+    ({"engine": {"quantization": "int8", "dtype": "bfloat16"}}, "engine: .*quantization: int8 runs on device cpu"),
+    ({"engine": {"model": "/models/other", "speculative": {"method": "eagle3"}}},
+     "engine: .*speculative.model: an EAGLE3 draft directory is required for target /models/other"),
 ])
 def test_values_that_would_fail_later_are_refused_by_name(config, message):
     """An inf request_timeout_s once passed and then killed the router's watchdog thread (its wait

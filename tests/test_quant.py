@@ -252,8 +252,8 @@ def test_an_hf_model_runs_int8_and_agrees_with_its_float_weights(model_dir, exac
     assert all(lin.qtype == "Q8_0" and lin.int8_dot for lin in (model.layers[0].qkv, model.layers[29].down, model.lm_head))
     agree, total = top1_agreement(int8, exact_engine, chat_prompts[:2], 32)
     assert agree / total >= INT8_TOP1_AGREEMENT, f"Q8_0 at load agrees with fp32 on {agree}/{total} positions"
-    with pytest.raises(ValueError, match="engine.quantization: int8 runs on CPU with dtype float32"):
-        Engine(EngineConfig(model=str(tmp_path), quantization="int8", dtype="bfloat16", num_kv_blocks=16))
+    with pytest.raises(ValueError, match="quantization: int8 runs on device cpu with dtype float32"):
+        EngineConfig(model=str(tmp_path), quantization="int8", dtype="bfloat16", num_kv_blocks=16)
 
 
 def test_q8_0_quantization_at_load_is_ggufs():
