@@ -295,8 +295,11 @@ def _connect(address: str | None) -> bool:
         return False
     if address is None:
         _start_local_ray()
-    else:
+        return True
+    try:
         ray.init(address=address, namespace=NAMESPACE)
+    except ConnectionError as e:  # the CLI says it as an error, not a traceback
+        raise RuntimeError(f"cannot connect to the Ray cluster (--address {address}): {e}") from None
     return True
 
 

@@ -1,6 +1,7 @@
 """`pdspec generate` and `pdspec bench spec` as a user runs them: a subprocess on the embedded default model."""
 
 import json
+import os
 import re
 import subprocess
 import sys
@@ -120,3 +121,12 @@ def test_the_log_level_reaches_the_router_and_workers_a_launch_starts(tmp_path):
     log_dir = Path(re.search(r"logs in (\S+)\)", result.stdout).group(1))
     for name in ("router", "prefill-0", "decode-0"):  # servers' own start-up lines are INFO by default
         assert "level=INFO" not in (log_dir / f"{name}.log").read_text(), name
+
+
+def test_stop_without_a_ray_cluster_is_a_clear_error(tmp_path):
+    """It ended in Ray's traceback (status 1). RAY_TMPDIR: no `ray start` recorded there."""
+    env = {k: v for k, v in os.environ.items() if k != "RAY_ADDRESS"} | {"RAY_TMPDIR": str(tmp_path)}
+    result = subprocess.run([sys.executable, "-m", "deploy.cli", "stop"], capture_output=True, text=True,
+                            timeout=120, env=env)
+    assert result.returncode == 2 and "Traceback" not in result.stderr, result.stderr
+    assert "pdspec: error: cannot connect to the Ray cluster (--address auto)" in result.stderr
