@@ -2,8 +2,11 @@
 directory (so the kubelet updates it and the router re-reads it), named by the config's
 router.api_key_file; and each worker pod's grace period, its drain time before SIGKILL."""
 
+import shutil
+
 import yaml
 
+from tests.helm_chart import CHART, run_helm
 from tests.test_helm import by_kind, render
 
 
@@ -115,3 +118,25 @@ def test_scaling_or_sizing_a_role_restarts_no_pod_and_a_config_change_restarts_a
     assert checksums({"decode": {"replicas": 3, "resources": {"cpus": 3}}}) == before
     changed = checksums({"decode": {"drain_timeout_s": 90}})
     assert changed.keys() == before.keys() and all(changed[name] != before[name] for name in before)
+
+
+def _notes(helm, tmp_path, values: dict, name: str) -> str:
+    """NOTES.txt as helm renders it (`helm template` leaves NOTES.txt out: a copy of the chart holds
+    it under another name, whose text --debug prints before failing to parse it as YAML)."""
+    chart = tmp_path / name
+    shutil.copytree(CHART, chart)
+    (chart / "templates" / "NOTES.txt").rename(chart / "templates" / "notes.txt")
+    result = run_helm(helm, "template", "rel", str(chart), "--show-only", "templates/notes.txt", "--debug",
+                      values=values, tmp_path=tmp_path)
+    return result.stdout.split("# Source: pdspec/templates/notes.txt", 1)[1]
+
+
+def test_the_notes_commands_speak_tls_when_it_is_on(helm, tmp_path):
+    """They said grpcurl -plaintext and http:// under TLS, which the router's public port refuses."""
+    tls = _notes(helm, tmp_path, {"tls": {"existingSecret": "certs", "serverName": "pdspec.example"}}, "tls")
+    assert "grpcurl -cacert ca.crt -authority pdspec.example localhost:50051 list" in tls
+    assert ("curl -s --cacert ca.crt --connect-to pdspec.example:8000:localhost:8000 "
+            "https://pdspec.example:8000/v1/models") in tls
+    assert "-plaintext" not in tls and "http://" not in tls
+    plain = _notes(helm, tmp_path, {}, "plain")
+    assert "grpcurl -plaintext localhost:50051 list" in plain and "curl -s http://localhost:8000/v1/models" in plain
