@@ -10,6 +10,7 @@ it does for a gRPC client that leaves.
 import asyncio
 import contextlib
 import json
+import re
 import uuid
 from collections.abc import AsyncIterator, Callable
 from typing import Any
@@ -30,6 +31,8 @@ from router.local_call import LocalCall
 from router.openai_schema import (ChatCompletionRequest, CompletionRequest, OpenAIError, Shape, api_field, extension,
                                   invalid, usage)
 
+# The names pydantic puts in an error's location for the type of a union it tried (str, list[int], ...).
+_UNION_BRANCH = re.compile(r"str|int|float|bool|none|constrained-\w+|(list|dict|tuple|literal|function-\w+)\[.*\]")
 # gRPC status -> (HTTP status, OpenAI error type).
 _HTTP_STATUS = {
     grpc.StatusCode.INVALID_ARGUMENT: (400, "invalid_request_error"),
@@ -57,12 +60,19 @@ def create_app(generate: Callable, model_name: str, registry: CollectorRegistry,
 
     @app.exception_handler(RequestValidationError)
     async def malformed(request: Request, e: RequestValidationError) -> JSONResponse:
-        error = e.errors()[0]
-        path = [str(p) for p in error["loc"] if p != "body"]
+        # A field of several types (content: a string or parts) fails once per type: the deepest
+        # failure is in the type the client meant (an image part, not "should be a string").
+        error = max(e.errors(), key=lambda err: len(err["loc"]))
+        path = [str(p) for p in error["loc"] if p != "body" and not _UNION_BRANCH.fullmatch(str(p))]
         if error["type"] == "json_invalid":  # its location is a character offset, not a field
             return await openai_error(request, invalid("body", f"not valid JSON: {error['msg']} (at character "
                                                                f"{'.'.join(path)})"))
-        return await openai_error(request, invalid(path[0] if path else "body", f"{error['msg']} (at {'.'.join(path)})"))
+        if error["loc"] == ("body",) and "json" not in request.headers.get("content-type", ""):
+            return await openai_error(request, invalid("body", "send it as JSON with Content-Type: application/json "
+                                                               f"(got {request.headers.get('content-type')!r})"))
+        got = f", got {error['input']!r}" if isinstance(error.get("input"), (str, int, float, bool)) else ""
+        return await openai_error(request, invalid(path[0] if path else "body",
+                                                   f"{error['msg']}{got} (at {'.'.join(path)})"))
 
     @app.exception_handler(HTTPException)
     async def no_route(request: Request, e: HTTPException) -> JSONResponse:
@@ -116,7 +126,10 @@ def create_app(generate: Callable, model_name: str, registry: CollectorRegistry,
         request_id = uuid.uuid4().hex
         shape = Shape(chat, request_id, model_name)
         metadata = ((AUTHORIZATION_METADATA_KEY, header),) if header else ()
-        call = LocalCall(generate, body.generate_request(request_id), metadata, body.timeout)
+        # Off the event loop: a prompt of a million token ids takes ~0.5 s to check and encode, a
+        # pause in every other client's stream.
+        message = await asyncio.to_thread(body.generate_request, request_id)
+        call = LocalCall(generate, message, metadata, body.timeout)
         async with _cancel_on_disconnect(request, call) as left:
             try:
                 if not body.stream:

@@ -48,6 +48,8 @@ def _lone_surrogate(value: Any, path: str) -> OpenAIError | None:
         except UnicodeEncodeError as e:
             return OpenAIError(400, f"{path}: not valid Unicode: a lone surrogate (U+{ord(value[e.start]):04X}) at "
                                f"character {e.start}", "invalid_request_error", path.split("[")[0].split(".")[0])
+    if isinstance(value, list) and value and isinstance(value[0], int):  # token ids (strict types: all ints)
+        return None
     items = value.items() if isinstance(value, dict) else enumerate(value) if isinstance(value, list) else ()
     for key, item in items:
         if found := _lone_surrogate(item, f"{path}[{key}]" if isinstance(key, int) else f"{path}.{key}" if path else key):
@@ -56,7 +58,8 @@ def _lone_surrogate(value: Any, path: str) -> OpenAIError | None:
 
 
 class _Body(BaseModel):
-    model_config = ConfigDict(extra="ignore")
+    # strict: JSON's types as they are (lax mode took true for 1, "0.7" for 0.7, "yes" for true)
+    model_config = ConfigDict(extra="ignore", strict=True)
 
 
 class TextPart(_Body):
@@ -76,6 +79,7 @@ class Message(_Body):
 
 class StreamOptions(_Body):
     include_usage: bool = False
+    continuous_usage_stats: Literal[False] = False  # vLLM's usage in every chunk: not implemented
 
 
 # Known OpenAI (and vLLM) fields pdspec does not implement, and the values that mean "not used".
@@ -91,7 +95,9 @@ _UNSUPPORTED = {"logprobs": (None, False), "top_logprobs": (None, 0), "logit_bia
                 "continue_final_message": (None, False), "allowed_token_ids": (None,), "bad_words": (None, []),
                 "truncate_prompt_tokens": (None,), "skip_special_tokens": (None, True),
                 "spaces_between_special_tokens": (None, True), "use_beam_search": (None, False),
-                "length_penalty": (None, 1)}
+                "length_penalty": (None, 1), "modalities": (None, ["text"]), "audio": (None,),
+                "reasoning_effort": (None,), "prediction": (None,), "web_search_options": (None,),
+                "documents": (None, []), "logits_processors": (None, [])}
 OPENAI_TEMPERATURE = 1.0  # OpenAI's default
 UNTIL_CONTEXT_LIMIT = 2**31 - 1  # a chat's max_tokens when omitted: the engine stops at the context limit ("length")
 COMPLETION_MAX_TOKENS = 16  # OpenAI's default for /v1/completions
@@ -103,7 +109,8 @@ def _is_unused(value: Any, unused: tuple) -> bool:
 
 
 class _Sampling(BaseModel):
-    model_config = ConfigDict(extra="allow")  # kept in model_extra, to refuse the unsupported ones by name
+    # extra: kept in model_extra, to refuse the unsupported ones by name; strict: as _Body
+    model_config = ConfigDict(extra="allow", strict=True)
 
     model: str | None = None
     max_tokens: Int32 | None = None
@@ -138,10 +145,11 @@ class _Sampling(BaseModel):
     def sampling(self, default_max_tokens: int) -> common_pb2.SamplingOptions:
         """The Router's sampling options; `default_max_tokens` where neither max_tokens nor
         max_completion_tokens is given."""
+        for name in ("max_tokens", "max_completion_tokens"):  # both: the one overridden is checked too
+            if (value := getattr(self, name)) is not None and value < 1:
+                raise invalid(name, f"must be >= 1, got {value}")
         max_tokens = default_max_tokens if self.max_tokens is None else self.max_tokens
         if self.max_completion_tokens is not None:
-            if self.max_completion_tokens < 1:
-                raise invalid("max_completion_tokens", f"must be >= 1, got {self.max_completion_tokens}")
             max_tokens = self.max_completion_tokens
         stop = [self.stop] if isinstance(self.stop, str) else self.stop or []
         options = common_pb2.SamplingOptions(stop=stop, stop_token_ids=self.stop_token_ids, ignore_eos=self.ignore_eos)
@@ -189,10 +197,16 @@ _API_FIELDS = {"messages.messages": "messages", "token_ids.ids": "prompt", "samp
 
 
 def api_field(message: str) -> tuple[str, str | None]:
-    """A Router INVALID_ARGUMENT message with its leading field path renamed; and that field."""
-    path, sep, rest = message.partition(": ")
+    """A Router INVALID_ARGUMENT message with the field path of each of its problems ("; " apart)
+    renamed; and the first problem's field (None: it names none)."""
+    parts = [_renamed(part) for part in message.split("; ")]
+    return "; ".join(text for text, _ in parts), parts[0][1]
+
+
+def _renamed(problem: str) -> tuple[str, str | None]:
+    path, sep, rest = problem.partition(": ")
     if not sep or " " in path:
-        return message, None
+        return problem, None
     for ours, theirs in _API_FIELDS.items():
         if path.startswith(ours):
             path = theirs + path[len(ours):]

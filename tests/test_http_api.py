@@ -130,52 +130,6 @@ def test_unknown_paths_and_methods_answer_in_openais_error_shape(cluster):
         assert response.status_code == status and path in response.json()["error"]["message"], response.text
 
 
-def test_omitted_fields_take_openais_defaults_and_nulls_are_omissions():
-    """temperature 1, and a chat answer as long as the context allows, a text completion 16 tokens
-    (the gRPC API's defaults are greedy and 256 tokens); null n or stream mean their defaults."""
-    from router.openai_schema import UNTIL_CONTEXT_LIMIT, ChatCompletionRequest, CompletionRequest
-
-    chat = ChatCompletionRequest(messages=QUESTION, n=None, stream=None).generate_request("r")
-    text = CompletionRequest(prompt="Hello").generate_request("r")
-    assert (chat.sampling.temperature, chat.sampling.max_tokens) == (1.0, UNTIL_CONTEXT_LIMIT)
-    assert (text.sampling.temperature, text.sampling.max_tokens) == (1.0, 16)
-    chosen = ChatCompletionRequest(messages=QUESTION, temperature=0, max_tokens=9, max_completion_tokens=5)
-    assert (chosen.generate_request("r").sampling.temperature, chosen.generate_request("r").sampling.max_tokens) == (0, 5)
-
-
-def test_values_that_mean_off_pass_and_fields_that_would_change_the_answer_are_refused():
-    """A float 0.0 penalty, min_p 0.0 and repetition_penalty 1.0 are "off" as their integer forms
-    are (they were refused); vLLM's top_k -1 is no top-k; max_completion_tokens holds for a text
-    completion as for a chat. vLLM's guided decoding, structured outputs, stop strings kept in the
-    output, chat template arguments and options, special tokens kept in the text and banned words
-    would change the answer: refused by name, not dropped."""
-    from router.openai_schema import ChatCompletionRequest, CompletionRequest, OpenAIError
-
-    off = {"presence_penalty": 0.0, "frequency_penalty": 0.0, "min_p": 0.0, "repetition_penalty": 1.0,
-           "include_stop_str_in_output": False, "top_k": -1, "add_generation_prompt": True,
-           "continue_final_message": False, "skip_special_tokens": True}
-    assert ChatCompletionRequest(messages=QUESTION, **off).generate_request("r").sampling.top_k == 0
-    assert CompletionRequest(prompt="Hi", max_completion_tokens=40).generate_request("r").sampling.max_tokens == 40
-    for field, value in [("guided_choice", ["yes", "no"]), ("guided_json", {"type": "object"}),
-                         ("guided_regex", "[0-9]+"), ("structured_outputs", {"choice": ["a"]}),
-                         ("include_stop_str_in_output", True), ("chat_template_kwargs", {"enable_thinking": False}),
-                         ("continue_final_message", True), ("add_generation_prompt", False),
-                         ("skip_special_tokens", False), ("bad_words", ["no"]), ("chat_template", "{{ x }}")]:
-        with pytest.raises(OpenAIError) as e:
-            ChatCompletionRequest(messages=QUESTION, **{field: value}).generate_request("r")
-        assert (e.value.status, e.value.param) == (400, field)
-
-
-def test_the_published_schema_takes_the_seeds_the_engine_takes():
-    """Below 2**63 (the engine's generators): the API's schema said up to 2**64 - 1, and larger
-    seeds were refused only after the request reached the router."""
-    from router.openai_schema import ChatCompletionRequest
-
-    (seed,) = [t for t in ChatCompletionRequest.model_json_schema()["properties"]["seed"]["anyOf"] if "type" in t
-               and t["type"] == "integer"]
-    assert (seed["minimum"], seed["exclusiveMaximum"]) == (0, 2**63)
-
-
 @pytest.mark.parametrize("fields, param", [
     ({"temperature": 3}, "temperature"),
     ({"n": 2}, "n"),
@@ -195,6 +149,13 @@ def test_the_published_schema_takes_the_seeds_the_engine_takes():
     ({"messages": [{"role": "user", "content": "cut \ud83d"}]}, "messages"),  # half an emoji: no UTF-8 has it
     ({"messages": [{"role": "user", "content": [{"type": "text", "text": "\udc00"}]}]}, "messages"),
     ({"stop": "\ud800"}, "stop"),
+    # JSON's own types only (lax parsing took true for 1, "0.7" for 0.7 and "yes" for true)
+    ({"max_tokens": True}, "max_tokens"), ({"temperature": "0.7"}, "temperature"), ({"stream": "yes"}, "stream"),
+    # fields that would change the answer, refused, not dropped
+    ({"modalities": ["text", "audio"]}, "modalities"), ({"reasoning_effort": "high"}, "reasoning_effort"),
+    ({"stream": True, "stream_options": {"continuous_usage_stats": True}}, "stream_options"),
+    ({"max_tokens": -5, "max_completion_tokens": 10}, "max_tokens"),  # overridden, still checked
+    ({"messages": [{"role": "user", "content": [{"type": "image_url", "image_url": {"url": "x"}}]}]}, "messages"),
 ])
 def test_bad_fields_are_400_naming_the_field(cluster, fields, param):
     body = {"model": MODEL, "messages": QUESTION, **fields}
@@ -204,6 +165,22 @@ def test_bad_fields_are_400_naming_the_field(cluster, fields, param):
     assert response.status_code == 400, response.text
     error = response.json()["error"]
     assert error["type"] == "invalid_request_error" and error["param"] == param and param in error["message"]
+
+
+def test_a_malformed_body_is_told_what_is_wrong_with_it(cluster):
+    """The failure named is the one in the type the client sent (a part that is not text, not
+    "should be a string"), and a JSON body sent without its Content-Type is told to send it."""
+    def error(body: str, **headers) -> str:
+        response = httpx.post(f"{cluster.http_url}/chat/completions", content=body, timeout=60, headers=headers)
+        assert response.status_code == 400, response.text
+        return response.json()["error"]["message"]
+
+    image = {"model": MODEL, "messages": [{"role": "user", "content": [{"type": "image_url", "image_url": {}}]}]}
+    assert "got 'image_url' (at messages.0.content.0.type)" in error(json.dumps(image), **{"content-type": "application/json"})
+    stop = {"model": MODEL, "messages": QUESTION, "stop": ["a", 1]}
+    assert "valid string, got 1 (at stop.1)" in error(json.dumps(stop), **{"content-type": "application/json"})
+    form = error(json.dumps({"model": MODEL, "messages": QUESTION}), **{"content-type": "application/x-www-form-urlencoded"})
+    assert "Content-Type: application/json" in form and "x-www-form-urlencoded" in form
 
 
 def test_raw_sse_framing(cluster):
