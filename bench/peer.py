@@ -259,7 +259,8 @@ def main() -> None:
           "pdspec's batch 1 in the same passes")
     for name, paired in result["speedup_vs_llama_cpp_paired"].items():
         low, high = paired["ci95"]
-        print(f"{name} against llama.cpp, prompt by prompt: {paired['geomean']:.2f}x (95 % interval {low:.2f}-{high:.2f}x)")
+        print(f"{name} against llama.cpp, prompt by prompt: {paired['geomean']:.2f}x (95 % interval over this run's "
+              f"prompts {low:.2f}-{high:.2f}x; runs on this host drift more than that)")
 
 
 def _cpu_name() -> str:

@@ -28,7 +28,7 @@ from tqdm import tqdm
 from engine.config import EAGLE3_DEFAULTS, EngineConfig
 from engine.engine import Engine
 from engine.params import SamplingParams
-from tools.evaluate import run_batch
+from tools.evaluate import run_batch, warm_up
 from tools.prompts import read_prompts
 from engine.stats import AcceptanceStats
 
@@ -78,6 +78,7 @@ def main() -> None:
     tokens = {name: 0 for name in engines}
     acceptance = {name: AcceptanceStats() for name in engines}
     lossless = True
+    warm_up(list(engines.values()), prompts[0])
     batches = range(0, len(prompts), args.batch_size)
     for turn, start in enumerate(tqdm(batches, desc="bench spec_turns", unit="batch")):
         batch = prompts[start : start + args.batch_size]

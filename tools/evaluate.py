@@ -3,7 +3,8 @@ one in the same process, alternating prompt by prompt so drift in machine speed 
 
 Reports tau (mean tokens emitted per target forward), tokens/s of each, their ratio (speedup)
 with a 95 % bootstrap interval over the prompt batches (how much the speedup depends on which
-prompts ran and on the machine's drift while they ran), per-position acceptance, whether every
+prompts ran and on the machine's drift while they ran; not the drift between runs, which on the
+shared VMs here moves a speedup by more than that: compare runs, not intervals), per-position acceptance, whether every
 greedy output is token-identical (lossless), and for the steps that drafted: where their time
 went (draft, verification, bookkeeping) and the target rows verified per emitted token.
 """
@@ -17,6 +18,16 @@ from tqdm import tqdm
 from engine.engine import Engine
 from engine.params import SamplingParams
 from engine.stats import AcceptanceStats
+
+
+def warm_up(engines: list[Engine], prompt: list[int]) -> None:
+    """A short untimed run on each engine: first-use costs (kernel builds, thread pools, first
+    allocations) fall on no timed batch, and on neither side of a comparison; the counters
+    reported are the timed batches' alone."""
+    for engine in engines:
+        run_batch(engine, [prompt], SamplingParams(max_tokens=8))
+        engine.counters.clear()
+        engine.drafting_seconds.clear()
 
 
 def run_batch(engine: Engine, prompts: list[list[int]], params: SamplingParams):
@@ -41,10 +52,7 @@ def evaluate(base: Engine, spec: Engine, prompts: list[list[int]], max_tokens: i
     params = SamplingParams(max_tokens=max_tokens, temperature=temperature, seed=0 if temperature else None)
     per_batch: list[tuple[int, float, int, float]] = []  # (base tokens, base s, spec tokens, spec s)
     merged, identical = AcceptanceStats(), True
-    for engine in (base, spec):  # untimed: first-use costs (kernel builds, thread pools) fall on neither side
-        run_batch(engine, prompts[:1], SamplingParams(max_tokens=8))
-        engine.counters.clear()  # the figures reported are the timed batches' alone
-        engine.drafting_seconds.clear()
+    warm_up([base, spec], prompts[0])
     batches = [(r, k, prompts[start : start + batch_size])
                for r in range(rounds) for k, start in enumerate(range(0, len(prompts), batch_size))]
     for r, k, batch in tqdm(batches, desc="bench spec", unit="batch"):

@@ -187,7 +187,9 @@ def _read_events(response: httpx.Response, record: RequestRecord, chunks: list[f
             record.drafted, record.accepted, record.steps = a["drafted"], a["accepted"], a["steps"]
 
 
-def summarize(records: list[RequestRecord], wall_s: float) -> dict:
+def summarize(records: list[RequestRecord], wall_s: float | None) -> dict:
+    """`wall_s`: the time the records were sent over (None: they are a selection, not a run, and
+    give no rates)."""
     ok = [r for r in records if not r.error and r.first is not None]
     ttft = [1000 * (r.first - r.sent) for r in ok]
     itl = [1000 * g for r in ok for g in r.token_gaps]
@@ -199,8 +201,8 @@ def summarize(records: list[RequestRecord], wall_s: float) -> dict:
         "second_token_ms_p50": _pct([1000 * (r.second - r.sent) for r in ok if r.second is not None], 50),
         "itl_ms_p50": _pct(itl, 50), "itl_ms_p99": _pct(itl, 99),
         "e2e_ms_p50": _pct([1000 * (r.done - r.sent) for r in ok], 50),
-        "output_tokens_per_s": round(sum(r.completion_tokens for r in ok) / wall_s, 2) if wall_s > 0 else 0.0,
-        "requests_per_s": round(len(ok) / wall_s, 3) if wall_s > 0 else 0.0,
+        "output_tokens_per_s": _rate(sum(r.completion_tokens for r in ok), wall_s, 2),
+        "requests_per_s": _rate(len(ok), wall_s, 3),
         "mean_prompt_tokens": round(statistics.fmean(r.prompt_tokens for r in ok), 1) if ok else 0.0,
         "prefill_tokens_computed": sum(r.prompt_tokens - r.cached_prompt_tokens for r in ok),
         "cached_prompt_tokens": sum(r.cached_prompt_tokens for r in ok),
@@ -209,6 +211,12 @@ def summarize(records: list[RequestRecord], wall_s: float) -> dict:
         "prefill_workers": _counts(r.prefill_worker for r in ok),
         "first_error": next((r.error for r in records if r.error), ""),
     }
+
+
+def _rate(count: int, wall_s: float | None, digits: int) -> float | None:
+    if wall_s is None:
+        return None
+    return round(count / wall_s, digits) if wall_s > 0 else 0.0
 
 
 def _pct(values: list[float], q: int) -> float | None:
