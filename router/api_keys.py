@@ -20,6 +20,9 @@ from proto.rpc import MetadataGate
 log = logging.getLogger(__name__)
 AUTHORIZATION_METADATA_KEY = "authorization"
 _RECHECK_S = 1.0  # how often the file's modification time is looked at
+# gRPC metadata carries printable ASCII, HTTP headers Latin-1 (read back as UTF-8 here): such a
+# key could be held and never sent.
+_UNSENDABLE = "a key must be printable ASCII (gRPC metadata and HTTP headers carry no other); not echoed"
 
 
 class ApiKeys:
@@ -29,7 +32,9 @@ class ApiKeys:
         self._checked = 0.0
         try:  # a bad file fails the router's start, naming the field
             self._stamp = self._stat()
-            self._keys = self._read()
+            self._keys, unsendable = self._read()
+            if unsendable:
+                raise ValueError(f"router.api_key_file: {path} line {unsendable[0]}: {_UNSENDABLE}")
         except OSError as e:
             raise ValueError(f"router.api_key_file: cannot read {path}: {e.strerror}") from None
         except UnicodeDecodeError as e:
@@ -69,7 +74,10 @@ class ApiKeys:
                 try:
                     stamp = self._stat()
                     if stamp != self._stamp:
-                        self._stamp, self._keys = stamp, self._read()
+                        self._keys, unsendable = self._read()
+                        self._stamp = stamp
+                        for line in unsendable:  # the other keys go on working
+                            log.error("router.api_key_file: %s line %d: %s; it is ignored", self._path, line, _UNSENDABLE)
                         log.log(logging.INFO if self._keys else logging.WARNING, "re-read %d API keys from %s%s",
                                 len(self._keys), self._path, "" if self._keys else ": every call is refused")
                 except (OSError, ValueError) as e:  # ValueError: not UTF-8 (a torn write, a Latin-1 comment)
@@ -83,7 +91,15 @@ class ApiKeys:
         st = self._path.stat()
         return st.st_mtime_ns, st.st_size
 
-    def _read(self) -> frozenset[str]:
-        lines = self._path.read_text().splitlines()
-        keys = [line.strip() for line in lines if line.strip() and not line.strip().startswith("#")]
-        return frozenset(hashlib.sha256(k.encode()).hexdigest() for k in keys)
+    def _read(self) -> tuple[frozenset[str], list[int]]:
+        """The keys' digests, and the numbers of the lines holding a key no client can send."""
+        keys, unsendable = [], []
+        for number, line in enumerate(self._path.read_text().splitlines(), start=1):
+            key = line.strip()
+            if not key or key.startswith("#"):
+                continue
+            if key.isascii() and key.isprintable():
+                keys.append(key)
+            else:
+                unsendable.append(number)
+        return frozenset(hashlib.sha256(k.encode()).hexdigest() for k in keys), unsendable

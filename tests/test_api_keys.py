@@ -165,6 +165,17 @@ def test_the_key_file_is_re_read_when_it_changes(tmp_path):
     assert keys.owner("Bearer new-key") is not None
 
 
+def test_a_key_no_client_can_send_added_later_is_ignored_and_said(tmp_path, caplog):
+    path = tmp_path / "keys"
+    path.write_text("old-key\n")
+    keys = ApiKeys(path)
+    path.write_text("old-key\nnew-key\ncl\u00e9\n")
+    wait_until(lambda: keys.owner("Bearer new-key") is not None, "the added key is not taken")
+    assert keys.owner("Bearer old-key") is not None
+    assert any("line 3: a key must be printable ASCII" in r.getMessage() and "cl\u00e9" not in r.getMessage()
+               for r in caplog.records)
+
+
 def test_without_a_cluster_token_list_workers_needs_an_api_key(key_file, model_dir):
     """ListWorkers names every worker's internal address: the cluster token guards it, and in a
     cluster without one the API keys do (it was open to anyone on the public port)."""
@@ -205,7 +216,9 @@ def test_an_emptied_or_removed_key_file_accepts_no_key(tmp_path):
 
 
 @pytest.mark.parametrize("content, error", [(None, "cannot read"), (b"# only a comment\n", "holds no key"),
-                                            (b"# caf\xe9\nkey\n", r"is not UTF-8 text \(byte 5\)")])
+                                            (b"# caf\xe9\nkey\n", r"is not UTF-8 text \(byte 5\)"),
+                                            # held, and never sendable (gRPC metadata and HTTP headers)
+                                            ("key\ncl\u00e9-secr\u00e8te\n".encode(), "line 2: a key must be printable ASCII")])
 def test_a_bad_key_file_is_refused_naming_the_field(tmp_path, content, error):
     path = tmp_path / "keys"
     if content is not None:
