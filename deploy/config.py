@@ -51,7 +51,8 @@ class RoleConfig(_Strict):
     replicas: int = Field(0, ge=0)
     resources: Resources = Field(default_factory=Resources)
     tensor_parallel_size: int = Field(1, ge=1, description="shard the target over this many devices")
-    num_threads: int | None = Field(None, ge=1, description="CPU threads per replica (default: split the cores)")
+    num_threads: int | None = Field(None, ge=1, description="CPU threads per process: each of a replica's "
+                                    "tensor_parallel_size ranks gets this many (default: split the cores)")
     kv_transfer: Literal["nixl", "grpc"] = Field("nixl", description="how decode workers pull KV from prefill workers")
     port: int = Field(0, ge=0, le=65535, description="internal gRPC port (0: any free port)")
     metrics_port: int = Field(0, ge=0, le=65535, description="Prometheus /metrics port (0: any free port)")

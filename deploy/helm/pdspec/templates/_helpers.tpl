@@ -245,13 +245,17 @@ without HTTP only by its port accepting connections (tcpSocket; see values.yaml)
 {{- else if and .root.Values.tls.existingSecret .metricsPort }}
 {{- $check = "httpGet: {path: /health, port: metrics}" }}{{ $ready = "httpGet: {path: /ready, port: metrics}" }}
 {{- else if .root.Values.tls.existingSecret }}{{ $check = printf "tcpSocket: {port: %v}" $port }}{{ $ready = $check }}{{ end -}}
+{{- /* 5 s to answer, not the kubelet's 1: a Python server busy with a burst answers its health
+       check late, and two late readiness answers took a healthy router out of its Service. */}}
 startupProbe:
   {{ $check }}
   periodSeconds: {{ .root.Values.startupProbe.periodSeconds }}
+  timeoutSeconds: 5
   failureThreshold: {{ .root.Values.startupProbe.failureThreshold }}
 readinessProbe:
   {{ $ready }}
   periodSeconds: 5
+  timeoutSeconds: 5
   failureThreshold: 2
 livenessProbe:
   {{ $check }}
