@@ -2,6 +2,7 @@
 
 import argparse
 import json
+import math
 import os
 import signal
 import sys
@@ -119,9 +120,11 @@ def _bench_serve(args: argparse.Namespace) -> int:
     from tools.prompts import read_prompts
 
     for name, least in (("num_requests", 1), ("max_tokens", 1), ("rate", 0), ("num_prefixes", 0)):
-        if getattr(args, name) < least:
-            raise ValueError(f"--{name.replace('_', '-')}: must be at least {least}, got {getattr(args, name)}")
-    workload = make_workload(read_prompts(Path(args.prompts)), args.num_requests, args.num_prefixes, args.prefix_tokens)
+        if not getattr(args, name) >= least or not math.isfinite(getattr(args, name)):  # nan: a burst before
+            raise ValueError(f"--{name.replace('_', '-')}: must be a finite number of at least {least}, got "
+                             f"{getattr(args, name)}")
+    workload = make_workload(read_prompts(Path(args.prompts)), args.num_requests, args.num_prefixes,
+                             args.prefix_tokens, args.seed)
     target = args.http or args.router
     summary = summarize(*run_load(target, workload, args.rate, args.max_tokens, args.seed,
                                   api_key=_api_key(args)))
@@ -129,6 +132,8 @@ def _bench_serve(args: argparse.Namespace) -> int:
         print(json.dumps(summary))
     else:
         print_table({target: summary}, list(summary))
+    if summary["errors"] == summary["requests"]:  # a run that measured nothing does not end as a success
+        raise RuntimeError(f"every request failed; the first: {summary['first_error']}")
     return 0
 
 

@@ -3,11 +3,16 @@
 import json
 import os
 import re
+import signal
+import socket
 import subprocess
 import sys
+import threading
 from pathlib import Path
 
 import pytest
+
+from tests.waiting import wait_until
 
 
 def _pdspec(*args: str) -> subprocess.CompletedProcess:
@@ -130,3 +135,51 @@ def test_stop_without_a_ray_cluster_is_a_clear_error(tmp_path):
                             timeout=120, env=env)
     assert result.returncode == 2 and "Traceback" not in result.stderr, result.stderr
     assert "pdspec: error: cannot connect to the Ray cluster (--address auto)" in result.stderr
+
+
+def _bench_serve(tmp_path, *flags: str, **popen) -> subprocess.Popen:
+    (tmp_path / "prompts.jsonl").write_text('{"prompt": "Hi"}\n')
+    return subprocess.Popen([sys.executable, "-m", "deploy.cli", "bench", "serve", "--prompts",
+                             str(tmp_path / "prompts.jsonl"), *flags], stdout=subprocess.PIPE, stderr=subprocess.PIPE,
+                            text=True, **popen)
+
+
+def test_bench_serve_that_measured_nothing_fails_and_a_nan_rate_is_refused(tmp_path):
+    """Every request failing ended with status 0; --rate nan sent every request at once."""
+    run = _bench_serve(tmp_path, "--router", "127.0.0.1:1", "--num-requests", "2", "--rate", "0", "--json")
+    out, err = run.communicate(timeout=120)
+    assert run.returncode == 2 and json.loads(out)["errors"] == 2, err
+    assert "pdspec: error: every request failed; the first: UNAVAILABLE" in err
+    run = _bench_serve(tmp_path, "--router", "127.0.0.1:1", "--rate", "nan")
+    _, err = run.communicate(timeout=120)
+    assert run.returncode == 2 and "--rate: must be a finite number" in err, err
+
+
+def test_an_interrupted_bench_serve_exits_without_waiting_out_its_requests(tmp_path):
+    """Ctrl-C joined every request in flight (each with a 600 s timeout): it hung, a second
+    Ctrl-C too. Against a server that accepts and never answers."""
+    accepted = []
+
+    def accept(server: socket.socket) -> None:
+        while True:
+            try:
+                accepted.append(server.accept()[0])  # held open: the request waits on it
+            except OSError:  # closed: the test is over
+                return
+
+    with socket.socket() as silent:
+        silent.bind(("127.0.0.1", 0))
+        silent.listen(64)
+        threading.Thread(target=accept, args=(silent,), daemon=True).start()
+        url = f"http://127.0.0.1:{silent.getsockname()[1]}/v1"
+        run = _bench_serve(tmp_path, "--http", url, "--num-requests", "3", "--rate", "100",
+                           preexec_fn=lambda: signal.signal(signal.SIGINT, signal.SIG_DFL))
+        try:
+            wait_until(lambda: accepted, "no request reached the server", 60)
+            run.send_signal(signal.SIGINT)
+            assert run.wait(timeout=60) == 130
+        finally:
+            run.kill()
+            run.communicate()
+            for connection in accepted:
+                connection.close()

@@ -18,12 +18,12 @@ prompts (documents of about `prefix_tokens` tokens), each request carrying one d
 with round-robin's and hand that policy perfect cache affinity for free.
 """
 
-import concurrent.futures
 import contextlib
 import functools
 import json
 import random
 import statistics
+import threading
 import time
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass, field
@@ -95,14 +95,26 @@ def run_load(target: str, workload: list[list[common_pb2.ChatMessage]], rate: fl
         if rate <= 0:
             records = [send(messages) for messages in workload]
         else:
-            # A thread per request: an arrival never waits for an earlier request to finish.
-            with concurrent.futures.ThreadPoolExecutor(max_workers=len(workload)) as pool:
-                futures = []
-                for messages, at in zip(workload, arrival_times(len(workload), rate, seed)):
-                    time.sleep(max(0.0, start + at - time.perf_counter()))
-                    futures.append(pool.submit(send, messages))
-                records = [f.result() for f in futures]
+            # A thread per request: an arrival never waits for an earlier request to finish. Daemon
+            # threads: an interrupted run exits without waiting out the requests in flight.
+            records: list = [None] * len(workload)
+            threads = []
+            for i, (messages, at) in enumerate(zip(workload, arrival_times(len(workload), rate, seed))):
+                time.sleep(max(0.0, start + at - time.perf_counter()))
+                threads.append(threading.Thread(target=_record_into, args=(records, i, send, messages), daemon=True))
+                threads[-1].start()
+            for thread in threads:
+                thread.join()
     return records, max((r.done or r.sent) for r in records) - start
+
+
+def _record_into(records: list, i: int, send: Sender, messages: list[common_pb2.ChatMessage]) -> None:
+    """records[i] = send(messages); a failure outside the request's own errors is its record's too."""
+    sent = time.perf_counter()
+    try:
+        records[i] = send(messages)
+    except Exception as e:  # a malformed answer, say: counted as an error, not a lost record
+        records[i] = RequestRecord(sent=sent, done=time.perf_counter(), error=f"{type(e).__name__}: {e}")
 
 
 @contextlib.contextmanager
