@@ -367,8 +367,8 @@ def main(argv: list[str] | None = None) -> int:
         _catch_signals()
     try:
         return args.func(args)
-    except KeyboardInterrupt:  # a server's signal during start-up: what had started was stopped on the way out;
-        return 0 if server else 130  # other work was cut short (a recipe must not go on as if it ended)
+    except KeyboardInterrupt:  # cut short (a server's start-up or `serve --once`: what had started was stopped on
+        return 130  # the way out): a recipe must not go on as if it ended; a running server's signal returns 0
     except (ValueError, RuntimeError, FileNotFoundError, TimeoutError) as e:  # (a start-up that timed out too)
         print(f"pdspec: error: {e}", file=sys.stderr)
         return 2

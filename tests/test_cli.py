@@ -95,6 +95,23 @@ def test_a_cluster_that_does_not_start_in_time_is_a_clear_error(tmp_path):
     assert result.stderr.startswith("pdspec: error: ") and "Traceback" not in result.stderr, result.stderr
 
 
+def test_a_serve_stopped_before_it_answered_does_not_end_as_a_success(tmp_path):
+    """SIGTERM during start-up (or --once) ended with status 0, as if the answer had been given:
+    `pdspec serve --once X && next` went on."""
+    config = tmp_path / "cluster.yaml"
+    config.write_text("router: {host: 127.0.0.1, port: 0, http_port: null}\nengine: {num_kv_blocks: 64}\n")
+    run = subprocess.Popen([sys.executable, "-m", "deploy.cli", "serve", "--config", str(config), "--launcher",
+                            "local", "--once", "Hi"], stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    try:
+        children = Path(f"/proc/{run.pid}/task/{run.pid}/children")
+        wait_until(lambda: children.read_text().split(), "the launcher started no process", 120)  # start-up under way
+        run.send_signal(signal.SIGTERM)
+        assert run.wait(timeout=120) == 130
+    finally:
+        run.kill()
+        run.communicate()
+
+
 @pytest.mark.parametrize("flags, message", [
     (["--log-level", "LOUD", "check-config", "--config", "c.yaml"], "--log-level: invalid choice: 'LOUD'"),
     (["serve", "--config", "c.yaml", "--start-timeout", "-1"], "--start-timeout: expected seconds above 0, got '-1'"),
