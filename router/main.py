@@ -73,6 +73,7 @@ def run_router(rc: RouterConfig, token: str | None, model_dir: Path, model_name:
     router = RouterServicer(registry, Tokenizer.from_dir(model_dir), rc, token, metrics, admission, api_keys,
                             tls=tls)
     with contextlib.ExitStack() as undo:  # a part that cannot start stops the parts started before it
+        undo.callback(router.close)  # its watchdog thread
         # The HTTP port binds first: the gRPC health check passes only once every port is held, so a
         # launcher never takes a router for healthy that is about to exit over a taken port.
         http, http_port = None, None

@@ -286,9 +286,13 @@ def test_the_http_api_follows_readiness_and_answers_errors_in_openai_shape(model
 
 
 def test_a_taken_http_port_fails_the_start_loudly(model_dir):
+    """...and leaves no thread behind (the watchdog's outlived a failed start)."""
+    before = set(threading.enumerate())
     with socket.socket() as taken:
         taken.bind(("127.0.0.1", 0))
         taken.listen()
         rc = RouterConfig(http_port=taken.getsockname()[1])
         with pytest.raises(RuntimeError, match="router.http_port: cannot listen on 127.0.0.1"):
             run_router(rc, TOKEN, model_dir, "smollm2", port=0, internal_port=0)
+    wait_until(lambda: not [t for t in threading.enumerate() if t not in before and t.name == "router-watchdog"],
+               "the failed router's watchdog thread is still running", 10)
