@@ -81,8 +81,10 @@ class LocalContext:
         return self._code
 
     def cancel(self) -> None:
-        """As grpc's: end the call now (the router's watchdog, on a call past its deadline)."""
-        self.end(grpc.StatusCode.CANCELLED)
+        """As grpc's: end the call now. Only the router's watchdog cancels a context, on a call past
+        the router's deadline: it ends timed out (a gRPC client sees CANCELLED; an HTTP one got the
+        stream's quiet end, a 502)."""
+        self.end(grpc.StatusCode.DEADLINE_EXCEEDED)
 
     def end(self, code: grpc.StatusCode | None = None) -> None:
         """The call is over (`code`: how, when the caller or the deadline ended it)."""
@@ -148,7 +150,8 @@ class LocalCall:
                 self._to_loop(self._queue.put_nowait, message)
             # A stream that stops at the deadline ends as a gRPC call's would, in DEADLINE_EXCEEDED,
             # even when the servicer saw the time run out before the caller's timer fired.
-            self._to_loop(self._queue.put_nowait, _timed_out() if self._context.expired() else _END)
+            ended_late = self._context.expired() or self._context.code() == grpc.StatusCode.DEADLINE_EXCEEDED
+            self._to_loop(self._queue.put_nowait, _timed_out() if ended_late else _END)
         except LocalAbort as e:
             self._to_loop(self._queue.put_nowait, e)
         except Exception as e:  # a bug in the servicer: INTERNAL, as the gRPC server would answer

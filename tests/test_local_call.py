@@ -90,3 +90,23 @@ def test_a_stream_that_stops_at_its_deadline_ends_in_deadline_exceeded():
     with pytest.raises(LocalAbort) as e:
         _run(read_late())
     assert e.value.code() == grpc.StatusCode.DEADLINE_EXCEEDED
+
+
+def test_a_call_the_routers_watchdog_cancels_ends_timed_out():
+    """Past the router's own deadline its watchdog cancels the context: the stream ended quietly
+    (the servicer's abort message dropped), and the HTTP client got a 502 for a timeout."""
+    def generate(request, context):
+        yield router_pb2.GenerateResponse(text="first")
+        while context.is_active():
+            threading.Event().wait(0.01)
+        yield router_pb2.GenerateResponse(finish_reason="abort")  # as _relay's after its stream was cancelled
+
+    async def drive():
+        call = LocalCall(generate, router_pb2.GenerateRequest())
+        await call.read()
+        call._context.cancel()  # what the watchdog calls
+        with pytest.raises(LocalAbort) as e:
+            await call.read()
+        return e.value.code()
+
+    assert _run(drive()) == grpc.StatusCode.DEADLINE_EXCEEDED
