@@ -10,7 +10,7 @@ import time
 from pathlib import Path
 from typing import TYPE_CHECKING
 
-from engine.config import EngineConfig, SpeculativeConfig
+from engine.config import EAGLE3_DEFAULTS, EngineConfig, SpeculativeConfig
 from deploy.flags import add_field_flags, field_values, flags_for, seconds
 from deploy.logs import LOG_LEVELS, configure_logging
 from deploy.supervisor import die_with_parent
@@ -27,9 +27,14 @@ _ENGINE_FLAGS = {"model": "--model", "dtype": "--dtype", "max_model_len": "--max
 _SPECULATIVE_FLAGS = flags_for(SpeculativeConfig, renamed={"method": "--speculative", "model": "--draft"})
 
 
-def _add_engine_args(p: argparse.ArgumentParser) -> None:
+def _add_engine_args(p: argparse.ArgumentParser, method: str | None = None) -> None:
+    """`method`: the command's own default for --speculative (bench spec's is eagle3)."""
     add_field_flags(p, EngineConfig, _ENGINE_FLAGS)
-    add_field_flags(p, SpeculativeConfig, _SPECULATIVE_FLAGS)
+    # With eagle3 the device picks these (EAGLE3_DEFAULTS); the schema's value holds otherwise.
+    defaults = {name: f"with eagle3 {value} on cpu, {EAGLE3_DEFAULTS['cuda'][name]} on cuda; else "
+                      f"{SpeculativeConfig.model_fields[name].default}"
+                for name, value in EAGLE3_DEFAULTS["cpu"].items()}
+    add_field_flags(p, SpeculativeConfig, _SPECULATIVE_FLAGS, defaults | ({"method": method} if method else {}))
 
 
 def _engine_config(args: argparse.Namespace, **overrides) -> EngineConfig:
@@ -147,7 +152,7 @@ def _add_bench(sub: argparse._SubParsersAction) -> None:
     p.add_argument("--rounds", type=int, default=1, help="passes over the prompts (more batches for the interval)")
     p.add_argument("--temperature", type=float, default=0.0)
     p.add_argument("--json", action="store_true")
-    _add_engine_args(p)
+    _add_engine_args(p, method="eagle3; none is refused: there is nothing to compare")
     p.set_defaults(func=_bench_spec, speculative="eagle3")
     p = bench.add_parser("serve", help="Poisson load against a running router: TTFT, inter-token latency, throughput")
     target = p.add_mutually_exclusive_group(required=True)

@@ -9,14 +9,16 @@ import typing
 from pydantic import BaseModel
 
 
-def add_field_flags(parser: argparse.ArgumentParser, model: type[BaseModel], flags: dict[str, str]) -> None:
+def add_field_flags(parser: argparse.ArgumentParser, model: type[BaseModel], flags: dict[str, str],
+                    defaults: dict[str, str] | None = None) -> None:
     """One flag per field: `flags` maps a field name to its flag ('method' -> '--speculative');
     the value lands in the namespace under the flag's own name (see `field_values`), and only when
-    given: a field left out takes the schema's default, which may depend on other fields."""
+    given: a field left out takes the schema's default, which may depend on other fields
+    (`defaults`: what the help says of those, by field name)."""
     for name, flag in flags.items():
         field = model.model_fields[name]
         kind, choices = _kind(field.annotation)
-        help_text = f"{field.description or name} (default: {field.default})"
+        help_text = f"{field.description or name} (default: {(defaults or {}).get(name, field.default)})"
         if kind is bool:
             parser.add_argument(flag, action=argparse.BooleanOptionalAction, default=argparse.SUPPRESS, help=help_text)
         else:

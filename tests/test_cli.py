@@ -200,3 +200,11 @@ def test_an_interrupted_bench_serve_exits_without_waiting_out_its_requests(tmp_p
             run.communicate()
             for connection in accepted:
                 connection.close()
+
+
+def test_the_help_gives_the_defaults_a_command_runs_with():
+    """bench spec runs eagle3 (its help said none, which it refuses); with eagle3 the device picks
+    K, top-k, the threshold and the batch limit (the help gave the schema's plain values)."""
+    help_text = " ".join(_pdspec("bench", "spec", "--help").stdout.split())
+    assert "(default: eagle3; none is refused" in help_text
+    assert "(default: with eagle3 4 on cpu, 1 on cuda; else 1)" in help_text  # --draft-top-k
