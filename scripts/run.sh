@@ -4,8 +4,8 @@
 set -euo pipefail
 root=$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)
 bash "$root/scripts/bootstrap.sh"
-cd "$root"
+# From the caller's directory: paths given as arguments are the caller's.
 if [[ $# -eq 0 ]]; then
-    set -- serve --config deploy/configs/local.yaml --once "What is the capital of France? Answer in one sentence."
+    set -- serve --config "$root/deploy/configs/local.yaml" --once "What is the capital of France? Answer in one sentence."
 fi
 exec "$root/.venv/bin/pdspec" "$@"

@@ -208,3 +208,12 @@ def test_the_help_gives_the_defaults_a_command_runs_with():
     help_text = " ".join(_pdspec("bench", "spec", "--help").stdout.split())
     assert "(default: eagle3; none is refused" in help_text
     assert "(default: with eagle3 4 on cpu, 1 on cuda; else 1)" in help_text  # --draft-top-k
+
+
+def test_run_sh_reads_paths_from_the_callers_directory(tmp_path):
+    """It ran every command from the repository, so a path given relative to where the user
+    stood was not found there."""
+    (tmp_path / "mine.yaml").write_text("{}\n")
+    result = subprocess.run(["bash", str(Path(__file__).parents[1] / "scripts" / "run.sh"), "check-config", "--config",
+                             "mine.yaml"], cwd=tmp_path, capture_output=True, text=True, timeout=600)
+    assert result.returncode == 0 and "mine.yaml: valid" in result.stdout, result.stderr
