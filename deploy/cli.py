@@ -10,6 +10,8 @@ import time
 from pathlib import Path
 from typing import TYPE_CHECKING
 
+from pydantic import ValidationError
+
 from engine.config import EAGLE3_DEFAULTS, EngineConfig, SpeculativeConfig
 from deploy.flags import add_field_flags, field_values, flags_for, seconds
 from deploy.logs import LOG_LEVELS, configure_logging
@@ -42,17 +44,28 @@ def _engine_config(args: argparse.Namespace, **overrides) -> EngineConfig:
                         **overrides)
 
 
+def _sampling(**flags) -> SamplingParams:
+    """The flags' sampling options, checked before any model loads; a bad one named as a flag."""
+    try:
+        return SamplingParams(**flags)
+    except ValidationError as e:
+        error = e.errors()[0]
+        raise ValueError(f"--{str(error['loc'][0]).replace('_', '-')}: {error['msg']}, got {error['input']!r}") from None
+
+
 def _generate(args: argparse.Namespace) -> int:
     import torch
 
     from engine.engine import Engine
 
+    if args.raw and args.system is not None:
+        raise ValueError("--system: a raw prompt has no chat template to put it in; leave out --raw or --system")
+    params = _sampling(max_tokens=args.max_tokens, temperature=args.temperature, top_k=args.top_k,
+                       top_p=args.top_p, seed=args.seed)
     engine = Engine(_engine_config(args))
     messages = ([{"role": "system", "content": args.system}] if args.system is not None else [])
     messages.append({"role": "user", "content": args.prompt})
     prompt_ids = engine.tokenizer.encode(args.prompt) if args.raw else engine.tokenizer.encode_chat(messages)
-    params = SamplingParams(max_tokens=args.max_tokens, temperature=args.temperature, top_k=args.top_k,
-                            top_p=args.top_p, seed=args.seed)
     text, token_ids, last = [], [], None
     start = time.perf_counter()
     with torch.inference_mode():  # held for the whole answer: each step would enter it again (engine/inference.py)
@@ -102,8 +115,10 @@ def _bench_spec(args: argparse.Namespace) -> int:
 
     if args.speculative == "none":
         raise ValueError("--speculative: choose eagle3 or ngram to compare against plain decoding")
-    if args.rounds < 1:
-        raise ValueError(f"--rounds: must be at least 1, got {args.rounds}")
+    for name in ("rounds", "batch_size", "max_prompts"):
+        if (value := getattr(args, name)) is not None and value < 1:
+            raise ValueError(f"--{name.replace('_', '-')}: must be at least 1, got {value}")
+    _sampling(max_tokens=args.max_tokens, temperature=args.temperature)  # before two engines load
     texts = read_prompts(Path(args.prompts))[: args.max_prompts]
     if not texts:
         raise ValueError(f"--prompts {args.prompts} with --max-prompts {args.max_prompts}: no prompts to run")

@@ -68,12 +68,22 @@ def test_bench_spec_usage_errors_are_clear(tmp_path):
     result = _pdspec("bench", "spec", "--prompts", str(prompts), "--speculative", "none")
     assert result.returncode == 2
     assert "--speculative" in result.stderr
-    result = _pdspec("bench", "spec", "--prompts", str(prompts), "--max-prompts", "0")
-    assert result.returncode == 2
-    assert "no prompts to run" in result.stderr
-    result = _pdspec("bench", "spec", "--prompts", str(prompts), "--rounds", "0")
-    assert result.returncode == 2
-    assert "--rounds: must be at least 1, got 0" in result.stderr
+    # Each named by its flag before any model loads (--max-prompts -1 dropped the last prompt; a
+    # bad --temperature or --batch-size failed after loading two engines, in the schema's words)
+    for flags, message in ((["--max-prompts", "0"], "--max-prompts: must be at least 1, got 0"),
+                           (["--max-prompts", "-1"], "--max-prompts: must be at least 1, got -1"),
+                           (["--rounds", "0"], "--rounds: must be at least 1, got 0"),
+                           (["--batch-size", "0"], "--batch-size: must be at least 1, got 0"),
+                           (["--temperature", "3"], "--temperature: Input should be less than or equal to 2, got 3.0")):
+        result = _pdspec("bench", "spec", "--prompts", str(prompts), *flags)
+        assert result.returncode == 2 and message in result.stderr, result.stderr
+
+
+def test_generate_checks_its_flags_before_loading_the_model():
+    for flags, message in ((["--max-tokens", "0"], "--max-tokens: Input should be greater than or equal to 1, got 0"),
+                           (["--raw", "--system", "Be brief."], "--system: a raw prompt has no chat template")):
+        result = _pdspec("generate", "--prompt", "Hi", *flags)
+        assert result.returncode == 2 and message in result.stderr, result.stderr
 
 
 def test_a_port_flag_is_checked_as_the_configs_own_port(tmp_path):
