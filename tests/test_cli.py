@@ -227,3 +227,16 @@ def test_run_sh_reads_paths_from_the_callers_directory(tmp_path):
     result = subprocess.run(["bash", str(Path(__file__).parents[1] / "scripts" / "run.sh"), "check-config", "--config",
                              "mine.yaml"], cwd=tmp_path, capture_output=True, text=True, timeout=600)
     assert result.returncode == 0 and "mine.yaml: valid" in result.stdout, result.stderr
+
+
+@pytest.mark.parametrize("flag, message", [
+    (["--snapshot-tokens", "inf"], "--snapshot-tokens: each must be a finite count of at least 1, got inf"),
+    (["--lr", "nan"], "--lr: must be a positive number, got nan"),
+    (["--ttt-steps", "0"], "--ttt-steps: must be a positive number, got 0"),
+])
+def test_train_eagle3_checks_its_flags_before_distilling(tmp_path, flag, message):
+    """They were read only by the training stage, after the distillation's hours (inf a traceback)."""
+    (tmp_path / "prompts.jsonl").write_text('{"prompt": "Hi"}\n')
+    result = _pdspec("train-eagle3", "--prompts", str(tmp_path / "prompts.jsonl"), "--out", str(tmp_path / "run"), *flag)
+    assert result.returncode == 2 and message in result.stderr, result.stderr
+    assert not (tmp_path / "run").exists()

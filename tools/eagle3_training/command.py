@@ -2,13 +2,29 @@
 them (deploy/cli.py adds it to the `pdspec` parser). Heavy imports wait until the command runs."""
 
 import argparse
+import math
 from pathlib import Path
+
+# Flags that must be a positive number (None: unset, the default's), checked before anything runs:
+# a bad training flag was found only after hours of distillation.
+_POSITIVE = ("max_prompts", "max_new_tokens", "batch_size", "draft_vocab", "draft_intermediate_size", "draft_layers",
+             "epochs", "ttt_steps", "lr", "max_hours")
+
+
+def _check_flags(args: argparse.Namespace) -> None:
+    for name in _POSITIVE:
+        value = getattr(args, name)
+        if value is not None and not (math.isfinite(value) and value > 0):
+            raise ValueError(f"--{name.replace('_', '-')}: must be a positive number, got {value}")
+    if bad := [t for t in args.snapshot_tokens if not (math.isfinite(t) and t >= 1)]:
+        raise ValueError(f"--snapshot-tokens: each must be a finite count of at least 1, got {bad[0]}")
 
 
 def _train_eagle3(args: argparse.Namespace) -> int:
     from tools.prompts import read_conversations
     from tools.eagle3_training.distill import distill
 
+    _check_flags(args)
     out = Path(args.out)
     prompts = read_conversations(Path(args.prompts))[: args.max_prompts]
     if args.stage in ("distill", "all"):
