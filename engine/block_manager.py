@@ -110,16 +110,14 @@ class BlockManager:
         )
         return num_hit
 
-    def reserve(self, seq_id: SeqId, num_slots: int, evict: bool = True) -> bool:
-        """Reserve `num_slots` more slots after the current ones. False, changing nothing, if the pool is short.
-        `evict=False` (draft slots, rolled back at once when rejected): from free blocks only, never
-        a cached prefix's, which a rollback would return unhashed (the prefix lost for a guess)."""
+    def reserve(self, seq_id: SeqId, num_slots: int) -> bool:
+        """Reserve `num_slots` more slots after the current ones. False, changing nothing, if the pool is short."""
         if num_slots < 0:
             raise ValueError(f"num_slots must be >= 0, got {num_slots}")
         seq = self._seq(seq_id)
         needed = len(seq.token_ids) + seq.num_reserved + num_slots
         num_new = _cdiv(needed, self.block_size) - len(seq.block_ids)
-        if num_new > (self.num_free_blocks if evict else len(self._free)):
+        if num_new > self.num_free_blocks:
             return False
         seq.block_ids += self._take_blocks(num_new)
         seq.num_reserved += num_slots

@@ -292,7 +292,7 @@ class Engine(Handoff):
             if len(p.token_ids) > s.num_lookahead + spare:
                 p = proposals[i] = p.first(s.num_lookahead + spare)
             extra = len(p.token_ids) - s.num_lookahead
-            if extra > 0 and not self.blocks.reserve(s.seq.seq_id, extra, evict=False):  # the chain the slots hold
+            if extra > 0 and not self.blocks.reserve(s.seq.seq_id, extra):  # the chain the slots hold
                 proposals[i] = p.chain().first(s.num_lookahead)
             elif extra > 0:
                 spare -= extra

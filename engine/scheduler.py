@@ -119,8 +119,7 @@ class Scheduler:
         if budget > 0:
             self._admit()
         # Draft slots once every decoding sequence has its token's: an older sequence's drafts
-        # never cost a younger one its place (speculation degrades, sequences are not preempted),
-        # nor a cached prefix its blocks (they come from free blocks only).
+        # never cost a younger one its place (speculation degrades, sequences are not preempted).
         # Their verification rows are the forward's too, so they come out of its token budget, but
         # not out of the chunks owed to prompts passed over last step: drafting every step at a
         # tight budget kept a prompt from its first chunk until some decoder finished.
@@ -202,7 +201,7 @@ class Scheduler:
     def _draft_slots(self, seq: Sequence, wanted: int) -> int:
         """`wanted` draft slots after the token's if the pool has them now, else none."""
         missing = 1 + wanted - self.blocks.num_reserved(seq.seq_id)
-        return wanted if wanted and (missing <= 0 or self.blocks.reserve(seq.seq_id, missing, evict=False)) else 0
+        return wanted if wanted and (missing <= 0 or self.blocks.reserve(seq.seq_id, missing)) else 0
 
     def _preempt(self, seq: Sequence) -> None:
         self.on_preempt(seq)

@@ -163,22 +163,3 @@ def test_a_waiting_prompt_takes_the_last_blocks_before_drafts_do():
     scheduled = {s.seq.seq_id: s for s in scheduler.schedule(lambda seq: 16 if seq is old else 0)}
     assert scheduled["new"].num_tokens == 16  # admitted and prefilled at once
     assert (scheduled["old"].num_tokens, scheduled["old"].num_lookahead) == (1, 0)
-
-
-def test_draft_slots_never_evict_a_cached_prefix():
-    """With no block free, drafts took a cached prefix's (a finished conversation's, its next turn
-    on the way), and a rejected draft returned it unhashed: the prefix lost for a guess."""
-    config = EngineConfig(num_kv_blocks=3, block_size=16)
-    blocks = BlockManager(config.num_kv_blocks, config.block_size)
-    scheduler = Scheduler(config, blocks, context_cost=None)
-    prefix = list(range(7000, 7032))
-    blocks.allocate("done", prefix)
-    blocks.commit("done", prefix)
-    blocks.free("done")  # two cached blocks, evictable; the third is free
-    old = _add(scheduler, "old", 15)
-    assert _step(scheduler) == {"old": 15}  # its prompt and first token fill the free block
-    blocks.commit("old", old.token_ids[:15])
-    scheduled = scheduler.schedule(lambda seq: 8)
-    assert [(s.seq.seq_id, s.num_tokens, s.num_lookahead) for s in scheduled] == [("old", 1, 0)]
-    assert blocks.get_num_cached_tokens(prefix + [0]) == 32
-

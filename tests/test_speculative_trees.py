@@ -129,7 +129,7 @@ def test_a_static_tree_past_its_reserved_slots_is_cut_to_them_when_no_slot_is_le
             proposing[0] = False
 
     monkeypatch.setattr(engine, "_propose", short_pool_propose)
-    monkeypatch.setattr(engine.blocks, "reserve", lambda seq_id, n, **how: not proposing[0] and reserve(seq_id, n, **how))
+    monkeypatch.setattr(engine.blocks, "reserve", lambda seq_id, n: not proposing[0] and reserve(seq_id, n))
     assert run_requests(engine, spec_prompts[:2], [SamplingParams(max_tokens=32)] * 2) == spec_plain_outputs[:2]
     assert engine.counters["accepted_tokens"] > 0 and engine.blocks.num_used_blocks == 0
 
