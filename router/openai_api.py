@@ -30,6 +30,7 @@ from router.http_guard import RequestGuard
 from router.local_call import LocalCall
 from router.openai_schema import (ChatCompletionRequest, CompletionRequest, OpenAIError, Shape, api_field, extension,
                                   invalid, usage)
+from router.validation import shown
 
 # The names pydantic puts in an error's location for the type of a union it tried (str, list[int], ...).
 _UNION_BRANCH = re.compile(r"str|int|float|bool|none|constrained-\w+|(list|dict|tuple|literal|function-\w+)\[.*\]")
@@ -60,17 +61,18 @@ def create_app(generate: Callable, model_name: str, registry: CollectorRegistry,
 
     @app.exception_handler(RequestValidationError)
     async def malformed(request: Request, e: RequestValidationError) -> JSONResponse:
-        # A field of several types (content: a string or parts) fails once per type: the deepest
-        # failure is in the type the client meant (an image part, not "should be a string").
-        error = max(e.errors(), key=lambda err: len(err["loc"]))
+        # A field of several types (content: a string or parts) fails once per type: the failure
+        # deepest in, then furthest along a list, is in the type the client meant (an image part,
+        # not "should be a string"; ["a", 5]'s 5, not its "a").
+        error = max(e.errors(), key=lambda err: (len(err["loc"]), [p for p in err["loc"] if isinstance(p, int)]))
         path = [str(p) for p in error["loc"] if p != "body" and not _UNION_BRANCH.fullmatch(str(p))]
         if error["type"] == "json_invalid":  # its location is a character offset, not a field
             return await openai_error(request, invalid("body", f"not valid JSON: {error['msg']} (at character "
                                                                f"{'.'.join(path)})"))
-        if error["loc"] == ("body",) and "json" not in request.headers.get("content-type", ""):
+        if error["loc"] == ("body",) and "json" not in request.headers.get("content-type", "").lower():
             return await openai_error(request, invalid("body", "send it as JSON with Content-Type: application/json "
                                                                f"(got {request.headers.get('content-type')!r})"))
-        got = f", got {error['input']!r}" if isinstance(error.get("input"), (str, int, float, bool)) else ""
+        got = f", got {shown(repr(error['input']))}" if isinstance(error.get("input"), (str, int, float, bool)) else ""
         return await openai_error(request, invalid(path[0] if path else "body",
                                                    f"{error['msg']}{got} (at {'.'.join(path)})"))
 

@@ -94,13 +94,13 @@ def _describe(err: dict) -> str:
     name = err["loc"][0]
     field = f"speculation.{name}" if name == "num_speculative_tokens" else f"sampling.{name}"
     bound = _BOUNDS.get(err["type"])
-    rule = f"must be {bound[1]} {_shown(err['ctx'][bound[0]])}" if bound else err["msg"]
-    return f"{field}: {rule}, got {_shown(err['input'])}"
+    rule = f"must be {bound[1]} {shown(err['ctx'][bound[0]])}" if bound else err["msg"]
+    return f"{field}: {rule}, got {shown(err['input'])}"
 
 
 SHOWN_INPUT = 80  # characters of a refused value repeated in the message (a stop list can be ~17 KB)
 
 
-def _shown(value: object) -> str:
+def shown(value: object) -> str:
     text = f"{value:g}" if isinstance(value, float) else str(value)
     return text if len(text) <= SHOWN_INPUT else f"{text[: SHOWN_INPUT - 3]}..."

@@ -179,6 +179,11 @@ def test_a_malformed_body_is_told_what_is_wrong_with_it(cluster):
     assert "got 'image_url' (at messages.0.content.0.type)" in error(json.dumps(image), **{"content-type": "application/json"})
     stop = {"model": MODEL, "messages": QUESTION, "stop": ["a", 1]}
     assert "valid string, got 1 (at stop.1)" in error(json.dumps(stop), **{"content-type": "application/json"})
+    prompt = {"model": MODEL, "prompt": ["a", 5]}  # the 5 is wrong, in a list of strings
+    response = httpx.post(f"{cluster.http_url}/completions", json=prompt, timeout=60)
+    assert "valid string, got 5 (at prompt.1)" in response.json()["error"]["message"], response.text
+    long = error(json.dumps({"model": MODEL, "messages": "x" * 400}), **{"content-type": "application/json"})
+    assert "x" * 70 in long and "x" * 100 not in long  # a refused value is shown cut, as the router shows it
     form = error(json.dumps({"model": MODEL, "messages": QUESTION}), **{"content-type": "application/x-www-form-urlencoded"})
     assert "Content-Type: application/json" in form and "x-www-form-urlencoded" in form
 

@@ -59,8 +59,9 @@ def test_each_problem_of_a_refusal_is_named_as_the_api_names_it():
         "temperature: must be <= 2, got 3; top_p: must be > 0, got 0", "temperature")  # top_p kept its path
 
 
-def test_token_id_prompts_are_not_walked_for_text_and_strings_still_are():
-    """Ids hold no text (walking a million of them paused every other stream ~0.5 s)."""
+def test_strings_beside_token_id_lists_are_still_checked_for_text():
+    """Lists of token ids are skipped (walking a million ids paused every other stream ~0.5 s);
+    strings beside them, and in lists, are not."""
     from router.openai_schema import _lone_surrogate
 
     found = _lone_surrogate({"prompt": [[1, 2], [3]], "stop": ["ok", "\udc00"]}, "")
