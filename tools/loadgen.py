@@ -93,7 +93,9 @@ def run_load(target: str, workload: list[list[common_pb2.ChatMessage]], rate: fl
     with _sender(target, max_tokens, timeout_s, len(workload), api_key) as send:
         start = time.perf_counter()
         if rate <= 0:
-            records = [send(messages) for messages in workload]
+            records = [None] * len(workload)
+            for i, messages in enumerate(workload):
+                _record_into(records, i, send, messages)
         else:
             # A thread per request: an arrival never waits for an earlier request to finish. Daemon
             # threads: an interrupted run exits without waiting out the requests in flight.
