@@ -30,7 +30,7 @@ from router.http_guard import RequestGuard
 from router.local_call import LocalCall
 from router.openai_schema import (ChatCompletionRequest, CompletionRequest, OpenAIError, Shape, api_field, extension,
                                   invalid, usage)
-from router.validation import shown
+from router.validation import CONTEXT_LIMIT, shown
 
 # The names pydantic puts in an error's location for the type of a union it tried (str, list[int], ...).
 _UNION_BRANCH = re.compile(r"str|int|float|bool|none|constrained-\w+|(list|dict|tuple|literal|function-\w+)\[.*\]")
@@ -161,7 +161,9 @@ async def _next(call) -> router_pb2.GenerateResponse:
         status, kind = _HTTP_STATUS.get(e.code(), (500, "internal_error"))
         text, param = api_field(e.details() or e.code().name) if status == 400 else (e.details(), None)
         retry_after = dict(e.trailing_metadata() or ()).get(rpc.RETRY_AFTER_METADATA_KEY)
-        raise OpenAIError(status, text, kind, param, {"Retry-After": retry_after} if retry_after else None) from None
+        code = "context_length_exceeded" if status == 400 and CONTEXT_LIMIT in text else None  # OpenAI's code
+        raise OpenAIError(status, text, kind, param, {"Retry-After": retry_after} if retry_after else None,
+                          code) from None
     if message is grpc.aio.EOF:
         raise OpenAIError(502, "the router's stream ended without a finish_reason", "internal_error")
     return message

@@ -24,13 +24,13 @@ class OpenAIError(Exception):
     """An error answer in OpenAI's shape: {"error": {"message", "type", "param", "code"}}."""
 
     def __init__(self, status: int, message: str, type_: str, param: str | None = None,
-                 headers: dict[str, str] | None = None) -> None:
+                 headers: dict[str, str] | None = None, code: str | None = None) -> None:
         super().__init__(message)
-        self.status, self.message, self.type, self.param = status, message, type_, param
+        self.status, self.message, self.type, self.param, self.code = status, message, type_, param, code
         self.headers = headers or {}
 
     def body(self) -> dict[str, Any]:
-        return {"error": {"message": self.message, "type": self.type, "param": self.param, "code": None}}
+        return {"error": {"message": self.message, "type": self.type, "param": self.param, "code": self.code}}
 
 
 def invalid(param: str, message: str) -> OpenAIError:

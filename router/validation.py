@@ -47,8 +47,8 @@ def validate(request: router_pb2.GenerateRequest, tokenizer: Tokenizer, max_mode
     if max_model_len is not None and len(prompt) >= max_model_len:
         raise InvalidRequest(
             f"{_INPUT_FIELD[request.WhichOneof('input')]}: the prompt has {len(prompt)} tokens; it must be "
-            f"shorter than the workers' max_model_len ({max_model_len}) to leave room for the answer (a worker "
-            "whose KV pool holds fewer tokens registers that instead)"
+            f"shorter than the workers' {CONTEXT_LIMIT}, max_model_len ({max_model_len}), to leave room for the "
+            "answer (a worker whose KV pool holds fewer tokens registers that instead)"
         )
     return ValidRequest(request.request_id or uuid.uuid4().hex, prompt, request.sampling, request.speculation)
 
@@ -98,6 +98,9 @@ def _describe(err: dict) -> str:
     return f"{field}: {rule}, got {shown(err['input'])}"
 
 
+# The words of a prompt-too-long refusal that OpenAI's clients look for (LiteLLM, LangChain): the
+# HTTP front marks such a refusal with OpenAI's code too.
+CONTEXT_LIMIT = "maximum context length"
 SHOWN_INPUT = 80  # characters of a refused value repeated in the message (a stop list can be ~17 KB)
 
 

@@ -103,6 +103,15 @@ def test_a_one_megabyte_prompt_is_refused_naming_the_limit(stub):
     assert "max_model_len (512)" in refused.value.details()
 
 
+def test_a_prompt_past_the_context_is_refused_over_http_as_openai_refuses_it(cluster):
+    """With OpenAI's code and words, which its clients (LiteLLM, LangChain) look for to tell a
+    prompt too long from other refusals (the code was always null)."""
+    response = httpx.post(f"{cluster.http_url}/completions", json={"prompt": "word " * 2000}, timeout=300)
+    error = response.json()["error"]
+    assert response.status_code == 400 and error["code"] == "context_length_exceeded", response.text
+    assert "maximum context length" in error["message"] and error["param"] == "prompt"
+
+
 def test_after_the_fuzz_the_server_is_up_and_holds_no_blocks(cluster, stub):
     answer = list(stub.Generate(router_pb2.GenerateRequest(prompt="Hello", sampling=common_pb2.SamplingOptions(
         max_tokens=4)), timeout=60))
