@@ -8,7 +8,6 @@ import signal
 import sys
 import time
 from pathlib import Path
-from typing import TYPE_CHECKING
 
 from pydantic import ValidationError
 
@@ -19,10 +18,6 @@ from deploy.supervisor import die_with_parent
 from engine.params import SamplingParams
 from serving.roles import WORKER_ROLES
 from tools.eagle3_training.command import add_train_eagle3
-
-if TYPE_CHECKING:  # gRPC is imported by the commands that talk to servers, not by every command
-    from proto.tls import Tls
-
 
 # The engine fields `generate` and `bench spec` expose, and every speculative field (two renamed).
 _ENGINE_FLAGS = {"model": "--model", "dtype": "--dtype", "max_model_len": "--max-model-len"}
@@ -214,6 +209,8 @@ def _serve(args: argparse.Namespace) -> int:
     from deploy.config import load_config
     from deploy.local import LocalCluster
 
+    if args.api_key is not None and args.once is None:
+        raise ValueError("--api-key: the key of the request --once sends; without --once serve sends none")
     config = _with_router_ports(load_config(Path(args.config)), args.port, args.http_port)
     port = config.router.port
     if args.launcher == "local":
@@ -232,7 +229,9 @@ def _serve(args: argparse.Namespace) -> int:
         http = f", OpenAI API at {cluster.http_url}" if cluster.http_url else ""
         print(f"pdspec: router ready at {cluster.router_address}{http}{logs}", flush=True)
         if args.once is not None:
-            _answer(cluster.router_address, args.once, cluster.tls, _api_key(args))
+            from deploy.client import answer
+
+            answer(cluster.router_address, args.once, cluster.tls, _api_key(args))
         elif args.launcher == "ray" and cluster.detached:
             cluster.disconnect()  # stop() below then has nothing left to end
             print("pdspec: deployed on the Ray cluster; `pdspec stop --address ADDR` ends it", flush=True)
@@ -269,24 +268,11 @@ def _api_key(args: argparse.Namespace) -> str | None:
     return args.api_key or os.environ.get("PDSPEC_API_KEY")
 
 
-def _answer(router_address: str, prompt: str, tls: "Tls | None", api_key: str | None) -> None:
-    import grpc
-
-    from deploy.client import print_chat
-
-    try:
-        last = print_chat(router_address, prompt, tls=tls, api_key=api_key)
-    except grpc.RpcError as e:  # the router's answer, not a crash: said as the CLI's other errors are
-        raise RuntimeError(f"the router at {router_address} answered {e.code().name}: {e.details()}") from None
-    print(f"pdspec: finish_reason={last.finish_reason} prompt_tokens={last.usage.prompt_tokens} "
-          f"completion_tokens={last.usage.completion_tokens} "
-          f"mean_acceptance_length={last.acceptance.mean_acceptance_length:.2f}", flush=True)
-
-
 def _chat(args: argparse.Namespace) -> int:
+    from deploy.client import answer
     from proto.tls import Tls
 
-    _answer(args.router, args.prompt, Tls.load(None, None, args.ca_file) if args.ca_file else None, _api_key(args))
+    answer(args.router, args.prompt, Tls.load(None, None, args.ca_file) if args.ca_file else None, _api_key(args))
     return 0
 
 

@@ -3,6 +3,8 @@
 import sys
 from collections.abc import Iterator
 
+import grpc
+
 from proto import rpc
 from proto.pdspec.v1 import common_pb2, router_pb2, router_pb2_grpc
 from proto.tls import Tls
@@ -21,11 +23,20 @@ def chat(router_address: str, prompt: str, max_tokens: int = 256, temperature: f
         yield from router_pb2_grpc.RouterStub(channel).Generate(request, timeout=timeout_s, metadata=metadata)
 
 
-def print_chat(router_address: str, prompt: str, **kwargs) -> router_pb2.GenerateResponse:
-    """Stream the answer to stdout; returns the last response (finish reason, usage, acceptance)."""
+def answer(router_address: str, prompt: str, tls: Tls | None, api_key: str | None) -> None:
+    """Stream the answer to stdout, then its finish reason, usage and acceptance (`pdspec chat`,
+    `serve --once`). The router's refusal, or a stream with no answer, is a RuntimeError the CLI
+    says as an error."""
     last = None
-    for last in chat(router_address, prompt, **kwargs):
-        sys.stdout.write(last.text)
-        sys.stdout.flush()
+    try:
+        for last in chat(router_address, prompt, tls=tls, api_key=api_key):
+            sys.stdout.write(last.text)
+            sys.stdout.flush()
+    except grpc.RpcError as e:
+        raise RuntimeError(f"the router at {router_address} answered {e.code().name}: {e.details()}") from None
     sys.stdout.write("\n")
-    return last
+    if last is None:
+        raise RuntimeError(f"the router at {router_address} ended the stream without an answer")
+    print(f"pdspec: finish_reason={last.finish_reason} prompt_tokens={last.usage.prompt_tokens} "
+          f"completion_tokens={last.usage.completion_tokens} "
+          f"mean_acceptance_length={last.acceptance.mean_acceptance_length:.2f}", flush=True)

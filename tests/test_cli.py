@@ -240,3 +240,9 @@ def test_train_eagle3_checks_its_flags_before_distilling(tmp_path, flag, message
     result = _pdspec("train-eagle3", "--prompts", str(tmp_path / "prompts.jsonl"), "--out", str(tmp_path / "run"), *flag)
     assert result.returncode == 2 and message in result.stderr, result.stderr
     assert not (tmp_path / "run").exists()
+
+
+def test_serve_refuses_an_api_key_it_would_not_send(tmp_path):
+    """--api-key is the key of the request --once sends; without --once it did nothing, silently."""
+    result = _pdspec("serve", "--config", str(tmp_path / "unread.yaml"), "--api-key", "k")
+    assert result.returncode == 2 and "--api-key: the key of the request --once sends" in result.stderr, result.stderr
