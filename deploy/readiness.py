@@ -34,8 +34,8 @@ def wait_for_workers(router_address: str, token: str | None, expected: Collectio
         check_alive()
         try:
             listed = set(list_workers(router_address, token, tls))
-        except grpc.RpcError as e:  # a router going down: the next round's check_alive says why
-            if e.code() != grpc.StatusCode.UNAVAILABLE:
+        except grpc.RpcError as e:  # a router going down (the next round's check_alive says why), or busy
+            if e.code() not in (grpc.StatusCode.UNAVAILABLE, grpc.StatusCode.DEADLINE_EXCEEDED):
                 raise
         if expected <= listed:
             return
