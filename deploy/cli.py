@@ -135,9 +135,8 @@ def _bench_serve(args: argparse.Namespace) -> int:
     from tools.prompts import read_prompts
 
     for name, least in (("num_requests", 1), ("max_tokens", 1), ("rate", 0), ("num_prefixes", 0)):
-        if not getattr(args, name) >= least or not math.isfinite(getattr(args, name)):  # nan: a burst before
-            raise ValueError(f"--{name.replace('_', '-')}: must be a finite number of at least {least}, got "
-                             f"{getattr(args, name)}")
+        if not (math.isfinite(value := getattr(args, name)) and value >= least):  # nan: a burst before
+            raise ValueError(f"--{name.replace('_', '-')}: must be a finite number of at least {least}, got {value}")
     workload = make_workload(read_prompts(Path(args.prompts)), args.num_requests, args.num_prefixes,
                              args.prefix_tokens, args.seed)
     target = args.http or args.router

@@ -4,9 +4,10 @@ one in the same process, alternating prompt by prompt so drift in machine speed 
 Reports tau (mean tokens emitted per target forward), tokens/s of each, their ratio (speedup)
 with a 95 % bootstrap interval over the prompt batches (how much the speedup depends on which
 prompts ran and on the machine's drift while they ran; not the drift between runs, which on the
-shared VMs here moves a speedup by more than that: compare runs, not intervals), per-position acceptance, whether every
-greedy output is token-identical (lossless), and for the steps that drafted: where their time
-went (draft, verification, bookkeeping) and the target rows verified per emitted token.
+shared VMs here moves a speedup by more than that: compare runs, not intervals), per-position
+acceptance, whether every greedy output is token-identical (lossless), and for the steps that
+drafted: where their time went (draft, verification, bookkeeping) and the target rows verified per
+emitted token.
 """
 
 import random

@@ -92,14 +92,13 @@ def run_load(target: str, workload: list[list[common_pb2.ChatMessage]], rate: fl
     and the wall time from first send to last token."""
     with _sender(target, max_tokens, timeout_s, len(workload), api_key) as send:
         start = time.perf_counter()
+        records: list = [None] * len(workload)
         if rate <= 0:
-            records = [None] * len(workload)
             for i, messages in enumerate(workload):
                 _record_into(records, i, send, messages)
         else:
             # A thread per request: an arrival never waits for an earlier request to finish. Daemon
             # threads: an interrupted run exits without waiting out the requests in flight.
-            records: list = [None] * len(workload)
             threads = []
             for i, (messages, at) in enumerate(zip(workload, arrival_times(len(workload), rate, seed))):
                 time.sleep(max(0.0, start + at - time.perf_counter()))
